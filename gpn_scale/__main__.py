@@ -1,0 +1,5 @@
+import sys
+
+from gpn_scale.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""`gpn-scale …`: a thin dispatcher. Each area registers its own sub-commands.
+
+Every sub-command lives beside the code it drives, in a `commands` module exposing
+`register(subparsers)`; those modules import torch and friends lazily so that
+`gpn-scale --help` stays fast. No library module imports this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gpn_scale.model.config import ConfigError
+
+# Order = order in `--help`.
+COMMAND_MODULES = (
+    "gpn_scale.model.commands",     # info, sample
+    "data_tools.commands",          # data …
+    "gpn_scale.train.commands",     # train, demo, eval
+    "gpn_scale.scaling.commands",   # sweep …, fit
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpn-scale",
+        description="Train GPN / GPN+M at scale: models, data, training, sweeps, scaling fits.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name == module_name:  # that area has no commands yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"gpn-scale: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

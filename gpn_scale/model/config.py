@@ -1,0 +1,157 @@
+"""The model's configuration: one validated dataclass, loadable from OmegaConf YAML.
+
+Every field is named after the spec's symbol (`../shared/spec/gpn-model.md`):
+V=vocab_size, d=d_state, e=d_emb, f=d_ffn, L=n_layers, H=n_heads, dk=d_key, dv=d_value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line naming the field and the fix."""
+
+
+def closest_key_hint(key: str, valid: list[str] | tuple[str, ...]) -> str:
+    """' (did you mean 'x'?)' for the valid key closest to `key`, or '' when none is close."""
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+@dataclass(frozen=True)
+class GPNConfig:
+    """GPN / GPN+M hyper-parameters plus the engine's execution options.
+
+    `memory=False` gives the memory-less GPN; the memory fields must then stay 0.
+    `chunk_size` and `tbptt` change how the sequence is computed, never what it computes
+    (except that `tbptt` > 0 stops gradients through the carry every `tbptt` steps).
+    """
+
+    vocab_size: int
+    d_state: int
+    d_emb: int
+    d_ffn: int
+    n_layers: int = 1
+    memory: bool = True
+    n_heads: int = 0
+    d_key: int = 0
+    d_value: int = 0
+    decoder_bias: bool = False
+    # Engine options (semantics-preserving): chunk length of the memory and of BPTT recompute.
+    chunk_size: int = 32
+    # Truncated BPTT: detach the carried state every `tbptt` steps (0 = full BPTT).
+    tbptt: int = 0
+    # Decode + cross-entropy run over this many positions at a time (never B x T x V at once).
+    loss_chunk_tokens: int = 4096
+    # Optional redundant check: when given, must equal n_heads * d_key * d_value.
+    memory_cells: int | None = None
+    name: str = ""
+    norm_eps: float = field(default=1e-6, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "chunk_size",
+                     "loss_chunk_tokens"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("tbptt", self.tbptt, minimum=0)
+        if not isinstance(self.memory, bool):
+            raise ConfigError(f"memory: expected true or false, got {self.memory!r}")
+        if not isinstance(self.decoder_bias, bool):
+            raise ConfigError(f"decoder_bias: expected true or false, got {self.decoder_bias!r}")
+        if self.memory:
+            for name in ("n_heads", "d_key", "d_value"):
+                _require_int(name, getattr(self, name), minimum=1,
+                             why=" (GPN+M needs a memory; set memory: false for GPN)")
+            if self.memory_cells is not None and self.memory_cells != self.cells:
+                raise ConfigError(
+                    f"memory_cells: {self.memory_cells} does not match n_heads*d_key*d_value = "
+                    f"{self.n_heads}*{self.d_key}*{self.d_value} = {self.cells}; fix the heads or "
+                    "widths, or drop memory_cells")
+        else:
+            for name in ("n_heads", "d_key", "d_value"):
+                _require_int(name, getattr(self, name), minimum=0)
+                if getattr(self, name) != 0:
+                    raise ConfigError(
+                        f"{name}: must be 0 when memory is false (GPN has no memory); "
+                        "set memory: true for GPN+M")
+            if self.memory_cells not in (None, 0):
+                raise ConfigError("memory_cells: must be 0 when memory is false")
+
+    @property
+    def cells(self) -> int:
+        """Memory cells per sequence: H * dk * dv (0 for GPN)."""
+        return self.n_heads * self.d_key * self.d_value if self.memory else 0
+
+    @property
+    def family(self) -> str:
+        return "gpn+m" if self.memory else "gpn"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "GPNConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "GPNConfig":
+        """Build from a mapping; an unknown key fails naming the closest valid one."""
+        valid = cls.field_names()
+        for key in values:
+            if key not in valid:
+                raise ConfigError(f"model.{key}: unknown key{closest_key_hint(key, valid)}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in values]
+        if missing:
+            raise ConfigError(f"model.{missing[0]}: required key is missing")
+        return cls(**dict(values))
+
+
+def _require_int(name: str, value: Any, minimum: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}{why}")
+
+
+def load_model_config(name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
+                      ) -> GPNConfig:
+    """Load `configs/model/<name>.yaml` (or any YAML path) into a validated GPNConfig.
+
+    The YAML may hold the fields at top level or under a `model:` key.
+    """
+    from omegaconf import OmegaConf
+
+    path = resolve_model_config_path(name_or_path)
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of model fields")
+    if "model" in raw and isinstance(raw["model"], dict):
+        raw = raw["model"]
+    raw.setdefault("name", Path(path).stem)
+    if overrides:
+        raw.update(overrides)
+    return GPNConfig.from_dict(raw)
+
+
+def resolve_model_config_path(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"{path}: model config file not found")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"model config '{name_or_path}' not found in {CONFIG_DIR}"
+                          f"{closest_key_hint(str(name_or_path), names)}")
+    return candidate
