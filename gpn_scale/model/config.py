@@ -49,7 +49,7 @@ class GPNConfig:
     # Truncated BPTT: detach the carried state every `tbptt` steps (0 = full BPTT).
     tbptt: int = 0
     # Decode + cross-entropy run over this many positions at a time (never B x T x V at once).
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: int = 1024
     # Optional redundant check: when given, must equal n_heads * d_key * d_value.
     memory_cells: int | None = None
     name: str = ""

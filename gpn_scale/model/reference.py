@@ -1,0 +1,103 @@
+"""The slow, obviously-correct path: the spec's equations one token at a time.
+
+The memory is materialised after every step and autograd records everything. Tests hold
+the engine equal to this; the engine benchmark measures against it. Not for training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpn_scale.model.gpn import GPN, GPNOutput, GPNState, Gate, MemoryRead, SwiGLU
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * w, computed in at least float32, then cast back."""
+    xf = _at_least_fp32(x)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.to(x.dtype) * weight
+
+
+def l2_normalize(x: Tensor) -> Tensor:
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+
+
+def _gate(gate: Gate, x: Tensor, eps: float) -> Tensor:
+    return torch.sigmoid(F.linear(rms_norm(x, gate.norm_weight, eps), gate.proj.weight,
+                                  gate.proj.bias))
+
+
+def _ffn(ffn: SwiGLU, x: Tensor, eps: float) -> Tensor:
+    a, b = F.linear(rms_norm(x, ffn.norm_weight, eps), ffn.w1.weight).chunk(2, dim=-1)
+    return F.linear(F.silu(a) * b, ffn.w2.weight)
+
+
+def _read(read: MemoryRead, c: Tensor, M: Tensor, eps: float) -> Tensor:
+    B, H, dk, dv = M.shape
+    hq = rms_norm(c, read.norm_weight, eps)
+    q = l2_normalize(F.relu(F.linear(hq, read.query.weight, read.query.bias)).view(B, H, dk))
+    m = torch.einsum("bhkv,bhk->bhv", M, q).reshape(B, H * dv)
+    return F.linear(F.silu(F.linear(hq, read.gate.weight)) * rms_norm(m, read.out_norm_weight, eps),
+                    read.out.weight)
+
+
+def reference_forward(model: GPN, tokens: Tensor, state: GPNState | None = None, *,
+                      tbptt: int | None = None, return_state: bool = False,
+                      return_logits: bool = False) -> GPNOutput:
+    """Step-by-step GPN / GPN+M. `tbptt` defaults to the model config's."""
+    cfg = model.config
+    eps = cfg.norm_eps
+    tbptt = cfg.tbptt if tbptt is None else tbptt
+    B, T = tokens.shape
+    if state is None:
+        state = model.initial_state(B, tokens.device)
+    s, s_prev, M = state
+    E = model.embedding.weight
+    total = s.new_zeros(())
+    all_logits = []
+    for t in range(T):
+        if tbptt and t > 0 and t % tbptt == 0:
+            s, s_prev = s.detach(), s_prev.detach()
+            M = None if M is None else M.detach()
+        # 1. memory write (once per token, before any read)
+        if model.write is not None:
+            w = model.write
+            H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
+            hk, hv = rms_norm(s_prev, w.norm_weight, eps), rms_norm(s, w.norm_weight, eps)
+            k = l2_normalize(F.relu(F.linear(hk, w.key.weight, w.key.bias)).view(B, H, dk))
+            v = F.linear(hv, w.value.weight).view(B, H, dv)
+            beta = torch.sigmoid(F.linear(hv, w.beta.weight))
+            alpha = torch.exp(-torch.exp(_at_least_fp32(w.A_log)) *
+                              F.softplus(_at_least_fp32(F.linear(hv, w.decay.weight)) + w.dt_bias))
+            alpha = alpha.to(M.dtype)
+            err = v - torch.einsum("bhkv,bhk->bhv", M, k)
+            M = alpha[..., None, None] * M + beta[..., None, None] * torch.einsum("bhk,bhv->bhkv",
+                                                                                 k, err)
+        # 2. predict
+        c = s
+        for layer in model.layers:
+            update = _ffn(layer.ffn, c, eps)
+            if layer.read is not None:
+                update = update + _read(layer.read, c, M, eps)
+            c = _gate(layer.gate, c, eps) * c + update
+        p = c
+        # 3. decode; the state that has not seen x_t predicts x_t
+        logits = F.linear(F.linear(rms_norm(p, model.decode_norm_weight, eps), model.decode.weight,
+                                   model.decode.bias), E)
+        total = total + F.cross_entropy(_at_least_fp32(logits), tokens[:, t], reduction="sum")
+        if return_logits:
+            all_logits.append(logits)
+        # 4. ground
+        grounding = F.linear(rms_norm(E[tokens[:, t]], model.fuse_norm_weight, eps),
+                             model.fuse.weight)
+        g = _gate(model.fuse_gate, p, eps) * p + grounding
+        s, s_prev = g, s
+    return GPNOutput(loss=total / (B * T),
+                     state=GPNState(s, s_prev, M) if return_state else None,
+                     logits=torch.stack(all_logits, dim=1) if return_logits else None)
