@@ -1,0 +1,5 @@
+import sys
+
+from data_tools.cli import main
+
+sys.exit(main())

@@ -1,0 +1,210 @@
+"""text -> tokens -> fixed windows -> shuffled -> train/val MDS shards + metadata.
+
+The recipe (the paper's): documents are tokenised with an end-of-document token after
+each, concatenated, cut into non-overlapping windows of `seq_len` tokens (the tail that
+does not fill a window is dropped), the windows are permuted with `seed`, and the last
+bin of the permutation (`val_fraction` of the windows, or `val_windows`) is held out.
+
+Scale: tokens go to a scratch file on local disk (uint16 for vocabularies <= 65536), not
+to memory, so a 10B-token corpus needs ~20 GB of scratch and little RAM; windows are then
+read back in permuted order into streaming's MDSWriter, which uploads finished shards
+while the next are written.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from data_tools.tokenizer import Encoder, TokenizerSpec, encode_in_worker, init_worker
+from gpn_scale.data.errors import DataError
+from gpn_scale.data.metadata import METADATA_FILE, DatasetMetadata, SplitInfo, write_metadata
+from gpn_scale.data.storage import Location, join, translate_s3_error
+
+SHARD_HASHES = ["sha1", "xxh64"]  # streaming wants them sorted; xxh64 is the fast one
+
+
+@dataclass
+class BuildOptions:
+    seq_len: int = 2048
+    seed: int = 0
+    val_fraction: float = 0.01
+    val_windows: int | None = None
+    workers: int = 1
+    shard_size: str | int = "64mb"
+    overwrite: bool = False
+    scratch_dir: str | None = None
+    progress: bool = True
+    docs_per_task: int = 64
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _progress(iterable: Iterable[Any], enabled: bool, **kwargs: Any) -> Iterable[Any]:
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kwargs)
+
+
+def existing_dataset_files(location: Location) -> list[str]:
+    """What a build would replace: metadata and anything under train/ or val/."""
+    found = [METADATA_FILE] if location.exists(METADATA_FILE) else []
+    for split in ("train", "val"):
+        found.extend(location.list(split))
+    return found
+
+
+def prepare_output(out: str, overwrite: bool) -> Location:
+    """Refuse to write over a dataset unless asked; with overwrite, remove the old one
+    (metadata first, so an interrupted rebuild is never mistaken for a complete one)."""
+    location = Location(out)
+    if not location.remote and Path(out).exists() and not Path(out).is_dir():
+        raise DataError(f"{out}: exists and is not a directory; choose another --out")
+    existing = existing_dataset_files(location)  # also checks bucket/credentials/endpoint
+    if existing and not overwrite:
+        raise DataError(f"{out} already holds a dataset ({len(existing)} files, e.g. "
+                        f"{existing[0]}); pass --overwrite to replace it or choose another "
+                        "--out")
+    if existing:
+        location.delete(METADATA_FILE)
+        for split in ("train", "val"):
+            location.delete_tree(split)
+    return location
+
+
+def _batched(docs: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *,
+                     workers: int = 1, docs_per_task: int = 64,
+                     progress: bool = True) -> tuple[int, int]:
+    """Tokenise documents (in order, EOD after each) into a flat binary file of
+    `spec.dtype`. Returns (documents, tokens)."""
+    n_docs = n_tokens = 0
+    batches = _batched(documents, docs_per_task)
+    with open(path, "wb") as out:
+        if workers <= 1:
+            encoder = Encoder(spec)
+            results: Iterable[np.ndarray] = (encoder.encode_documents(b) for b in batches)
+            pool = None
+        else:
+            # spawn, not fork: the parent may hold a multithreaded Rust tokenizer.
+            pool = multiprocessing.get_context("spawn").Pool(
+                workers, initializer=init_worker, initargs=(spec,))
+            results = pool.imap(encode_in_worker, batches, chunksize=4)  # keeps input order
+        try:
+            bar = _progress(results, progress, desc="tokenise", unit=" batch")
+            for tokens in bar:
+                out.write(tokens.tobytes())
+                n_tokens += len(tokens)
+                n_docs += int(np.count_nonzero(tokens == spec.eod_token_id))
+                if progress and hasattr(bar, "set_postfix_str"):
+                    bar.set_postfix_str(f"{n_tokens:,} tokens", refresh=False)
+        finally:
+            if pool is not None:
+                pool.terminate()
+    return n_docs, n_tokens
+
+
+def split_windows(n_windows: int, seed: int, val_fraction: float,
+                  val_windows: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Permute window indices with `seed`; the last bin is the held-out split.
+    Returns (train_indices, val_indices), disjoint, together all windows."""
+    if n_windows < 1:
+        raise DataError("the corpus is shorter than one window; give more text or a smaller "
+                        "--seq-len")
+    if val_windows is None:
+        if not 0.0 <= val_fraction < 1.0:
+            raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+        val_windows = int(round(n_windows * val_fraction))
+        if val_fraction > 0:
+            val_windows = max(val_windows, 1)
+    if not 0 <= val_windows < n_windows:
+        raise DataError(f"--val-windows {val_windows}: the corpus has only {n_windows} windows "
+                        f"of this seq_len; hold out fewer (at most {n_windows - 1})")
+    order = np.random.default_rng(seed).permutation(n_windows)
+    cut = n_windows - val_windows
+    return order[:cut], order[cut:]
+
+
+def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, seq_len: int,
+                dtype: np.dtype, shard_size: str | int, progress: bool) -> SplitInfo:
+    """Write windows `indices` of the flat token array as one MDS split."""
+    from streaming import MDSWriter
+
+    columns = {"tokens": f"ndarray:{dtype.name}:{seq_len}"}
+    url = join(out, split)
+    shards = 0
+    try:
+        with MDSWriter(out=url, columns=columns, compression="zstd", hashes=SHARD_HASHES,
+                       size_limit=shard_size, exist_ok=True, max_workers=4) as writer:
+            for index in _progress(indices, progress, desc=f"write {split}", unit=" window"):
+                start = int(index) * seq_len
+                writer.write({"tokens": np.ascontiguousarray(tokens[start:start + seq_len])})
+            shards = len(writer.shards) if hasattr(writer, "shards") else 0
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - upload failures arrive as botocore errors
+        if type(err).__module__.startswith("botocore"):
+            raise translate_s3_error(err, url) from err
+        raise
+    if not shards:
+        import json
+        shards = len(json.loads(Location(out).read_bytes(f"{split}/index.json"))["shards"])
+    return SplitInfo(samples=len(indices), tokens=len(indices) * seq_len, shards=shards)
+
+
+def build_dataset(documents: Iterable[str], out: str, spec: TokenizerSpec,
+                  options: BuildOptions, source: dict[str, Any]) -> DatasetMetadata:
+    """The whole build; `documents` is consumed once. Returns the metadata written."""
+    if options.seq_len < 1:
+        raise DataError(f"--seq-len {options.seq_len}: must be >= 1")
+    prepare_output(out, options.overwrite)
+    scratch = tempfile.mkdtemp(prefix="gpn-data-build-", dir=options.scratch_dir)
+    try:
+        token_file = os.path.join(scratch, "tokens.bin")
+        n_docs, n_tokens = tokenize_to_file(
+            documents, spec, token_file, workers=options.workers,
+            docs_per_task=options.docs_per_task, progress=options.progress)
+        if n_docs == 0:
+            raise DataError("the inputs hold no documents (empty files or wrong --field); "
+                            "check the inputs")
+        n_windows = n_tokens // options.seq_len
+        tokens = (np.memmap(token_file, dtype=spec.dtype, mode="r") if n_tokens
+                  else np.zeros(0, spec.dtype))
+        train_idx, val_idx = split_windows(n_windows, options.seed, options.val_fraction,
+                                           options.val_windows)
+        splits = {}
+        for split, indices in (("train", train_idx), ("val", val_idx)):
+            splits[split] = write_split(out, split, tokens, indices, options.seq_len,
+                                        spec.dtype, options.shard_size, options.progress)
+        del tokens
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    meta = DatasetMetadata(
+        vocab_size=spec.vocab_size, seq_len=options.seq_len, tokenizer=spec.identity(),
+        eod_token_id=spec.eod_token_id, splits=splits,
+        source={**source, "documents": n_docs}, seed=options.seed,
+        token_dtype=spec.dtype.name,
+        val_fraction=float(options.val_fraction if options.val_windows is None else
+                           len(val_idx) / max(n_windows, 1)),
+        total_tokens=n_tokens, dropped_tokens=n_tokens - n_windows * options.seq_len,
+        extra=dict(options.extra))
+    write_metadata(out, meta)  # last: its presence marks a complete dataset
+    return meta

@@ -1,0 +1,34 @@
+"""`gpn-data …`: the same commands as `gpn-scale data …`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data_tools.commands import add_data_commands
+from gpn_scale.data.errors import DataError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpn-data",
+        description="Text -> tokens -> packed windows -> MDS shards (+ metadata, verify); "
+                    "local directories or s3://bucket/prefix.")
+    add_data_commands(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DataError as err:
+        print(f"gpn-data: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpn-data: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

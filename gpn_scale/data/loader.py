@@ -1,0 +1,295 @@
+"""Training and validation loaders over MosaicML streaming.
+
+`build_loader` reads the dataset metadata first (one clear error for a wrong path, bad
+credentials, an unreachable endpoint or a model that does not fit the data), then wraps
+`StreamingDataset` + `StreamingDataLoader`:
+
+- remote is `s3://bucket/prefix` or a local directory; shards are copied into a local
+  cache (default: a per-run temporary directory shared by the ranks of one node);
+- shuffling is seeded, and `num_canonical_nodes` fixes the global sample order so that a
+  job resumed on another number of ranks continues the same epoch;
+- `state_dict()` counts the batches this loader has *handed to the training loop*
+  (streaming's `StreamingDataLoader` counts in the main process, after prefetch and
+  workers), so restoring it yields exactly the samples not yet consumed;
+- stale `/dev/shm` segments and filelocks of killed jobs are cleaned before streaming
+  starts (see `shm.py`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from gpn_scale.data.errors import DataError
+from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
+from gpn_scale.data.shm import clean_stale_streaming_shm
+from gpn_scale.data.storage import Location, join
+
+STATE_VERSION = 1
+
+
+@dataclass
+class DataConfig:
+    """Where the data lives and how it is streamed (one per run, shared by all ranks)."""
+
+    remote: str                          # s3://bucket/prefix or a local dataset root
+    local_cache: str | None = None       # default: a per-run temporary directory
+    shuffle: bool = True                 # training split only; val is never shuffled
+    shuffle_seed: int = 1234
+    # Fix this (e.g. 8, or the largest node count you will use) to keep one sample order
+    # across node counts; None lets streaming pick from the first run's node count, and
+    # resumed runs then reuse the value stored in the loader state.
+    num_canonical_nodes: int | None = None
+    num_workers: int = 0
+    predownload: int | None = None       # samples to download ahead per worker
+    drop_last: bool = True
+    validate_hash: str | None = "xxh64"  # checked on every shard download
+    download_timeout: float = 120.0
+    cache_limit: str | None = None       # e.g. "50gb": evict shards beyond it
+
+
+def collate_tokens(samples: list[dict[str, Any]]) -> torch.Tensor:
+    """Stack stored windows (uint16/uint32) into an int64 [batch, seq_len] tensor."""
+    return torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
+
+
+def _ensure_world_env(rank: int, world_size: int) -> None:
+    """streaming reads the topology from RANK/WORLD_SIZE/LOCAL_* (torchrun's variables).
+    Fill them in when absent (single node assumed); refuse if they contradict the caller."""
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
+        current = os.environ.get(name)
+        if current is not None and int(current) != value:
+            raise DataError(f"build_loader got {name.lower()}={value} but the environment has "
+                            f"{name}={current}; pass the torch.distributed rank/world size")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside world_size {world_size}; pass "
+                        "0 <= rank < world_size")
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank % int(os.environ["LOCAL_WORLD_SIZE"])))
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _per_run_cache(world_size: int) -> tuple[str, bool]:
+    """A fresh cache directory name, the same on every rank of this run.
+    Returns (path, owned_by_this_process)."""
+    if world_size > 1:
+        if not _dist_ready():
+            raise DataError("world_size > 1 needs torch.distributed initialised before "
+                            "build_loader (or set DataConfig.local_cache to a directory "
+                            "shared by the ranks of a node)")
+        token = [uuid.uuid4().hex[:12] if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(token, src=0)
+        run_id = token[0]
+    else:
+        run_id = uuid.uuid4().hex[:12]
+    path = os.path.join(tempfile.gettempdir(), "gpn-data-cache", f"run-{run_id}")
+    return path, int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+_CHECKSUM = re.compile(r"Checksum failure: (\S+)")
+
+
+def translate_stream_error(err: BaseException, remote: str, split: str,
+                           background: BaseException | None = None) -> BaseException:
+    """Name the problem behind a streaming failure in one line (or return `err` as is)."""
+    if isinstance(err, DataError):
+        return err
+    cause = background or err
+    text = f"{cause}"
+    root = remote.rstrip("/")
+    match = _CHECKSUM.search(text)
+    if match:
+        shard = os.path.basename(match.group(1))
+        return DataError(f"corrupted shard {root}/{split}/{shard}: its hash does not match "
+                         f"the index; run `gpn-data verify {root}` and rebuild the dataset "
+                         "with --overwrite")
+    if "zstd" in text.lower() or "decompress" in text.lower():
+        return DataError(f"a shard of {root}/{split} does not decompress ({text}); run "
+                         f"`gpn-data verify {root}` and rebuild with --overwrite")
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+        if isinstance(cause, (BotoCoreError, ClientError)):
+            from gpn_scale.data.storage import translate_s3_error
+            return translate_s3_error(cause, f"{root}/{split}")
+    except ImportError:  # pragma: no cover - boto3 is a dependency
+        pass
+    if isinstance(cause, FileNotFoundError) or "does not exist" in text:
+        return DataError(f"a shard of {root}/{split} is missing ({text}); run "
+                         f"`gpn-data verify {root}` and rebuild with --overwrite")
+    return err
+
+
+def _token_dataset_class() -> type:
+    """StreamingDataset subclass that remembers failures of its download threads, whose
+    exceptions otherwise reach the caller only as 'Background thread failed'."""
+    from streaming import StreamingDataset
+
+    class TokenStreamingDataset(StreamingDataset):
+        _background_error: BaseException | None = None
+
+        def on_exception(self, future: Any) -> None:
+            error = future.exception()
+            if error is not None:
+                self._background_error = error
+            super().on_exception(future)
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            try:
+                yield from super().__iter__()
+            except Exception as err:  # noqa: BLE001 - translated or re-raised as is
+                translated = translate_stream_error(
+                    err, self._gpn_remote, self._gpn_split, self._background_error)
+                if translated is err:
+                    raise
+                raise translated from err
+
+    return TokenStreamingDataset
+
+
+class TokenLoader:
+    """Iterate to get int64 [batch_size, seq_len] batches of this rank; iterate again for
+    the next epoch. `state_dict()`/`load_state_dict()` save and restore the position."""
+
+    def __init__(self, loader: Any, dataset: Any, metadata: DatasetMetadata, split: str,
+                 batch_size: int, rank: int, world_size: int, remote: str, cache_dir: str):
+        self._loader = loader
+        self.dataset = dataset
+        self.metadata = metadata
+        self.split = split
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.remote = remote
+        self.cache_dir = cache_dir
+
+    @property
+    def seq_len(self) -> int:
+        return self.metadata.seq_len
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the current (or, before any iteration, next) pass."""
+        return max(int(self.dataset.next_epoch) - 1, 0)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        try:
+            yield from self._loader
+        except Exception as err:  # noqa: BLE001 - errors from workers arrive re-wrapped
+            translated = translate_stream_error(err, self.remote, self.split)
+            if translated is err:
+                raise
+            raise translated from err
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain, JSON-able position: epoch and global samples consumed in it (the same on
+        every rank; save rank 0's). Valid for any world size on restore."""
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.metadata.fingerprint,
+            "split": self.split,
+            "streaming": dict(self._loader.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by `state_dict()` (possibly on another world size).
+        Call on every rank before iterating."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError(f"loader state has version {state.get('version') if isinstance(state, dict) else None!r}, expected {STATE_VERSION}; "
+                            "start this run from a fresh loader state")
+        if state.get("dataset") != self.metadata.fingerprint:
+            raise DataError(f"loader state belongs to another dataset (fingerprint "
+                            f"{state.get('dataset')} != {self.metadata.fingerprint} of "
+                            f"{self.remote}); point remote at the original dataset or start "
+                            "a fresh loader state")
+        if state.get("split") != self.split:
+            raise DataError(f"loader state is for split {state.get('split')!r}, not "
+                            f"{self.split!r}; restore it into the {state.get('split')} loader")
+        self._loader.load_state_dict(dict(state["streaming"]))
+
+    def close(self) -> None:
+        """Stop workers now (they also stop when the loader is garbage collected)."""
+        iterator = getattr(self._loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_size: int,
+                 *, seq_len: int | None = None, vocab_size: int | None = None,
+                 shuffle: bool | None = None) -> TokenLoader:
+    """A loader over `cfg.remote`/`split` for one rank; `batch_size` is per rank.
+
+    Collective when torch.distributed is initialised: call it on every rank together.
+    `seq_len`/`vocab_size`, when given, are checked against the dataset (DataError).
+    `shuffle` defaults to `cfg.shuffle` for "train" and False for other splits.
+    """
+    if batch_size < 1:
+        raise DataError(f"batch_size {batch_size}: must be >= 1 (it is per rank)")
+    meta = read_metadata(cfg.remote)
+    check_compatible(meta, vocab_size=vocab_size, seq_len=seq_len)
+    if split not in meta.splits:
+        raise DataError(f"{cfg.remote}: no split {split!r} (has {sorted(meta.splits)}); use "
+                        "one of those")
+    location = Location(cfg.remote)
+    if not location.exists(f"{split}/index.json"):
+        raise DataError(f"{location.url(split + '/index.json')}: missing index; the split "
+                        "was deleted or the build was interrupted: rebuild with --overwrite")
+    if meta.splits[split].samples == 0:
+        raise DataError(f"{cfg.remote}: split {split!r} is empty; build with more text or a "
+                        "smaller --seq-len")
+
+    _ensure_world_env(rank, world_size)
+    local_leader = int(os.environ["LOCAL_RANK"]) == 0
+    if cfg.local_cache:
+        cache_dir, owned = os.path.abspath(cfg.local_cache), False
+    else:
+        cache_dir, owned = _per_run_cache(world_size)
+    if local_leader:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        clean_stale_streaming_shm()
+        if owned:
+            atexit.register(shutil.rmtree, cache_dir, True)
+    if _dist_ready():
+        torch.distributed.barrier()  # nobody registers segments while the leader cleans
+
+    from streaming import StreamingDataLoader
+
+    do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
+    dataset_cls = _token_dataset_class()
+    try:
+        dataset = dataset_cls(
+            remote=join(cfg.remote, split), local=os.path.join(cache_dir, split),
+            shuffle=do_shuffle, shuffle_seed=cfg.shuffle_seed,
+            num_canonical_nodes=cfg.num_canonical_nodes, batch_size=batch_size,
+            predownload=cfg.predownload, validate_hash=cfg.validate_hash,
+            download_timeout=cfg.download_timeout, cache_limit=cfg.cache_limit,
+            download_retry=1)
+    except ValueError as err:
+        if "Reused local directory" in str(err):
+            raise DataError(f"local cache {cache_dir} is in use by another running loader; "
+                            "give each concurrent run its own DataConfig.local_cache") from err
+        raise translate_stream_error(err, cfg.remote, split) from err
+    dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
+    loader = StreamingDataLoader(
+        dataset, batch_size=batch_size, num_workers=cfg.num_workers,
+        collate_fn=collate_tokens, drop_last=cfg.drop_last,
+        persistent_workers=False, pin_memory=False)
+    return TokenLoader(loader, dataset, meta, split, batch_size, rank, world_size,
+                       cfg.remote, cache_dir)
