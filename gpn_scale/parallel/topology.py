@@ -1,0 +1,117 @@
+"""The one place that creates process groups and device meshes.
+
+The mesh has named dimensions; today only "dp" (data parallel: FSDP2 shards / DeepSpeed
+ZeRO partitions across it). Tensor parallelism is meant to be added as a second dimension
+("dp", "tp") with the same call: `Topology.build(dp=world // tp, tp=tp)`; everything else asks
+the topology for `dp_rank` / `dp_size` / `dp_mesh` instead of the global rank, so adding "tp"
+does not change the loop or the loaders.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpn_scale.train.env import DistEnv, export_for_torch
+
+
+@dataclass
+class Topology:
+    env: DistEnv
+    device: torch.device
+    backend: str | None            # process-group backend ("gloo" / "nccl"), None when single
+    mesh: Any = None               # torch DeviceMesh with dims ("dp",) [later ("dp", "tp")]
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def dp_mesh(self) -> Any:
+        return self.mesh["dp"] if self.mesh is not None else None
+
+    # ----- collectives the loop needs (no-ops on one process) ---------------------
+    def all_reduce_max(self, value: float) -> float:
+        if not self.env.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._coll_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if not self.env.distributed:
+            return value
+        t = value.detach().to(self._coll_device(), torch.float64).clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t / self.world_size
+
+    def barrier(self) -> None:
+        if self.env.distributed:
+            dist.barrier()
+
+    def _coll_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from gpn_scale.model.config import ConfigError
+        raise ConfigError("train.device: cuda requested but no GPU is visible; use train.device=cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
+                  init_pg: bool = True, timeout_s: float = 600.0) -> Topology:
+    """Start the default process group (if several processes) and the device mesh.
+
+    `init_pg=False` lets DeepSpeed start the group itself (deepspeed.init_distributed), after
+    which the mesh is built over the same group.
+    """
+    device = pick_device(device_request, dist_env.local_rank)
+    if not dist_env.distributed:
+        return Topology(env=dist_env, device=device, backend=None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    export_for_torch(dist_env)
+    if init_pg and not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist_env.world_size % tp:
+        raise ValueError(f"world size {dist_env.world_size} not divisible by tp={tp}")
+    if tp == 1:
+        mesh = init_device_mesh(device.type, (dist_env.world_size,), mesh_dim_names=("dp",))
+    else:  # the shape tensor parallelism will use; nothing applies "tp" yet
+        mesh = init_device_mesh(device.type, (dist_env.world_size // tp, tp),
+                                mesh_dim_names=("dp", "tp"))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist_env.world_size))
+    return Topology(env=dist_env, device=device, backend=backend, mesh=mesh)

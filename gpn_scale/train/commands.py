@@ -1,0 +1,112 @@
+"""`gpn-scale train | demo | eval`: argument parsing only; the work is in loop.py / demo.py.
+
+Heavy imports (torch, deepspeed, streaming) happen inside the handlers so `--help` is fast.
+Exit codes: 0 done; 2 bad config / checkpoint / credentials / data (one line on stderr,
+nothing written); 3 stopped after too many non-finite steps; 75 preempted after a
+successful save (resume with `--resume auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+RESUME_HELP = ("'auto' = newest complete checkpoint under checkpoint.root (local or S3), "
+               "'none' = start fresh, or a checkpoint URI")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a GPN / GPN+M (single process, torchrun or SLURM)",
+        description="Train from a YAML config (configs/train/<name>.yaml or a path) with "
+                    "key=value overrides, e.g. `gpn-scale train ci_tiny optim.lr=1e-3 "
+                    "--resume auto`. Exit codes: 0 done, 2 bad input, 3 non-finite stop, "
+                    "75 preempted (checkpoint saved).")
+    p.add_argument("config", help="training config name or YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
+    p.add_argument("--resume", default="none", help=RESUME_HELP)
+    p.set_defaults(func=cmd_train)
+
+    d = subparsers.add_parser(
+        "demo", help="build the default corpus, train a small GPN+M on CPU, evaluate, plot",
+        description="The README's main command: a fresh-install, CPU-only end-to-end run "
+                    "(a minute or two). Leaves a checkpoint, metrics.jsonl and loss_curve.png.")
+    d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
+    d.add_argument("--steps", type=int, default=None, help="override schedule.total_steps")
+    d.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
+    d.set_defaults(func=cmd_demo)
+
+    e = subparsers.add_parser(
+        "eval", help="held-out loss / perplexity of a checkpoint",
+        description="Evaluate a checkpoint on the validation split (fixed windows).")
+    e.add_argument("config", help="the training config the checkpoint was trained with")
+    e.add_argument("overrides", nargs="*", metavar="key=value")
+    e.add_argument("--checkpoint", default="auto", help=RESUME_HELP.replace("start fresh", "untrained"))
+    e.add_argument("--batches", type=int, default=None, help="override eval.batches")
+    e.set_defaults(func=cmd_eval)
+
+
+def _errors():
+    """Exception types that end a command with one line and exit code 2."""
+    from gpn_scale.model.config import ConfigError
+
+    types: list[type[BaseException]] = [ConfigError]
+    try:
+        from gpn_scale.data import DataError
+        types.append(DataError)
+    except ImportError:  # pragma: no cover - data package absent
+        pass
+    return tuple(types)
+
+
+def _fail(err: BaseException) -> int:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"gpn-scale: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gpn_scale.train.config import load_train_config
+
+    from gpn_scale.train.loop import Trainer, TrainingError
+
+    errors = _errors()
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        result = Trainer(cfg, resume=args.resume).run()
+    except errors as err:
+        return _fail(err)
+    except TrainingError as err:
+        print(f"gpn-scale: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    if result.exit_code not in (0,):
+        print(f"gpn-scale: {result.message}", file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    errors = _errors()
+    try:
+        from gpn_scale.train.demo import run_demo
+
+        return run_demo(args.out, steps=args.steps, overrides=args.overrides)
+    except errors as err:
+        return _fail(err)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from gpn_scale.train.config import load_train_config
+
+    errors = _errors()
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        if args.batches:
+            cfg.eval.batches = args.batches
+        from gpn_scale.train.loop import Trainer
+
+        result = Trainer(cfg, resume=args.checkpoint, eval_only=True).run().final_eval
+    except errors as err:
+        return _fail(err)
+    print(f"eval: loss {result['eval/loss']:.4f}, ppl "
+          f"{result['eval/ppl']:.2f} over {result['eval/tokens']:,} tokens")
+    return 0

@@ -1,0 +1,319 @@
+"""The training run's configuration: a typed schema (dataclasses) loaded with OmegaConf.
+
+`load_train_config(path, overrides)` reads a YAML file, applies `key=value` dotlist
+overrides and returns a `TrainConfig`. Every key is checked against the schema *before*
+OmegaConf merges it, so a misspelled key fails with one line naming the closest valid key
+(OmegaConf's own error would name the dataclass, not the dotted path the user typed).
+
+The sweep launcher relies on these exact keys: `model`, `seed`, `run_name`, `optim.lr`,
+`schedule.warmup_steps`, `schedule.total_steps`, `data.remote`, `data.seq_len`,
+`train.global_batch_size`, `checkpoint.root`, `logging.wandb.{project,group,job_type}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from gpn_scale.model.config import ConfigError, closest_key_hint
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
+
+# The sentinel for data.remote: build the embedded default corpus (byte-level) locally.
+DEFAULT_CORPUS = "default"
+
+
+@dataclass
+class DataSection:
+    remote: str = DEFAULT_CORPUS      # MDS root: local dir, s3://bucket/prefix, or "default"
+    local_cache: Optional[str] = None  # streaming's local cache (default: <run_dir>/data_cache)
+    seq_len: int = 256
+    shuffle_seed: int = 0
+    num_canonical_nodes: Optional[int] = None
+    num_workers: int = 0
+
+
+@dataclass
+class OptimSection:
+    lr: float = 6e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1          # matrices only (ndim >= 2); never 1-D, A_log, dt_bias
+    grad_clip: float = 1.0             # global-norm clip; 0 disables
+    fused: bool = False                # torch's fused AdamW (GPU only)
+
+
+@dataclass
+class ScheduleSection:
+    warmup_steps: int = 100            # linear from 0 to lr
+    total_steps: int = 1000            # cosine ends at the last step
+    min_lr_ratio: float = 0.1          # cosine floor as a fraction of lr
+
+
+@dataclass
+class TrainSection:
+    global_batch_size: int = 8         # sequences per optimizer step, all ranks together
+    micro_batch_size: Optional[int] = None  # per rank per forward; None = global / world (no accumulation)
+    device: str = "auto"               # auto | cpu | cuda
+    precision: str = "auto"            # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    deterministic: bool = True         # torch.use_deterministic_algorithms (CPU exact resume)
+    num_threads: Optional[int] = None  # torch.set_num_threads on CPU (None = leave as is)
+    tbptt: Optional[int] = None        # overrides the model's truncated-BPTT length when set
+    stateful_windows: bool = False     # carry the (detached) state from one batch to the next
+    max_nonfinite_in_a_row: int = 5    # stop after this many consecutive skipped steps
+    log_every: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class ParallelSection:
+    backend: str = "auto"              # auto | none | fsdp2 | deepspeed
+    zero_stage: int = 2                # DeepSpeed ZeRO stage (1, 2, 3)
+    reduce_dtype: str = "fp32"         # FSDP2 mixed-precision gradient reduction dtype
+    reshard_after_forward: bool = True
+    tp: int = 1                        # tensor parallel degree: reserved (mesh dim "tp")
+
+
+@dataclass
+class CheckpointSection:
+    root: Optional[str] = None         # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
+    every_steps: int = 0               # 0 = only on preemption and at the end
+    keep_last: int = 2
+    save_final: bool = True
+
+
+@dataclass
+class WandbSection:
+    mode: str = "disabled"             # online | offline | disabled
+    project: str = "gpn-scale"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    job_type: str = "train"
+    dir: Optional[str] = None          # default <run_dir>
+
+
+@dataclass
+class LoggingSection:
+    jsonl: bool = True                 # always on in practice; <run_dir>/metrics.jsonl
+    wandb: WandbSection = field(default_factory=WandbSection)
+
+
+@dataclass
+class EvalSection:
+    every_steps: int = 0               # 0 = only at the end
+    batches: int = 4                   # fixed held-out windows: batches x batch_size
+    batch_size: Optional[int] = None   # per rank (default: the training micro batch)
+    at_end: bool = True
+
+
+@dataclass
+class PreemptionSection:
+    enabled: bool = True               # SIGUSR1 / SIGTERM -> save and exit 75
+    requeue: bool = False              # under SLURM also `scontrol requeue $SLURM_JOB_ID`
+
+
+@dataclass
+class DebugSection:
+    # Test hooks: the loss is replaced by NaN at these steps / from this step on.
+    inject_nan_steps: list[int] = field(default_factory=list)
+    inject_nan_from: Optional[int] = None
+    # Sleep this many seconds after each step (tests that signal a running job).
+    step_sleep: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"                # configs/model/<name>.yaml or a path
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    run_name: str = "run"
+    run_dir: Optional[str] = None      # default runs/<run_name>
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    preemption: PreemptionSection = field(default_factory=PreemptionSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    # ----- derived paths ------------------------------------------------------------
+    @property
+    def resolved_run_dir(self) -> str:
+        return self.run_dir or str(Path("runs") / self.run_name)
+
+    @property
+    def resolved_checkpoint_root(self) -> str:
+        return self.checkpoint.root or str(Path(self.resolved_run_dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_ENUMS = {
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.precision": ("auto", "fp32", "bf16"),
+    "parallel.backend": ("auto", "none", "fsdp2", "deepspeed"),
+    "parallel.reduce_dtype": ("fp32", "bf16"),
+    "logging.wandb.mode": ("online", "offline", "disabled"),
+}
+# Keys whose value is a free mapping (validated elsewhere: model_overrides by GPNConfig).
+_FREE_MAPPINGS = {"model_overrides"}
+
+
+def _check_keys(values: Any, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError (one line, closest key) for any key the schema does not define."""
+    if not isinstance(values, dict):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            hint = closest_key_hint(str(key), [f"{prefix}{k}" for k in fields])
+            if not hint:  # also try the whole schema (a key under the wrong section)
+                hint = closest_key_hint(dotted, all_keys())
+            raise ConfigError(f"{dotted}: unknown config key{hint}")
+        if dotted in _FREE_MAPPINGS:
+            continue
+        ftype = fields[key].type
+        sub = _SECTION_TYPES.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        if sub is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted}: expected a section of keys, got {value!r}")
+            _check_keys(value, sub, prefix=f"{dotted}.")
+
+
+_SECTION_TYPES: dict[str, type] = {
+    cls.__name__: cls for cls in (DataSection, OptimSection, ScheduleSection, TrainSection,
+                                  ParallelSection, CheckpointSection, WandbSection,
+                                  LoggingSection, EvalSection, PreemptionSection, DebugSection)
+}
+
+
+def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (for hints and docs)."""
+    out: list[str] = []
+    for f in dataclasses.fields(schema):
+        ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        sub = _SECTION_TYPES.get(ftype)
+        if sub is not None:
+            out.extend(all_keys(sub, f"{prefix}{f.name}."))
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"{path}: training config file not found")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"training config '{name_or_path}' not found in {CONFIG_DIR}"
+                          f"{closest_key_hint(str(name_or_path), names)}")
+    return candidate
+
+
+def load_train_config(name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
+                      ) -> TrainConfig:
+    """YAML file (or configs/train/<name>.yaml, or None for the defaults) + dotlist overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers = []
+    if name_or_path is not None:
+        path = resolve_config_path(name_or_path)
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except (OmegaConfBaseException, OSError, ValueError) as err:
+            raise ConfigError(f"{path}: cannot read YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections")
+        _check_keys(raw, TrainConfig)
+        layers.append(OmegaConf.create(raw))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item}: overrides are key=value (e.g. optim.lr=3e-4)")
+    if overrides:
+        try:
+            dot = OmegaConf.from_dotlist(list(overrides))
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"bad override: {str(err).splitlines()[0]}") from None
+        _check_keys(OmegaConf.to_container(dot, resolve=False), TrainConfig)
+        layers.append(dot)
+    base = OmegaConf.structured(TrainConfig)
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        # Type errors: OmegaConf names the key and the value; keep its first line.
+        msg = str(err).splitlines()[0]
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"{key}: {msg}" if key else msg) from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Value checks the types cannot express (one line each)."""
+    for key, allowed in _ENUMS.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}"
+                              f"{closest_key_hint(str(value), allowed)}")
+    positive = {"data.seq_len": cfg.data.seq_len, "train.global_batch_size": cfg.train.global_batch_size,
+                "schedule.total_steps": cfg.schedule.total_steps, "train.log_every": cfg.train.log_every,
+                "eval.batches": cfg.eval.batches, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+                "train.max_nonfinite_in_a_row": cfg.train.max_nonfinite_in_a_row}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if cfg.schedule.warmup_steps < 0 or cfg.schedule.warmup_steps > cfg.schedule.total_steps:
+        raise ConfigError(f"schedule.warmup_steps: must be in [0, schedule.total_steps="
+                          f"{cfg.schedule.total_steps}], got {cfg.schedule.warmup_steps}")
+    if not 0.0 <= cfg.schedule.min_lr_ratio <= 1.0:
+        raise ConfigError(f"schedule.min_lr_ratio: must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
+    if cfg.parallel.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage: expected 1, 2 or 3, got {cfg.parallel.zero_stage}")
+    if cfg.parallel.tp != 1:
+        raise ConfigError("parallel.tp: tensor parallelism is not implemented yet; use 1")
+    mb = cfg.train.micro_batch_size
+    if mb is not None and mb < 1:
+        raise ConfigError(f"train.micro_batch_size: must be >= 1, got {mb}")
+    if cfg.train.tbptt is not None and cfg.train.tbptt < 0:
+        raise ConfigError(f"train.tbptt: must be >= 0, got {cfg.train.tbptt}")
+
+
+def batch_layout(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(micro batch per rank, gradient-accumulation steps) for this world size.
+
+    global_batch_size = micro * accum * world; a split that does not divide fails clearly.
+    """
+    gbs = cfg.train.global_batch_size
+    if gbs % world_size:
+        raise ConfigError(f"train.global_batch_size: {gbs} is not divisible by the world size "
+                          f"{world_size}")
+    per_rank = gbs // world_size
+    micro = cfg.train.micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ConfigError(f"train.micro_batch_size: {micro} does not divide the per-rank batch "
+                          f"{per_rank} (= global_batch_size {gbs} / world size {world_size})")
+    return micro, per_rank // micro
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,88 @@
+"""Where this process sits in the job: rank, world size, master address.
+
+Sources, first match wins:
+1. torchrun / torch.distributed.launch / submitit exports: RANK, WORLD_SIZE, LOCAL_RANK,
+   MASTER_ADDR, MASTER_PORT.
+2. SLURM (`srun` with one task per GPU): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and the
+   first host of SLURM_JOB_NODELIST (expanded with `scontrol show hostnames`, the one tool
+   that knows every nodelist syntax; a simple parser is the fallback) as the master.
+3. Otherwise a single process.
+`export_for_torch()` writes the result back into os.environ so that
+`torch.distributed.init_process_group(init_method="env://")` finds it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str                     # "torchrun" | "slurm" | "single"
+    slurm_job_id: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _first_host(nodelist: str) -> str:
+    """First hostname of a SLURM nodelist ("node[03-05,07],gpu1" -> "node03")."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]
+    m = re.match(r"^([^\[]+)\[([^\]]+)\]", first)
+    if not m:
+        return first
+    prefix, ranges = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect(environ: dict[str, str] | None = None) -> DistEnv:
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                       local_rank=int(env.get("LOCAL_RANK", "0")),
+                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(env.get("MASTER_PORT", "29500")),
+                       source="torchrun", slurm_job_id=job)
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        # A port derived from the job id: distinct per job on shared nodes, same on all ranks.
+        port = int(env.get("MASTER_PORT") or 20000 + int(job or 0) % 20000)
+        return DistEnv(rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
+                       local_rank=int(env.get("SLURM_LOCALID", "0")),
+                       master_addr=env.get("MASTER_ADDR") or _first_host(nodelist),
+                       master_port=port, source="slurm", slurm_job_id=job)
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=int(env.get("MASTER_PORT", "29500")), source="single",
+                   slurm_job_id=job)
+
+
+def export_for_torch(dist_env: DistEnv) -> None:
+    """Make env:// initialisation see the detected values (SLURM does not set them)."""
+    os.environ.update({
+        "RANK": str(dist_env.rank), "WORLD_SIZE": str(dist_env.world_size),
+        "LOCAL_RANK": str(dist_env.local_rank), "MASTER_ADDR": dist_env.master_addr,
+        "MASTER_PORT": str(dist_env.master_port),
+    })

@@ -1,0 +1,654 @@
+"""The training loop. Read `Trainer.run` top to bottom: it is the recipe.
+
+    setup:   topology -> determinism/seed -> model config -> checkpoint manager (preflight)
+             -> data -> model -> backend (none / FSDP2 / DeepSpeed) -> optimizer -> resume
+             -> sinks
+    step:    lr(step) -> accumulate micro-batches (loss/accum backward) -> global loss
+             -> global grad norm + clip -> skip if non-finite, else optimizer step
+             -> metrics -> [eval] -> [checkpoint] -> [preemption: save, exit 75]
+    finish:  eval -> final checkpoint -> DONE marker
+
+Everything that depends on the backend is in the small `_Backend` classes below; the loop
+itself does not branch on FSDP2 vs DeepSpeed except through them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
+from gpn_scale.model.config import ConfigError
+from gpn_scale.parallel.topology import Topology, init_topology
+from gpn_scale.train import optim as optim_lib
+from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
+from gpn_scale.train.env import detect
+from gpn_scale.train.signals import (EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag,
+                                     request_slurm_requeue)
+
+# Peak dense bf16 FLOP/s per device for MFU (vendor figures, no sparsity).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+              "L4": 121e12}
+
+
+# Written to the checkpoint root when a run finishes; sweeps skip runs that have it.
+DONE_MARKER = "DONE"
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue; the message is one line and says what to do."""
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None  # no meaningful peak for a shared CPU: MFU is reported as null
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def training_flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
+    """The model's own training FLOPs/token (forward x3); 6 x params if counts is absent."""
+    try:
+        from gpn_scale.model.counts import flops_per_token
+    except ImportError:
+        return 6.0 * n_params
+    return float(flops_per_token(model_cfg, seq_len))
+
+
+def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    if cfg.train.deterministic:
+        # warn_only: a few CUDA kernels have no deterministic variant; on CPU all of ours do.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# --------------------------------------------------------------------------- backends
+class _Backend:
+    """What the loop needs from a parallelism backend."""
+
+    name = "none"
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def forward_loss(self, tokens: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+        out = self.model(tokens, state=state, return_state=state is not None)
+        return out.loss, out.state
+
+    def backward(self, loss: torch.Tensor, accum: int, last_micro: bool) -> None:
+        (loss / accum).backward()
+
+    def clip_and_step(self, grad_clip: float, lr: float, loss_finite: bool
+                      ) -> tuple[float, bool]:
+        """Returns (grad norm, applied). Skips the update when the norm or loss is not finite."""
+        norm = optim_lib.grad_norm_and_clip(self.model.parameters(), grad_clip)
+        norm_f = float(norm)
+        applied = loss_finite and math.isfinite(norm_f)
+        if applied:
+            optim_lib.set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm_f, applied
+
+    def weights_finite(self) -> bool:
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not bool(torch.isfinite(local.detach()).all()):
+                return False
+        return True
+
+    def eval_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).loss
+
+    def train(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    # Checkpoint plumbing (torch DCP via the CheckpointManager).
+    def save(self, mgr, step: int, meta: dict, rank_state: dict) -> str:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return mgr.save(step, {"model": msd, "optim": osd}, meta=meta, rank_state=rank_state)
+
+    def load(self, mgr, uri: str):
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        app_state = {"model": msd, "optim": osd}
+        ck = mgr.load(uri, app_state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=app_state["model"],
+                       optim_state_dict=app_state["optim"])
+        return ck
+
+
+class _PlainBackend(_Backend):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+
+class _FSDP2Backend(_Backend):
+    name = "fsdp2"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def backward(self, loss: torch.Tensor, accum: int, last_micro: bool) -> None:
+        # Reduce-scatter gradients only on the last micro-batch of an accumulation.
+        self.model.set_requires_gradient_sync(last_micro)
+        (loss / accum).backward()
+
+
+class _DeepSpeedBackend(_Backend):
+    name = "deepspeed"
+
+    def __init__(self, engine, ds_optimizer) -> None:
+        self.engine, self.model, self.optimizer = engine, engine.module, ds_optimizer
+
+    def forward_loss(self, tokens, state=None):
+        out = self.engine(tokens, state=state, return_state=state is not None)
+        return out.loss, out.state
+
+    def backward(self, loss, accum, last_micro):
+        self.engine.backward(loss)   # DeepSpeed divides by gradient_accumulation_steps itself
+        self.engine.step()           # only steps at the accumulation boundary
+
+    def clip_and_step(self, grad_clip, lr, loss_finite):
+        # DeepSpeed clipped and stepped (or skipped on inf/NaN) inside the last engine.step().
+        from gpn_scale.parallel.deepspeed import step_was_skipped
+
+        norm = self.engine.get_global_grad_norm()
+        norm_f = float(norm) if norm is not None else float("nan")
+        applied = not step_was_skipped(self.engine) and loss_finite and math.isfinite(norm_f)
+        return norm_f, applied
+
+    def set_lr(self, lr: float) -> None:
+        optim_lib.set_lr(self.optimizer, lr)
+
+    def weights_finite(self) -> bool:
+        from gpn_scale.parallel.deepspeed import local_params
+
+        return all(bool(torch.isfinite(p.detach()).all()) for p in local_params(self.engine))
+
+    def eval_forward(self, tokens):
+        return self.engine(tokens).loss
+
+    def train(self, mode):
+        self.engine.train(mode)
+
+    def save(self, mgr, step, meta, rank_state):
+        return mgr.save_deepspeed(step, self.engine, meta=meta, rank_state=rank_state)
+
+    def load(self, mgr, uri):
+        return mgr.load_deepspeed(uri, self.engine)
+
+
+# --------------------------------------------------------------------------- trainer
+@dataclass
+class RunResult:
+    exit_code: int
+    step: int
+    tokens: int
+    run_dir: str
+    checkpoint: str | None = None
+    final_eval: dict[str, float] = field(default_factory=dict)
+    skipped_steps: int = 0
+    message: str = ""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: str = "none",
+                 log: Callable[[str], None] | None = None, eval_only: bool = False) -> None:
+        self.cfg = cfg
+        self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
+        self.resume = resume
+        self._log = log or (lambda msg: print(msg, flush=True))
+
+    def log(self, msg: str) -> None:
+        if self.topo is None or self.topo.is_main:
+            self._log(msg)
+
+    topo: Topology | None = None
+    _pbar: Any = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup_topology(self) -> None:
+        cfg = self.cfg
+        env = detect()
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "fsdp2" if env.distributed else "none"
+        if backend == "none" and env.distributed:
+            raise ConfigError("parallel.backend: none cannot run on several processes; use "
+                              "fsdp2 or deepspeed")
+        self.backend_name = backend
+        if backend == "deepspeed" and env.distributed:
+            from gpn_scale.parallel import deepspeed as ds
+            from gpn_scale.parallel.topology import pick_device
+            from gpn_scale.train.env import export_for_torch
+
+            export_for_torch(env)
+            device = pick_device(cfg.train.device, env.local_rank)
+            ds.init_distributed("nccl" if device.type == "cuda" else "gloo")
+        self.topo = init_topology(env, cfg.train.device, tp=cfg.parallel.tp)
+
+    def _model_config(self):
+        from gpn_scale.model import load_model_config
+
+        overrides = dict(self.cfg.model_overrides)
+        if self.cfg.train.tbptt is not None:
+            overrides["tbptt"] = self.cfg.train.tbptt
+        return load_model_config(self.cfg.model, overrides=overrides or None)
+
+    def _data_remote(self) -> str:
+        cfg = self.cfg
+        if cfg.data.remote != DEFAULT_CORPUS:
+            return cfg.data.remote
+        # The embedded default corpus, built once per run dir by rank 0 (others wait).
+        out = Path(self.run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
+        if self.topo.is_main:
+            from data_tools.default_corpus import build_default_dataset
+
+            root = build_default_dataset(str(out), seq_len=cfg.data.seq_len, seed=0)
+        self.topo.barrier()
+        return str(root) if self.topo.is_main else str(out)
+
+    def _build_loader(self, split: str, batch: int, remote: str, vocab: int):
+        from gpn_scale.data import DataConfig, build_loader
+
+        cfg = self.cfg
+        cache = cfg.data.local_cache or str(Path(self.run_dir) / "data" / "cache")
+        dcfg = DataConfig(remote=remote, local_cache=cache, shuffle_seed=cfg.data.shuffle_seed,
+                          num_canonical_nodes=cfg.data.num_canonical_nodes,
+                          num_workers=cfg.data.num_workers)
+        return build_loader(dcfg, split=split, batch_size=batch, rank=self.topo.dp_rank,
+                            world_size=self.topo.dp_size, seq_len=cfg.data.seq_len,
+                            vocab_size=vocab)
+
+    def _build_backend(self, model: nn.Module, micro: int, accum: int) -> _Backend:
+        cfg, topo = self.cfg, self.topo
+        betas = (cfg.optim.beta1, cfg.optim.beta2)
+        fused = cfg.optim.fused and topo.device.type == "cuda"
+        if self.backend_name == "deepspeed":
+            from gpn_scale.parallel import deepspeed as ds
+
+            ds.prepare_env()
+            optimizer = optim_lib.build_adamw(model, cfg.optim.lr, betas, cfg.optim.eps,
+                                              cfg.optim.weight_decay, fused=fused)
+            ds_cfg = ds.ds_config(global_batch=cfg.train.global_batch_size, micro_batch=micro,
+                                  accum=accum, grad_clip=cfg.optim.grad_clip,
+                                  zero_stage=cfg.parallel.zero_stage, bf16=self.bf16)
+            engine, ds_opt = ds.wrap(model, optimizer, ds_cfg)
+            return _DeepSpeedBackend(engine, ds_opt)
+        if self.backend_name == "fsdp2":
+            from gpn_scale.parallel.fsdp import apply_fsdp2
+
+            # Compute dtype comes from autocast (bf16 on GPU), not from FSDP's param_dtype:
+            # the model keeps its recurrent state in fp32 against fp32 weights' dtype rules.
+            apply_fsdp2(model, topo.dp_mesh, param_dtype=None,
+                        reduce_dtype=cfg.parallel.reduce_dtype,
+                        reshard_after_forward=cfg.parallel.reshard_after_forward)
+            optimizer = optim_lib.build_adamw(model, cfg.optim.lr, betas, cfg.optim.eps,
+                                              cfg.optim.weight_decay, fused=fused)
+            return _FSDP2Backend(model, optimizer)
+        optimizer = optim_lib.build_adamw(model, cfg.optim.lr, betas, cfg.optim.eps,
+                                          cfg.optim.weight_decay, fused=fused)
+        return _PlainBackend(model, optimizer)
+
+    def _autocast(self):
+        if self.bf16:
+            return torch.autocast(self.topo.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        self.run_dir = cfg.resolved_run_dir
+        self._setup_topology()
+        topo = self.topo
+        try:
+            return self._run()
+        finally:
+            if hasattr(self, "_pbar") and self._pbar is not None:
+                self._pbar.close()
+            for sink in getattr(self, "_sinks", []):
+                with contextlib.suppress(Exception):
+                    sink.close()
+            topo.destroy()
+
+    def _run(self) -> RunResult:
+        from gpn_scale.checkpoint import CheckpointManager
+        from gpn_scale.model import GPN
+
+        cfg, topo = self.cfg, self.topo
+        device = topo.device
+        precision = cfg.train.precision
+        self.bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+        set_determinism(cfg, device)
+        micro, accum = batch_layout(cfg, topo.dp_size)
+        model_cfg = self._model_config()
+        seq_len = cfg.data.seq_len
+
+        # Checkpoint storage first: a bad path or missing credentials fails before any work.
+        mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
+        mgr.preflight()
+        resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
+
+        if topo.is_main and not self.eval_only:
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+        topo.barrier()
+        remote = self._data_remote()
+        train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
+        eval_batch = cfg.eval.batch_size or micro
+        val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
+        val_start = val_loader.state_dict()  # fixed windows: every eval restarts here
+
+        # Same seed on every rank: identical initial weights before any sharding.
+        seed_everything(cfg.seed)
+        model = GPN(model_cfg).to(device)
+        n_params = sum(p.numel() for p in model.parameters())
+        flops_tok = training_flops_per_token(model_cfg, seq_len, n_params)
+        backend = self._build_backend(model, micro, accum)
+        backend.train(True)
+
+        step, tokens, skipped, wandb_id = 0, 0, 0, None
+        if resume_uri:
+            step, tokens, skipped, wandb_id = self._restore(mgr, resume_uri, backend,
+                                                            train_loader, model_cfg)
+
+        if self.eval_only:
+            if resume_uri is None:
+                self.log("eval: no checkpoint found; evaluating the untrained model")
+            result = self._evaluate(backend, val_loader, val_start, step, tokens)
+            return RunResult(0, step, tokens, self.run_dir, resume_uri, result)
+        self._open_sinks(step if resume_uri else None, wandb_id, model_cfg, n_params)
+        tokens_per_step = cfg.train.global_batch_size * seq_len
+        total = cfg.schedule.total_steps
+        peak = peak_flops(device)
+        self.log(f"train: {model_cfg.name or cfg.model} ({n_params:,} params), backend "
+                 f"{self.backend_name}, world {topo.world_size}, micro {micro} x accum {accum}, "
+                 f"{'bf16' if self.bf16 else 'fp32'} on {device.type}; steps {step}->{total}; "
+                 f"run dir {self.run_dir}; checkpoints {cfg.resolved_checkpoint_root}")
+
+        flag = PreemptionFlag().install() if cfg.preemption.enabled else None
+        self._pbar = self._progress(step, total)
+        data = self._batches(train_loader)
+        state = None
+        in_a_row = 0
+        last_ckpt = resume_uri
+        final_eval: dict[str, float] = {}
+        try:
+            while step < total:
+                t0 = time.perf_counter()
+                lr = optim_lib.lr_at(step, cfg.optim.lr, cfg.schedule.warmup_steps, total,
+                                     cfg.schedule.min_lr_ratio)
+                if isinstance(backend, _DeepSpeedBackend):
+                    backend.set_lr(lr)  # before engine.step() applies it
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                for i in range(accum):
+                    tokens_b = next(data).to(device, non_blocking=True)
+                    with self._autocast():
+                        loss, new_state = backend.forward_loss(
+                            tokens_b, state if cfg.train.stateful_windows else None)
+                    if self._inject_nan(step):
+                        loss = loss * float("nan")
+                    backend.backward(loss, accum, last_micro=i == accum - 1)
+                    loss_sum += loss.detach().double().cpu()
+                    if cfg.train.stateful_windows and new_state is not None:
+                        state = new_state.detach()
+                loss_val = float(topo.all_reduce_mean(loss_sum / accum))
+                grad_norm, applied = backend.clip_and_step(cfg.optim.grad_clip, lr,
+                                                           math.isfinite(loss_val))
+                step += 1
+                tokens += tokens_per_step
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                if applied:
+                    in_a_row = 0
+                else:
+                    skipped += 1
+                    in_a_row += 1
+                    self.log(f"step {step}: non-finite loss or gradient (loss {loss_val}, grad "
+                             f"norm {grad_norm}); update skipped ({in_a_row} in a row, "
+                             f"{skipped} in total)")
+                if step % cfg.train.log_every == 0 or step == total or not applied:
+                    tps = tokens_per_step / dt
+                    self._emit({"train/loss": loss_val, "lr": lr, "grad_norm": grad_norm,
+                                "tokens_per_s": tps,
+                                "mfu": (flops_tok * tps / (peak * topo.world_size)) if peak else None,
+                                "step_time_s": dt, "mem_gb": memory_gb(device),
+                                "skipped_steps": skipped, "step_skipped": not applied},
+                               step, tokens)
+                if self._pbar is not None:
+                    self._pbar.update(1)
+                    self._pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", refresh=False)
+                if cfg.debug.step_sleep:
+                    time.sleep(cfg.debug.step_sleep)
+
+                if in_a_row >= cfg.train.max_nonfinite_in_a_row:
+                    msg = (f"stopping at step {step}: {in_a_row} consecutive steps had a "
+                           f"non-finite loss or gradient (train.max_nonfinite_in_a_row="
+                           f"{cfg.train.max_nonfinite_in_a_row}); the last good checkpoint is "
+                           f"{last_ckpt or 'none (no checkpoint was written)'}; lower optim.lr "
+                           "or check the data, then --resume auto")
+                    self.log(msg)
+                    self._emit({"event": "stopped_nonfinite", "skipped_steps": skipped}, step,
+                               tokens)
+                    return RunResult(EXIT_NONFINITE, step, tokens, self.run_dir, last_ckpt,
+                                     skipped_steps=skipped, message=msg)
+
+                preempt = flag is not None and topo.all_reduce_max(float(flag.requested)) > 0
+                if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
+                    final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
+                if preempt or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+                               and step < total):
+                    last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader,
+                                           model_cfg)
+                if preempt:
+                    self.log(f"preempted (signal {flag.signum or 'on another rank'}) at step "
+                             f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
+                             "with --resume auto")
+                    self._emit({"event": "preempted"}, step, tokens)
+                    if cfg.preemption.requeue and topo.is_main:
+                        request_slurm_requeue(self.log)
+                    return RunResult(EXIT_PREEMPTED, step, tokens, self.run_dir, last_ckpt,
+                                     skipped_steps=skipped, message="preempted")
+        finally:
+            if flag is not None:
+                flag.uninstall()
+
+        # ---- finish: eval, final checkpoint, DONE marker ------------------------------
+        if cfg.eval.at_end:
+            final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
+        if cfg.checkpoint.save_final and last_ckpt_step(last_ckpt) != step:
+            last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader, model_cfg)
+        done = {"step": step, "tokens": tokens,
+                "final_eval_loss": final_eval.get("eval/loss"), "params": n_params,
+                "flops": flops_tok * tokens, "skipped_steps": skipped,
+                "checkpoint": last_ckpt, "run_dir": self.run_dir}
+        if topo.is_main:
+            mgr.storage.put_bytes(DONE_MARKER, json.dumps(done, indent=1).encode())
+        topo.barrier()
+        self.log(f"done: step {step}, {tokens:,} tokens"
+                 + (f", held-out loss {final_eval['eval/loss']:.4f} (ppl "
+                    f"{final_eval['eval/ppl']:.2f})" if final_eval else "")
+                 + f"; checkpoint {last_ckpt}; metrics {Path(self.run_dir) / 'metrics.jsonl'}")
+        return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
+
+    # ------------------------------------------------------------------ pieces
+    def _inject_nan(self, step: int) -> bool:
+        d = self.cfg.debug
+        return step + 1 in d.inject_nan_steps or (d.inject_nan_from is not None
+                                                  and step + 1 >= d.inject_nan_from)
+
+    def _batches(self, loader) -> Iterator[torch.Tensor]:
+        while True:  # epochs: iterating the loader again starts the next one
+            got = False
+            for batch in loader:
+                got = True
+                yield batch
+            if not got:
+                raise TrainingError("the training split yielded no batch; lower "
+                                    "train.global_batch_size or use more data")
+
+    def _progress(self, step: int, total: int):
+        if not (self.topo.is_main and self.cfg.train.progress_bar):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                    mininterval=1.0, file=sys.stderr)
+
+    def _evaluate(self, backend: _Backend, val_loader, val_start, step: int, tokens: int
+                  ) -> dict[str, float]:
+        from gpn_scale.eval.heldout import heldout_loss
+
+        val_loader.load_state_dict(val_start)
+        backend.train(False)
+        try:
+            result = heldout_loss(backend.eval_forward, val_loader, self.cfg.eval.batches,
+                                  self.topo.device, self._autocast, self._all_reduce_sum)
+        finally:
+            backend.train(True)
+        self._emit(result, step, tokens)
+        if self._pbar is not None:
+            self._pbar.write(f"step {step}: held-out loss {result['eval/loss']:.4f} "
+                             f"(ppl {result['eval/ppl']:.2f})")
+        return result
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.topo.env.distributed:
+            return t
+        import torch.distributed as dist
+
+        t = t.to(self.topo._coll_device()).clone()
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def _save(self, mgr, backend: _Backend, step: int, tokens: int, skipped: int, loader,
+              model_cfg) -> str:
+        finite = 0.0 if backend.weights_finite() else 1.0
+        if self.topo.all_reduce_max(finite) > 0:
+            raise TrainingError(f"refusing to checkpoint at step {step}: the weights are not "
+                                "finite; the previous checkpoint is kept")
+        meta = {"step": step, "tokens": tokens, "skipped_steps": skipped,
+                "loader": loader.state_dict(), "wandb_run_id": self._wandb_id,
+                "world_size": self.topo.world_size, "backend": self.backend_name,
+                "model_config": model_cfg.to_dict(), "config": self.cfg.to_dict()}
+        rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
+        uri = backend.save(mgr, step, meta, rank_state)
+        self.log(f"step {step}: checkpoint {uri}")
+        self._emit({"event": "checkpoint", "checkpoint": uri}, step, tokens)
+        return uri
+
+    def _restore(self, mgr, uri: str, backend: _Backend, loader, model_cfg
+                 ) -> tuple[int, int, int, str | None]:
+        # Check the model shape from the manifest before DCP tries (and fails less clearly).
+        check_model_compatible(read_manifest_meta(mgr, uri).get("model_config"), model_cfg, uri)
+        ck = backend.load(mgr, uri)
+        meta = ck.meta
+        check_model_compatible(meta.get("model_config"), model_cfg, uri)
+        rank_state = ck.rank_state
+        if rank_state:
+            restore_rng_state(rank_state["rng"])
+            loader.load_state_dict(rank_state["loader"])
+        else:  # another world size: streaming's global position is valid for any world
+            loader.load_state_dict(meta["loader"])
+        self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
+        return int(meta["step"]), int(meta["tokens"]), int(meta.get("skipped_steps", 0)), \
+            meta.get("wandb_run_id")
+
+    _wandb_id: str | None = None
+    _sinks: list = []
+
+    def _open_sinks(self, resume_step: int | None, wandb_id: str | None, model_cfg,
+                    n_params: int) -> None:
+        self._sinks = []
+        if not self.topo.is_main:
+            return
+        from gpn_scale.train.metrics import JsonlSink, scrub_secrets
+
+        run_dir = Path(self.run_dir)
+        (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        self._sinks.append(JsonlSink(str(run_dir / "metrics.jsonl"), resume_step=resume_step))
+        wb = self.cfg.logging.wandb
+        if wb.mode != "disabled":
+            from gpn_scale.train.metrics import WandbSink
+
+            config = scrub_secrets({**self.cfg.to_dict(), "model_config": model_cfg.to_dict(),
+                                    "params": n_params})
+            sink = WandbSink(project=wb.project, group=wb.group, job_type=wb.job_type,
+                             name=self.cfg.run_name, config=config, mode=wb.mode,
+                             dir=wb.dir or str(run_dir), resume_id=wandb_id)
+            self._wandb_id = sink.run_id
+            self._sinks.append(sink)
+
+    def _emit(self, metrics: dict[str, Any], step: int, tokens: int) -> None:
+        for sink in self._sinks:
+            sink.log({"tokens": tokens, **metrics}, step=step)
+
+
+def last_ckpt_step(uri: str | None) -> int | None:
+    """The step encoded in a checkpoint URI (…/step_000123 or …/step-123), else None."""
+    if not uri:
+        return None
+    import re
+
+    m = re.search(r"step[_-]?0*(\d+)/?$", uri)
+    return int(m.group(1)) if m else None
+
+
+def check_model_compatible(saved: dict | None, current, uri: str) -> None:
+    """One line when a checkpoint was written for another model shape."""
+    if not saved:
+        return
+    shape_keys = ("vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "memory", "n_heads",
+                  "d_key", "d_value", "decoder_bias")
+    cur = current.to_dict()
+    diff = [f"{k} {saved.get(k)} != {cur.get(k)}" for k in shape_keys if saved.get(k) != cur.get(k)]
+    if diff:
+        raise ConfigError(f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
+                          "use the model config it was trained with, or a fresh checkpoint.root")
+
+
+def read_manifest_meta(mgr, uri: str) -> dict:
+    """The `meta` a checkpoint was saved with (manifest.json, documented layout), or {}."""
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        if mgr.storage.child_uri(name).rstrip("/") != uri.rstrip("/"):
+            return {}  # an explicit URI outside this root: DCP's own check applies
+        raw = mgr.storage.get_bytes(f"{name}/manifest.json")
+        return dict(json.loads(raw).get("meta", {})) if raw else {}
+    except (ValueError, AttributeError):
+        return {}
