@@ -1,0 +1,25 @@
+"""The one error type of the checkpoint package."""
+
+from __future__ import annotations
+
+from gpn_scale.model.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written, found or loaded.
+
+    The message is one line naming the problem and the fix, so a launcher can print it as is.
+    It subclasses ConfigError because most causes are configuration (a bad path, missing
+    credentials, a wrong resume URI) and the CLI already turns ConfigError into a clean exit.
+    """
+
+    def __init__(self, message: str) -> None:
+        # Keep the promise of one line even when a wrapped library error is multi-line.
+        super().__init__(" ".join(str(message).split()))
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: message` of an exception, squeezed onto one line and cut to `limit` characters."""
+    text = " ".join(str(exc).split()) or repr(exc)
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

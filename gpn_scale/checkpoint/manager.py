@@ -1,0 +1,577 @@
+"""CheckpointManager: sharded save/load with a manifest, an atomic "latest" pointer and retention.
+
+Layout under the root (a directory or s3://bucket/prefix):
+
+    <root>/latest                      {"step": 200, "name": "step_000000200"}  (written last)
+    <root>/step_000000200/manifest.json  files + sizes + sha256 + world_size + step + meta
+    <root>/step_000000200/.metadata      DCP metadata (rank 0)
+    <root>/step_000000200/__<r>_0.distcp DCP shards, one file per rank
+    <root>/step_000000200/rank_<r>.pt    per-rank state (RNG), weights_only-loadable
+    (DeepSpeed checkpoints hold DeepSpeed's own files instead of the DCP ones.)
+
+Commit protocol of `save` (all ranks call it):
+ 1. every rank writes its files into its own staging directory (for a local root the staging
+    directory sits inside the root, so "upload" is a rename), hashes them and uploads them;
+ 2. the ranks all_gather their file lists (or their one-line errors: then every rank raises);
+ 3. rank 0 lists the uploaded files, checks every size, and only then writes manifest.json;
+ 4. rank 0 replaces the `latest` pointer, then applies keep-last-K retention.
+A checkpoint without a manifest, or whose files do not match it, is never returned by latest().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from gpn_scale.checkpoint.errors import CheckpointError, one_line
+from gpn_scale.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    safe_torch_load,
+    safe_unpickle_metadata,
+)
+from gpn_scale.checkpoint.storage import LocalStorage, ObjectInfo, Storage, open_storage
+
+FORMAT = "gpn_scale.checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{9,})$")
+
+
+def step_dir_name(step: int) -> str:
+    """`step_000000200`: zero-padded so lexical and numeric order agree."""
+    return f"step_{int(step):09d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What `load`/`load_deepspeed` hand back besides the state loaded in place."""
+
+    meta: dict[str, Any]
+    rank_state: dict[str, Any] | None  # None when the saved world size differs from the current one
+    step: int
+    uri: str
+    world_size: int = 1  # world size at save time
+    kind: str = "dcp"  # "dcp" or "deepspeed"
+    extra: dict[str, Any] = field(default_factory=dict)  # deepspeed: {"client_state": ...}
+
+
+class CheckpointManager:
+    """Save/find/load checkpoints under `root` (a directory or s3://bucket/prefix).
+
+    rank and world size come from torch.distributed when it is initialised, else 0 / 1.
+    `staging_dir`: where each rank writes before uploading (default: `<root>/.staging` for a local
+    root, `$GPN_CKPT_STAGING` or the temp dir for S3); each rank uses its own `rank_<r>` sub-dir.
+    `s3_retries` / `s3_backoff_s` bound the S3 retry loop (see S3Storage).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep_last: int = 3,
+        staging_dir: str | None = None,
+        s3_retries: int | None = None,
+        s3_backoff_s: float | None = None,
+    ) -> None:
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise CheckpointError(f"keep_last={keep_last!r} must be an integer >= 1 (it always keeps the latest)")
+        self.root = str(root)
+        self._s3_options = {"retries": s3_retries, "backoff_s": s3_backoff_s}
+        self.storage: Storage = open_storage(self.root, **self._s3_options)
+        self.keep_last = keep_last
+        if staging_dir is not None:
+            self._staging_root = Path(staging_dir).expanduser().absolute()
+        elif isinstance(self.storage, LocalStorage):
+            self._staging_root = self.storage.root / ".staging"
+        else:
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.storage.uri.removeprefix("s3://"))
+            base = os.environ.get("GPN_CKPT_STAGING") or os.path.join(tempfile.gettempdir(), "gpn_scale_ckpt_staging")
+            self._staging_root = Path(base) / safe
+
+    # -- distributed helpers ------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _agree(self, error: str | None, what: str) -> list[Any]:
+        """Collective: raise the first rank's error on every rank (so no rank is left waiting)."""
+        errors = self._gather(error)
+        for r, err in enumerate(errors):
+            if err:
+                where = f" on rank {r}" if self.world_size > 1 else ""
+                raise CheckpointError(f"{what}{where}: {err}")
+        return errors
+
+    def _stage(self) -> Path:
+        return self._staging_root / f"rank_{self.rank:05d}"
+
+    # -- locating -----------------------------------------------------------------------------
+
+    def _locate(self, uri: str) -> tuple[Storage, str]:
+        """(storage, step dir name) for a checkpoint URI under this root or anywhere else."""
+        text = str(uri).rstrip("/")
+        name = text.rsplit("/", 1)[-1]
+        if not _STEP_RE.match(name):
+            raise CheckpointError(
+                f"{uri!r} is not a checkpoint (expected .../step_NNNNNNNNN); use --resume auto or a step directory"
+            )
+        parent = text[: -len(name)].rstrip("/") or "/"
+        mine = self.storage.uri.rstrip("/")
+        if parent == mine or (isinstance(self.storage, LocalStorage) and os.path.abspath(parent) == mine):
+            return self.storage, name
+        return open_storage(parent, **self._s3_options), name
+
+    def _check(self, storage: Storage, name: str, *, deep: bool = False) -> tuple[dict[str, Any] | None, str]:
+        """(manifest, "") when `name` is complete and its files match, else (None, reason).
+
+        Cheap by default: one listing; sizes must match; a local file whose mtime changed, or an
+        S3 object whose ETag changed since the manifest was written, is re-hashed (local) or
+        rejected (S3). deep=True re-hashes every local file.
+        """
+        raw = storage.get_bytes(f"{name}/{MANIFEST}")
+        if raw is None:
+            return None, "no manifest.json (the save did not finish)"
+        try:
+            manifest = json.loads(raw)
+            files: dict[str, dict[str, Any]] = manifest["files"]
+            if manifest.get("format") != FORMAT or not isinstance(files, dict):
+                return None, f"manifest.json has format {manifest.get('format')!r}, expected {FORMAT!r}"
+        except (ValueError, KeyError, TypeError) as exc:
+            return None, f"manifest.json is unreadable ({one_line(exc, 120)})"
+        listing = storage.list(f"{name}/")
+        local = storage.local_dir(name)
+        for rel, want in files.items():
+            have: ObjectInfo | None = listing.get(f"{name}/{rel}")
+            if have is None:
+                return None, f"file {rel} is missing"
+            if have.size != want["size"]:
+                return None, f"file {rel} has {have.size} bytes, manifest says {want['size']}"
+            if have.etag is not None and want.get("etag") and have.etag != want["etag"]:
+                return None, f"file {rel} was rewritten after the manifest (ETag changed)"
+            if local is not None and (deep or (want.get("mtime_ns") is not None and have.mtime_ns != want["mtime_ns"])):
+                if sha256_file(local / rel) != want["sha256"]:
+                    return None, f"file {rel} does not match its sha256 in the manifest"
+        return manifest, ""
+
+    def _candidates(self) -> list[str]:
+        names = [n for n in self.storage.list_dirs() if _STEP_RE.match(n)]
+        return sorted(names, key=lambda n: int(_STEP_RE.match(n).group(1)), reverse=True)  # type: ignore[union-attr]
+
+    def latest(self) -> str | None:
+        """URI of the newest complete checkpoint (the `latest` pointer if it verifies, else the
+        highest complete step directory), or None when there is none."""
+        tried: set[str] = set()
+        raw = self.storage.get_bytes(LATEST)
+        if raw is not None:
+            try:
+                name = str(json.loads(raw)["name"])
+            except (ValueError, KeyError, TypeError):
+                name = ""
+            if _STEP_RE.match(name):
+                tried.add(name)
+                if self._check(self.storage, name)[0] is not None:
+                    return self.storage.child_uri(name)
+        for name in self._candidates():
+            if name not in tried and self._check(self.storage, name)[0] is not None:
+                return self.storage.child_uri(name)
+        return None
+
+    def list_checkpoints(self) -> list[tuple[int, str, bool]]:
+        """(step, uri, complete) for every step directory, newest first (for status displays)."""
+        out = []
+        for name in self._candidates():
+            complete = self._check(self.storage, name)[0] is not None
+            out.append((int(name[len("step_") :]), self.storage.child_uri(name), complete))
+        return out
+
+    def resolve_resume(self, resume: str | None) -> str | None:
+        """'auto' -> latest() (None when there is none); 'none'/'' -> None; a URI -> that URI if complete."""
+        value = (resume or "none").strip()
+        if value.lower() in ("none", "no", "false", "off", ""):
+            return None
+        if value.lower() == "auto":
+            return self.latest()
+        storage, name = self._locate(value)
+        manifest, reason = self._check(storage, name)
+        if manifest is None:
+            raise CheckpointError(
+                f"cannot resume from {storage.child_uri(name)}: {reason}; pick a complete checkpoint or use --resume auto"
+            )
+        return storage.child_uri(name)
+
+    def preflight(self) -> None:
+        """Cheap write probe of the root and of this rank's staging directory (call before training)."""
+        self.storage.preflight()
+        stage = self._stage()
+        try:
+            stage.mkdir(parents=True, exist_ok=True)
+            probe = stage / ".probe"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint staging directory {stage} is not writable ({one_line(exc, 120)}); "
+                "pass staging_dir= or set GPN_CKPT_STAGING to a writable local disk"
+            ) from exc
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def _begin(self, step: int, meta: dict[str, Any]) -> tuple[str, Path]:
+        """Collective: validate, clear this rank's staging and (rank 0) any old dir for `step`."""
+        name = step_dir_name(step)
+        stage = self._stage() / name
+        err = None
+        try:
+            if self.rank == 0:
+                json.dumps(meta)
+            shutil.rmtree(stage, ignore_errors=True)
+            stage.mkdir(parents=True, exist_ok=True)
+            if self.rank == 0 and self.storage.list(f"{name}/"):
+                # Re-saving a step: drop the manifest first so the old copy is never half-valid.
+                self.storage.delete_prefix(f"{name}/{MANIFEST}")
+                self.storage.delete_prefix(f"{name}/")
+        except TypeError as exc:
+            err = f"meta is not JSON-serialisable ({one_line(exc, 160)}); pass plain python values"
+        except CheckpointError as exc:
+            err = str(exc)
+        except OSError as exc:
+            err = f"cannot prepare staging directory {stage} ({one_line(exc, 160)}); pass a writable staging_dir"
+        self._agree(err, f"checkpoint {name} not saved")
+        return name, stage
+
+    def _upload_stage(self, name: str, stage: Path) -> str | dict[str, dict[str, Any]]:
+        """Hash and upload every file this rank staged; {rel: entry} or a one-line error."""
+        entries: dict[str, dict[str, Any]] = {}
+        try:
+            for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+                rel = path.relative_to(stage).as_posix()
+                entry = {"size": path.stat().st_size, "sha256": sha256_file(path), "rank": self.rank}
+                self.storage.put_file(path, f"{name}/{rel}")
+                entries[rel] = entry
+        except CheckpointError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"cannot read staged file ({one_line(exc, 160)})"
+        return entries
+
+    def _commit(self, step: int, name: str, stage: Path, kind: str, per_rank: Any, meta: dict[str, Any]) -> str:
+        """Collective tail of a save: gather file lists, rank 0 verifies + writes manifest/latest."""
+        what = f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous latest is unchanged"
+        gathered = self._gather(per_rank)
+        for r, item in enumerate(gathered):
+            if isinstance(item, str):
+                where = f" on rank {r}" if self.world_size > 1 else ""
+                shutil.rmtree(stage, ignore_errors=True)
+                raise CheckpointError(f"{what}{where}: {item}")
+        error = None
+        if self.rank == 0:
+            try:
+                self._write_manifest(step, name, kind, gathered, meta)
+            except CheckpointError as exc:
+                error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any surprise must still reach every rank
+                error = one_line(exc)
+        error = self._broadcast(error)
+        shutil.rmtree(stage, ignore_errors=True)
+        if error:
+            raise CheckpointError(f"{what}: {error}")
+        return self.storage.child_uri(name)
+
+    def _write_manifest(self, step: int, name: str, kind: str, gathered: list[Any], meta: dict[str, Any]) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        for entries in gathered:
+            for rel, entry in entries.items():
+                if rel in files:
+                    raise CheckpointError(f"ranks {files[rel]['rank']} and {entry['rank']} both wrote {rel}")
+                files[rel] = entry
+        # Verify what actually landed before anything may point at it.
+        listing = self.storage.list(f"{name}/")
+        for rel, entry in files.items():
+            have = listing.get(f"{name}/{rel}")
+            if have is None or have.size != entry["size"]:
+                got = "missing" if have is None else f"{have.size} bytes"
+                raise CheckpointError(f"verification failed: {rel} is {got}, expected {entry['size']} bytes")
+            if have.etag:
+                entry["etag"] = have.etag
+            if have.mtime_ns is not None:
+                entry["mtime_ns"] = have.mtime_ns
+        manifest = {
+            "format": FORMAT,
+            "kind": kind,
+            "step": int(step),
+            "world_size": self.world_size,
+            "created_unix": time.time(),
+            "torch_version": torch.__version__,
+            "files": dict(sorted(files.items())),
+            "meta": meta,
+        }
+        self.storage.put_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        self.storage.put_bytes(LATEST, json.dumps({"step": int(step), "name": name}).encode())
+        try:
+            self._retain(name)
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is safe; retention can catch up next save
+            warnings.warn(f"checkpoint retention failed (will retry at the next save): {one_line(exc)}", stacklevel=3)
+
+    def _retain(self, current: str) -> None:
+        """Keep the newest `keep_last` complete checkpoints (always `current`); delete older ones
+        and abandoned partial directories older than `current`. Newer directories are left alone."""
+        cur_step = int(current[len("step_") :])
+        names = self._candidates()  # newest first
+        complete = [n for n in names if self.storage.get_bytes(f"{n}/{MANIFEST}") is not None]
+        keep = set(complete[: self.keep_last]) | {current}
+        for n in names:
+            if n in keep or int(n[len("step_") :]) >= cur_step:
+                continue
+            # Manifest first: a half-deleted checkpoint must look incomplete, never complete.
+            self.storage.delete_prefix(f"{n}/{MANIFEST}")
+            self.storage.delete_prefix(f"{n}/")
+
+    def save(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        *,
+        meta: dict[str, Any],
+        rank_state: dict[str, Any] | None = None,
+    ) -> str:
+        """COLLECTIVE. Save a DCP state dict (+ per-rank state, + meta on rank 0); returns the URI.
+
+        The checkpoint becomes `latest` only after every rank's files are uploaded and verified.
+        Any failure raises a one-line CheckpointError on every rank and leaves `latest` unchanged.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        name, stage = self._begin(step, meta)
+        err = None
+        try:
+            writer = dcp.FileSystemWriter(str(stage), single_file_per_rank=True, sync_files=False, thread_count=1)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.save(app_state, storage_writer=writer)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
+            raise CheckpointError(f"checkpoint {name} not saved: DCP save failed ({one_line(exc)})") from exc
+        try:
+            if rank_state is not None:
+                torch.save(rank_state, stage / _rank_file(self.rank))
+        except Exception as exc:  # noqa: BLE001
+            err = f"cannot write rank_state ({one_line(exc, 160)})"
+        per_rank = err if err else self._upload_stage(name, stage)
+        return self._commit(step, name, stage, "dcp", per_rank, meta)
+
+    def save_deepspeed(
+        self,
+        step: int,
+        engine: Any,
+        *,
+        meta: dict[str, Any],
+        rank_state: dict[str, Any] | None = None,
+    ) -> str:
+        """COLLECTIVE. engine.save_checkpoint into this rank's staging dir, then upload/manifest/latest."""
+        name, stage = self._begin(step, meta)
+        err = None
+        try:
+            # Each rank saves into its own staging root, so the files it staged are exactly the
+            # files it wrote (no guessing from DeepSpeed's file names).
+            ok = engine.save_checkpoint(str(stage.parent), tag=name, client_state={}, save_latest=False)
+            if ok is False:
+                err = "engine.save_checkpoint returned False"
+        except Exception as exc:  # noqa: BLE001
+            err = f"DeepSpeed save_checkpoint failed ({one_line(exc, 200)})"
+        try:
+            if not err and rank_state is not None:
+                torch.save(rank_state, stage / _rank_file(self.rank))
+        except Exception as exc:  # noqa: BLE001
+            err = f"cannot write rank_state ({one_line(exc, 160)})"
+        per_rank = err if err else self._upload_stage(name, stage)
+        return self._commit(step, name, stage, "deepspeed", per_rank, meta)
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _materialise(self, uri: str, kind: str) -> tuple[dict[str, Any], Storage, str, Path, bool]:
+        """Collective: verified manifest + a local directory holding the checkpoint's files.
+
+        Returns (manifest, storage, name, local_dir, downloaded). Every file is hashed once:
+        local roots split the hashing across ranks; S3 downloads are hashed by the downloader.
+        """
+        storage, name = self._locate(uri)
+        err = None
+        manifest: dict[str, Any] | None = None
+        local = storage.local_dir(name)
+        downloaded = local is None
+        try:
+            manifest, reason = self._check(storage, name)
+            if manifest is None:
+                raise CheckpointError(f"{reason}; pick a complete checkpoint or use --resume auto")
+            if manifest.get("kind") != kind:
+                raise CheckpointError(
+                    f"it is a {manifest.get('kind')} checkpoint; load it with the matching load method"
+                )
+            files = manifest["files"]
+            if local is None:
+                local = self._stage() / "load" / name
+                for rel, entry in files.items():
+                    dest = local / rel
+                    if not (dest.exists() and dest.stat().st_size == entry["size"] and sha256_file(dest) == entry["sha256"]):
+                        storage.get_file(f"{name}/{rel}", dest)
+                        if sha256_file(dest) != entry["sha256"]:
+                            raise CheckpointError(f"downloaded {rel} does not match its sha256 in the manifest")
+            else:
+                for i, (rel, entry) in enumerate(sorted(files.items())):
+                    if i % self.world_size == self.rank and sha256_file(local / rel) != entry["sha256"]:
+                        raise CheckpointError(f"file {rel} does not match its sha256 in the manifest")
+        except CheckpointError as exc:
+            err = str(exc)
+        except OSError as exc:
+            err = one_line(exc, 200)
+        self._agree(err, f"cannot load {storage.child_uri(name)}")
+        assert manifest is not None and local is not None
+        return manifest, storage, name, local, downloaded
+
+    def _loaded(self, manifest: dict[str, Any], local: Path, uri: str, kind: str) -> LoadedCheckpoint:
+        saved_world = int(manifest.get("world_size", 1))
+        rank_state = None
+        if saved_world == self.world_size and _rank_file(self.rank) in manifest["files"]:
+            rank_state = safe_torch_load(local / _rank_file(self.rank))
+        return LoadedCheckpoint(
+            meta=manifest.get("meta", {}),
+            rank_state=rank_state,
+            step=int(manifest["step"]),
+            uri=uri,
+            world_size=saved_world,
+            kind=kind,
+        )
+
+    def load(self, uri: str, app_state: dict[str, Any]) -> LoadedCheckpoint:
+        """COLLECTIVE when distributed. dcp.load into `app_state` in place (tensors and python
+        values; the caller then applies it, e.g. with set_state_dict). Works on a different world
+        size (DCP reshards); rank_state is then None."""
+        import torch.distributed.checkpoint as dcp
+
+        manifest, storage, name, local, downloaded = self._materialise(uri, "dcp")
+        full_uri = storage.child_uri(name)
+        try:
+            # Vet DCP's pickled metadata ourselves first: DCP would hide our refusal inside its
+            # own AssertionError text.
+            safe_unpickle_metadata((local / ".metadata").read_bytes(), str(local / ".metadata"))
+        except OSError as exc:
+            raise CheckpointError(f"cannot load {full_uri}: cannot read .metadata ({one_line(exc, 160)})") from exc
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(app_state, storage_reader=SafeFileSystemReader(str(local)), planner=SafeLoadPlanner())
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            cause = _find_checkpoint_error(exc)
+            if cause is not None:
+                raise CheckpointError(f"cannot load {full_uri}: {cause}") from exc
+            raise CheckpointError(
+                f"cannot load {full_uri}: DCP load failed ({one_line(exc)}); does the model/optimizer match the checkpoint?"
+            ) from exc
+        try:
+            return self._loaded(manifest, local, full_uri, "dcp")
+        finally:
+            if downloaded:
+                shutil.rmtree(local, ignore_errors=True)
+
+    def load_deepspeed(self, uri: str, engine: Any) -> LoadedCheckpoint:
+        """COLLECTIVE. engine.load_checkpoint from the verified files (same world size only:
+        DeepSpeed ZeRO shards cannot be re-split without converting to its universal format).
+        Every file DeepSpeed reads is loaded with weights_only=True."""
+        manifest, storage, name, local, downloaded = self._materialise(uri, "deepspeed")
+        full_uri = storage.child_uri(name)
+        if int(manifest.get("world_size", 1)) != self.world_size:
+            raise CheckpointError(
+                f"cannot load {full_uri}: DeepSpeed checkpoint saved on {manifest.get('world_size')} ranks, now "
+                f"{self.world_size}; resume on the same number of ranks or convert it with ds_to_universal"
+            )
+        ckpt_engine = engine.checkpoint_engine
+        original = ckpt_engine.load
+        ckpt_engine.load = lambda path, map_location=None, **_: _deepspeed_safe_load(path)
+        try:
+            load_path, client_state = engine.load_checkpoint(
+                str(local.parent), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            cause = _find_checkpoint_error(exc)
+            raise CheckpointError(f"cannot load {full_uri}: {cause or 'DeepSpeed load_checkpoint failed (' + one_line(exc) + ')'}") from exc
+        finally:
+            ckpt_engine.load = original
+        if load_path is None:
+            raise CheckpointError(f"cannot load {full_uri}: DeepSpeed found no checkpoint in {local}")
+        try:
+            loaded = self._loaded(manifest, local, full_uri, "deepspeed")
+            loaded.extra["client_state"] = client_state
+            return loaded
+        finally:
+            if downloaded:
+                shutil.rmtree(local, ignore_errors=True)
+
+
+def _find_checkpoint_error(exc: BaseException) -> str | None:
+    """DCP wraps per-rank failures (CheckpointException); dig out our own refusal message."""
+    stack: list[Any] = [exc]
+    seen = 0
+    while stack and seen < 50:
+        e = stack.pop()
+        seen += 1
+        if isinstance(e, CheckpointError):
+            return str(e)
+        if isinstance(e, BaseException):
+            stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+            failures = getattr(e, "failures", None)
+            if isinstance(failures, dict):
+                stack.extend(failures.values())
+        elif isinstance(e, tuple):  # DCP keeps (exception, traceback) pairs
+            stack.extend(x for x in e if isinstance(x, BaseException))
+    return None
+
+
+def _deepspeed_safe_load(path: str) -> Any:
+    from gpn_scale.checkpoint.safe_load import deepspeed_safe_globals
+
+    return safe_torch_load(Path(path), extra_safe_globals=deepspeed_safe_globals())
