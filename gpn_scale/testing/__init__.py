@@ -1,0 +1,1 @@
+"""Test helpers that are also useful by hand (e.g. a local S3 endpoint)."""

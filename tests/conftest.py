@@ -1,0 +1,61 @@
+"""Shared fixtures for the whole test suite.
+
+S3 without a cloud account
+--------------------------
+`s3_endpoint` (session scope) starts moto's S3 server on a free 127.0.0.1 port, over
+real HTTP, and for the rest of the session sets in os.environ:
+
+    S3_ENDPOINT_URL=http://127.0.0.1:<port>   (boto3 via our code, and streaming, read it)
+    AWS_ACCESS_KEY_ID=testing  AWS_SECRET_ACCESS_KEY=testing  AWS_DEFAULT_REGION=us-east-1
+
+Child processes started after the fixture (torch.multiprocessing spawn, torchrun,
+subprocess) inherit that environment, so they reach the same server. The value is a
+`gpn_scale.testing.s3.LocalS3`: `.url`, `.env()`, `.client()`, `.create_bucket(name)`.
+
+`s3_bucket` (function scope) creates a fresh, uniquely named bucket for one test and
+returns its URL, "s3://<name>"; use it so tests never see each other's objects:
+
+    def test_roundtrip(s3_bucket):
+        root = f"{s3_bucket}/dataset"      # s3://test-ab12cd34/dataset
+
+Note streaming's filelocks live in tempfile.gettempdir(): tests that build loaders should
+give themselves a private TMPDIR (tests/data/conftest.py does this for the data tests).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Iterator
+
+import pytest
+
+from gpn_scale.testing.s3 import LocalS3
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[LocalS3]:
+    """moto S3 server on 127.0.0.1 for the session; environment points boto3/streaming at it."""
+    server = LocalS3().start()
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in server.env().items():
+            patch.setenv(key, value)
+        # A developer's real profile/session token must not leak into local requests.
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+            patch.delenv(key, raising=False)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: LocalS3) -> str:
+    """A new, empty bucket for this test: returns "s3://<name>"."""
+    return s3_endpoint.create_bucket(f"test-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def s3_env_snapshot() -> dict[str, str]:
+    """The S3-related environment as the test sees it (handy for child processes)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "S3_"))}
