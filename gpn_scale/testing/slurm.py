@@ -195,6 +195,13 @@ class LocalSlurm:
         raise TimeoutError(f"job {job_id} not finished after {timeout:.0f}s (state {state})")
 
 
+def probe(x: int) -> dict:
+    """A job payload for executor tests (importable by the job, unlike a test module's
+    functions): 2*x, the SLURM job id and rank it ran under, and the host."""
+    return {"x2": 2 * x, "job": os.environ.get("SLURM_JOB_ID"),
+            "rank": os.environ.get("SLURM_PROCID"), "host": socket.gethostname()}
+
+
 # ----------------------------------------------------------------------------- fixtures
 try:
     import pytest
@@ -210,12 +217,15 @@ if pytest is not None:
             pytest.fail("the local SLURM cluster needs bash")
         state = tmp_path_factory.mktemp("slurm")
         cluster = LocalSlurm(state)
+        error = None
         try:
             cluster.start()
         except SlurmStartError as err:
+            error = str(err)
+        if error is not None:
             if cluster.started:
                 cluster.stop()
-            pytest.fail(f"could not start the local SLURM cluster: {err}", pytrace=False)
+            pytest.fail(f"could not start the local SLURM cluster: {error}", pytrace=False)
         try:
             yield cluster
         finally:
