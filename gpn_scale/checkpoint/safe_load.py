@@ -133,6 +133,26 @@ def safe_torch_load(path: Path, *, extra_safe_globals: Iterable[Any] = ()) -> An
         ) from exc
 
 
+# Plain data classes/enums DeepSpeed pickles into its optimizer-state files (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO-1/2 fp32 checkpoints). Classes
+# only: the weights_only unpickler instantiates them and sets attributes, nothing else runs.
+_DEEPSPEED_GLOBALS = (
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+)
+
+
 def deepspeed_safe_globals() -> list[Any]:
-    """Non-tensor types DeepSpeed puts in its checkpoint files, allowed for weights_only loads."""
-    return []
+    """The DeepSpeed classes allowed in weights_only loads of DeepSpeed checkpoint files."""
+    import importlib
+
+    out = []
+    for dotted in _DEEPSPEED_GLOBALS:
+        module, _, name = dotted.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: that type cannot occur
+            continue
+    return out
