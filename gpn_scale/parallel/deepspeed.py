@@ -45,13 +45,17 @@ def init_distributed(backend: str) -> None:
 
 
 def ds_config(*, global_batch: int, micro_batch: int, accum: int, grad_clip: float,
-              zero_stage: int, bf16: bool) -> dict[str, Any]:
+              zero_stage: int, bf16: bool, persistence_threshold: int | None = None
+              ) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage == 3 and persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = int(persistence_threshold)
     return {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": float(grad_clip) if grad_clip > 0 else 0.0,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
         # Our AdamW (torch) as the client optimizer: DeepSpeed calls it "untested" for ZeRO.

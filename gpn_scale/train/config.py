@@ -72,6 +72,9 @@ class TrainSection:
 class ParallelSection:
     backend: str = "auto"              # auto | none | fsdp2 | deepspeed
     zero_stage: int = 2                # DeepSpeed ZeRO stage (1, 2, 3)
+    # ZeRO-3: parameters smaller than this stay whole on every rank (DeepSpeed default 1e5);
+    # 0 partitions every parameter (tests use it so that tiny models are really sharded).
+    zero3_persistence_threshold: Optional[int] = None
     reduce_dtype: str = "fp32"         # FSDP2 mixed-precision gradient reduction dtype
     reshard_after_forward: bool = True
     tp: int = 1                        # tensor parallel degree: reserved (mesh dim "tp")
@@ -83,6 +86,9 @@ class CheckpointSection:
     every_steps: int = 0               # 0 = only on preemption and at the end
     keep_last: int = 2
     save_final: bool = True
+    # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
+    # (gathered from FSDP2 / ZeRO shards), loadable with GPN(cfg).load_state_dict.
+    export_final: bool = False
 
 
 @dataclass

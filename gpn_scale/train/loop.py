@@ -131,6 +131,16 @@ class _Backend:
     def eval_forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens).loss
 
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the unsharded weights on rank 0 (None elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
     def train(self, mode: bool) -> None:
         self.model.train(mode)
 
@@ -202,6 +212,16 @@ class _DeepSpeedBackend(_Backend):
 
     def eval_forward(self, tokens):
         return self.engine(tokens).loss
+
+    def full_state_dict(self):
+        import deepspeed
+        import torch.distributed as dist
+
+        params = list(self.model.parameters())
+        # ZeRO-3 partitions the weights; gathering is a no-op for stages 1-2 (full copies).
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            sd = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return sd if dist.get_rank() == 0 else None
 
     def train(self, mode):
         self.engine.train(mode)
@@ -307,8 +327,14 @@ class Trainer:
                                               cfg.optim.weight_decay, fused=fused)
             ds_cfg = ds.ds_config(global_batch=cfg.train.global_batch_size, micro_batch=micro,
                                   accum=accum, grad_clip=cfg.optim.grad_clip,
-                                  zero_stage=cfg.parallel.zero_stage, bf16=self.bf16)
+                                  zero_stage=cfg.parallel.zero_stage, bf16=self.bf16,
+                                  persistence_threshold=cfg.parallel.zero3_persistence_threshold)
             engine, ds_opt = ds.wrap(model, optimizer, ds_cfg)
+            if cfg.parallel.zero_stage == 3:
+                parts = sum(1 for p in engine.module.parameters()
+                            if getattr(p, "ds_tensor", p).numel() < p.ds_numel)
+                self.log(f"deepspeed: ZeRO-3 partitions {parts} of "
+                         f"{len(list(engine.module.parameters()))} parameters")
             return _DeepSpeedBackend(engine, ds_opt)
         if self.backend_name == "fsdp2":
             from gpn_scale.parallel.fsdp import apply_fsdp2
@@ -493,6 +519,10 @@ class Trainer:
             final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
         if cfg.checkpoint.save_final and last_ckpt_step(last_ckpt) != step:
             last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader, model_cfg)
+        if cfg.checkpoint.export_final:
+            sd = backend.full_state_dict()
+            if sd is not None:
+                torch.save(sd, Path(self.run_dir) / "model_final.pt")
         done = {"step": step, "tokens": tokens,
                 "final_eval_loss": final_eval.get("eval/loss"), "params": n_params,
                 "flops": flops_tok * tokens, "skipped_steps": skipped,
