@@ -1,0 +1,106 @@
+"""Model config validation, the shipped YAML configs, and the parameter/FLOP counts."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpn_scale.model import GPN, ConfigError, GPNConfig, load_model_config
+from gpn_scale.model.config import CONFIG_DIR
+from gpn_scale.model.counts import (count_parameters, estimate_training_memory,
+                                    flops_per_token, forward_flops_per_token)
+
+BASE = dict(vocab_size=100, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(d_state=-4), "d_state"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(d_ffn=2.5), "d_ffn"),
+    (dict(n_heads=0), "n_heads"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(tbptt=-1), "tbptt"),
+    (dict(memory_cells=1000), "memory_cells"),
+    (dict(memory=False), "n_heads"),
+    (dict(memory="yes"), "memory"),
+])
+def test_bad_values_name_the_field(changes, field):
+    with pytest.raises(ConfigError) as err:
+        GPNConfig(**{**BASE, **changes})
+    message = str(err.value)
+    assert message.startswith(field) and "\n" not in message
+
+
+def test_unknown_and_missing_keys():
+    with pytest.raises(ConfigError, match=r"model.d_stat: unknown key \(did you mean 'd_state'\?\)"):
+        GPNConfig.from_dict({**BASE, "d_stat": 3})
+    values = dict(BASE)
+    del values["d_emb"]
+    with pytest.raises(ConfigError, match="model.d_emb: required"):
+        GPNConfig.from_dict(values)
+
+
+def test_heads_must_match_the_declared_cell_count():
+    GPNConfig(**BASE, memory_cells=2 * 4 * 6)
+    with pytest.raises(ConfigError, match="memory_cells: 47 does not match n_heads"):
+        GPNConfig(**BASE, memory_cells=47)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_configs_load(path):
+    cfg = load_model_config(path.stem)
+    assert cfg.name == path.stem and count_parameters(cfg) > 0
+
+
+def test_paper_configurations_have_the_published_sizes():
+    one = load_model_config("gpn_m_130m")
+    assert (one.cells, round(count_parameters(one) / 1e6, 1)) == (491_520, 129.2)
+    two = load_model_config("gpn_m_130m_2l")
+    assert (two.cells, round(count_parameters(two) / 1e6, 1), two.tbptt) == (360_448, 129.8, 512)
+    gpn = load_model_config("gpn_130m")
+    assert (gpn.cells, round(count_parameters(gpn) / 1e6, 1)) == (0, 129.2)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(n_layers=3, decoder_bias=True),
+                                     dict(memory=False, n_heads=0, d_key=0, d_value=0)])
+def test_counts_match_the_module(changes):
+    cfg = GPNConfig(**{**BASE, **changes})
+    assert count_parameters(cfg) == GPN(cfg).num_parameters()
+
+
+def test_flops_count_matches_profiled_matmuls():
+    """Count the forward's matmul FLOPs with torch's FLOP counter on the reference path."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gpn_scale.model.reference import reference_forward
+    cfg = GPNConfig(**{**BASE, "n_layers": 2})
+    model = GPN(cfg)
+    B, T = 2, 5
+    tokens = torch.randint(0, cfg.vocab_size, (B, T))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        reference_forward(model, tokens)
+    per_token = counter.get_total_flops() / (B * T)
+    # The reference's memory einsums are partly elementwise (not counted by the profiler):
+    # count those by hand: the rank-1 write, i.e. H*dk*dv MACs per token.
+    H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
+    assert per_token + 2 * H * dk * dv == pytest.approx(forward_flops_per_token(cfg), rel=1e-9)
+    assert flops_per_token(cfg, 2048) == 3 * forward_flops_per_token(cfg)
+
+
+def test_memory_estimate_grows_with_batch():
+    cfg = load_model_config("gpn_m_130m")
+    small = estimate_training_memory(cfg, 1, 2048)
+    big = estimate_training_memory(cfg, 16, 2048)
+    assert 5 * small.activations_bytes < big.activations_bytes < 16 * small.activations_bytes
+    assert small.training_state_bytes == count_parameters(cfg) * 12
+
+
+def test_info_command_prints_counts():
+    out = subprocess.run([sys.executable, "-m", "gpn_scale", "info", "gpn_m_130m"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "129,151,902" in out and "491,520" in out and "training FLOPs/token" in out
+    bad = subprocess.run([sys.executable, "-m", "gpn_scale", "info", "gpn_m_130"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "did you mean 'gpn_m_130m'" in bad.stderr
