@@ -149,6 +149,7 @@ def _token_dataset_class() -> type:
             super().on_exception(future)
 
         def __iter__(self) -> Iterator[dict[str, Any]]:
+            self._background_error = None
             try:
                 yield from super().__iter__()
             except Exception as err:  # noqa: BLE001 - translated or re-raised as is
@@ -157,6 +158,12 @@ def _token_dataset_class() -> type:
                 if translated is err:
                     raise
                 raise translated from err
+            # streaming ends the epoch *silently* when a download thread fails (its loops
+            # stop on the failure event); a short epoch must not pass for a complete one.
+            if self._background_error is not None:
+                error = self._background_error
+                translated = translate_stream_error(error, self._gpn_remote, self._gpn_split)
+                raise translated from error
 
     return TokenStreamingDataset
 

@@ -80,7 +80,12 @@ class LocalS3:
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
+            import logging
+
             from moto.server import ThreadedMotoServer
+
+            # werkzeug logs every request at INFO; tests and benchmarks do not want that
+            logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
             self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port,
                                               verbose=False)

@@ -23,19 +23,39 @@ def counter_documents(n_docs: int, lines_per_doc: int = 8) -> list[str]:
     return docs
 
 
-def build_counter_dataset(out: str, *, n_windows: int, seq_len: int = 32, val_windows: int = 8,
-                          seed: int = 0, shard_size: str = "2kb", overwrite: bool = False):
-    """A byte-level dataset with exactly `n_windows` windows (train + val)."""
+def counter_corpus(n_windows: int, seq_len: int = 32) -> list[str]:
+    """Documents whose byte tokens (EOD after each) fill exactly n_windows * seq_len."""
     # each counter doc is 8 lines * 8 bytes + 1 EOD = 65 tokens; a last filler document
     # brings the stream to exactly n_windows * seq_len tokens
     target = n_windows * seq_len
     docs = counter_documents(max((target - 1) // 65, 0))
-    filler = target - len(docs) * 65 - 1
-    docs.append("#" * filler)
+    docs.append("#" * (target - len(docs) * 65 - 1))
+    return docs
+
+
+def expected_window_keys(docs: list[str], seq_len: int) -> list[str]:
+    """Keys of every window of the byte-tokenised corpus, in stream order."""
+    stream: list[int] = []
+    for doc in docs:
+        stream.extend(doc.encode())
+        stream.append(256)
+    windows = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)
+    return row_keys([windows])
+
+
+def build_counter_dataset(out: str, *, n_windows: int, seq_len: int = 32, val_windows: int = 8,
+                          seed: int = 0, shard_size: str = "2kb", overwrite: bool = False):
+    """A byte-level dataset with exactly `n_windows` windows (train + val)."""
     options = BuildOptions(seq_len=seq_len, seed=seed, val_windows=val_windows,
                            shard_size=shard_size, overwrite=overwrite, progress=False)
-    return build_dataset(docs, out, resolve_tokenizer("byte"), options,
-                         {"description": "test counters"})
+    return build_dataset(counter_corpus(n_windows, seq_len), out, resolve_tokenizer("byte"),
+                         options, {"description": "test counters"})
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err)
+    assert "\n" not in text and text, f"not a one-line message: {text!r}"
+    return text
 
 
 def row_keys(batches: Iterable[torch.Tensor]) -> list[str]:

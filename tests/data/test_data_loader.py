@@ -1,0 +1,125 @@
+"""The training/validation loader in one process: shapes, epochs, held-out split, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from data_helpers import (build_counter_dataset, counter_corpus, expected_window_keys,
+                          one_line, row_keys)
+from gpn_scale.data import (DataConfig, DataError, build_loader, check_compatible,
+                            read_metadata)
+
+N_WINDOWS, N_VAL, SEQ = 104, 8, 32   # 96 train windows
+BATCH = 8
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    root = str(tmp_path / "ds")
+    build_counter_dataset(root, n_windows=N_WINDOWS, val_windows=N_VAL, seq_len=SEQ)
+    return root
+
+
+def _loader(root, tmp_path, name, split="train", **cfg):
+    config = DataConfig(remote=root, local_cache=str(tmp_path / f"cache-{name}"), **cfg)
+    return build_loader(config, split, BATCH, 0, 1, seq_len=SEQ, vocab_size=257)
+
+
+def test_batches_epochs_and_metadata(dataset, tmp_path):
+    meta = read_metadata(dataset)
+    assert (meta.vocab_size, meta.seq_len, meta.eod_token_id) == (257, SEQ, 256)
+    assert meta.splits["train"].samples == N_WINDOWS - N_VAL
+    assert meta.tokens("val") == N_VAL * SEQ and meta.tokenizer["kind"] == "byte"
+
+    loader = _loader(dataset, tmp_path, "a")
+    assert len(loader) == (N_WINDOWS - N_VAL) // BATCH
+    batches = list(loader)
+    assert all(b.shape == (BATCH, SEQ) and b.dtype == torch.int64 for b in batches)
+    assert int(max(b.max() for b in batches)) < 257
+    epoch0 = row_keys(batches)
+    epoch1 = row_keys(loader)
+    assert len(epoch0) == len(set(epoch0)) == N_WINDOWS - N_VAL
+    assert sorted(epoch0) == sorted(epoch1), "each epoch covers the split once"
+    assert epoch0 != epoch1, "the shuffle should change between epochs"
+    assert loader.epoch == 1
+    # every iter() starts a new epoch, even when the previous pass was abandoned
+    next(iter(loader))
+    assert loader.epoch == 2
+
+
+def test_heldout_split_never_overlaps_train(tmp_path):
+    docs = counter_corpus(N_WINDOWS, SEQ)
+    root = str(tmp_path / "ds")
+    build_counter_dataset(root, n_windows=N_WINDOWS, val_windows=N_VAL, seq_len=SEQ)
+    every_window = expected_window_keys(docs, SEQ)
+    assert len(set(every_window)) == N_WINDOWS
+    cfg = dict(drop_last=False)
+    train = row_keys(_loader(root, tmp_path, "t", **cfg))
+    val = row_keys(_loader(root, tmp_path, "v", split="val", **cfg))
+    assert len(val) == N_VAL and len(train) == N_WINDOWS - N_VAL
+    assert not set(train) & set(val), "a held-out window is also in train"
+    assert sorted(train + val) == sorted(every_window)
+    # val is not shuffled by the loader: the same order every pass
+    assert row_keys(_loader(root, tmp_path, "v2", split="val", **cfg)) == val
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mid_epoch_resume_yields_exactly_the_rest(dataset, tmp_path, num_workers):
+    reference = row_keys(_loader(dataset, tmp_path, "ref", num_workers=num_workers))
+    taken = 5
+    loader = _loader(dataset, tmp_path, "run1", num_workers=num_workers)
+    iterator = iter(loader)
+    consumed = row_keys(next(iterator) for _ in range(taken))
+    # workers have prefetched more than `taken` batches; the state must count consumed ones
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["streaming"]["sample_in_epoch"] == taken * BATCH
+    del iterator
+    restored = _loader(dataset, tmp_path, "run2", num_workers=num_workers)
+    restored.load_state_dict(state)
+    rest = row_keys(restored)
+    assert consumed == reference[:taken * BATCH]
+    assert rest == reference[taken * BATCH:]
+    # and the restored loader goes on to a full next epoch
+    assert sorted(row_keys(restored)) == sorted(reference)
+
+
+def test_resume_inside_second_epoch(dataset, tmp_path):
+    reference = _loader(dataset, tmp_path, "ref")
+    row_keys(reference)
+    epoch1 = row_keys(reference)
+
+    loader = _loader(dataset, tmp_path, "run1")
+    row_keys(loader)  # epoch 0 fully
+    iterator = iter(loader)
+    head = row_keys(next(iterator) for _ in range(3))
+    state = loader.state_dict()
+    assert state["streaming"]["epoch"] == 1
+    del iterator
+    restored = _loader(dataset, tmp_path, "run2")
+    restored.load_state_dict(state)
+    assert head + row_keys(restored) == epoch1
+
+
+def test_state_of_another_dataset_is_refused(dataset, tmp_path):
+    other = str(tmp_path / "other")
+    build_counter_dataset(other, n_windows=N_WINDOWS, val_windows=N_VAL, seq_len=SEQ, seed=5)
+    state = _loader(other, tmp_path, "o").state_dict()
+    with pytest.raises(DataError, match="another dataset"):
+        _loader(dataset, tmp_path, "d").load_state_dict(state)
+
+
+def test_model_that_does_not_fit_the_data_gets_one_line(dataset, tmp_path):
+    config = DataConfig(remote=dataset, local_cache=str(tmp_path / "c"))
+    with pytest.raises(DataError) as err:
+        build_loader(config, "train", BATCH, 0, 1, seq_len=SEQ, vocab_size=256)
+    assert "vocab mismatch" in one_line(err.value) and "257" in str(err.value)
+    with pytest.raises(DataError) as err:
+        build_loader(config, "train", BATCH, 0, 1, seq_len=64, vocab_size=257)
+    assert "seq_len mismatch" in one_line(err.value)
+    with pytest.raises(DataError, match="no split 'test'"):
+        build_loader(config, "test", BATCH, 0, 1)
+    # a larger (padded) model vocabulary is fine
+    check_compatible(read_metadata(dataset), vocab_size=320, seq_len=SEQ)
