@@ -1,0 +1,359 @@
+"""Collect each run's final held-out loss: from run directories (local or s3://), a table
+of external results (baselines trained elsewhere), or the W&B API.
+
+Where a run leaves what (see gpn_scale.train.loop):
+    <checkpoint root>/DONE            {"step", "tokens", "final_eval_loss", "params", "flops",
+                                       "run_dir", ...} written when the run finished
+    <run_dir>/metrics.jsonl           one JSON per line; eval lines carry "eval/loss", "tokens"
+    <run_dir>/config.yaml             the resolved training config (model name, seed, ...)
+
+The DONE marker is authoritative. Without a loss in it, or without a marker, the last
+`eval/loss` of metrics.jsonl is used only when the run provably reached its planned token
+budget (known from the sweep) or when the caller allows unfinished runs; anything else is
+reported as missing rather than silently fitted.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from gpn_scale.model.config import ConfigError
+from gpn_scale.scaling.fit import FitError, Observation
+
+DONE = "DONE"
+METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+LOSS_KEY = "eval/loss"
+
+
+@dataclass
+class RunRecord:
+    """What the collector found for one run."""
+
+    name: str
+    status: str                  # "done" | "metrics" (fallback) | "missing"
+    location: str
+    family: str = ""
+    seed: int | None = None
+    N: float | None = None
+    D: float | None = None
+    C: float | None = None
+    loss: float | None = None
+    detail: str = ""
+
+    def observation(self) -> Observation:
+        return Observation(family=self.family, N=float(self.N), D=float(self.D), C=float(self.C),
+                           loss=float(self.loss), seed=self.seed, run=self.name)
+
+
+@dataclass
+class Collection:
+    records: list[RunRecord]
+    sources: list[str]
+
+    @property
+    def usable(self) -> list[RunRecord]:
+        return [r for r in self.records if r.status != "missing"]
+
+    @property
+    def missing(self) -> list[RunRecord]:
+        return [r for r in self.records if r.status == "missing"]
+
+    def observations(self) -> list[Observation]:
+        return [r.observation() for r in self.usable]
+
+
+# ----------------------------------------------------------------------------- storage
+
+def _storage(uri: str):
+    from gpn_scale.checkpoint.storage import open_storage
+
+    return open_storage(uri)
+
+
+def _read(uri: str, key: str) -> bytes | None:
+    """Bytes of <uri>/<key>, or None when absent (local path or s3://, S3_ENDPOINT_URL honoured)."""
+    try:
+        return _storage(uri).get_bytes(key)
+    except ConfigError as err:
+        raise FitError(f"cannot read {uri.rstrip('/')}/{key}: {err}") from None
+
+
+def _list_dirs(uri: str) -> list[str]:
+    try:
+        return _storage(uri).list_dirs()
+    except ConfigError as err:
+        raise FitError(f"cannot list {uri}: {err}") from None
+
+
+def _json(data: bytes | None, where: str) -> dict[str, Any] | None:
+    if data is None:
+        return None
+    try:
+        value = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FitError(f"{where}: not valid JSON ({err.msg if hasattr(err, 'msg') else err}); "
+                       "fix or delete the file") from None
+    if not isinstance(value, dict):
+        raise FitError(f"{where}: expected a JSON object")
+    return value
+
+
+def last_eval(metrics: bytes | None) -> dict[str, Any] | None:
+    """The last metrics.jsonl line with a finite eval/loss (torn last lines are ignored)."""
+    if metrics is None:
+        return None
+    best = None
+    for line in metrics.decode(errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        loss = rec.get(LOSS_KEY) if isinstance(rec, dict) else None
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            best = rec
+    return best
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+# ----------------------------------------------------------------------------- one run
+
+def read_run(name: str, locations: Sequence[str], *, family: str | None = None,
+             seed: int | None = None, params: float | None = None,
+             flops_per_token: float | None = None, planned_tokens: int | None = None,
+             allow_unfinished: bool = False) -> RunRecord:
+    """Look for DONE / metrics.jsonl / config.yaml in `locations` (first hit wins each)."""
+    locations = [loc for loc in dict.fromkeys(locations) if loc]
+    done = done_at = None
+    for loc in locations:
+        done = _json(_read(loc, DONE), f"{loc.rstrip('/')}/{DONE}")
+        if done is not None:
+            done_at = loc
+            break
+    if done and isinstance(done.get("run_dir"), str) and done["run_dir"] not in locations:
+        locations.append(done["run_dir"])
+    config = None
+    for loc in locations:
+        raw = _read(loc, CONFIG)
+        if raw is not None:
+            config = _parse_config(raw, f"{loc.rstrip('/')}/{CONFIG}")
+            break
+    if config:
+        if family is None and isinstance(config.get("model"), str):
+            family = _family_of(config["model"])
+        if seed is None and isinstance(config.get("seed"), int):
+            seed = config["seed"]
+        if params is None or flops_per_token is None:
+            p, f = _counts_of(config.get("model"), config.get("data", {}).get("seq_len"))
+            params = params if params is not None else p
+            flops_per_token = flops_per_token if flops_per_token is not None else f
+    if seed is None:
+        m = re.search(r"-s(\d+)$", name)
+        seed = int(m.group(1)) if m else None
+    rec = RunRecord(name=name, status="missing", location=done_at or (locations[0] if locations
+                                                                      else ""),
+                    family=family or "", seed=seed)
+
+    if done is not None and _finite(done.get("final_eval_loss")):
+        rec.status, rec.loss = "done", float(done["final_eval_loss"])
+        rec.N = done.get("params") if _finite(done.get("params")) else params
+        rec.D = done.get("tokens") if _finite(done.get("tokens")) else None
+        rec.C = done.get("flops") if _finite(done.get("flops")) else None
+    else:
+        metrics = last_eval(next((m for m in (_read(loc, METRICS) for loc in locations)
+                                  if m is not None), None))
+        if metrics is None:
+            rec.detail = ("DONE has no final_eval_loss and " if done is not None else
+                          "no DONE marker and ") + "no eval/loss in metrics.jsonl"
+            return rec
+        tokens = metrics.get("tokens")
+        finished = done is not None or (planned_tokens is not None and _finite(tokens)
+                                        and tokens >= planned_tokens)
+        if not (finished or allow_unfinished):
+            rec.detail = (f"unfinished: no DONE marker; last eval at {tokens} tokens"
+                          + (f" of {planned_tokens}" if planned_tokens else ""))
+            return rec
+        rec.status, rec.loss = "metrics", float(metrics[LOSS_KEY])
+        rec.D = tokens if _finite(tokens) else None
+        rec.N = (done or {}).get("params") if _finite((done or {}).get("params")) else params
+        rec.detail = "loss from the last eval/loss in metrics.jsonl" + (
+            "" if done is not None or finished else " (run unfinished)")
+    if rec.C is None and rec.D is not None and flops_per_token:
+        rec.C = float(flops_per_token) * float(rec.D)
+    lacking = [k for k in ("N", "D", "C") if not _finite(getattr(rec, k))]
+    if not rec.family:
+        lacking.append("family")
+    if lacking:
+        rec.status = "missing"
+        rec.detail = (f"found a loss but not {', '.join(lacking)} (no config.yaml/DONE fields); "
+                      "pass the sweep file (--sweep) so the plan supplies them")
+    return rec
+
+
+def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.to_container(OmegaConf.create(raw.decode()), resolve=False)
+    except Exception as err:  # noqa: BLE001 - any YAML problem becomes one line
+        raise FitError(f"{where}: cannot read YAML: {str(err).splitlines()[0]}") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _family_of(model: str) -> str:
+    from gpn_scale.model.config import load_model_config
+
+    try:
+        return load_model_config(model).family
+    except ConfigError:
+        return ""
+
+
+def _counts_of(model: Any, seq_len: Any) -> tuple[float | None, float | None]:
+    if not isinstance(model, str):
+        return None, None
+    try:
+        from gpn_scale.model import counts
+        from gpn_scale.model.config import load_model_config
+
+        cfg = load_model_config(model)
+        return (float(counts.count_parameters(cfg)),
+                float(counts.flops_per_token(cfg, int(seq_len or 2048))))
+    except (ConfigError, ImportError):
+        return None, None
+
+
+# ----------------------------------------------------------------------------- sources
+
+def collect_sweep(sweep, *, allow_unfinished: bool = False) -> Collection:
+    """Every run of an expanded sweep (gpn_scale.scaling.sweep.Sweep), planned facts from the
+    plan, measured ones from the run's checkpoint root and run dir."""
+    records = []
+    for spec in sweep.runs:
+        records.append(read_run(
+            spec.name, [spec.checkpoint_root] + ([spec.run_dir] if spec.run_dir else []),
+            family=spec.family, seed=spec.seed, params=spec.params,
+            flops_per_token=spec.flops / spec.tokens, planned_tokens=spec.tokens,
+            allow_unfinished=allow_unfinished))
+    return Collection(records, [str(sweep.path)])
+
+
+def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Collection:
+    """Runs found as sub-directories of each root (a sweep's checkpoint root or run root), or
+    the root itself when it is a run directory."""
+    records, sources = [], []
+    for root in roots:
+        sources.append(root)
+        if any(_read(root, key) is not None for key in (DONE, METRICS)):
+            names = [""]
+        else:
+            names = _list_dirs(root)
+            if not names:
+                raise FitError(f"{root}: no run directories (nor DONE/metrics.jsonl) found; "
+                               "check the path")
+        for sub in names:
+            loc = f"{root.rstrip('/')}/{sub}" if sub else root
+            name = sub or Path(root.rstrip("/")).name
+            if not sub or any(_read(loc, key) is not None for key in (DONE, METRICS, CONFIG)):
+                records.append(read_run(name, [loc], allow_unfinished=allow_unfinished))
+    return Collection(records, sources)
+
+
+TABLE_COLUMNS = ("family", "N", "D", "C", "loss", "seed", "run")
+
+
+def read_table(path: str | Path) -> Collection:
+    """External results (e.g. Transformer++ / Gated DeltaNet baselines) from CSV or JSONL with
+    columns family, N, D, loss and optionally C (default 6·N·D), seed, run."""
+    path = Path(path)
+    if not path.is_file():
+        raise FitError(f"{path}: table not found")
+    text = path.read_text()
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise FitError(f"{path}:{i}: not valid JSON ({err.msg})") from None
+    else:
+        rows = list(csv.DictReader(line for line in text.splitlines()
+                                   if line.strip() and not line.lstrip().startswith("#")))
+    records = []
+    for i, row in enumerate(rows, 1):
+        where = f"{path}: row {i}"
+        unknown = [k for k in row if k not in TABLE_COLUMNS]
+        if unknown:
+            raise FitError(f"{where}: unknown column '{unknown[0]}'; columns are "
+                           f"{', '.join(TABLE_COLUMNS)}")
+        try:
+            vals = {k: float(row[k]) for k in ("N", "D", "loss")}
+            C = float(row["C"]) if row.get("C") not in (None, "") else 6.0 * vals["N"] * vals["D"]
+            seed = int(float(row["seed"])) if row.get("seed") not in (None, "") else None
+        except KeyError as err:
+            raise FitError(f"{where}: missing column {err.args[0]}; need family, N, D, loss")
+        except (TypeError, ValueError):
+            raise FitError(f"{where}: N, D, C, loss and seed must be numbers") from None
+        family = str(row.get("family") or "").strip()
+        if not family:
+            raise FitError(f"{where}: empty family")
+        records.append(RunRecord(name=str(row.get("run") or f"{path.stem}:{i}"), status="done",
+                                 location=str(path), family=family, seed=seed, N=vals["N"],
+                                 D=vals["D"], C=C, loss=vals["loss"], detail="table"))
+    return Collection(records, [str(path)])
+
+
+def collect_wandb(project: str, *, group: str | None = None, api: Any = None) -> Collection:
+    """Finished runs of a W&B project ("entity/project"), optionally one group: loss from the
+    summary's eval/loss; params, tokens, flops from the summary (as the trainer's DONE
+    marker has them) and family/seed from the run config."""
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
+    filters = {"group": group} if group else {}
+    records = []
+    for run in api.runs(project, filters=filters):
+        summary = dict(getattr(run, "summary", {}) or {})
+        config = dict(getattr(run, "config", {}) or {})
+        rec = RunRecord(name=getattr(run, "name", "?"), status="missing",
+                        location=f"wandb:{project}/{getattr(run, 'id', '?')}")
+        if getattr(run, "state", "finished") != "finished":
+            rec.detail = f"W&B state {getattr(run, 'state', '?')}"
+            records.append(rec)
+            continue
+        model = config.get("model")
+        rec.family = str(config.get("family") or (_family_of(model) if isinstance(model, str)
+                                                   else ""))
+        rec.seed = config.get("seed") if isinstance(config.get("seed"), int) else None
+        loss = summary.get("final_eval_loss", summary.get(LOSS_KEY))
+        rec.N = summary.get("params")
+        rec.D = summary.get("tokens")
+        rec.C = summary.get("flops")
+        if _finite(loss) and all(_finite(v) for v in (rec.N, rec.D, rec.C)) and rec.family:
+            rec.status, rec.loss = "done", float(loss)
+        else:
+            rec.detail = "W&B summary lacks eval/loss, params, tokens or flops"
+        records.append(rec)
+    return Collection(records, [f"wandb:{project}" + (f" group {group}" if group else "")])
+
+
+def merge(collections: Iterable[Collection]) -> Collection:
+    records, sources = [], []
+    for c in collections:
+        records += c.records
+        sources += c.sources
+    return Collection(records, sources)

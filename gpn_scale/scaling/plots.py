@@ -1,0 +1,119 @@
+"""PNG plots of scaling fits (matplotlib, Agg backend): loss vs N and vs compute with the
+fitted curves and bootstrap bands (one colour per family), L(N, D) per size, residuals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from gpn_scale.scaling.fit import Cell, FitResult
+
+AXIS_LABEL = {"N": "parameters N", "C": "training compute C (FLOPs)", "D": "training tokens D"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def family_colours(families: Sequence[str]) -> dict[str, str]:
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+               "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
+    return {f: palette[i % len(palette)] for i, f in enumerate(sorted(families))}
+
+
+def plot_loss_vs(var: str, fits: Sequence[FitResult], cells: Sequence[Cell], path: Path,
+                 colours: dict[str, str]) -> Path:
+    """Cell means (error bars: seed std) against N or C, with the L(var) fit and its band."""
+    plt = _pyplot()
+    law = f"L({var})"
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for family in sorted({c.family for c in cells}):
+        fam = [c for c in cells if c.family == family]
+        x = np.array([c.value(var) for c in fam])
+        y = np.array([c.mean for c in fam])
+        err = np.array([0.0 if c.n < 2 else c.std for c in fam])
+        col = colours[family]
+        ax.errorbar(x, y, yerr=err, fmt="o", color=col, ms=4, capsize=2, alpha=0.85,
+                    label=f"{family} (runs, mean ± std over seeds)")
+        fit = next((f for f in fits if f.family == family and f.form.key == law), None)
+        if fit is None:
+            continue
+        grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
+        lo, hi = fit.band(**{var: grid})
+        p = fit.params
+        ax.plot(grid, fit.predict(**{var: grid}), color=col, lw=1.6,
+                label=f"{family}: E={p['E']:.3g}, A={p['A']:.3g}, α={p['alpha']:.3f}")
+        ax.fill_between(grid, lo, hi, color=col, alpha=0.18, lw=0,
+                        label=f"{family}: {fit.ci_level:.0%} bootstrap band")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(AXIS_LABEL[var])
+    ax.set_ylabel("final held-out loss")
+    ax.set_title(f"loss vs {AXIS_LABEL[var]}: {law} = E + A·{var}^-α")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
+    """L(N, D): loss against D, one line (and band) per model size."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    sizes = sorted({c.N for c in fit.cells})
+    cmap = plt.get_cmap("viridis")
+    for i, n in enumerate(sizes):
+        col = cmap(i / max(1, len(sizes) - 1))
+        cs = [c for c in fit.cells if c.N == n]
+        d = np.array([c.D for c in cs])
+        ax.errorbar(d, [c.mean for c in cs], yerr=[0.0 if c.n < 2 else c.std for c in cs],
+                    fmt="o", color=col, ms=4, capsize=2)
+        grid = np.geomspace(d.min() / 1.5, d.max() * 1.5, 100)
+        lo, hi = fit.band(N=n, D=grid)
+        ax.plot(grid, fit.predict(N=n, D=grid), color=col, lw=1.4, label=f"N={n:.3g}")
+        ax.fill_between(grid, lo, hi, color=col, alpha=0.15, lw=0)
+    p = fit.params
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(AXIS_LABEL["D"])
+    ax.set_ylabel("final held-out loss")
+    ax.set_title(f"{fit.family}: L(N,D): E={p['E']:.3g}, α={p['alpha']:.3f}, β={p['beta']:.3f}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_residuals(fits: Sequence[FitResult], path: Path, colours: dict[str, str]) -> Path:
+    """log L_obs - log L_pred for every fit, one panel per law, against its first variable."""
+    plt = _pyplot()
+    laws = [law for law in ("L(N)", "L(C)", "L(N,D)") if any(f.form.key == law for f in fits)]
+    fig, axes = plt.subplots(1, max(1, len(laws)), figsize=(4.5 * max(1, len(laws)), 4),
+                             squeeze=False)
+    for ax, law in zip(axes[0], laws):
+        for fit in (f for f in fits if f.form.key == law):
+            var = fit.form.variables[0]
+            x = [c.value(var) for c in fit.cells]
+            ax.plot(x, fit.residuals(), "o", color=colours[fit.family], ms=4, label=fit.family)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel(AXIS_LABEL[fit.form.variables[0]] if fits else "")
+        ax.set_ylabel("log L_obs − log L_pred")
+        ax.set_title(f"residuals of {law}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,494 @@
+"""Sweep files: a grid of model sizes x seeds with per-size rules, expanded into runs.
+
+A sweep file (`configs/sweeps/*.yaml`, OmegaConf YAML) looks like
+
+    name: gpn-ladder                 # prefix of every run name; default W&B group
+    seeds: [0, 1, 2]                 # or a count (3 -> 0, 1, 2); >= 3 unless allow_few_seeds
+    allow_few_seeds: false           # true only for CI/smoke sweeps
+    base_config: null                # configs/train/<name>.yaml the runs start from
+    data: {remote: s3://bucket/mds, seq_len: 2048}
+    checkpoint_root: s3://bucket/ckpt/gpn-ladder   # run r checkpoints (and DONE) in <root>/<r>
+    run_root: null                   # local run dirs (metrics.jsonl) in <run_root>/<r>
+    wandb: {project: gpn-scale, group: null, job_type: scaling}
+    hardware: {gpu: H100-SXM, peak_tflops: 989, mfu: 0.35}   # for the GPU-hour estimate
+    defaults:                        # rules every size uses unless it overrides them
+      tokens_per_param: 20           # or tokens: 2.6e9 (one of the two; a list = several D)
+      global_batch_size: 128         # sequences per optimizer step
+      lr: 6.0e-4
+      warmup_steps: 100
+      min_lr_ratio: 0.1
+      overrides: []                  # extra `key=value` for the trainer, passed verbatim
+    models:
+      - {config: gpn_m_25m, lr: 1.0e-3}
+      - {config: gpn_m_130m, family: gpn+m}
+
+`expand_sweep(path)` validates everything and returns one `RunSpec` per (size, token
+budget, seed); `RunSpec.train_overrides()` is the dotlist for `gpn-scale train`.
+Every error is one line naming the key and the fix (`SweepError`, a ConfigError).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from gpn_scale.model.config import ConfigError, closest_key_hint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SWEEP_DIR = REPO_ROOT / "configs" / "sweeps"
+MIN_SEEDS = 3
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class SweepError(ConfigError):
+    """A sweep file is invalid; the message names the key and the fix."""
+
+
+# ----------------------------------------------------------------------------- schema
+
+TOP_KEYS = ("name", "description", "seeds", "allow_few_seeds", "base_config", "data",
+            "checkpoint_root", "run_root", "wandb", "hardware", "defaults", "models")
+DATA_KEYS = ("remote", "seq_len")
+WANDB_KEYS = ("project", "group", "job_type")
+HARDWARE_KEYS = ("gpu", "peak_tflops", "mfu")
+RULE_KEYS = ("tokens_per_param", "tokens", "global_batch_size", "lr", "warmup_steps",
+             "min_lr_ratio", "overrides")
+MODEL_KEYS = ("config", "name", "family") + RULE_KEYS
+REQUIRED_RULES = ("global_batch_size", "lr", "warmup_steps")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one training run of a sweep needs, plus what `plan` reports about it."""
+
+    name: str
+    sweep: str
+    family: str
+    size: str                      # the size's label (default: model config name)
+    model: str                     # model config name (configs/model/<model>.yaml) or a path
+    seed: int
+    params: int                    # all parameters, embedding included
+    non_embedding_params: int
+    tokens: int                    # steps * global_batch_size * seq_len
+    tokens_per_param: float
+    total_steps: int
+    global_batch_size: int         # sequences per optimizer step
+    seq_len: int
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float | None
+    data_remote: str
+    checkpoint_root: str           # this run's own checkpoint prefix: <sweep root>/<name>
+    run_dir: str | None            # this run's local dir (metrics.jsonl), when run_root is set
+    wandb_project: str
+    wandb_group: str
+    wandb_job_type: str
+    flops: float                   # training FLOPs (3 x forward) for `tokens`
+    gpu_hours: float               # flops / (peak * mfu)
+    base_config: str | None = None
+    extra_overrides: tuple[str, ...] = ()
+
+    def train_overrides(self) -> list[str]:
+        """OmegaConf dotlist overrides for `gpn-scale train [base_config] <overrides>`."""
+        out = [
+            f"model={self.model}",
+            f"seed={self.seed}",
+            f"run_name={self.name}",
+            f"optim.lr={self.lr!r}",
+            f"schedule.warmup_steps={self.warmup_steps}",
+            f"schedule.total_steps={self.total_steps}",
+            f"data.remote={self.data_remote}",
+            f"data.seq_len={self.seq_len}",
+            f"train.global_batch_size={self.global_batch_size}",
+            f"checkpoint.root={self.checkpoint_root}",
+            f"logging.wandb.project={self.wandb_project}",
+            f"logging.wandb.group={self.wandb_group}",
+            f"logging.wandb.job_type={self.wandb_job_type}",
+        ]
+        if self.min_lr_ratio is not None:
+            out.append(f"schedule.min_lr_ratio={self.min_lr_ratio!r}")
+        if self.run_dir is not None:
+            out.append(f"run_dir={self.run_dir}")
+        return out + list(self.extra_overrides)
+
+    def train_argv(self) -> list[str]:
+        """`gpn-scale train` arguments: the base config (when any) then the overrides."""
+        return ([self.base_config] if self.base_config else []) + self.train_overrides()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["extra_overrides"] = list(self.extra_overrides)
+        d["train_overrides"] = self.train_overrides()
+        return d
+
+
+@dataclass
+class Sweep:
+    name: str
+    path: Path
+    runs: list[RunSpec]
+    seeds: list[int]
+    hardware: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    description: str = ""
+
+    @property
+    def total_gpu_hours(self) -> float:
+        return sum(r.gpu_hours for r in self.runs)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(r.flops for r in self.runs)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def resolve_sweep_path(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise SweepError(f"{path}: sweep file not found")
+        return path
+    candidate = SWEEP_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        names = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
+        raise SweepError(f"sweep '{name_or_path}' not found in {SWEEP_DIR}"
+                         f"{closest_key_hint(str(name_or_path), names)}")
+    return candidate
+
+
+def _check_keys(where: str, values: Mapping[str, Any], valid: Sequence[str]) -> None:
+    for key in values:
+        if key not in valid:
+            raise SweepError(f"{where}{key}: unknown key{closest_key_hint(str(key), valid)}")
+
+
+def _mapping(where: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SweepError(f"{where}: expected a mapping, got {value!r}")
+    return dict(value)
+
+
+def _positive_int(where: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SweepError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_float(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise SweepError(f"{where}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _storage(where: str, value: Any, allow_default: bool = False) -> str:
+    """An s3://bucket/prefix or a local path (the trainer's "default" corpus if allowed)."""
+    if not isinstance(value, str) or not value.strip():
+        raise SweepError(f"{where}: required; give an s3://bucket/prefix or a local path")
+    value = value.strip()
+    if allow_default and value == "default":
+        return value
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", value)
+    if m:
+        scheme, rest = m.group(1).lower(), m.group(2)
+        if scheme == "file":
+            return rest
+        if scheme != "s3":
+            raise SweepError(f"{where}: unsupported scheme '{scheme}://' in {value!r}; use s3:// "
+                             "or a local path")
+        if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
+            raise SweepError(f"{where}: {value!r} is not s3://<bucket>/<prefix> (bucket names "
+                             "are lowercase letters, digits, dots and dashes)")
+    return value.rstrip("/") or value
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def _token_label(rules: Mapping[str, Any], value: float) -> str:
+    if "tokens_per_param" in rules:
+        return f"tpp{value:g}"
+    return f"d{_short(value)}"
+
+
+def _short(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> Sweep:
+    """Read, validate and expand a sweep file (by path or by name in configs/sweeps/)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = resolve_sweep_path(name_or_path)
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OmegaConfBaseException, ValueError) as err:  # YAML or interpolation errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SweepError(f"{path}: cannot read the sweep: {first}") from None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: expected a mapping at the top level")
+    return _expand(raw, path, allow_few_seeds=allow_few_seeds)
+
+
+def expand_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> list[RunSpec]:
+    """The runs of a sweep file, validated (see module docstring)."""
+    return load_sweep(name_or_path, allow_few_seeds=allow_few_seeds).runs
+
+
+def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool) -> Sweep:
+    from gpn_scale.model import counts
+    from gpn_scale.model.config import load_model_config
+
+    _check_keys("", raw, TOP_KEYS)
+    name = raw.get("name")
+    if not isinstance(name, str) or not RUN_NAME_RE.match(name):
+        raise SweepError(f"name: required, letters/digits/._- only (it prefixes run names), "
+                         f"got {name!r}")
+
+    # seeds
+    seeds_raw = raw.get("seeds")
+    if isinstance(seeds_raw, int) and not isinstance(seeds_raw, bool):
+        seeds = list(range(_positive_int("seeds", seeds_raw)))
+    elif isinstance(seeds_raw, list) and seeds_raw:
+        seeds = [_positive_int(f"seeds[{i}]", s, minimum=0) for i, s in enumerate(seeds_raw)]
+        if len(set(seeds)) != len(seeds):
+            dup = next(s for s in seeds if seeds.count(s) > 1)
+            raise SweepError(f"seeds: seed {dup} is listed twice; list distinct seeds")
+    else:
+        raise SweepError(f"seeds: required, a list of integers or a count, got {seeds_raw!r}")
+    few_ok = raw.get("allow_few_seeds", False)
+    if not isinstance(few_ok, bool):
+        raise SweepError(f"allow_few_seeds: expected true or false, got {few_ok!r}")
+    notes = []
+    if len(seeds) < MIN_SEEDS:
+        if not (few_ok or allow_few_seeds):
+            raise SweepError(f"seeds: {len(seeds)} seed(s) but a sweep needs >= {MIN_SEEDS} for "
+                             "seed-bootstrap CIs; add seeds (or set allow_few_seeds: true for a "
+                             "CI/smoke sweep)")
+        notes.append(f"only {len(seeds)} seed(s) (< {MIN_SEEDS}): allowed by allow_few_seeds, "
+                     "for CI/smoke sweeps only; fits from it have no meaningful CIs")
+
+    base_config = raw.get("base_config")
+    if base_config is not None:
+        if not isinstance(base_config, str):
+            raise SweepError(f"base_config: expected a train config name or path, got "
+                             f"{base_config!r}")
+        base_config = _resolve_train_config(base_config, path)
+
+    data = _mapping("data", raw.get("data"))
+    _check_keys("data.", data, DATA_KEYS)
+    data_remote = _storage("data.remote", data.get("remote"), allow_default=True)
+    seq_len = _positive_int("data.seq_len", data.get("seq_len", 2048))
+    ckpt_root = _storage("checkpoint_root", raw.get("checkpoint_root"))
+    run_root = raw.get("run_root")
+    if run_root is not None:
+        if not isinstance(run_root, str) or "://" in run_root:
+            raise SweepError(f"run_root: expected a local directory, got {run_root!r}")
+        run_root = run_root.rstrip("/")
+
+    wandb = _mapping("wandb", raw.get("wandb"))
+    _check_keys("wandb.", wandb, WANDB_KEYS)
+    project = wandb.get("project")
+    if not isinstance(project, str) or not project:
+        raise SweepError("wandb.project: required, the W&B project name")
+    group = wandb.get("group") or name
+    job_type = wandb.get("job_type") or "scaling"
+    for key, val in (("group", group), ("job_type", job_type)):
+        if not isinstance(val, str):
+            raise SweepError(f"wandb.{key}: expected a string, got {val!r}")
+
+    hardware = {"gpu": "H100-SXM", "peak_tflops": 989.0, "mfu": 0.35}
+    hw = _mapping("hardware", raw.get("hardware"))
+    _check_keys("hardware.", hw, HARDWARE_KEYS)
+    hardware.update(hw)
+    peak = _positive_float("hardware.peak_tflops", hardware["peak_tflops"])
+    mfu = _positive_float("hardware.mfu", hardware["mfu"])
+    if mfu > 1:
+        raise SweepError(f"hardware.mfu: a fraction in (0, 1], got {mfu}")
+
+    defaults = _mapping("defaults", raw.get("defaults"))
+    _check_keys("defaults.", defaults, RULE_KEYS)
+    models = raw.get("models")
+    if not isinstance(models, list) or not models:
+        raise SweepError("models: required, a non-empty list of {config: <model config>, ...}")
+
+    runs: list[RunSpec] = []
+    owner: dict[str, str] = {}
+    for i, entry in enumerate(models):
+        where = f"models[{i}]"
+        if isinstance(entry, str):
+            entry = {"config": entry}
+        entry = _mapping(where, entry)
+        _check_keys(f"{where}.", entry, MODEL_KEYS)
+        config = entry.get("config")
+        if not isinstance(config, str) or not config:
+            raise SweepError(f"{where}.config: required, a model config name from configs/model/")
+        model_ref = _resolve_model_ref(config, path)
+        try:
+            cfg = load_model_config(model_ref)
+        except ConfigError as err:
+            raise SweepError(f"{where}.config: {err}") from None
+        size = entry.get("name") or Path(config).stem
+        family = entry.get("family") or cfg.family
+        if not isinstance(size, str) or not RUN_NAME_RE.match(size):
+            raise SweepError(f"{where}.name: letters/digits/._- only, got {size!r}")
+        if not isinstance(family, str):
+            raise SweepError(f"{where}.family: expected a string, got {family!r}")
+        rules = {k: v for k, v in defaults.items()}
+        if "tokens" in entry or "tokens_per_param" in entry:  # a size's budget replaces the default
+            rules.pop("tokens", None)
+            rules.pop("tokens_per_param", None)
+        rules.update({k: v for k, v in entry.items() if k in RULE_KEYS})
+        for key in REQUIRED_RULES:
+            if key not in rules:
+                raise SweepError(f"{where}.{key}: required (set it in defaults or on the model)")
+        has_tpp, has_tok = "tokens_per_param" in rules, "tokens" in rules
+        if has_tpp == has_tok:
+            raise SweepError(f"{where}: give exactly one of tokens_per_param or tokens "
+                             "(in defaults or on the model)")
+        budget_key = "tokens_per_param" if has_tpp else "tokens"
+        budgets = rules[budget_key] if isinstance(rules[budget_key], list) else [rules[budget_key]]
+        if not budgets:
+            raise SweepError(f"{where}.{budget_key}: empty list")
+        budgets = [_positive_float(f"{where}.{budget_key}", b) for b in budgets]
+        gbs = _positive_int(f"{where}.global_batch_size", rules["global_batch_size"])
+        lr = _positive_float(f"{where}.lr", rules["lr"])
+        warmup = _positive_int(f"{where}.warmup_steps", rules["warmup_steps"], minimum=0)
+        min_lr = rules.get("min_lr_ratio")
+        if min_lr is not None:
+            if isinstance(min_lr, bool) or not isinstance(min_lr, (int, float)) \
+                    or not 0 <= min_lr <= 1:
+                raise SweepError(f"{where}.min_lr_ratio: a fraction in [0, 1], got {min_lr!r}")
+            min_lr = float(min_lr)
+        extra = rules.get("overrides") or []
+        if not isinstance(extra, list) or not all(isinstance(o, str) and "=" in o for o in extra):
+            raise SweepError(f"{where}.overrides: expected a list of 'key=value' strings, "
+                             f"got {extra!r}")
+        reserved = {"model", "seed", "run_name"}
+        for o in extra:
+            if o.split("=", 1)[0].strip() in reserved:
+                raise SweepError(f"{where}.overrides: '{o}' is set by the sweep itself; "
+                                 "remove it")
+
+        params = int(counts.count_parameters(cfg))
+        non_emb = int(counts.non_embedding_parameters(cfg))
+        per_token = float(counts.flops_per_token(cfg, seq_len))
+        tokens_per_step = gbs * seq_len
+        for budget in budgets:
+            target = budget * params if has_tpp else budget
+            steps = max(1, math.ceil(target / tokens_per_step))
+            if warmup >= steps:
+                raise SweepError(f"{where} ({size}): warmup_steps {warmup} >= total steps "
+                                 f"{steps} ({_short(target)} tokens / {tokens_per_step} per "
+                                 "step); lower warmup_steps or raise the token budget")
+            tokens = steps * tokens_per_step
+            label = size + (f"-{_token_label(rules, budget)}" if len(budgets) > 1 else "")
+            for seed in seeds:
+                run_name = f"{name}-{label}-s{seed}"
+                if run_name in owner:
+                    raise SweepError(f"duplicate run name '{run_name}' ({owner[run_name]} and "
+                                     f"{where}); give one of them a distinct `name`")
+                owner[run_name] = where
+                flops = per_token * tokens
+                runs.append(RunSpec(
+                    name=run_name, sweep=name, family=family, size=size, model=model_ref,
+                    seed=seed, params=params, non_embedding_params=non_emb, tokens=tokens,
+                    tokens_per_param=tokens / params, total_steps=steps,
+                    global_batch_size=gbs, seq_len=seq_len, lr=lr, warmup_steps=warmup,
+                    min_lr_ratio=min_lr, data_remote=data_remote,
+                    checkpoint_root=_join(ckpt_root, run_name),
+                    run_dir=_join(run_root, run_name) if run_root else None,
+                    wandb_project=project, wandb_group=group, wandb_job_type=job_type,
+                    flops=flops, gpu_hours=flops / (peak * 1e12 * mfu) / 3600.0,
+                    base_config=base_config, extra_overrides=tuple(extra)))
+    description = raw.get("description") or ""
+    return Sweep(name=name, path=path, runs=runs, seeds=seeds, hardware=hardware, notes=notes,
+                 description=str(description))
+
+
+def _resolve_model_ref(config: str, sweep_path: Path) -> str:
+    """A config name stays a name; a .yaml path is taken relative to the sweep file."""
+    if Path(config).suffix in (".yaml", ".yml"):
+        p = Path(config)
+        if not p.is_absolute():
+            p = (sweep_path.parent / p).resolve()
+        return str(p)
+    return config
+
+
+def _resolve_train_config(name: str, sweep_path: Path) -> str:
+    if Path(name).suffix in (".yaml", ".yml"):
+        p = Path(name)
+        if not p.is_absolute():
+            p = (sweep_path.parent / p).resolve()
+        if not p.is_file():
+            raise SweepError(f"base_config: {p} not found")
+        return str(p)
+    train_dir = REPO_ROOT / "configs" / "train"
+    if not (train_dir / f"{name}.yaml").is_file():
+        names = sorted(q.stem for q in train_dir.glob("*.yaml"))
+        raise SweepError(f"base_config: '{name}' not found in {train_dir}"
+                         f"{closest_key_hint(name, names)}")
+    return name
+
+
+# ----------------------------------------------------------------------------- plan
+
+def format_plan(sweep: Sweep) -> str:
+    """The human-readable plan: one row per run, then totals and assumptions."""
+    hw = sweep.hardware
+    rows = [("run", "family", "params", "tokens", "tok/param", "steps", "batch", "lr", "warmup",
+             "FLOPs", "GPU-h")]
+    for r in sweep.runs:
+        rows.append((r.name, r.family, _short(r.params), _short(r.tokens),
+                     f"{r.tokens_per_param:.3g}", str(r.total_steps), str(r.global_batch_size),
+                     f"{r.lr:.3g}", str(r.warmup_steps), f"{r.flops:.3g}", f"{r.gpu_hours:.3g}"))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = [f"sweep {sweep.name} ({sweep.path}): {len(sweep.runs)} runs = "
+             f"{len({(r.size, r.tokens) for r in sweep.runs})} size/budget cells x "
+             f"{len(sweep.seeds)} seeds {sweep.seeds}"]
+    if sweep.description:
+        lines.append(sweep.description.strip())
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if c < 2 else cell.rjust(w)
+                               for c, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    r0 = sweep.runs[0]
+    lines += [
+        f"total: {sweep.total_flops:.3g} FLOPs, {sweep.total_gpu_hours:,.4g} GPU-hours "
+        f"(at {float(hw['mfu']):.0%} MFU of {float(hw['peak_tflops']):g} TFLOP/s per "
+        f"{hw['gpu']}; FLOPs = 3 x forward per token)",
+        f"data {r0.data_remote} (seq_len {r0.seq_len}); checkpoints "
+        f"{r0.checkpoint_root.rsplit('/', 1)[0]}/<run>; W&B {r0.wandb_project}/"
+        f"{r0.wandb_group} ({r0.wandb_job_type})",
+    ]
+    lines += [f"NOTE: {n}" for n in sweep.notes]
+    return "\n".join(lines)
+
+
+def validate_with_trainer(sweep: Sweep) -> None:
+    """Load every run's training config (base config + overrides) through the trainer's own
+    schema, so a bad key or value fails at plan time, naming the run."""
+    from gpn_scale.train.config import load_train_config
+
+    for run in sweep.runs:
+        try:
+            load_train_config(run.base_config, run.train_overrides())
+        except ConfigError as err:
+            raise SweepError(f"run '{run.name}': the trainer rejects its config: {err}") from None
