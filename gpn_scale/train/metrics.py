@@ -1,0 +1,435 @@
+"""Metrics sinks: a JSONL file (always) and Weights & Biases (mode from the config).
+
+API (the training loop creates these on rank 0 only)::
+
+    sink = JsonlSink(run_dir / "metrics.jsonl", resume_step=step_or_None)
+    wb = WandbSink(project, group, job_type, name, config=scrub_secrets(cfg), mode="offline",
+                   dir=run_dir, resume_id=meta.get("wandb_run_id"))
+    meta["wandb_run_id"] = wb.run_id            # kept in the checkpoint: a resumed job continues the run
+    sink.log({"loss": 2.3, "lr": 1e-3}, step=10); sink.close()
+
+- `MetricsSink` (Protocol): `log(metrics: dict, step: int) -> None`, `close() -> None`.
+- `JsonlSink(path, resume_step=None)`: one JSON object per line, `{"step": s, ...metrics, "time": t}`;
+  appends; with resume_step it first drops lines with step > resume_step (the steps a preempted
+  job did after its last checkpoint and will redo), so the per-step history stays clean. A torn
+  last line (killed mid-write) is dropped too. Non-finite floats are written as the strings
+  "NaN" / "Infinity" / "-Infinity" so every JSON reader accepts the file.
+- `WandbSink(project, group, job_type, name, config, mode, dir, resume_id=None)`: `.run_id`;
+  config is scrubbed again on the way in; mode "offline" | "online" | "disabled".
+- `scrub_secrets(config) -> dict`: a copy with credential-looking keys/values replaced.
+- `read_offline_run(wandb_dir, run_id=None) -> OfflineRun(run_id, config, history, summary, ...)`:
+  reads what an offline run wrote (its `.wandb` files), merging a run resumed in later processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from gpn_scale.model.config import ConfigError
+
+REDACTED = "***REDACTED***"
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly python value: tensors/numpy scalars -> python, non-finite -> string."""
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+# -- JSONL --------------------------------------------------------------------------------------
+
+
+class JsonlSink:
+    """Append-only JSONL metrics file (rank 0 only; a local path)."""
+
+    def __init__(self, path: str | os.PathLike[str], resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._repair(resume_step)
+            self._file = open(self.path, "a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write metrics file {self.path} ({exc.strerror or exc}); choose a writable run_dir") from exc
+
+    def _repair(self, resume_step: int | None) -> None:
+        """Drop a torn last line and, on resume, lines beyond the resumed step (atomic rewrite)."""
+        if not self.path.exists():
+            return
+        raw = self.path.read_text(encoding="utf-8", errors="replace")
+        lines = raw.splitlines()
+        keep: list[str] = []
+        changed = bool(raw) and not raw.endswith("\n")
+        for i, line in enumerate(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                if i == len(lines) - 1:  # a torn write from a killed process
+                    changed = True
+                    continue
+                keep.append(line)  # garbage in the middle is not ours to judge: leave it
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            if resume_step is not None and isinstance(step, (int, float)) and step > resume_step:
+                changed = True
+                continue
+            keep.append(line)
+        if changed:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+            os.replace(tmp, self.path)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": int(step), **{str(k): _plain(v) for k, v in metrics.items()}}
+        row.setdefault("time", time.time())
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._file.flush()  # a killed job loses at most the line being written
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file (for tests, plots and reports)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# -- secrets ------------------------------------------------------------------------------------
+
+# Key words that name a credential on their own, or after a qualifier ("api_key", "hf_token").
+# Plain "key"/"token" are not enough: model configs have d_key, vocab configs have eos_token.
+_SECRET_WORDS = {"secret", "secrets", "password", "passwd", "pwd", "passphrase", "credential", "credentials",
+                 "apikey", "privatekey", "accesskey", "secretkey", "authtoken", "accesstoken", "bearer"}
+_QUALIFIERS = {"api", "access", "secret", "private", "auth", "session", "refresh", "bearer", "ssh", "signing",
+               "encryption", "client", "wandb", "hf", "huggingface", "github", "gh", "aws", "openai", "slack",
+               "s3", "gcs", "azure", "token", "id"}
+_SECRET_TAILS = {"key", "token", "keys", "tokens"}
+_VALUE_PATTERNS = [
+    re.compile(r"^(AKIA|ASIA)[0-9A-Z]{16}$"),  # AWS access key id
+    re.compile(r"^hf_[A-Za-z0-9]{30,}$"),  # Hugging Face token
+    re.compile(r"^(ghp|gho|ghu|ghs|ghr|github_pat)_[A-Za-z0-9_]{20,}$"),  # GitHub tokens
+    re.compile(r"^sk-[A-Za-z0-9_-]{20,}$"),  # OpenAI-style secret keys
+    re.compile(r"^xox[abposr]-[A-Za-z0-9-]{10,}$"),  # Slack tokens
+    re.compile(r"^eyJ[A-Za-z0-9_-]+\.eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$"),  # JWT
+    re.compile(r"^(local-|wandb_v\d+_)?[0-9a-f]{40}$"),  # W&B API key (40 hex; see _HASHY_KEYS)
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),  # PEM private key
+]
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s:@]+):(?P<pw>[^/\s@]+)@")
+_HASHY_KEYS = re.compile(r"(sha|commit|hash|digest|rev|revision|checksum|etag|uuid|run_id|id)$", re.I)
+
+
+def _words(key: str) -> list[str]:
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key)  # camelCase -> camel_Case
+    return [w for w in re.split(r"[^A-Za-z0-9]+", spaced.lower()) if w]
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a config key names a credential (api_key, hf_token, password, AWS_SECRET_ACCESS_KEY...)."""
+    words = _words(str(key))
+    if not words:
+        return False
+    if any(w in _SECRET_WORDS for w in words):
+        return True
+    if len(words) == 1:
+        return words[0] in ("key", "token")  # a bare "tokens" is a count, not a credential
+    if words[-1] == "id" and len(words) >= 3:  # aws_access_key_id, but not client_id / run_id
+        words = words[:-1]
+    return words[-1] in _SECRET_TAILS and words[-2] in _QUALIFIERS
+
+
+def looks_like_secret(value: str, key: str = "") -> bool:
+    """Whether a string value looks like a credential (known token formats, PEM keys)."""
+    text = value.strip()
+    for pattern in _VALUE_PATTERNS:
+        if pattern.search(text):
+            if pattern.pattern.startswith("^(local-") and _HASHY_KEYS.search(_words(key)[-1] if _words(key) else ""):
+                return False  # a git commit or content hash, not an API key
+            return True
+    return False
+
+
+def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of `config` with secrets replaced by '***REDACTED***'.
+
+    A value is replaced when its key names a credential (words like secret/password/credentials,
+    or key/token after a qualifier: api_key, hf_token, aws_secret_access_key; bare key/token too),
+    or when a string looks like one (AWS key ids, hf_/ghp_/sk- tokens, JWTs, 40-hex W&B keys
+    unless the key says sha/commit/hash, PEM private keys). Passwords inside URLs
+    (scheme://user:pass@host) are replaced in place. Non-string containers are walked.
+    """
+
+    def walk(value: Any, key: str) -> Any:
+        if isinstance(value, Mapping):
+            return {k: (REDACTED if is_secret_key(str(k)) and v not in (None, "", {}, []) else walk(v, str(k)))
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, key) for v in value]
+        if isinstance(value, str):
+            if looks_like_secret(value, key):
+                return REDACTED
+            return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
+        return value
+
+    return walk(dict(config), "")
+
+
+# -- Weights & Biases ---------------------------------------------------------------------------
+
+_WANDB_MODES = ("offline", "online", "disabled")
+
+
+class WandbSink:
+    """A W&B run. With `resume_id` (from the checkpoint's meta) the same run is continued."""
+
+    def __init__(
+        self,
+        project: str,
+        group: str | None,
+        job_type: str | None,
+        name: str | None,
+        config: dict[str, Any],
+        mode: str,
+        dir: str,
+        resume_id: str | None = None,
+        *,
+        tags: list[str] | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        if mode not in _WANDB_MODES:
+            raise ConfigError(f"logging.wandb.mode={mode!r} is not one of {'/'.join(_WANDB_MODES)}; pick one")
+        import wandb
+
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        try:
+            self._run = wandb.init(
+                project=project,
+                group=group,
+                job_type=job_type,
+                name=name,
+                tags=tags,
+                config=scrub_secrets(config),
+                mode=mode,
+                dir=str(dir),
+                id=resume_id,
+                resume="allow" if resume_id else None,
+                reinit="create_new",  # several sinks (tests, eval after train) in one process
+                # console="off": W&B must not wrap stdout/stderr (progress bars, one-line errors).
+                settings=wandb.Settings(console="off", silent=True, **(settings or {})),
+            )
+        except Exception as exc:  # noqa: BLE001 - surface as one line before training starts
+            msg = " ".join(str(exc).split())[:300]
+            raise ConfigError(
+                f"W&B init failed in mode {mode!r} ({type(exc).__name__}: {msg}); set WANDB_API_KEY or use "
+                "logging.wandb.mode=offline"
+            ) from exc
+        self._warned = False
+
+    @property
+    def run_id(self) -> str:
+        return str(self._run.id)
+
+    @property
+    def dir(self) -> str:
+        return str(self._run.dir)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        try:
+            self._run.log({str(k): _plain_wandb(v) for k, v in metrics.items()}, step=int(step))
+        except Exception as exc:  # noqa: BLE001 - metrics must never stop training
+            if not self._warned:
+                warnings.warn(f"W&B log failed (further failures are silent): {exc}", stacklevel=2)
+                self._warned = True
+
+    def close(self) -> None:
+        offline = self._run.settings.mode == "offline"
+        sync_file = getattr(self._run.settings, "sync_file", None)
+        try:
+            self._run.finish()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"W&B finish failed: {exc}", stacklevel=2)
+            return
+        if offline and sync_file:
+            # finish() returns before W&B's core process has flushed the run file; wait for the
+            # exit record so that "closed" means "on disk" (a resumed job or a reader follows).
+            _wait_for_exit_record(Path(sync_file))
+
+
+def _wait_for_exit_record(path: Path, timeout_s: float = 20.0) -> None:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            records = _leveldb_records(path.read_bytes())
+        except (OSError, ValueError):
+            records = []
+        for raw in reversed(records[-5:]):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            if rec.WhichOneof("record_type") == "exit":
+                return
+        time.sleep(0.05)
+    warnings.warn(f"W&B offline file {path} has no exit record after {timeout_s:.0f}s", stacklevel=3)
+
+
+def _plain_wandb(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    return value
+
+
+# -- reading offline runs -----------------------------------------------------------------------
+
+# wandb 0.31 has no public reader for its `.wandb` transaction log (the old python DataStore
+# moved into the Go core), and the file is what an offline run leaves, so this small reader
+# exists for tests and for inspecting runs on air-gapped clusters. Format: a 7-byte header
+# (":W&B", magic 0xBEE1, version), then LevelDB log framing - 32 KiB blocks of records with a
+# 7-byte header (crc32c, little-endian length, type FULL/FIRST/MIDDLE/LAST) - around serialised
+# `wandb_internal_pb2.Record` protobufs. Checksums are not verified; a torn tail is ignored.
+_HEADER_LEN = 7
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _leveldb_records(data: bytes) -> list[bytes]:
+    if data[:4] != b":W&B":
+        raise ValueError("not a W&B transaction log (missing ':W&B' header)")
+    out: list[bytes] = []
+    pos, pending = _HEADER_LEN, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zero padding up to the block end
+            pos += left
+            continue
+        body = data[pos + 7 : pos + 7 + length]
+        if len(body) < length:
+            break  # torn tail
+        pos += 7 + length
+        if kind == _FULL:
+            out.append(body)
+        elif kind == _FIRST:
+            pending = body
+        elif kind == _MIDDLE:
+            pending += body
+        elif kind == _LAST:
+            out.append(pending + body)
+            pending = b""
+    return out
+
+
+@dataclass
+class OfflineRun:
+    run_id: str
+    config: dict[str, Any]
+    history: list[dict[str, Any]]
+    summary: dict[str, Any]
+    project: str | None = None
+    group: str | None = None
+    job_type: str | None = None
+    name: str | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def _item_key(item: Any) -> str:
+    return item.key if item.key else ".".join(item.nested_key)
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def read_offline_run(wandb_dir: str | os.PathLike[str], run_id: str | None = None) -> OfflineRun:
+    """Config, per-step history and summary of an offline run found under `wandb_dir`.
+
+    `wandb_dir` may be the `dir` given to W&B or its `wandb/` sub-directory. All `.wandb` files of
+    the run (the first process and every resumed one) are read in the order they were started.
+    `run_id` may be omitted when only one run is there (else the most recently started one).
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    # Skip W&B's "latest-run" symlink so that no file is read twice.
+    found = [p for p in Path(wandb_dir).rglob("run-*.wandb") if p.parent.name != "latest-run"]
+    files = sorted(found, key=lambda p: (p.parent.name.split("-", 2)[-1], p.stat().st_mtime_ns))
+    if not files:
+        raise FileNotFoundError(f"no W&B run files (run-*.wandb) under {wandb_dir}")
+    if run_id is None:
+        run_id = files[-1].stem[len("run-") :]
+    files = [p for p in files if p.stem == f"run-{run_id}"]
+    if not files:
+        raise FileNotFoundError(f"no W&B files for run {run_id} under {wandb_dir}")
+    run = OfflineRun(run_id=run_id, config={}, history=[], summary={}, files=[str(p) for p in files])
+    for path in files:
+        for raw in _leveldb_records(path.read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                r = rec.run
+                run.project = r.project or run.project
+                run.group = r.run_group or run.group
+                run.job_type = r.job_type or run.job_type
+                run.name = r.display_name or run.name
+                for item in r.config.update:
+                    run.config[_item_key(item)] = _json(item.value_json)
+            elif kind == "config":
+                for item in rec.config.update:
+                    run.config[_item_key(item)] = _json(item.value_json)
+                for item in rec.config.remove:
+                    run.config.pop(_item_key(item), None)
+            elif kind == "history":
+                row: dict[str, Any] = {}
+                for item in rec.history.item:
+                    which = item.WhichOneof("value")
+                    if which is None:
+                        value: Any = _json(item.value_json)
+                    elif which == "none":
+                        value = None
+                    elif which == "json":
+                        value = _json(item.json)
+                    else:
+                        value = getattr(item, which)
+                    row[_item_key(item)] = value
+                run.history.append(row)
+            elif kind == "summary":
+                for item in rec.summary.update:
+                    run.summary[_item_key(item)] = _json(item.value_json)
+                for item in rec.summary.remove:
+                    run.summary.pop(_item_key(item), None)
+    run.config.pop("_wandb", None)
+    run.summary = {k: v for k, v in run.summary.items() if not k.startswith("_wandb")}
+    return run
