@@ -1,0 +1,102 @@
+"""Config schema, optimizer groups, LR schedule, environment detection (fast, in-process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpn_scale.model import GPN, load_model_config
+from gpn_scale.model.config import ConfigError
+from gpn_scale.train.config import all_keys, batch_layout, load_train_config
+from gpn_scale.train.env import _first_host, detect
+from gpn_scale.train.optim import build_adamw, decays, lr_at
+
+
+def test_every_shipped_config_loads():
+    for name in ("ci_tiny", "demo", "small", "paper_130m"):
+        cfg = load_train_config(name)
+        load_model_config(cfg.model)  # the model it names exists
+
+
+def test_sweep_keys_are_in_the_schema():
+    keys = set(all_keys())
+    for key in ("model", "seed", "run_name", "optim.lr", "schedule.warmup_steps",
+                "schedule.total_steps", "data.remote", "data.seq_len", "train.global_batch_size",
+                "checkpoint.root", "logging.wandb.project", "logging.wandb.group",
+                "logging.wandb.job_type"):
+        assert key in keys, key
+    cfg = load_train_config("ci_tiny", ["model=small", "seed=3", "optim.lr=1e-3",
+                                        "logging.wandb.group=g", "checkpoint.root=s3://b/p"])
+    assert (cfg.model, cfg.seed, cfg.optim.lr, cfg.logging.wandb.group) == ("small", 3, 1e-3, "g")
+    assert cfg.resolved_checkpoint_root == "s3://b/p"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optim.lrr=1", "optim.lrr: unknown config key (did you mean 'optim.lr'?)"),
+    ("train.global_batch=8", "did you mean 'train.global_batch_size'?"),
+    ("schedule.warmup=3", "did you mean 'schedule.warmup_steps'?"),
+    ("logging.wandb.projetc=x", "did you mean 'logging.wandb.project'?"),
+    ("parallel.backend=fsdp", "did you mean 'fsdp2'?"),
+    ("train.precision=fp16", "train.precision: expected one of auto, fp32, bf16"),
+    ("schedule.warmup_steps=100", "schedule.warmup_steps: must be in [0, schedule.total_steps=8]"),
+])
+def test_bad_keys_and_values_fail_in_one_line(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_train_config("ci_tiny", [override])
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  weight_decya: 0.1\n")
+    with pytest.raises(ConfigError, match=r"optim.weight_decya: unknown config key \(did you mean 'optim.weight_decay'\?\)"):
+        load_train_config(path)
+
+
+def test_batch_layout():
+    cfg = load_train_config("ci_tiny", ["train.global_batch_size=16", "train.micro_batch_size=2"])
+    assert batch_layout(cfg, 1) == (2, 8)
+    assert batch_layout(cfg, 2) == (2, 4)
+    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+        batch_layout(cfg, 3)
+
+
+def test_lr_schedule_warmup_cosine_floor():
+    lrs = [lr_at(s, 1.0, 10, 110, 0.1) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))          # linear warmup
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))          # monotone cosine decay
+    assert lrs[-1] == pytest.approx(0.1)                             # floor at the last step
+    assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
+
+
+def test_weight_decay_only_on_matrices():
+    model = GPN(load_model_config("tiny"))
+    opt = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+    by_id = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert len(by_id) == len(names)
+    for name, p in names.items():
+        wd = by_id[id(p)]
+        if p.ndim < 2 or name.endswith(("A_log", "dt_bias")):
+            assert wd == 0.0, name
+        else:
+            assert wd == 0.1, name
+    assert any(n.endswith("A_log") for n in names) and any(n.endswith("dt_bias") for n in names)
+    assert not decays("write.A_log", torch.zeros(2, 2))
+
+
+def test_env_detection():
+    assert detect({}).world_size == 1
+    tr = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h1",
+                 "MASTER_PORT": "1234"})
+    assert (tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port, tr.source) == \
+        (3, 8, 1, "h1", 1234, "torchrun")
+    sl = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                 "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08,11],cpu1"})
+    assert (sl.rank, sl.world_size, sl.local_rank, sl.source) == (5, 16, 1, "slurm")
+    assert sl.master_addr in ("gpu07",) and sl.master_port == 20000 + 4242
+    assert _first_host("node[3-5]") == "node3" and _first_host("a1,b2") == "a1"
