@@ -28,7 +28,7 @@ Public API (the trainer codes against exactly these names)::
   `preflight()`, `save(step, app_state, *, meta, rank_state=None) -> uri`,
   `save_deepspeed(step, engine, *, meta, rank_state=None) -> uri`, `latest() -> uri | None`,
   `load(uri, app_state) -> LoadedCheckpoint`, `load_deepspeed(uri, engine) -> LoadedCheckpoint`,
-  `resolve_resume(resume) -> uri | None`, `list_checkpoints()`.
+  `resolve_resume(resume) -> uri | None`, `read_meta(uri) -> dict`, `list_checkpoints()`.
 - `LoadedCheckpoint(meta, rank_state, step, uri, world_size, kind, extra)`.
 - `capture_rng_state() -> dict` / `restore_rng_state(state)`: python, numpy, torch CPU (and CUDA)
   RNG states as weights_only-loadable values, for `rank_state`.

@@ -241,6 +241,18 @@ class CheckpointManager:
             )
         return storage.child_uri(name)
 
+    def read_meta(self, uri: str) -> dict[str, Any]:
+        """The `meta` a checkpoint was saved with, from its manifest (not collective, cheap: no
+        file checks; e.g. to compare model configs before building the state to load into)."""
+        storage, name = self._locate(uri)
+        raw = storage.get_bytes(f"{name}/{MANIFEST}")
+        if raw is None:
+            raise CheckpointError(f"{storage.child_uri(name)} has no manifest.json; pick a complete checkpoint")
+        try:
+            return dict(json.loads(raw).get("meta", {}))
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise CheckpointError(f"{storage.child_uri(name)}/manifest.json is unreadable ({one_line(exc, 120)})") from exc
+
     def preflight(self) -> None:
         """Cheap write probe of the root and of this rank's staging directory (call before training)."""
         self.storage.preflight()

@@ -51,6 +51,7 @@ def test_round_trip_exact(tmp_path: Path) -> None:
 
     manifest = json.loads((Path(uri) / "manifest.json").read_text())
     assert manifest["step"] == 7 and manifest["world_size"] == 1 and manifest["meta"] == META
+    assert mgr.read_meta(uri) == META
     assert {".metadata", "__0_0.distcp", "rank_00000.pt"} == set(manifest["files"])
     assert not any((tmp_path / "ck" / ".staging").rglob("*.distcp"))  # staging is cleaned up
 
@@ -264,3 +265,18 @@ def test_bad_arguments() -> None:
         CheckpointManager("gs://bucket/x")
     with pytest.raises(CheckpointError, match="no bucket"):
         CheckpointManager("s3:///prefix")
+
+
+def test_deepspeed_files_load_weights_only(tmp_path: Path) -> None:
+    """DeepSpeed's files go through the same weights_only loader (plus DeepSpeed's data classes)."""
+    from gpn_scale.checkpoint.manager import _deepspeed_safe_load
+
+    ok = tmp_path / "ok.pt"
+    torch.save({"optimizer_state_dict": {"step": torch.tensor(3.0)}, "ds_version": "0.19.8"}, ok)
+    assert _deepspeed_safe_load(str(ok))["ds_version"] == "0.19.8"
+    bad = tmp_path / "bad.pt"
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer_state_dict": Evil(str(marker))}, bad)
+    with pytest.raises(CheckpointError, match=r"refusing to load .*bad.pt.*weights_only=True"):
+        _deepspeed_safe_load(str(bad))
+    assert not marker.exists()
