@@ -306,6 +306,8 @@ class CheckpointManager:
             return str(exc)
         except OSError as exc:
             return f"cannot read staged file ({one_line(exc, 160)})"
+        except Exception as exc:  # noqa: BLE001 - must reach the gather, or the other ranks hang
+            return one_line(exc, 200)
         return entries
 
     def _commit(self, step: int, name: str, stage: Path, kind: str, per_rank: Any, meta: dict[str, Any]) -> str:
@@ -403,6 +405,7 @@ class CheckpointManager:
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.save(app_state, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
+            shutil.rmtree(stage, ignore_errors=True)
             raise CheckpointError(f"checkpoint {name} not saved: DCP save failed ({one_line(exc)})") from exc
         try:
             if rank_state is not None:
@@ -475,17 +478,33 @@ class CheckpointManager:
                         raise CheckpointError(f"file {rel} does not match its sha256 in the manifest")
         except CheckpointError as exc:
             err = str(exc)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - must reach the gather, or the other ranks hang
             err = one_line(exc, 200)
-        self._agree(err, f"cannot load {storage.child_uri(name)}")
+        full_uri = storage.child_uri(name)
+        results = self._gather((err, full_uri))
+        for r, (rank_err, _) in enumerate(results):
+            if rank_err:
+                where = f" (rank {r})" if self.world_size > 1 else ""
+                raise CheckpointError(f"cannot load {full_uri}{where}: {rank_err}")
+        uris = sorted({u for _, u in results})
+        if len(uris) > 1:
+            raise CheckpointError(
+                f"ranks asked to load different checkpoints ({', '.join(uris)}); resolve the URI once "
+                "(e.g. on rank 0) and pass the same one to every rank"
+            )
         assert manifest is not None and local is not None
         return manifest, storage, name, local, downloaded
 
     def _loaded(self, manifest: dict[str, Any], local: Path, uri: str, kind: str) -> LoadedCheckpoint:
+        """Collective: this rank's rank_state (when the world size matches) + the rest."""
         saved_world = int(manifest.get("world_size", 1))
-        rank_state = None
-        if saved_world == self.world_size and _rank_file(self.rank) in manifest["files"]:
-            rank_state = safe_torch_load(local / _rank_file(self.rank))
+        rank_state, err = None, None
+        try:
+            if saved_world == self.world_size and _rank_file(self.rank) in manifest["files"]:
+                rank_state = safe_torch_load(local / _rank_file(self.rank))
+        except CheckpointError as exc:
+            err = str(exc)
+        self._agree(err, f"cannot load {uri}")
         return LoadedCheckpoint(
             meta=manifest.get("meta", {}),
             rank_state=rank_state,
