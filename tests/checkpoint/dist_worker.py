@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import assert_same, make_mlp  # noqa: E402
 
-from gpn_scale.checkpoint import CheckpointManager  # noqa: E402
+from gpn_scale.checkpoint import CheckpointError, CheckpointManager  # noqa: E402
 
 
 def _batches(n: int, rank: int, seed: int = 7) -> list[torch.Tensor]:
@@ -75,6 +75,25 @@ def fsdp_save(out: Path, roots: list[str]) -> None:
         assert_same(got_optim, ref_optim, "optim")
         assert loaded.world_size == world and loaded.step == 5
         assert loaded.rank_state is not None and int(loaded.rank_state["rank"]) == rank
+
+    # Rank 1 fails to upload in the next save: every rank gets the same one-line error (nobody
+    # hangs), and the step-5 checkpoint stays the latest.
+    mgr = CheckpointManager(roots[0], staging_dir=str(out / "stage"))
+    if rank == 1:
+        def broken_put(local_path, key):  # type: ignore[no-untyped-def]
+            raise CheckpointError(f"cannot write checkpoint file {key}: disk full")
+
+        mgr.storage.put_file = broken_put  # type: ignore[method-assign]
+    msd, osd = get_state_dict(model, opt)
+    try:
+        mgr.save(6, {"model": msd, "optim": osd}, meta={"step": 6})
+    except CheckpointError as exc:
+        msg = str(exc)
+        assert "\n" not in msg and "step_000000006 not saved" in msg and "on rank 1" in msg and "disk full" in msg, msg
+    else:
+        raise AssertionError("save with a failing rank did not raise")
+    assert mgr.latest() is not None and mgr.latest().endswith("step_000000005")
+    assert not (Path(roots[0]) / "step_000000006" / "manifest.json").exists()
     dist.barrier()
     dist.destroy_process_group()
 
