@@ -280,3 +280,40 @@ def test_deepspeed_files_load_weights_only(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"refusing to load .*bad.pt.*weights_only=True"):
         _deepspeed_safe_load(str(bad))
     assert not marker.exists()
+
+
+def test_staging_on_another_filesystem_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node-local staging + shared-filesystem root: rename fails with EXDEV, the file is copied."""
+    import errno
+
+    real_replace = os.replace
+    crossed = {"n": 0}
+
+    def replace(src, dst):  # type: ignore[no-untyped-def]
+        if ".staging-elsewhere" in str(src):
+            crossed["n"] += 1
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    mgr = CheckpointManager(str(tmp_path / "ck"), staging_dir=str(tmp_path / ".staging-elsewhere"))
+    model, opt = trained()
+    uri = mgr.save(3, app_state(model, opt), meta={}, rank_state={"a": 1})
+    assert crossed["n"] == 3  # .metadata, the shard, the rank file
+    assert mgr.latest() == uri
+    model2, opt2 = fresh()
+    app = app_state(model2, opt2)
+    mgr.load(uri, app)
+    apply(model2, opt2, app)
+    assert_same_training_state(model, opt, model2, opt2)
+
+
+def test_retention_with_a_resumed_older_run(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path / "ck"), keep_last=1)
+    _save(mgr, 50)
+    uri30 = _save(mgr, 30)  # resumed from an older checkpoint: 50 is newer, left alone
+    assert mgr.latest() == uri30
+    assert (tmp_path / "ck" / step_dir_name(50) / "manifest.json").exists()
+    uri40 = _save(mgr, 40)
+    assert mgr.latest() == uri40
+    assert not (tmp_path / "ck" / step_dir_name(30)).exists()  # older than the new latest: retired
