@@ -270,7 +270,7 @@ def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_
         cache_dir, owned = _per_run_cache(world_size)
     if local_leader:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        clean_stale_streaming_shm()
+        clean_stale_streaming_shm(our_locals=[os.path.join(cache_dir, split)])
         if owned:
             atexit.register(shutil.rmtree, cache_dir, True)
     if _dist_ready():

@@ -8,7 +8,10 @@ cache directory but another temp directory then fails with "Reused local directo
 streaming's own `clean_stale_shared_memory()` is not usable here: it unlinks segments
 whether or not a live job still uses them, and stops at the first free prefix. So this is
 hand-written: a prefix is stale when no live process maps any of its segments (read from
-/proc/*/maps, Linux only); stale segments and their filelocks are removed.
+/proc/*/maps, Linux only) and either its segments are older than `MIN_AGE_S` or its
+`_locals` segment registers one of *our* cache directories (then it is certainly a dead
+run of ours, and waiting would only make the restart fail). Stale segments and their
+filelocks are removed.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 SHM_DIR = Path("/dev/shm")
 _SEGMENT = re.compile(r"^(\d{6})_[a-z_]+$")
 _MAPPED = re.compile(r"/dev/shm/(\d{6})_[a-z_]+")
-# A segment younger than this may belong to a job between creating and mapping it.
-MIN_AGE_S = 2.0
+# Segments of other jobs younger than this are left alone: a job may be between creating
+# and mapping them, and a just-killed job's owner may want to look at them.
+MIN_AGE_S = 30.0
 
 
 def _prefixes_in_use() -> set[str] | None:
@@ -47,11 +51,26 @@ def _prefixes_in_use() -> set[str] | None:
     return in_use
 
 
-def clean_stale_streaming_shm(tmp_dir: str | None = None) -> list[str]:
+def _registered_locals(prefix: str) -> list[str]:
+    """Cache directories a streaming `_locals` segment registers (its format: int32 size,
+    then the directories and the prefix joined by NUL)."""
+    try:
+        data = (SHM_DIR / f"{prefix}_locals").read_bytes()
+        size = int.from_bytes(data[:4], "little", signed=True)
+        return data[4:size].decode("utf-8", errors="replace").split("\0")[:-1]
+    except (OSError, ValueError):
+        return []
+
+
+def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
+                              our_locals: list[str] | None = None,
+                              min_age_s: float = MIN_AGE_S) -> list[str]:
     """Remove streaming segments and filelocks that no live process uses.
 
     Safe to call while other streaming jobs run on the same machine: their segments are
-    mapped, so they are kept. Returns the names removed.
+    mapped, so they are kept. `our_locals`: the caller's cache directories; unmapped
+    prefixes registering one of them are removed whatever their age. Returns the names
+    removed.
     """
     if not SHM_DIR.is_dir():
         return []
@@ -62,7 +81,8 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None) -> list[str]:
     now = time.time()
     removed: list[str] = []
     stale_prefixes: set[str] = set()
-    for entry in SHM_DIR.iterdir():
+    ours = {os.path.abspath(p) for p in our_locals or []}
+    for entry in sorted(SHM_DIR.iterdir()):
         match = _SEGMENT.match(entry.name)
         if not match or match.group(1) in in_use:
             continue
@@ -70,7 +90,11 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None) -> list[str]:
             st = entry.stat()
         except FileNotFoundError:
             continue
-        if st.st_uid != uid or now - st.st_mtime < MIN_AGE_S:
+        if st.st_uid != uid:
+            continue
+        prefix = match.group(1)
+        mine = prefix in stale_prefixes or bool(ours.intersection(_registered_locals(prefix)))
+        if not mine and now - st.st_mtime < min_age_s:
             continue
         try:
             entry.unlink()
@@ -91,7 +115,7 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None) -> list[str]:
             if not prefix.isdigit() or prefix in in_use or prefix in live_segments:
                 continue
             try:
-                if now - entry.stat().st_mtime < MIN_AGE_S:
+                if now - entry.stat().st_mtime < min_age_s:
                     continue
                 entry.unlink()
                 removed.append(str(entry))

@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
 
 from data_helpers import build_counter_dataset, row_keys
 from gpn_scale.data import DataConfig, build_loader
-from gpn_scale.data.shm import MIN_AGE_S
+from gpn_scale.data.shm import MIN_AGE_S, clean_stale_streaming_shm
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +68,6 @@ def test_stale_shared_memory_from_a_killed_loader_does_not_stop_the_next_run(tmp
         child.wait()
     stale = created & _segments()
     assert stale, "SIGKILL should leave the segments behind (else this test proves nothing)"
-    time.sleep(MIN_AGE_S + 0.2)
 
     # The trap is real: plain streaming (in a fresh process, with its own TMPDIR like a
     # restarted job) refuses the same cache directory now.
@@ -77,7 +78,44 @@ def test_stale_shared_memory_from_a_killed_loader_does_not_stop_the_next_run(tmp
                            text=True, timeout=120)
     assert plain.returncode != 0 and "Reused local directory" in plain.stderr
 
-    # Our loader cleans what no live process maps, and runs a full epoch.
+    # Our loader removes the unmapped segments that register its cache dir, and runs.
     loader = build_loader(DataConfig(remote=root, local_cache=cache), "train", 4, 0, 1)
     keys = row_keys(loader)
     assert len(keys) == len(set(keys)) == 64
+
+
+def _fake_segment(name: str, payload: bytes, age_s: float) -> Path:
+    path = Path("/dev/shm") / name
+    path.write_bytes(payload)
+    stamp = time.time() - age_s
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def _locals_payload(dirs: list[str], prefix: int) -> bytes:
+    text = ("\0".join(dirs) + f"\0{prefix}").encode()
+    return (4 + len(text)).to_bytes(4, "little") + text
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+def test_cleaner_keeps_live_and_young_segments_of_others(tmp_path):
+    base = 900000 + int(uuid.uuid4().int % 90000)  # far above any prefix streaming uses
+    ours = str(tmp_path / "cache" / "train")
+    old_other = _fake_segment(f"{base:06}_locals", _locals_payload(["/x/other"], base), 3600)
+    young_other = _fake_segment(f"{base + 1:06}_locals", _locals_payload(["/x/y"], base + 1), 0)
+    young_ours = _fake_segment(f"{base + 2:06}_locals", _locals_payload([ours], base + 2), 0)
+    young_ours_part = _fake_segment(f"{base + 2:06}_barrier", b"\0" * 12, 0)
+    live = shared_memory.SharedMemory(f"{base + 3:06}_barrier", create=True, size=16)
+    live_path = Path("/dev/shm") / live.name
+    os.utime(live_path, (time.time() - 3600,) * 2)
+    try:
+        removed = clean_stale_streaming_shm(our_locals=[ours], min_age_s=MIN_AGE_S)
+        assert not old_other.exists() and not young_ours.exists()
+        assert not young_ours_part.exists()
+        assert young_other.exists(), "a young segment of another job was removed"
+        assert live_path.exists(), "a segment mapped by a live process was removed"
+        assert young_ours.name in removed
+    finally:
+        young_other.unlink(missing_ok=True)
+        live.close()
+        live.unlink()
