@@ -299,6 +299,9 @@ class CheckpointManager:
         try:
             for path in sorted(p for p in stage.rglob("*") if p.is_file()):
                 rel = path.relative_to(stage).as_posix()
+                # fsync before the rename/upload: a manifest must never outlive its data in a crash.
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
                 entry = {"size": path.stat().st_size, "sha256": sha256_file(path), "rank": self.rank}
                 self.storage.put_file(path, f"{name}/{rel}")
                 entries[rel] = entry
@@ -400,7 +403,7 @@ class CheckpointManager:
         name, stage = self._begin(step, meta)
         err = None
         try:
-            writer = dcp.FileSystemWriter(str(stage), single_file_per_rank=True, sync_files=False, thread_count=1)
+            writer = dcp.FileSystemWriter(str(stage), single_file_per_rank=True, sync_files=True, thread_count=1)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.save(app_state, storage_writer=writer)
