@@ -32,7 +32,8 @@ from torch import Tensor
 from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_linear_cross_entropy
-from gpn_scale.ops.deferred import DeferredSlot, deferred_matmul
+from gpn_scale.ops.deferred import DeferredSlot, _matmul, deferred_matmul
+from gpn_scale.ops.memory import chunk_errors, chunk_read
 
 
 # ----------------------------------------------------------------------------- plan
@@ -149,20 +150,87 @@ def _l2n(x: Tensor) -> Tensor:
 
 
 class _Slots:
-    """One DeferredSlot per loop weight (None everywhere in the no-grad forward)."""
+    """One DeferredSlot per loop weight (None everywhere in the no-grad forward).
 
-    def __init__(self, plan: _Plan, record: bool) -> None:
-        make = DeferredSlot if record else (lambda: None)
-        self.key0 = make()                      # first key of a chunk, from s_prev
-        self.w_in = [make() for _ in range(plan.n_layers)]
-        self.w_out = [make() for _ in range(plan.n_layers)]
-        self.fg = make()
-        self.memory = make()                    # reads of the chunk-start memory M0
+    With `replay`, the slots of the large per-step matmuls return values precomputed for the
+    whole chunk (see `_precompute_chunk`).
+    """
+
+    def __init__(self, plan: _Plan, record: bool, replay: "_Replay | None" = None) -> None:
+        L = plan.n_layers
+        if not record:
+            self.key0 = self.fg = self.memory = None
+            self.w_in: list[DeferredSlot | None] = [None] * L
+            self.w_out: list[DeferredSlot | None] = [None] * L
+            return
+        self.key0 = DeferredSlot()              # first key of a chunk, from s_prev
+        self.memory = DeferredSlot()            # reads of the chunk-start memory M0
+        self.w_in = [DeferredSlot(replay.y_in[i] if replay else None) for i in range(L)]
+        self.w_out = [DeferredSlot(replay.z[i] if replay else None) for i in range(L)]
+        self.fg = DeferredSlot(replay.fg if replay else None)
+
+
+@dataclass
+class _Replay:
+    """Outputs of a chunk's per-step matmuls, each (C, B, N), computed in large matmuls."""
+
+    y_in: list[Tensor]
+    z: list[Tensor]
+    fg: Tensor
+
+
+@torch.no_grad()
+def _precompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
+                      M0: Tensor | None) -> _Replay:
+    """Given the chunk's states S (B, C, d) from the forward, every matmul of the chunk at once.
+
+    All inputs of every step are known here, so each projection is ONE (C*B)-row matmul and
+    the memory is the fully parallel chunk form (`ops.memory`, use 1).
+    """
+    B, C, d = S.shape
+    H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
+    c = S.transpose(0, 1)                                          # (C, B, d)
+    y_in, z = [], []
+    for i in range(plan.n_layers):
+        y = _matmul(_rms(c, eps), W.w_in[i], W.b_in[i])
+        y_in.append(y)
+        parts = torch.split(y, plan.in_splits[i], dim=-1)
+        if plan.memory and i == 0:
+            k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
+            k_cols = H * dk
+            k_first = _matmul(_rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
+            k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
+            k = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk)))
+            log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)          # (B, H, C)
+            beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
+            U, G = chunk_errors(k, _heads(v.view(C, B, H, dv)), log_a, beta, M0, "gpn")
+        elif plan.memory:
+            q_pre, rg, ffn_in, pg = parts
+        else:
+            ffn_in, pg = parts
+        a, b = ffn_in.chunk(2, dim=-1)
+        hidden = F.silu(a) * b
+        if plan.memory:
+            q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
+            o = chunk_read(q, k, U, G, M0).permute(2, 0, 1, 3).reshape(C, B, H * dv)
+            hidden = torch.cat([F.silu(rg) * _rms(o, eps), hidden], dim=-1)
+        z.append(_matmul(hidden, W.w_out[i], None))
+        c = torch.sigmoid(pg) * c + z[-1]
+    return _Replay(y_in, z, _matmul(_rms(c, eps), W.w_fg, W.b_fg))
+
+
+def _heads(x: Tensor) -> Tensor:
+    """(C, B, H, n) -> (B, H, C, n)."""
+    return x.permute(1, 2, 0, 3)
 
 
 def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Tensor,
-               M0: Tensor | None, slots: _Slots) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Steps of one chunk. fuse: (B, C, d). Returns (P (B, C, d), s, s_prev, M_end)."""
+               M0: Tensor | None, slots: _Slots, inputs: list[Tensor] | None = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Steps of one chunk. fuse: (B, C, d). Returns (P (B, C, d), s, s_prev, M_end).
+
+    `inputs`, when given, receives the state s entering every step.
+    """
     B, C, _ = fuse.shape
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
     mem = plan.memory
@@ -177,8 +245,9 @@ def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Te
         G_prev = s.new_zeros(B, H)
     outputs = []
     for tau in range(C):
-        x = s
-        c = x
+        if inputs is not None:
+            inputs.append(s)
+        c = s
         for i in range(plan.n_layers):
             y = deferred_matmul(_rms(c, eps), W.w_in[i], W.b_in[i], slots.w_in[i])
             parts = torch.split(y, plan.in_splits[i], dim=-1)
@@ -247,16 +316,21 @@ class _SequenceFunction(torch.autograd.Function):
         W = _LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype)
         B, T, d = fuse.shape
         P = fuse.new_empty(B, T, d)
+        need_backward = any(ctx.needs_input_grad)
+        S = fuse.new_empty(B, T, d) if need_backward else None   # the state entering each step
         s, s_prev, M = s0, s_prev0, M0
         carries = []
         no_slots = _Slots(plan, record=False)
         for start, end in plan.spans:
             carries.append((s, s_prev, M))
+            inputs: list[Tensor] | None = [] if need_backward else None
             P[:, start:end], s, s_prev, M = _run_chunk(plan, W, fuse[:, start:end], s, s_prev,
-                                                       M, no_slots)
+                                                       M, no_slots, inputs)
+            if need_backward:
+                S[:, start:end] = torch.stack(inputs, dim=1)
         ctx.plan = plan
         ctx.carries = carries
-        ctx.save_for_backward(fuse, *flat)
+        ctx.save_for_backward(fuse, S, *flat)
         if M is None:
             M = fuse.new_zeros(0)
             ctx.mark_non_differentiable(M)
@@ -265,7 +339,7 @@ class _SequenceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
-        fuse, *flat = ctx.saved_tensors
+        fuse, S, *flat = ctx.saved_tensors
         # Detached: the recompute below must not reach into the graph that built the weights.
         W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
         Wmm = W.for_matmul(plan.mm_dtype)
@@ -289,7 +363,11 @@ class _SequenceFunction(torch.autograd.Function):
             fuse_c = fuse[:, start:end].detach().requires_grad_()
             A_leaf = None if W.A is None else W.A.detach().requires_grad_()
             Wc = _LoopWeights(Wmm.w_in, Wmm.b_in, Wmm.w_out, Wmm.w_fg, Wmm.b_fg, A_leaf)
-            slots = _Slots(plan, record=True)
+            # Every matmul of the chunk in a few large GEMMs; the sequential recompute below
+            # replays their outputs, so it only runs the cheap elementwise/memory steps.
+            replay = _precompute_chunk(plan, Wmm, S[:, start:end], ctx.carries[idx][1],
+                                       ctx.carries[idx][2])
+            slots = _Slots(plan, record=True, replay=replay)
             with torch.enable_grad():
                 P_c, s_end, s_prev_end, M_end = _run_chunk(plan, Wc, fuse_c, s, s_prev, M, slots)
             outs, grads = [P_c], [dP[:, start:end]]

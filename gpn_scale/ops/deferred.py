@@ -5,6 +5,12 @@ Inside a recurrence, autograd would form a weight gradient at every step: a rank
 only forms the input gradient (dy @ W^T) and records dy; `DeferredSlot.weight_grad` later
 turns all of a chunk's (x, dy) pairs into ONE large matmul X^T @ dY. The same serves the
 per-sequence memory M0 that every step of a chunk reads (batched matmul, (B, H) leading).
+
+A slot may also carry `replay` values: the outputs of its successive calls, computed
+beforehand in one large matmul over all steps of a chunk (possible when the inputs of
+every step are already known, as in a backward-pass recomputation). The per-step call then
+returns its precomputed row block instead of running a few-row matmul, while autograd still
+sees x -> y and so the backward is unchanged.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ from torch import Tensor
 class DeferredSlot:
     """Collects the inputs and output gradients of every matmul against one weight."""
 
-    __slots__ = ("xs", "dys")
+    __slots__ = ("xs", "dys", "replay")
 
-    def __init__(self) -> None:
+    def __init__(self, replay: Tensor | None = None) -> None:
         self.xs: list[Tensor] = []
         self.dys: list[Tensor | None] = []
+        self.replay = replay      # (calls, ...): output of call i is replay[i]
 
     def weight_grad(self, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
         """(X^T @ dY, dY summed over rows) over all recorded calls, or None if none got a grad."""
@@ -42,6 +49,8 @@ class _DeferredMatmul(torch.autograd.Function):
         ctx.out_dtype = x.dtype
         slot.xs.append(x)
         slot.dys.append(None)
+        if slot.replay is not None:
+            return slot.replay[ctx.index]
         return _matmul(x, weight, bias)
 
     @staticmethod

@@ -74,24 +74,42 @@ def memory_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor,
 
 def _chunk(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str
            ) -> tuple[Tensor, Tensor]:
+    U, G = chunk_errors(k, v, log_a, b, M0, rule)
+    return chunk_read(q, k, U, G, M0), chunk_advance(k, U, G, M0)
+
+
+def chunk_errors(k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str = "gpn"
+                 ) -> tuple[Tensor, Tensor]:
+    """The chunk's write terms u_t (B, H, C, dv) and cumulative log decays G_t (B, H, C).
+
+    U = (I + A)^{-1} diag(b) (V - diag(e^{G_err}) K M0), A strictly lower triangular.
+    """
     C = k.shape[2]
-    G = torch.cumsum(log_a, dim=-1)                       # G_t, (B, H, C)
+    G = torch.cumsum(log_a, dim=-1)
     # The error term sees the memory decayed up to t-1 (gpn) or up to t (gdn).
     G_err = G - log_a if rule == "gpn" else G
-    ones = torch.ones(C, C, dtype=torch.bool, device=k.device)
-    strict = torch.tril(ones, diagonal=-1)
-    incl = torch.tril(ones)
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), diagonal=-1)
     # exp of G_err_t - G_j on the strict lower triangle (<= 0 there); zero elsewhere.
     decay_err = _masked_exp(G_err[..., :, None] - G[..., None, :], strict)
-    decay_out = _masked_exp(G[..., :, None] - G[..., None, :], incl)
     A = b[..., :, None] * (k @ k.transpose(-1, -2)) * decay_err
     rhs = b[..., None] * (v - G_err.exp()[..., None] * (k @ M0))
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    o = G.exp()[..., None] * (q @ M0) + ((q @ k.transpose(-1, -2)) * decay_out) @ U
+    return U, G
+
+
+def chunk_read(q: Tensor, k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:
+    """o_t = M_t^T q_t for every step of the chunk (the read sees step t's write)."""
+    C = k.shape[2]
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device))
+    decay_out = _masked_exp(G[..., :, None] - G[..., None, :], incl)
+    return G.exp()[..., None] * (q @ M0) + ((q @ k.transpose(-1, -2)) * decay_out) @ U
+
+
+def chunk_advance(k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:
+    """M at the end of the chunk: e^{G_C} M0 + (K o e^{G_C - G})^T U."""
     G_end = G[..., -1:]
-    M_end = G_end.exp()[..., None] * M0 + (k * (G_end - G).exp()[..., None]).transpose(-1, -2) @ U
-    return o, M_end
+    return G_end.exp()[..., None] * M0 + (k * (G_end - G).exp()[..., None]).transpose(-1, -2) @ U
 
 
 def _masked_exp(x: Tensor, mask: Tensor) -> Tensor:
