@@ -49,7 +49,11 @@ def run_demo(out: str = "runs/demo", steps: int | None = None,
     from gpn_scale.train.loop import Trainer
 
     run_dir = Path(out)
-    extra = [f"run_dir={run_dir}"] + ([f"schedule.total_steps={steps}"] if steps else [])
+    extra = [f"run_dir={run_dir}"]
+    if steps:  # a shorter demo keeps warmup at ~10% of the run
+        base = load_train_config("demo").schedule.warmup_steps
+        extra += [f"schedule.total_steps={steps}",
+                  f"schedule.warmup_steps={min(base, max(0, steps // 10))}"]
     cfg = load_train_config("demo", [*extra, *overrides])
     # A demo always starts fresh: drop the previous demo's outputs (the built corpus stays).
     for stale in ("metrics.jsonl", "loss_curve.png", "config.yaml"):
