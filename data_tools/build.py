@@ -93,21 +93,22 @@ def _batched(docs: Iterable[str], size: int) -> Iterator[list[str]]:
 
 def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *,
                      workers: int = 1, docs_per_task: int = 64,
-                     progress: bool = True) -> tuple[int, int]:
+                     progress: bool = True, pool: Any = None) -> tuple[int, int]:
     """Tokenise documents (in order, EOD after each) into a flat binary file of
-    `spec.dtype`. Returns (documents, tokens)."""
+    `spec.dtype`. Returns (documents, tokens). `pool`: an already started pool made with
+    `init_worker(spec)` (benchmarks use it to time the steady state); left running."""
     n_docs = n_tokens = 0
     batches = _batched(documents, docs_per_task)
     with open(path, "wb") as out:
-        if workers <= 1:
+        own_pool = None
+        if pool is not None:
+            results = pool.imap(encode_in_worker, batches, chunksize=4)
+        elif workers <= 1:
             encoder = Encoder(spec)
             results: Iterable[np.ndarray] = (encoder.encode_documents(b) for b in batches)
-            pool = None
         else:
-            # spawn, not fork: the parent may hold a multithreaded Rust tokenizer.
-            pool = multiprocessing.get_context("spawn").Pool(
-                workers, initializer=init_worker, initargs=(spec,))
-            results = pool.imap(encode_in_worker, batches, chunksize=4)  # keeps input order
+            own_pool = start_pool(spec, workers)
+            results = own_pool.imap(encode_in_worker, batches, chunksize=4)  # in input order
         try:
             bar = _progress(results, progress, desc="tokenise", unit=" batch")
             for tokens in bar:
@@ -117,9 +118,16 @@ def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *
                 if progress and hasattr(bar, "set_postfix_str"):
                     bar.set_postfix_str(f"{n_tokens:,} tokens", refresh=False)
         finally:
-            if pool is not None:
-                pool.terminate()
+            if own_pool is not None:
+                own_pool.terminate()
     return n_docs, n_tokens
+
+
+def start_pool(spec: TokenizerSpec, workers: int) -> Any:
+    """Tokeniser worker processes; spawn, not fork: the parent may hold a multithreaded
+    Rust tokenizer, which does not survive a fork."""
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker,
+                                                     initargs=(spec,))
 
 
 def split_windows(n_windows: int, seed: int, val_fraction: float,

@@ -15,7 +15,7 @@ from gpn_scale.data.errors import DataError
 
 
 def _add_build(sub: Any, name: str, help_text: str) -> None:
-    p = sub.add_parser(name, help=help_text, description=help_text + (
+    p = sub.add_parser(name, help=help_text, description=help_text.capitalize() + "." + (
         " Documents are tokenised with an end-of-document token after each, packed into "
         "non-overlapping windows of --seq-len tokens, shuffled by --seed, and the last bin "
         "is held out as the val split. Output: OUT/train/, OUT/val/ (MDS, zstd, sha1+xxh64 "
@@ -63,8 +63,8 @@ def register(subparsers: Any) -> None:
 def add_data_commands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
-    _add_build(sub, "build", "Tokenise text and write a train/val MDS dataset.")
-    _add_build(sub, "tokenize", "Same as `build`.")
+    _add_build(sub, "build", "tokenise text and write a train/val MDS dataset")
+    _add_build(sub, "tokenize", "same as `build`")
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on a corpus",
                        description="Train a byte-level BPE tokenizer (Hugging Face `tokenizers`)"

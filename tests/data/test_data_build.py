@@ -4,6 +4,7 @@ multiprocess tokenisation, verify, and the embedded default corpus."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,7 +62,7 @@ def test_text_jsonl_parquet_build_is_deterministic_and_never_overwrites(mixed_in
     assert _tree_bytes(out_a) != before
 
 
-def test_bad_inputs_give_one_line(tmp_path, capsys):
+def test_bad_inputs_give_one_line(tmp_path, capsys, monkeypatch):
     jsonl = tmp_path / "x.jsonl"
     jsonl.write_text(json.dumps({"content": "hi"}) + "\n")
     assert gpn_data(["build", str(jsonl), "--out", str(tmp_path / "o"), "-q"]) == 2
@@ -69,6 +70,10 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     assert "no field 'text'" in err and "--field" in err and "\n" not in err
     assert gpn_data(["build", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "no such file" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without it
+    assert gpn_data(["build", "hf:HuggingFaceFW/fineweb-edu", "--out", str(tmp_path / "o"),
+                     "-q"]) == 2
+    assert "needs the `datasets` package" in capsys.readouterr().err
     short = tmp_path / "short.txt"
     short.write_text("tiny")
     assert gpn_data(["build", str(short), "--out", str(tmp_path / "o"), "-q"]) == 2
