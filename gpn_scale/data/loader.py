@@ -183,6 +183,10 @@ class TokenLoader:
         self.world_size = world_size
         self.remote = remote
         self.cache_dir = cache_dir
+        # True once a pass ran to its end (and no new pass started): the state then
+        # points at the start of the next epoch instead of at an exhausted one, so a
+        # restore does not begin with an empty pass.
+        self._pass_finished = False
 
     @property
     def seq_len(self) -> int:
@@ -197,8 +201,10 @@ class TokenLoader:
         return len(self._loader)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        self._pass_finished = False
         try:
             yield from self._loader
+            self._pass_finished = True
         except Exception as err:  # noqa: BLE001 - errors from workers arrive re-wrapped
             translated = translate_stream_error(err, self.remote, self.split)
             if translated is err:
@@ -208,11 +214,16 @@ class TokenLoader:
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-able position: epoch and global samples consumed in it (the same on
         every rank; save rank 0's). Valid for any world size on restore."""
+        streaming_state = {k: (int(v) if isinstance(v, (int, np.integer)) else v)
+                           for k, v in self._loader.state_dict().items()}
+        if self._pass_finished:
+            streaming_state["epoch"] = int(streaming_state["epoch"]) + 1
+            streaming_state["sample_in_epoch"] = 0
         return {
             "version": STATE_VERSION,
             "dataset": self.metadata.fingerprint,
             "split": self.split,
-            "streaming": dict(self._loader.state_dict()),
+            "streaming": streaming_state,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -230,6 +241,7 @@ class TokenLoader:
             raise DataError(f"loader state is for split {state.get('split')!r}, not "
                             f"{self.split!r}; restore it into the {state.get('split')} loader")
         self._loader.load_state_dict(dict(state["streaming"]))
+        self._pass_finished = False
 
     def close(self) -> None:
         """Stop workers now (they also stop when the loader is garbage collected)."""

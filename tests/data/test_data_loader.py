@@ -93,6 +93,12 @@ def test_resume_inside_second_epoch(dataset, tmp_path):
 
     loader = _loader(dataset, tmp_path, "run1")
     row_keys(loader)  # epoch 0 fully
+    at_epoch_end = loader.state_dict()
+    assert at_epoch_end["streaming"]["epoch"] == 1
+    assert at_epoch_end["streaming"]["sample_in_epoch"] == 0
+    from_end = _loader(dataset, tmp_path, "from-end")
+    from_end.load_state_dict(at_epoch_end)
+    assert row_keys(from_end) == epoch1, "a state taken at an epoch's end resumes the next"
     iterator = iter(loader)
     head = row_keys(next(iterator) for _ in range(3))
     state = loader.state_dict()
