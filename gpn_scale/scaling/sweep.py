@@ -206,7 +206,7 @@ def _storage(where: str, value: Any, allow_default: bool = False) -> str:
                              "or a local path")
         if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
             raise SweepError(f"{where}: {value!r} is not s3://<bucket>/<prefix> (bucket names "
-                             "are lowercase letters, digits, dots and dashes)")
+                             "are 3-63 lowercase letters, digits, dots and dashes)")
     return value.rstrip("/") or value
 
 

@@ -157,6 +157,6 @@ def test_bad_inputs_are_one_line_errors():
 
 def test_chinchilla_skipped_when_tokens_scale_with_params():
     fits, notes = F.fit_observations(synth(chinchilla, seeds=3), laws=["L(N)", "L(N,D)"],
-                                     resamples=1000)
+                                     resamples=20, allow_few_resamples=True)
     assert [f.form.key for f in fits] == ["L(N)"]
     assert any("L(N,D) skipped" in n for n in notes)
