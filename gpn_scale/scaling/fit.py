@@ -218,7 +218,9 @@ def _fit_point(logx: np.ndarray, logy: np.ndarray, starts: np.ndarray, delta: fl
             break
     best = results[0]
     return PointFit(theta=best.x.copy(), objective=float(best.fun), optima=optima,
-                    n_starts=len(starts), converged=bool(best.success))
+                    # status 1 = iteration limit; 2 (line search could not improve at
+                    # machine precision) is the usual ending on a Huber objective
+                    n_starts=len(starts), converged=int(best.status) != 1)
 
 
 # ----------------------------------------------------------------------------- data
@@ -482,7 +484,8 @@ def fit_cells(cells: Sequence[Cell], form: Form | str, family: str = "", *,
         notes.append(f"{len(few)} of {len(cells)} cells have a single seed: the bootstrap cannot "
                      "see seed noise there, so the intervals are too narrow")
     if not point.converged:
-        notes.append("L-BFGS reported no convergence for the best start")
+        notes.append("L-BFGS hit its iteration limit on the best start; the optimum may be "
+                     "inexact")
     return FitResult(form=form, family=family, theta=point.theta, objective=point.objective,
                      n_points=len(cells), cells=list(cells), boot_thetas=boot[ok],
                      n_resamples=resamples, n_failed=int((~ok).sum()), ci_level=ci_level,

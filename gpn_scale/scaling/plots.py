@@ -36,15 +36,22 @@ def plot_loss_vs(var: str, fits: Sequence[FitResult], cells: Sequence[Cell], pat
     fig, ax = plt.subplots(figsize=(7, 5))
     for family in sorted({c.family for c in cells}):
         fam = [c for c in cells if c.family == family]
-        x = np.array([c.value(var) for c in fam])
-        y = np.array([c.mean for c in fam])
-        err = np.array([0.0 if c.n < 2 else c.std for c in fam])
         col = colours[family]
-        ax.errorbar(x, y, yerr=err, fmt="o", color=col, ms=4, capsize=2, alpha=0.85,
-                    label=f"{family} (runs, mean ± std over seeds)")
         fit = next((f for f in fits if f.family == family and f.form.key == law), None)
+        used = {(c.N, c.D) for c in fit.cells} if fit else {(c.N, c.D) for c in fam}
+        for in_fit in (True, False):
+            sel = [c for c in fam if ((c.N, c.D) in used) == in_fit]
+            if not sel:
+                continue
+            ax.errorbar([c.value(var) for c in sel], [c.mean for c in sel],
+                        yerr=[0.0 if c.n < 2 else c.std for c in sel], fmt="o", color=col,
+                        ms=4, capsize=2, alpha=0.85 if in_fit else 0.35,
+                        mfc=col if in_fit else "none",
+                        label=f"{family}: runs, mean ± std over seeds" if in_fit else
+                        f"{family}: other token budgets (not in this fit)")
         if fit is None:
             continue
+        x = np.array([c.value(var) for c in fit.cells])
         grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
         lo, hi = fit.band(**{var: grid})
         p = fit.params
