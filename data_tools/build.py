@@ -165,7 +165,8 @@ def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, s
             for index in _progress(indices, progress, desc=f"write {split}", unit=" window"):
                 start = int(index) * seq_len
                 writer.write({"tokens": np.ascontiguousarray(tokens[start:start + seq_len])})
-            shards = len(writer.shards) if hasattr(writer, "shards") else 0
+        # after the `with`: finish() has flushed the last shard
+        shards = len(getattr(writer, "shards", []))
     except DataError:
         raise
     except Exception as err:  # noqa: BLE001 - upload failures arrive as botocore errors

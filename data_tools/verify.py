@@ -51,6 +51,9 @@ def verify_dataset(root: str, progress: bool = True) -> VerifyReport:
         if samples != info.samples:
             report.problems.append(f"{split}: index holds {samples} samples, metadata says "
                                    f"{info.samples}")
+        if len(index.get("shards", [])) != info.shards:
+            report.problems.append(f"{split}: index lists {len(index.get('shards', []))} "
+                                   f"shards, metadata says {info.shards}")
         for shard in index.get("shards", []):
             stored = shard.get("zip_data") or shard["raw_data"]
             jobs.append((split, stored))

@@ -229,8 +229,9 @@ class TokenLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by `state_dict()` (possibly on another world size).
         Call on every rank before iterating."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise DataError(f"loader state has version {state.get('version') if isinstance(state, dict) else None!r}, expected {STATE_VERSION}; "
+        version = state.get("version") if isinstance(state, dict) else None
+        if version != STATE_VERSION:
+            raise DataError(f"loader state has version {version!r}, expected {STATE_VERSION}; "
                             "start this run from a fresh loader state")
         if state.get("dataset") != self.metadata.fingerprint:
             raise DataError(f"loader state belongs to another dataset (fingerprint "

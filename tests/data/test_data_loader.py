@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,9 @@ def test_batches_epochs_and_metadata(dataset, tmp_path):
     assert (meta.vocab_size, meta.seq_len, meta.eod_token_id) == (257, SEQ, 256)
     assert meta.splits["train"].samples == N_WINDOWS - N_VAL
     assert meta.tokens("val") == N_VAL * SEQ and meta.tokenizer["kind"] == "byte"
+    index = json.loads((Path(dataset) / "train" / "index.json").read_text())
+    assert meta.splits["train"].shards == len(index["shards"]) > 1
+    assert sum(s["samples"] for s in index["shards"]) == N_WINDOWS - N_VAL
 
     loader = _loader(dataset, tmp_path, "a")
     assert len(loader) == (N_WINDOWS - N_VAL) // BATCH
