@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,15 +72,33 @@ class Collection:
 
 # ----------------------------------------------------------------------------- storage
 
+_BUCKETS: dict[tuple[str, str], Any] = {}
+
+
 def _storage(uri: str):
     from gpn_scale.checkpoint.storage import open_storage
 
     return open_storage(uri)
 
 
+def _bucket_storage(bucket: str):
+    """One S3 client per bucket (and endpoint) for all the runs read from it."""
+    endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    key = (bucket, endpoint)
+    if key not in _BUCKETS:
+        if len(_BUCKETS) > 32:
+            _BUCKETS.clear()
+        _BUCKETS[key] = _storage(f"s3://{bucket}")
+    return _BUCKETS[key]
+
+
 def _read(uri: str, key: str) -> bytes | None:
     """Bytes of <uri>/<key>, or None when absent (local path or s3://, S3_ENDPOINT_URL honoured)."""
     try:
+        if uri.startswith("s3://"):
+            bucket, _, prefix = uri[len("s3://"):].partition("/")
+            prefix = prefix.strip("/")
+            return _bucket_storage(bucket).get_bytes(f"{prefix}/{key}" if prefix else key)
         return _storage(uri).get_bytes(key)
     except ConfigError as err:
         raise FitError(f"cannot read {uri.rstrip('/')}/{key}: {err}") from None
