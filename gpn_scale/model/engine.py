@@ -23,7 +23,10 @@ and every elementwise recurrence op stay in float32.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,33 @@ from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_linear_cross_entropy
 from gpn_scale.ops.deferred import DeferredSlot, _matmul, deferred_matmul
 from gpn_scale.ops.memory import chunk_errors, chunk_read
+
+
+# ------------------------------------------------------------------ phase timing
+_PHASES: dict[str, float] | None = None   # set by `phase_timer()` (benchmarks only)
+
+
+@contextlib.contextmanager
+def phase_timer() -> Iterator[dict[str, float]]:
+    """Accumulate wall time per engine phase while active (for `gpn_scale.bench.engine`)."""
+    global _PHASES
+    previous, _PHASES = _PHASES, {}
+    try:
+        yield _PHASES
+    finally:
+        _PHASES = previous
+
+
+@contextlib.contextmanager
+def _phase(name: str) -> Iterator[None]:
+    if _PHASES is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _PHASES[name] = _PHASES.get(name, 0.0) + time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- plan
@@ -224,6 +254,40 @@ def _heads(x: Tensor) -> Tensor:
     return x.permute(1, 2, 0, 3)
 
 
+class _ChunkHistory:
+    """The chunk's k_j, u_j, G_j so far. Without autograd they go into preallocated buffers
+    (no copying of the history each step); under autograd, into lists stacked on demand
+    (autograd forbids overwriting tensors that earlier steps saved)."""
+
+    def __init__(self, B: int, H: int, C: int, dk: int, dv: int, like: Tensor, buffered: bool
+                 ) -> None:
+        self.buffered = buffered
+        if buffered:
+            self.K = like.new_empty(B, H, C, dk)
+            self.U = like.new_empty(B, H, C, dv)
+            self.G = like.new_empty(B, H, C)
+        else:
+            self.keys: list[Tensor] = []
+            self.errs: list[Tensor] = []
+            self.cums: list[Tensor] = []
+
+    def append(self, tau: int, k: Tensor, u: Tensor, G: Tensor) -> None:
+        if self.buffered:
+            self.K[:, :, tau] = k
+            self.U[:, :, tau] = u
+            self.G[:, :, tau] = G
+        else:
+            self.keys.append(k)
+            self.errs.append(u)
+            self.cums.append(G)
+
+    def upto(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        if self.buffered:
+            return self.K[:, :, :n], self.U[:, :, :n], self.G[:, :, :n]
+        return (torch.stack(self.keys[:n], dim=2), torch.stack(self.errs[:n], dim=2),
+                torch.stack(self.cums[:n], dim=2))
+
+
 def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Tensor,
                M0: Tensor | None, slots: _Slots, inputs: list[Tensor] | None = None
                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -239,9 +303,7 @@ def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Te
         k_pre = deferred_matmul(_rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols],
                                 slots.key0)
         k = _l2n(F.relu(k_pre).view(B, H, dk))
-        keys: list[Tensor] = []      # k_j of this chunk        (B, H, dk)
-        errs: list[Tensor] = []      # u_j                      (B, H, dv)
-        cum: list[Tensor] = []       # G_j, cumulative log decay (B, H)
+        history = _ChunkHistory(B, H, C, dk, dv, s, buffered=slots.memory is None)
         G_prev = s.new_zeros(B, H)
     outputs = []
     for tau in range(C):
@@ -263,27 +325,21 @@ def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Te
                 err_base = G_prev.exp()[..., None] * r[:, :, 0]
                 out_base = G.exp()[..., None] * r[:, :, 1]
                 if tau:
-                    K = torch.stack(keys, dim=2)                      # (B, H, tau, dk)
-                    U = torch.stack(errs, dim=2)                      # (B, H, tau, dv)
-                    Gj = torch.stack(cum, dim=2)                      # (B, H, tau)
+                    K, U, Gj = history.upto(tau)   # (B, H, tau, dk), (.., dv), (B, H, tau)
                     expo = torch.stack([G_prev, G], dim=2)[..., None] - Gj[:, :, None, :]
                     hist = ((kq @ K.mT) * expo.exp()) @ U
                     err_base = err_base + hist[:, :, 0]
                     out_base = out_base + hist[:, :, 1]
                 u = torch.sigmoid(beta_pre)[..., None] * (v - err_base)
                 o = out_base + (q * k).sum(-1, keepdim=True) * u
-                keys.append(k)
-                errs.append(u)
-                cum.append(G)
+                history.append(tau, k, u, G)
                 G_prev = G
                 k = _l2n(F.relu(k_next_pre).view(B, H, dk))
             elif mem:
                 q_pre, rg, ffn_in, pg = parts
                 q = _l2n(F.relu(q_pre).view(B, H, dk))
                 r = deferred_matmul(q[:, :, None], M0, None, slots.memory)[:, :, 0]
-                K = torch.stack(keys, dim=2)
-                U = torch.stack(errs, dim=2)
-                Gj = torch.stack(cum, dim=2)
+                K, U, Gj = history.upto(tau + 1)
                 w = (q[:, :, None] @ K.mT) * (G[..., None, None] - Gj[:, :, None, :]).exp()
                 o = G.exp()[..., None] * r + (w @ U)[:, :, 0]
             else:
@@ -299,12 +355,25 @@ def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Te
         s_prev, s = s, gate * p + fuse[:, tau]
     M_end = None
     if mem:
-        K = torch.stack(keys, dim=2)
-        U = torch.stack(errs, dim=2)
-        Gj = torch.stack(cum, dim=2)
+        K, U, Gj = history.upto(C)
         G_end = Gj[..., -1:]
         M_end = G_end.exp()[..., None] * M0 + (K * (G_end - Gj).exp()[..., None]).mT @ U
     return torch.stack(outputs, dim=1), s, s_prev, M_end
+
+
+def _forward_chunks(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Tensor,
+                    M: Tensor | None, slots: _Slots, P: Tensor, S: Tensor | None,
+                    carries: list) -> None:
+    """The no-grad forward over all chunks; appends each chunk's start carry to `carries`
+    (and, last, the final carry); fills P and, when given, S (the state entering each step)."""
+    for start, end in plan.spans:
+        carries.append((s, s_prev, M))
+        inputs: list[Tensor] | None = [] if S is not None else None
+        P[:, start:end], s, s_prev, M = _run_chunk(plan, W, fuse[:, start:end], s, s_prev, M,
+                                                   slots, inputs)
+        if S is not None:
+            S[:, start:end] = torch.stack(inputs, dim=1)
+    carries.append((s, s_prev, M))
 
 
 class _SequenceFunction(torch.autograd.Function):
@@ -321,13 +390,9 @@ class _SequenceFunction(torch.autograd.Function):
         s, s_prev, M = s0, s_prev0, M0
         carries = []
         no_slots = _Slots(plan, record=False)
-        for start, end in plan.spans:
-            carries.append((s, s_prev, M))
-            inputs: list[Tensor] | None = [] if need_backward else None
-            P[:, start:end], s, s_prev, M = _run_chunk(plan, W, fuse[:, start:end], s, s_prev,
-                                                       M, no_slots, inputs)
-            if need_backward:
-                S[:, start:end] = torch.stack(inputs, dim=1)
+        with _phase("sequential forward"):
+            _forward_chunks(plan, W, fuse, s, s_prev, M, no_slots, P, S, carries)
+        s, s_prev, M = carries.pop()
         ctx.plan = plan
         ctx.carries = carries
         ctx.save_for_backward(fuse, S, *flat)
@@ -365,32 +430,34 @@ class _SequenceFunction(torch.autograd.Function):
             Wc = _LoopWeights(Wmm.w_in, Wmm.b_in, Wmm.w_out, Wmm.w_fg, Wmm.b_fg, A_leaf)
             # Every matmul of the chunk in a few large GEMMs; the sequential recompute below
             # replays their outputs, so it only runs the cheap elementwise/memory steps.
-            replay = _precompute_chunk(plan, Wmm, S[:, start:end], ctx.carries[idx][1],
-                                       ctx.carries[idx][2])
+            with _phase("parallel recompute"):
+                replay = _precompute_chunk(plan, Wmm, S[:, start:end], ctx.carries[idx][1],
+                                           ctx.carries[idx][2])
             slots = _Slots(plan, record=True, replay=replay)
-            with torch.enable_grad():
+            with _phase("sequential backward"), torch.enable_grad():
                 P_c, s_end, s_prev_end, M_end = _run_chunk(plan, Wc, fuse_c, s, s_prev, M, slots)
-            outs, grads = [P_c], [dP[:, start:end]]
-            for out, grad in zip((s_end, s_prev_end, M_end), d_carry):
-                if out is not None and grad is not None and out.requires_grad:
-                    outs.append(out)
-                    grads.append(grad)
-            torch.autograd.backward(outs, grads)
+                outs, grads = [P_c], [dP[:, start:end]]
+                for out, grad in zip((s_end, s_prev_end, M_end), d_carry):
+                    if out is not None and grad is not None and out.requires_grad:
+                        outs.append(out)
+                        grads.append(grad)
+                torch.autograd.backward(outs, grads)
 
-            for i in range(plan.n_layers):
-                _accumulate(slots.w_in[i], g_w_in[i], g_b_in[i])
-                _accumulate(slots.w_out[i], g_w_out[i], None)
-            _accumulate(slots.fg, g_w_fg, g_b_fg)
-            if plan.memory:
-                _accumulate(slots.key0, g_w_in[0][:, :k_cols], g_b_in[0][:k_cols])
-                g_A += A_leaf.grad
+            with _phase("weight gradients"):
+                for i in range(plan.n_layers):
+                    _accumulate(slots.w_in[i], g_w_in[i], g_b_in[i])
+                    _accumulate(slots.w_out[i], g_w_out[i], None)
+                _accumulate(slots.fg, g_w_fg, g_b_fg)
+                if plan.memory:
+                    _accumulate(slots.key0, g_w_in[0][:, :k_cols], g_b_in[0][:k_cols])
+                    g_A += A_leaf.grad
+                dM0 = None
+                if M is not None:
+                    dM0 = _grad_or_zeros(M)
+                    deferred = slots.memory.weight_grad(acc)
+                    if deferred is not None:
+                        dM0 = dM0 + deferred[0]
             d_fuse[:, start:end] = _grad_or_zeros(fuse_c)
-            dM0 = None
-            if M is not None:
-                dM0 = _grad_or_zeros(M)
-                deferred = slots.memory.weight_grad(acc)
-                if deferred is not None:
-                    dM0 = dM0 + deferred[0]
             d_carry = (_grad_or_zeros(s), _grad_or_zeros(s_prev), dM0)
 
         weight_grads = [*g_w_in, *g_b_in, *g_w_out, g_w_fg, g_b_fg,
@@ -457,12 +524,13 @@ def run_engine(model: GPN, tokens: Tensor, state: GPNState | None, *,
         P, s, s_prev, M = _SequenceFunction.apply(
             plan, fuse, state.s.to(sdt), state.s_prev.to(sdt),
             None if state.memory is None else state.memory.to(sdt), *weights)
-        h = _linear(_rms(P, eps) * model.decode_norm_weight, model.decode.weight,
-                    model.decode.bias, mm_dtype)
-        flat_h = h.reshape(B * T, -1)
-        targets = tokens.reshape(B * T)
-        loss = chunked_linear_cross_entropy(flat_h, E, targets, cfg.loss_chunk_tokens,
-                                            mm_dtype) / (B * T)
+        with _phase("decode"):
+            h = _linear(_rms(P, eps) * model.decode_norm_weight, model.decode.weight,
+                        model.decode.bias, mm_dtype)
+            flat_h = h.reshape(B * T, -1)
+            targets = tokens.reshape(B * T)
+            loss = chunked_linear_cross_entropy(flat_h, E, targets, cfg.loss_chunk_tokens,
+                                                mm_dtype) / (B * T)
         logits = None
         if return_logits:
             logits = _linear(h, E, None, mm_dtype).view(B, T, -1)

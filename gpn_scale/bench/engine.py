@@ -1,0 +1,269 @@
+"""Engine benchmark: the sequence engine vs the step-by-step reference path, side by side.
+
+    python -m gpn_scale.bench.engine            # everything (about 10-15 min on 2 cores)
+    python -m gpn_scale.bench.engine --only speed,roofline
+
+Tables:
+  speed     training step (forward + backward + AdamW, fp32) tokens/s, engine vs reference,
+            on SMALL (8 x 256) and MEDIUM (4 x 512); the two alternate step by step so that
+            machine noise hits both alike.
+  roofline  per engine phase: its time next to the time of its bare matmuls at the same shapes.
+  memory    peak memory (RSS of a fresh process) for SMALL at T = 256 ... 2048, B = 8.
+  budget    best tokens/s each path reaches within a peak-memory budget at T = 2048.
+Prints tables only; nothing here is asserted (timings belong to benchmarks, not tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from gpn_scale.model import GPN, GPNConfig, load_model_config
+from gpn_scale.model.engine import input_column_blocks, phase_timer
+from gpn_scale.model.reference import reference_forward
+
+SHAPES = {"SMALL": ("small", 8, 256), "MEDIUM": ("medium", 4, 512)}
+
+
+def _train_step(model: GPN, opt: torch.optim.Optimizer, tokens: torch.Tensor, path: str) -> float:
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = model(tokens).loss if path == "engine" else reference_forward(model, tokens).loss
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def _setup(config: str, B: int, T: int, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = load_model_config(config)
+    model = GPN(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+    return cfg, model, opt, tokens
+
+
+def bench_speed(repeats: int) -> list[dict]:
+    rows = []
+    for label, (config, B, T) in SHAPES.items():
+        _, model, opt, tokens = _setup(config, B, T)
+        times: dict[str, list[float]] = {"engine": [], "reference": []}
+        for path in times:                       # warm-up (allocations, first-touch)
+            _train_step(model, opt, tokens, path)
+        for _ in range(repeats):                 # interleaved: same noise for both
+            for path in times:
+                times[path].append(_train_step(model, opt, tokens, path))
+        eng = B * T / min(times["engine"])
+        ref = B * T / min(times["reference"])
+        rows.append(dict(shape=f"{label} {B}x{T}", engine=eng, reference=ref, ratio=eng / ref))
+    return rows
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_roofline(repeats: int) -> list[dict]:
+    """Engine phases of a SMALL training step vs bare matmuls of the same shapes."""
+    config, B, T = SHAPES["SMALL"]
+    cfg, model, opt, tokens = _setup(config, B, T)
+    best: dict[str, float] = {}
+    for _ in range(repeats + 1):
+        with phase_timer() as phases:
+            _train_step(model, opt, tokens, "engine")
+        for key, value in phases.items():
+            best[key] = min(best.get(key, float("inf")), value)
+    bare = _bare_matmul_times(cfg, B, T, repeats)
+    rows = []
+    for phase in ("sequential forward", "sequential backward", "parallel recompute",
+                  "weight gradients", "decode"):
+        rows.append(dict(phase=phase, seconds=best.get(phase, float("nan")),
+                         bare_matmuls=bare[phase],
+                         ratio=best.get(phase, float("nan")) / bare[phase]))
+    return rows
+
+
+def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str, float]:
+    """The matmuls each phase must do, timed alone at the same shapes (per step x steps)."""
+    d, e, V, C = cfg.d_state, cfg.d_emb, cfg.vocab_size, cfg.chunk_size
+    widths_in = [sum(input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
+    width_out = cfg.n_heads * cfg.d_value + cfg.d_ffn if cfg.memory else cfg.d_ffn
+    r = torch.randn
+    x = r(B, d)
+    W_in = [r(d, n) for n in widths_in]
+    h = r(B, width_out)
+    W_out = r(width_out, d)
+    W_fg = r(d, d)
+    dy_in = [r(B, n) for n in widths_in]
+    dz = r(B, d)
+
+    def seq_fwd():
+        for W in W_in:
+            x @ W
+            h @ W_out
+        x @ W_fg
+
+    def seq_bwd():
+        for dy, W in zip(dy_in, W_in):
+            dy @ W.t()
+            dz @ W_out.t()
+        dz @ W_fg.t()
+
+    X = r(C * B, d)
+    H_ = r(C * B, width_out)
+    dY = [r(C * B, n) for n in widths_in]
+    dZ = r(C * B, d)
+
+    def recompute():
+        for W in W_in:
+            X @ W
+            H_ @ W_out
+        X @ W_fg
+
+    def wgrad():
+        for dy in dY:
+            X.t() @ dy
+            H_.t() @ dZ
+        X.t() @ dZ
+
+    N = B * T
+    rows = min(cfg.loss_chunk_tokens, N)
+    Hd = r(rows, e)
+    E = r(V, e)
+    G = r(rows, V)
+    P = r(N, d)
+    W_dec = r(d, e)
+    dH = r(N, e)
+
+    def decode():
+        for _ in range(N // rows):
+            Hd @ E.t()
+            G @ E
+            G.t() @ Hd
+        P @ W_dec
+        dH @ W_dec.t()
+        P.t() @ dH
+
+    chunks = -(-T // C)
+    return {
+        "sequential forward": _time(seq_fwd, repeats * 20) * T,
+        "sequential backward": _time(seq_bwd, repeats * 20) * T,
+        "parallel recompute": _time(recompute, repeats * 5) * chunks,
+        "weight gradients": _time(wgrad, repeats * 5) * chunks,
+        "decode": _time(decode, repeats),
+    }
+
+
+def _child(path: str, config: str, B: int, T: int) -> None:
+    """One training step in a fresh process; prints peak RSS growth and tokens/s as JSON."""
+    _, model, opt, tokens = _setup(config, B, T)
+    _train_step(model, opt, tokens[:, :8], path)       # creates grads and AdamW state
+    base = _rss_bytes()
+    seconds = _train_step(model, opt, tokens, path)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(dict(peak=peak, base=base, activation_peak=peak - base,
+                          tokens_per_s=B * T / seconds)))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _run_child(path: str, config: str, B: int, T: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "gpn_scale.bench.engine", "--child", path,
+                          config, str(B), str(T)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_memory(paths: tuple[str, ...] = ("engine", "reference")) -> list[dict]:
+    config, B, _ = SHAPES["SMALL"]
+    rows = []
+    for T in (256, 512, 1024, 2048):
+        row: dict = dict(T=T)
+        for path in paths:
+            row[path] = _run_child(path, config, B, T)["peak"]
+        rows.append(row)
+    return rows
+
+
+def bench_budget(budget_gb: float) -> list[dict]:
+    config, _, _ = SHAPES["SMALL"]
+    T = 2048
+    rows = []
+    for path, batches in (("engine", (8, 16, 32, 64, 96)), ("reference", (2, 4, 8, 12, 16))):
+        best = None
+        for B in batches:
+            res = _run_child(path, config, B, T)
+            if res["peak"] > budget_gb * 1e9:
+                break
+            if best is None or res["tokens_per_s"] > best["tokens_per_s"]:
+                best = dict(path=path, batch=B, **res)
+        rows.append(best or dict(path=path, batch=0, tokens_per_s=0.0, peak=0))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="speed,roofline,memory,budget",
+                        help="comma-separated tables to run (speed, roofline, memory, budget)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-gb", type=float, default=4.0)
+    parser.add_argument("--child", nargs=4, metavar=("PATH", "CONFIG", "B", "T"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        path, config, B, T = args.child
+        _child(path, config, int(B), int(T))
+        return 0
+    tables = set(args.only.split(","))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")
+    if "speed" in tables:
+        print("\n## Training step tokens/s (forward + backward + AdamW), best of "
+              f"{args.repeats}, interleaved")
+        print(f"{'shape':<18} {'engine':>10} {'reference':>10} {'ratio':>7}")
+        for r in bench_speed(args.repeats):
+            print(f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
+                  f"{r['ratio']:>6.2f}x")
+    if "roofline" in tables:
+        print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")
+        print(f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7}")
+        for r in bench_roofline(args.repeats):
+            print(f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
+                  f"{r['ratio']:>6.2f}x")
+    if "memory" in tables:
+        print("\n## Peak memory (RSS of a fresh process, MB), SMALL B=8, one training step")
+        print(f"{'T':>6} {'engine':>10} {'reference':>10}")
+        rows = bench_memory()
+        for r in rows:
+            print(f"{r['T']:>6} {r['engine'] / 1e6:>10.0f} {r['reference'] / 1e6:>10.0f}")
+        growth = {p: (rows[-1][p] - rows[0][p]) / 1e6 for p in ("engine", "reference")}
+        print(f"T=2048 minus T=256: engine {growth['engine']:.0f} MB, "
+              f"reference {growth['reference']:.0f} MB")
+    if "budget" in tables:
+        print(f"\n## Best tokens/s within {args.budget_gb:g} GB peak memory, SMALL at T=2048")
+        print(f"{'path':<10} {'batch':>6} {'tokens/s':>10} {'peak MB':>9}")
+        rows = bench_budget(args.budget_gb)
+        for r in rows:
+            print(f"{r['path']:<10} {r['batch']:>6} {r['tokens_per_s']:>10.0f} "
+                  f"{r['peak'] / 1e6:>9.0f}")
+        if rows[1]["tokens_per_s"]:
+            print(f"engine / reference: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
