@@ -27,10 +27,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             hm = hc if mm_dtype is None else hc.to(mm_dtype)
             logits = (hm @ Em.t()).to(acc)
             tgt = targets[start:start + rows]
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, tgt[:, None]).squeeze(1)).sum()
+            picked = logits.gather(1, tgt[:, None])
+            top = logits.amax(dim=-1, keepdim=True)
+            # In place, so that one (rows x V) block serves logits, exp and the gradient.
+            probs = logits.sub_(top).exp_()
+            denom = probs.sum(dim=-1, keepdim=True)
+            total += (top + denom.log() - picked).sum()
             if need_grad:
-                grad = (logits - lse[:, None]).exp_()
+                grad = probs.div_(denom)                      # softmax - onehot
                 grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
                 gm = grad.to(Em.dtype)
                 dh[start:start + rows] = (gm @ Em).to(h.dtype)
