@@ -1,0 +1,111 @@
+"""Trainer overhead: tokens/s of `gpn-scale train` vs the bare engine, side by side.
+
+    python -m gpn_scale.bench.train [--config small] [--steps 12] [--threads N]
+
+Rows (same model, batch, sequence length, thread count, one process):
+  engine fwd+bwd         model(tokens).loss.backward() on a fixed batch (what the engine
+                         benchmark `gpn_scale.bench.engine` times), measured here in the
+                         same process so both rows see the same machine load
+  engine fwd+bwd+AdamW   the above plus clip-free AdamW step (the minimum a trainer must do)
+  trainer                the real Trainer (data loader, grad clip, non-finite checks, LR
+                         schedule, metrics.jsonl every step), tokens/s from its step timer
+The ratio trainer / engine fwd+bwd is the figure in docs/perf.md "Trainer overhead".
+Medians over the measured steps (the first steps are warm-up), best of `--rounds`
+interleaved rounds (on a shared machine the best round is the least disturbed one);
+printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _engine_tokens_per_s(model_cfg, batch: int, seq_len: int, steps: int, with_optim: bool,
+                         warmup: int = 2) -> float:
+    from gpn_scale.model import GPN
+    from gpn_scale.train.optim import build_adamw
+
+    torch.manual_seed(0)
+    model = GPN(model_cfg)
+    opt = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1) if with_optim else None
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq_len))
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = model(tokens).loss
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return batch * seq_len / statistics.median(times)
+
+
+def _trainer_tokens_per_s(config: str, steps: int, run_dir: Path, warmup: int = 2,
+                          extra: list[str] | None = None) -> float:
+    from gpn_scale.train.config import load_train_config
+    from gpn_scale.train.loop import Trainer
+
+    cfg = load_train_config(config, [f"run_dir={run_dir}", f"schedule.total_steps={warmup + steps}",
+                                     "schedule.warmup_steps=1", "eval.at_end=false",
+                                     "checkpoint.save_final=false", "checkpoint.every_steps=0",
+                                     "train.progress_bar=false", "logging.wandb.mode=disabled",
+                                     *(extra or [])])
+    Trainer(cfg, log=lambda _msg: None).run()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > warmup]
+    return statistics.median(tps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="small", help="training config (default small)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best is reported")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from gpn_scale.model import load_model_config
+    from gpn_scale.train.config import batch_layout, load_train_config
+
+    cfg = load_train_config(args.config)
+    model_cfg = load_model_config(cfg.model, overrides=cfg.model_overrides or None)
+    micro, accum = batch_layout(cfg, 1)
+    batch, seq = micro * accum, cfg.data.seq_len
+    with tempfile.TemporaryDirectory() as tmp:
+        # Build the data first so that its one-off cost is not in anyone's timing.
+        run_dir = Path(tmp) / "run"
+        _trainer_tokens_per_s(args.config, 1, run_dir, warmup=0)
+        data = ["data.remote=" + str(next((run_dir / "data").glob("default_corpus_T*")))]
+        engs, eng_opts, trainers = [], [], []
+        for r in range(args.rounds):
+            engs.append(_engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=False))
+            eng_opts.append(_engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=True))
+            trainers.append(_trainer_tokens_per_s(args.config, args.steps,
+                                                  Path(tmp) / f"run{r}", extra=data))
+    engine, eng_opt, trainer = max(engs), max(eng_opts), max(trainers)
+    print(f"\nTrainer overhead: {args.config} ({model_cfg.name}, batch {batch} x {seq} tokens, "
+          f"{torch.get_num_threads()} threads, {args.steps} measured steps, medians)\n")
+    print(f"| {'path':<26} | {'tokens/s':>10} | {'vs engine':>9} |")
+    print(f"|{'-' * 28}|{'-' * 12}|{'-' * 11}|")
+    for name, value in (("engine fwd+bwd", engine), ("engine fwd+bwd+AdamW", eng_opt),
+                        ("gpn-scale train", trainer)):
+        print(f"| {name:<26} | {value:>10.0f} | {value / engine:>8.1%} |")
+    print(f"\nper round: engine {[round(x) for x in engs]}, engine+AdamW "
+          f"{[round(x) for x in eng_opts]}, trainer {[round(x) for x in trainers]} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
