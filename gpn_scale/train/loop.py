@@ -102,8 +102,9 @@ class _Backend:
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
-    def forward_loss(self, tokens: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
-        out = self.model(tokens, state=state, return_state=state is not None)
+    def forward_loss(self, tokens: torch.Tensor, state: Any = None, want_state: bool = False
+                     ) -> tuple[torch.Tensor, Any]:
+        out = self.model(tokens, state=state, return_state=want_state)
         return out.loss, out.state
 
     def backward(self, loss: torch.Tensor, accum: int, last_micro: bool) -> None:
@@ -185,8 +186,8 @@ class _DeepSpeedBackend(_Backend):
     def __init__(self, engine, ds_optimizer) -> None:
         self.engine, self.model, self.optimizer = engine, engine.module, ds_optimizer
 
-    def forward_loss(self, tokens, state=None):
-        out = self.engine(tokens, state=state, return_state=state is not None)
+    def forward_loss(self, tokens, state=None, want_state=False):
+        out = self.engine(tokens, state=state, return_state=want_state)
         return out.loss, out.state
 
     def backward(self, loss, accum, last_micro):
@@ -440,16 +441,16 @@ class Trainer:
                                      cfg.schedule.min_lr_ratio)
                 if isinstance(backend, _DeepSpeedBackend):
                     backend.set_lr(lr)  # before engine.step() applies it
-                loss_sum = torch.zeros((), dtype=torch.float64)
+                loss_sum = torch.zeros((), dtype=torch.float32, device=device)
                 for i in range(accum):
                     tokens_b = next(data).to(device, non_blocking=True)
                     with self._autocast():
                         loss, new_state = backend.forward_loss(
-                            tokens_b, state if cfg.train.stateful_windows else None)
+                            tokens_b, state, want_state=cfg.train.stateful_windows)
                     if self._inject_nan(step):
                         loss = loss * float("nan")
                     backend.backward(loss, accum, last_micro=i == accum - 1)
-                    loss_sum += loss.detach().double().cpu()
+                    loss_sum += loss.detach().float()  # stays on device: one sync per step
                     if cfg.train.stateful_windows and new_state is not None:
                         state = new_state.detach()
                 loss_val = float(topo.all_reduce_mean(loss_sum / accum))

@@ -1,0 +1,49 @@
+"""In-process runs of the single-process path: gradient accumulation equals the full batch,
+stateful windows and truncated BPTT run, and `gpn-scale eval` reproduces the final eval."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train_helpers import train_args, train_losses
+
+from gpn_scale.cli import main
+
+ARGS = ("schedule.total_steps=3", "schedule.warmup_steps=1", "checkpoint.every_steps=0")
+
+
+def test_gradient_accumulation_equals_full_batch(corpus, tmp_path):
+    full, acc = tmp_path / "full", tmp_path / "acc"
+    assert main(train_args(corpus, full, *ARGS, "checkpoint.export_final=true")) == 0
+    assert main(train_args(corpus, acc, *ARGS, "train.micro_batch_size=1",
+                           "checkpoint.export_final=true")) == 0
+    a, b = train_losses(full), train_losses(acc)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=2e-6)
+    import torch
+    wa, wb = torch.load(full / "model_final.pt"), torch.load(acc / "model_final.pt")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 3e-5
+
+
+def test_stateful_windows_and_tbptt_run(corpus, tmp_path):
+    run = tmp_path / "run"
+    assert main(train_args(corpus, run, *ARGS, "train.stateful_windows=true",
+                           "train.tbptt=16", "eval.at_end=false")) == 0
+    losses = train_losses(run)
+    assert sorted(losses) == [1, 2, 3] and all(isinstance(v, float) for v in losses.values())
+    assert "tbptt: 16" in (run / "config.yaml").read_text()
+
+
+def test_eval_command_reproduces_final_eval(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(corpus, run, *ARGS)) == 0
+    done = json.loads((run / "checkpoints" / "DONE").read_text())
+    capsys.readouterr()
+    args = train_args(corpus, run)
+    args[0] = "eval"
+    assert main(args + ["--checkpoint", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"eval: loss {done['final_eval_loss']:.4f}" in out
