@@ -341,7 +341,8 @@ class Trainer:
             from gpn_scale.parallel.fsdp import apply_fsdp2
 
             # Compute dtype comes from autocast (bf16 on GPU), not from FSDP's param_dtype:
-            # the model keeps its recurrent state in fp32 against fp32 weights' dtype rules.
+            # fp32 weights + autocast is what the model's fp32-state rule is written for
+            # (bf16 param_dtype would halve the all-gathers; a later option).
             apply_fsdp2(model, topo.dp_mesh, param_dtype=None,
                         reduce_dtype=cfg.parallel.reduce_dtype,
                         reshard_after_forward=cfg.parallel.reshard_after_forward)
@@ -626,6 +627,7 @@ class Trainer:
     def _open_sinks(self, resume_step: int | None, wandb_id: str | None, model_cfg,
                     n_params: int) -> None:
         self._sinks = []
+        self._wandb_id = wandb_id  # kept in later checkpoints even if W&B is off this time
         if not self.topo.is_main:
             return
         from gpn_scale.train.metrics import JsonlSink, scrub_secrets
