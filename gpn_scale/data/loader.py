@@ -148,6 +148,22 @@ def _token_dataset_class() -> type:
                 self._background_error = error
             super().on_exception(future)
 
+        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+            try:
+                return super().prepare_shard(shard_id, blocking)
+            except BaseException:
+                # streaming leaves a shard whose download failed in state PREPARING, and
+                # every other worker/rank of the node then waits for it forever (a hang,
+                # not an error). Put it back to REMOTE: they retry, fail the same way and
+                # report it.
+                from streaming.base.dataset import _ShardState
+                try:
+                    if self._shard_states[shard_id] == _ShardState.PREPARING:
+                        self._shard_states[shard_id] = _ShardState.REMOTE
+                except Exception:  # noqa: BLE001 - best effort; the original error matters
+                    pass
+                raise
+
         def __iter__(self) -> Iterator[dict[str, Any]]:
             self._background_error = None
             try:
@@ -205,6 +221,14 @@ class TokenLoader:
         try:
             yield from self._loader
             self._pass_finished = True
+        except DataError as err:
+            # From a worker process, torch re-raises DataError("Caught DataError in
+            # DataLoader worker ... Original Traceback ...: DataError: <message>"): keep
+            # just the message.
+            text = str(err)
+            if "DataLoader worker" in text and "DataError: " in text:
+                raise DataError(text.rsplit("DataError: ", 1)[1]) from err
+            raise
         except Exception as err:  # noqa: BLE001 - errors from workers arrive re-wrapped
             translated = translate_stream_error(err, self.remote, self.split)
             if translated is err:

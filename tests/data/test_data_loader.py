@@ -133,3 +133,18 @@ def test_model_that_does_not_fit_the_data_gets_one_line(dataset, tmp_path):
         build_loader(config, "test", BATCH, 0, 1)
     # a larger (padded) model vocabulary is fine
     check_compatible(read_metadata(dataset), vocab_size=320, seq_len=SEQ)
+
+
+@pytest.mark.timeout(180)  # streaming alone hangs here with workers (see loader.py)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_corrupted_local_shard_stops_the_epoch_with_its_name(dataset, tmp_path, num_workers):
+    shard = sorted((Path(dataset) / "train").glob("*.zstd"))[1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    loader = _loader(dataset, tmp_path, f"bad{num_workers}", num_workers=num_workers)
+    with pytest.raises(DataError) as caught:
+        row_keys(loader)
+    text = one_line(caught.value)
+    assert text.startswith("corrupted shard") and f"train/{shard.name}" in text
+    assert "Traceback" not in text
