@@ -37,9 +37,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float,
                 weight_decay: float, fused: bool = False) -> torch.optim.AdamW:
-    kwargs = {"fused": True} if fused else {"foreach": False}
-    # foreach=False on CPU: the per-tensor loop gives bit-identical results regardless of how
-    # parameters are grouped (FSDP2 shards vs whole tensors), which the equality tests rely on.
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    # CPU: the per-tensor loop (torch's CPU default, made explicit) gives bit-identical results
+    # however parameters are grouped (FSDP2 shards vs whole tensors); the equality tests rely
+    # on it. GPU: torch's default (foreach) or fused when asked.
+    kwargs = {"fused": True} if fused else ({"foreach": False} if on_cpu else {})
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                              **kwargs)
 
