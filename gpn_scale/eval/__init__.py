@@ -1,1 +1,1 @@
-
+"""Evaluation: held-out loss / perplexity over fixed windows (heldout.py)."""
