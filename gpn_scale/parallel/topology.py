@@ -10,7 +10,6 @@ does not change the loop or the loaders.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,5 +112,4 @@ def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
     else:  # the shape tensor parallelism will use; nothing applies "tp" yet
         mesh = init_device_mesh(device.type, (dist_env.world_size // tp, tp),
                                 mesh_dim_names=("dp", "tp"))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist_env.world_size))
     return Topology(env=dist_env, device=device, backend=backend, mesh=mesh)

@@ -29,6 +29,7 @@ class DistEnv:
     master_port: int
     source: str                     # "torchrun" | "slurm" | "single"
     slurm_job_id: str | None = None
+    local_world_size: int = 1       # processes on this node (streaming's node detection)
 
     @property
     def distributed(self) -> bool:
@@ -57,6 +58,15 @@ def _first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def _slurm_tasks_per_node(env) -> int:
+    """Tasks on this node: SLURM_NTASKS_PER_NODE, else the first of SLURM_TASKS_PER_NODE
+    ("8(x2)" / "8,4"); homogeneous nodes assumed (the usual one task per GPU)."""
+    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") \
+        or env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS", "1")
+    m = re.match(r"\d+", value)
+    return int(m.group(0)) if m else 1
+
+
 def detect(environ: dict[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID")
@@ -65,7 +75,8 @@ def detect(environ: dict[str, str] | None = None) -> DistEnv:
                        local_rank=int(env.get("LOCAL_RANK", "0")),
                        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                        master_port=int(env.get("MASTER_PORT", "29500")),
-                       source="torchrun", slurm_job_id=job)
+                       source="torchrun", slurm_job_id=job,
+                       local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         # A port derived from the job id: distinct per job on shared nodes, same on all ranks.
@@ -73,7 +84,8 @@ def detect(environ: dict[str, str] | None = None) -> DistEnv:
         return DistEnv(rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
                        local_rank=int(env.get("SLURM_LOCALID", "0")),
                        master_addr=env.get("MASTER_ADDR") or _first_host(nodelist),
-                       master_port=port, source="slurm", slurm_job_id=job)
+                       master_port=port, source="slurm", slurm_job_id=job,
+                       local_world_size=_slurm_tasks_per_node(env))
     return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
                    master_port=int(env.get("MASTER_PORT", "29500")), source="single",
                    slurm_job_id=job)
@@ -85,4 +97,5 @@ def export_for_torch(dist_env: DistEnv) -> None:
         "RANK": str(dist_env.rank), "WORLD_SIZE": str(dist_env.world_size),
         "LOCAL_RANK": str(dist_env.local_rank), "MASTER_ADDR": dist_env.master_addr,
         "MASTER_PORT": str(dist_env.master_port),
+        "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
     })
