@@ -35,8 +35,7 @@ from torch import Tensor
 from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_linear_cross_entropy
-from gpn_scale.ops.deferred import DeferredSlot, _matmul, deferred_matmul
-from gpn_scale.ops.memory import chunk_errors, chunk_read
+from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 
 
 # ------------------------------------------------------------------ phase timing
@@ -179,149 +178,57 @@ def _l2n(x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
 
 
-class _Slots:
-    """One DeferredSlot per loop weight (None everywhere in the no-grad forward).
-
-    With `replay`, the slots of the large per-step matmuls return values precomputed for the
-    whole chunk (see `_precompute_chunk`).
-    """
-
-    def __init__(self, plan: _Plan, record: bool, replay: "_Replay | None" = None) -> None:
-        L = plan.n_layers
-        if not record:
-            self.key0 = self.fg = self.memory = None
-            self.w_in: list[DeferredSlot | None] = [None] * L
-            self.w_out: list[DeferredSlot | None] = [None] * L
-            return
-        self.key0 = DeferredSlot()              # first key of a chunk, from s_prev
-        self.memory = DeferredSlot()            # reads of the chunk-start memory M0
-        self.w_in = [DeferredSlot(replay.y_in[i] if replay else None) for i in range(L)]
-        self.w_out = [DeferredSlot(replay.z[i] if replay else None) for i in range(L)]
-        self.fg = DeferredSlot(replay.fg if replay else None)
-
-
-@dataclass
-class _Replay:
-    """Outputs of a chunk's per-step matmuls, each (C, B, N), computed in large matmuls."""
-
-    y_in: list[Tensor]
-    z: list[Tensor]
-    fg: Tensor
-
-
-@torch.no_grad()
-def _precompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
-                      M0: Tensor | None) -> _Replay:
-    """Given the chunk's states S (B, C, d) from the forward, every matmul of the chunk at once.
-
-    All inputs of every step are known here, so each projection is ONE (C*B)-row matmul and
-    the memory is the fully parallel chunk form (`ops.memory`, use 1).
-    """
-    B, C, d = S.shape
-    H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
-    c = S.transpose(0, 1)                                          # (C, B, d)
-    y_in, z = [], []
-    for i in range(plan.n_layers):
-        y = _matmul(_rms(c, eps), W.w_in[i], W.b_in[i])
-        y_in.append(y)
-        parts = torch.split(y, plan.in_splits[i], dim=-1)
-        if plan.memory and i == 0:
-            k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
-            k_cols = H * dk
-            k_first = _matmul(_rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
-            k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
-            k = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk)))
-            log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)          # (B, H, C)
-            beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
-            U, G = chunk_errors(k, _heads(v.view(C, B, H, dv)), log_a, beta, M0, "gpn")
-        elif plan.memory:
-            q_pre, rg, ffn_in, pg = parts
-        else:
-            ffn_in, pg = parts
-        a, b = ffn_in.chunk(2, dim=-1)
-        hidden = F.silu(a) * b
-        if plan.memory:
-            q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
-            o = chunk_read(q, k, U, G, M0).permute(2, 0, 1, 3).reshape(C, B, H * dv)
-            hidden = torch.cat([F.silu(rg) * _rms(o, eps), hidden], dim=-1)
-        z.append(_matmul(hidden, W.w_out[i], None))
-        c = torch.sigmoid(pg) * c + z[-1]
-    return _Replay(y_in, z, _matmul(_rms(c, eps), W.w_fg, W.b_fg))
-
-
-def _heads(x: Tensor) -> Tensor:
-    """(C, B, H, n) -> (B, H, C, n)."""
-    return x.permute(1, 2, 0, 3)
-
-
 class _ChunkHistory:
-    """The chunk's k_j, u_j, G_j so far. Without autograd they go into preallocated buffers
-    (no copying of the history each step); under autograd, into lists stacked on demand
-    (autograd forbids overwriting tensors that earlier steps saved)."""
+    """The chunk's k_j, u_j, G_j so far, in preallocated buffers (no copy of the history per
+    step)."""
 
-    def __init__(self, B: int, H: int, C: int, dk: int, dv: int, like: Tensor, buffered: bool
-                 ) -> None:
-        self.buffered = buffered
-        if buffered:
-            self.K = like.new_empty(B, H, C, dk)
-            self.U = like.new_empty(B, H, C, dv)
-            self.G = like.new_empty(B, H, C)
-        else:
-            self.keys: list[Tensor] = []
-            self.errs: list[Tensor] = []
-            self.cums: list[Tensor] = []
+    def __init__(self, B: int, H: int, C: int, dk: int, dv: int, like: Tensor) -> None:
+        self.K = like.new_empty(B, H, C, dk)
+        self.U = like.new_empty(B, H, C, dv)
+        self.G = like.new_empty(B, H, C)
 
     def append(self, tau: int, k: Tensor, u: Tensor, G: Tensor) -> None:
-        if self.buffered:
-            self.K[:, :, tau] = k
-            self.U[:, :, tau] = u
-            self.G[:, :, tau] = G
-        else:
-            self.keys.append(k)
-            self.errs.append(u)
-            self.cums.append(G)
+        self.K[:, :, tau] = k
+        self.U[:, :, tau] = u
+        self.G[:, :, tau] = G
 
     def upto(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
-        if self.buffered:
-            return self.K[:, :, :n], self.U[:, :, :n], self.G[:, :, :n]
-        return (torch.stack(self.keys[:n], dim=2), torch.stack(self.errs[:n], dim=2),
-                torch.stack(self.cums[:n], dim=2))
+        return self.K[:, :, :n], self.U[:, :, :n], self.G[:, :, :n]
 
 
 def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Tensor,
-               M0: Tensor | None, slots: _Slots, inputs: list[Tensor] | None = None
+               M0: Tensor | None, S_out: Tensor | None = None
                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Steps of one chunk. fuse: (B, C, d). Returns (P (B, C, d), s, s_prev, M_end).
+    """The steps of one chunk (no autograd). fuse: (B, C, d).
 
-    `inputs`, when given, receives the state s entering every step.
+    Returns (P (B, C, d), s, s_prev, M_end); `S_out` (B, C, d), when given, receives the
+    state entering every step (what the backward's parallel recompute starts from).
     """
     B, C, _ = fuse.shape
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
     mem = plan.memory
     if mem:
         k_cols = H * dk
-        k_pre = deferred_matmul(_rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols],
-                                slots.key0)
-        k = _l2n(F.relu(k_pre).view(B, H, dk))
-        history = _ChunkHistory(B, H, C, dk, dv, s, buffered=slots.memory is None)
+        k = _l2n(F.relu(_matmul(_rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols]))
+                 .view(B, H, dk))
+        history = _ChunkHistory(B, H, C, dk, dv, s)
         G_prev = s.new_zeros(B, H)
-    outputs = []
+    P = fuse.new_empty(B, C, fuse.shape[-1])
     for tau in range(C):
-        if inputs is not None:
-            inputs.append(s)
+        if S_out is not None:
+            S_out[:, tau] = s
         c = s
         for i in range(plan.n_layers):
-            y = deferred_matmul(_rms(c, eps), W.w_in[i], W.b_in[i], slots.w_in[i])
+            y = _matmul(_rms(c, eps), W.w_in[i], W.b_in[i])
             parts = torch.split(y, plan.in_splits[i], dim=-1)
             if mem and i == 0:
                 k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
                 v = v.view(B, H, dv)
-                log_a = -W.A * F.softplus(decay_pre)
-                G = G_prev + log_a
+                G = G_prev + (-W.A * F.softplus(decay_pre))
                 q = _l2n(F.relu(q_pre).view(B, H, dk))
                 # One read of M0 for the key (error term) and the query (read after write).
                 kq = torch.stack([k, q], dim=2)
-                r = deferred_matmul(kq, M0, None, slots.memory)
+                r = kq @ M0
                 err_base = G_prev.exp()[..., None] * r[:, :, 0]
                 out_base = G.exp()[..., None] * r[:, :, 1]
                 if tau:
@@ -338,41 +245,359 @@ def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Te
             elif mem:
                 q_pre, rg, ffn_in, pg = parts
                 q = _l2n(F.relu(q_pre).view(B, H, dk))
-                r = deferred_matmul(q[:, :, None], M0, None, slots.memory)[:, :, 0]
                 K, U, Gj = history.upto(tau + 1)
                 w = (q[:, :, None] @ K.mT) * (G[..., None, None] - Gj[:, :, None, :]).exp()
-                o = G.exp()[..., None] * r + (w @ U)[:, :, 0]
+                o = G.exp()[..., None] * (q[:, :, None] @ M0)[:, :, 0] + (w @ U)[:, :, 0]
             else:
                 ffn_in, pg = parts
             a, b = ffn_in.chunk(2, dim=-1)
             hidden = F.silu(a) * b
             if mem:
                 hidden = torch.cat([F.silu(rg) * _rms(o.reshape(B, H * dv), eps), hidden], dim=-1)
-            c = torch.sigmoid(pg) * c + deferred_matmul(hidden, W.w_out[i], None, slots.w_out[i])
-        p = c
-        gate = torch.sigmoid(deferred_matmul(_rms(p, eps), W.w_fg, W.b_fg, slots.fg))
-        outputs.append(p)
-        s_prev, s = s, gate * p + fuse[:, tau]
+            c = torch.sigmoid(pg) * c + _matmul(hidden, W.w_out[i], None)
+        P[:, tau] = c
+        gate = torch.sigmoid(_matmul(_rms(c, eps), W.w_fg, W.b_fg))
+        s_prev, s = s, gate * c + fuse[:, tau]
     M_end = None
     if mem:
         K, U, Gj = history.upto(C)
-        G_end = Gj[..., -1:]
-        M_end = G_end.exp()[..., None] * M0 + (K * (G_end - Gj).exp()[..., None]).mT @ U
-    return torch.stack(outputs, dim=1), s, s_prev, M_end
+        M_end = chunk_advance(K, U, Gj, M0)
+    return P, s, s_prev, M_end
+
+
+# --------------------------------------------------------------------- backward
+@dataclass
+class _ChunkActs:
+    """Every activation of a chunk, recomputed in parallel. Dense ones are (C, B, width);
+    memory ones (B, H, C, width)."""
+
+    c: list[Tensor]            # input of each layer (c_0 = S)
+    n: list[Tensor]            # rms(c_i)
+    y: list[Tensor]            # the fused input matmul's output
+    hidden: list[Tensor]       # input of the down-projection
+    o: list[Tensor | None]     # memory read output (flat, H*dv)
+    ro: list[Tensor | None]    # rms(o)
+    q: list[Tensor | None]     # read queries (B, H, C, dk)
+    rq: list[Tensor | None]    # M0^T q
+    n_p: Tensor                # rms(p)
+    gate: Tensor               # sigmoid of the fuse gate
+    p: Tensor
+    s_prev: Tensor | None = None    # (B, d): the chunk's first key comes from it
+    n_sprev: Tensor | None = None   # rms(s_prev)
+    k_pre: Tensor | None = None     # (C, B, H*dk), row t = the pre-activation of k_t
+    k: Tensor | None = None
+    v: Tensor | None = None
+    beta: Tensor | None = None
+    U: Tensor | None = None
+    G: Tensor | None = None
+    pred: Tensor | None = None      # M_{t-1}^T k_t
+    rk: Tensor | None = None        # M0^T k_t
+
+
+@torch.no_grad()
+def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
+                     M0: Tensor | None) -> _ChunkActs:
+    """Given the states S (B, C, d) entering each step, the whole chunk at once.
+
+    Every projection is ONE (C*B)-row matmul and the memory is the fully parallel chunk
+    form (`ops.memory`, use 1): no few-row matmul, no step loop.
+    """
+    B, C, d = S.shape
+    H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
+    mem = plan.memory
+    c = S.transpose(0, 1).contiguous()                          # (C, B, d)
+    acts = _ChunkActs([], [], [], [], [], [], [], [], None, None, None)
+    for i in range(plan.n_layers):
+        n = _rms(c, eps)
+        y = _matmul(n, W.w_in[i], W.b_in[i])
+        acts.c.append(c)
+        acts.n.append(n)
+        acts.y.append(y)
+        parts = torch.split(y, plan.in_splits[i], dim=-1)
+        if mem and i == 0:
+            k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
+            k_cols = H * dk
+            acts.s_prev = s_prev
+            acts.n_sprev = _rms(s_prev, eps)
+            k_first = _matmul(acts.n_sprev, W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
+            acts.k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
+            acts.k = _heads(_l2n(F.relu(acts.k_pre).view(C, B, H, dk)))
+            acts.v = _heads(v.reshape(C, B, H, dv))
+            log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)          # (B, H, C)
+            acts.beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
+            acts.U, acts.G = chunk_errors(acts.k, acts.v, log_a, acts.beta, M0, "gpn")
+            acts.rk = acts.k @ M0
+            acts.pred = _prediction(acts, M0)
+        elif mem:
+            q_pre, rg, ffn_in, pg = parts
+        else:
+            ffn_in, pg = parts
+        a, b = ffn_in.chunk(2, dim=-1)
+        hidden = F.silu(a) * b
+        if mem:
+            q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
+            rq = q @ M0
+            o = chunk_read(q, acts.k, acts.U, acts.G, M0).permute(2, 0, 1, 3).reshape(C, B, H * dv)
+            ro = _rms(o, eps)
+            hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
+            acts.q.append(q)
+            acts.rq.append(rq)
+            acts.o.append(o)
+            acts.ro.append(ro)
+        else:
+            acts.q.append(None)
+            acts.rq.append(None)
+            acts.o.append(None)
+            acts.ro.append(None)
+        acts.hidden.append(hidden)
+        c = torch.sigmoid(pg) * c + _matmul(hidden, W.w_out[i], None)
+    acts.p = c
+    acts.n_p = _rms(c, eps)
+    acts.gate = torch.sigmoid(_matmul(acts.n_p, W.w_fg, W.b_fg))
+    return acts
+
+
+def _prediction(acts: _ChunkActs, M0: Tensor) -> Tensor:
+    """M_{t-1}^T k_t for every step: e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
+    G = acts.G
+    G_prev = torch.cat([torch.zeros_like(G[..., :1]), G[..., :-1]], dim=-1)
+    C = G.shape[-1]
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device), diagonal=-1)
+    expo = torch.where(strict, G_prev[..., :, None] - G[..., None, :], float("-inf"))
+    return G_prev.exp()[..., None] * acts.rk + ((acts.k @ acts.k.mT) * expo.exp()) @ acts.U
+
+
+def _heads(x: Tensor) -> Tensor:
+    """(C, B, H, n) -> (B, H, C, n)."""
+    return x.permute(1, 2, 0, 3)
+
+
+def _mm_t(dy: Tensor, weight: Tensor) -> Tensor:
+    """dy @ weight^T in the weight's (matmul) dtype, result in dy's dtype."""
+    return (dy.to(weight.dtype) @ weight.t()).to(dy.dtype)
+
+
+def _rms_back(n: Tensor, x: Tensor, dn: Tensor, eps: float) -> Tensor:
+    """Gradient of n = x * rsqrt(mean(x^2) + eps) at x, given dn."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return r * (dn - n * (dn * n).mean(-1, keepdim=True))
+
+
+def _l2n_back(pre: Tensor, dy: Tensor) -> Tensor:
+    """Gradient of y = l2n(relu(pre)) at pre, given dy."""
+    x = F.relu(pre)
+    rho = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+    y = x * rho
+    return (pre > 0) * rho * (dy - y * (y * dy).sum(-1, keepdim=True))
+
+
+def _silu_back(x: Tensor, dy: Tensor) -> Tensor:
+    sig = torch.sigmoid(x)
+    return dy * sig * (1 + x * (1 - sig))
+
+
+@dataclass
+class _Grads:
+    """Weight-gradient accumulators of the whole window (float32 or float64)."""
+
+    w_in: list[Tensor]
+    b_in: list[Tensor]
+    w_out: list[Tensor]
+    w_fg: Tensor
+    b_fg: Tensor
+    A: Tensor | None
+
+    @staticmethod
+    def zeros_like(W: _LoopWeights, dtype: torch.dtype) -> "_Grads":
+        z = lambda t: torch.zeros(t.shape, dtype=dtype, device=t.device)  # noqa: E731
+        return _Grads([z(w) for w in W.w_in], [z(b) for b in W.b_in], [z(w) for w in W.w_out],
+                      z(W.w_fg), z(W.b_fg), None if W.A is None else z(W.A))
+
+    def flat(self) -> list[Tensor]:
+        return [*self.w_in, *self.b_in, *self.w_out, self.w_fg, self.b_fg,
+                *([self.A] if self.A is not None else [])]
+
+
+def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
+                    dP: Tensor, ds_end: Tensor | None, ds_prev_end: Tensor | None,
+                    dM_end: Tensor | None, grads: _Grads, d_fuse: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The hand-written reverse sweep over one chunk's steps.
+
+    The per-step work is the inherent input-gradient matmuls (dy @ W^T, few rows) and cheap
+    elementwise/memory terms; the activations come from `_recompute_chunk`, and every weight
+    gradient (and dM0) is formed at the end as one matmul over all steps of the chunk.
+    Returns the gradients of the chunk's start carry (s, s_prev, M0).
+    """
+    C, B, d = acts.p.shape
+    H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
+    mem = plan.memory
+    dt = dP.dtype
+    dY = [torch.zeros_like(y) for y in acts.y]
+    dZ = [torch.zeros(C, B, d, dtype=dt, device=dP.device) for _ in range(L)]
+    dYfg = torch.zeros(C, B, d, dtype=dt, device=dP.device)
+    ds_extra = torch.zeros(C, B, d, dtype=dt, device=dP.device)
+    if ds_prev_end is not None:
+        ds_extra[C - 1] += ds_prev_end                 # s_prev at the end = state entering step C-1
+    if mem:
+        Hk, Hv = H * dk, H * dv
+        K, U, G = acts.k, acts.U, acts.G
+        dK = torch.zeros_like(K)
+        dU = torch.zeros_like(U)
+        dG = torch.zeros_like(G)
+        dRk = torch.zeros_like(U)
+        dRq = [torch.zeros_like(U) for _ in range(L)]
+        dM0 = torch.zeros_like(M0)
+        dA = torch.zeros_like(W.A)
+        if dM_end is not None:                         # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
+            G_end = G[..., -1:]
+            w = (G_end - G).exp()
+            dK += w[..., None] * (U @ dM_end.mT)
+            dU += w[..., None] * (K @ dM_end)
+            t = ((K @ dM_end) * U).sum(-1)
+            dG -= w * t
+            dG[..., -1] += (w * t).sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
+            dM0 += G_end[..., 0].exp()[..., None, None] * dM_end
+        dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)   # d(pre-activation of k_{t+1})
+        dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
+        dsprev_start = None
+    dg = ds_end if ds_end is not None else torch.zeros(B, d, dtype=dt, device=dP.device)
+    for tau in range(C - 1, -1, -1):
+        # Ground: s_next = gate * p + fuse.
+        p, gate = acts.p[tau], acts.gate[tau]
+        d_fuse[:, tau] = dg
+        dyfg = dg * p * gate * (1 - gate)
+        dYfg[tau] = dyfg
+        dc = dP[:, tau] + gate * dg + _rms_back(acts.n_p[tau], p, _mm_t(dyfg, W.w_fg), eps)
+        for i in range(L - 1, -1, -1):
+            c_in, n_in = acts.c[i][tau], acts.n[i][tau]
+            parts = torch.split(acts.y[i][tau], plan.in_splits[i], dim=-1)
+            dparts = list(torch.split(dY[i][tau], plan.in_splits[i], dim=-1))  # views into dY
+            pg = parts[-1]
+            sg = torch.sigmoid(pg)
+            dZ[i][tau] = dc
+            dparts[-1].copy_(dc * c_in * sg * (1 - sg))
+            dc_in = dc * sg
+            dh = _mm_t(dc, W.w_out[i])
+            fa, fb = parts[-2].chunk(2, dim=-1)
+            dfa, dfb = dparts[-2].chunk(2, dim=-1)
+            dh_ffn = dh[:, -plan.f:]
+            dfa.copy_(_silu_back(fa, dh_ffn * fb))
+            dfb.copy_(dh_ffn * F.silu(fa))
+            if mem:
+                q_pre, rg = parts[-4], parts[-3]
+                ro = acts.ro[i][tau]
+                dh_read = dh[:, :Hv]
+                dparts[-3].copy_(_silu_back(rg, dh_read * ro))
+                do = _rms_back(ro, acts.o[i][tau], dh_read * F.silu(rg), eps).view(B, H, dv)
+                # Read after write: o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j.
+                q = acts.q[i][:, :, tau]
+                Gt = G[..., tau]
+                eG = Gt.exp()
+                drq = eG[..., None] * do
+                dRq[i][:, :, tau] = drq
+                dq = (drq[:, :, None] @ M0.mT)[:, :, 0]
+                dGt = eG * (do * acts.rq[i][:, :, tau]).sum(-1)
+                Kh, Uh = K[:, :, :tau + 1], U[:, :, :tau + 1]
+                w = (Gt[..., None] - G[..., :tau + 1]).exp()
+                sdot = (Kh @ q[..., None])[..., 0]
+                da = (Uh @ do[..., None])[..., 0]
+                dU[:, :, :tau + 1] += (w * sdot)[..., None] * do[:, :, None]
+                dsd = da * w
+                dq = dq + (dsd[:, :, None] @ Kh)[:, :, 0]
+                dK[:, :, :tau + 1] += dsd[..., None] * q[:, :, None]
+                dw = dsd * sdot
+                dG[..., :tau + 1] -= dw
+                dG[..., tau] += dGt + dw.sum(-1)
+                dparts[-4].copy_(_l2n_back(q_pre.view(B, H, dk), dq).view(B, Hk))
+            if mem and i == 0:
+                _write_backward(plan, W, acts, M0, tau, parts, dparts, dK, dU, dG, dRk,
+                                dk_next_pre, dG_suffix, dA)
+                dk_pre = _l2n_back(acts.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
+                if tau:
+                    dk_next_pre = dk_pre
+                else:   # the chunk's first key comes from s_prev
+                    k_cols = Hk
+                    grads.w_in[0][:, :k_cols] += acts.n_sprev.t().to(dt) @ dk_pre
+                    grads.b_in[0][:k_cols] += dk_pre.sum(0)
+                    dsprev_start = _rms_back(acts.n_sprev, acts.s_prev,
+                                             _mm_t(dk_pre, W.w_in[0][:, :k_cols]), eps)
+            dc = dc_in + _rms_back(n_in, c_in, _mm_t(dY[i][tau], W.w_in[i]), eps)
+        dc = dc + ds_extra[tau]
+        dg = dc                                         # gradient of the state entering step tau
+    with _phase("weight gradients"):
+        # One matmul per weight over all C*B rows of the chunk (never a rank-B update per step).
+        rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
+        for i in range(L):
+            grads.w_in[i] += rows(acts.n[i]).t() @ rows(dY[i])
+            grads.b_in[i] += rows(dY[i]).sum(0)
+            grads.w_out[i] += rows(acts.hidden[i]).t() @ rows(dZ[i])
+        grads.w_fg += rows(acts.n_p).t() @ rows(dYfg)
+        grads.b_fg += rows(dYfg).sum(0)
+        if not mem:
+            return dg, torch.zeros_like(dg), None
+        grads.A += dA
+        dM0 = dM0 + K.mT @ dRk
+        for i in range(L):
+            dM0 = dM0 + acts.q[i].mT @ dRq[i]
+    return dg, dsprev_start, dM0
+
+
+def _write_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor, tau: int,
+                    parts: tuple[Tensor, ...], dparts: list[Tensor], dK: Tensor, dU: Tensor,
+                    dG: Tensor, dRk: Tensor, dk_next_pre: Tensor, dG_suffix: Tensor,
+                    dA: Tensor) -> None:
+    """Step tau's memory write, reversed: u_t = beta (v - M_{t-1}^T k_t) and the decay.
+
+    Fills the write blocks of layer 0's input gradient (`dparts`) and adds to the chunk's
+    adjoints of k, u and G (dK, dU, dG) and to dA; dG_suffix is updated in place.
+    """
+    B, H, dv = dK.shape[0], plan.H, plan.dv
+    G = acts.G
+    du = dU[:, :, tau]
+    beta = acts.beta[..., tau]
+    dparts[0].copy_(dk_next_pre)                     # k_{t+1} is computed at step t
+    dparts[2].copy_((du * (acts.v[:, :, tau] - acts.pred[:, :, tau])).sum(-1)
+                    * beta * (1 - beta))
+    dvv = beta[..., None] * du
+    dparts[1].copy_(dvv.reshape(B, H * dv))
+    dpred = -dvv
+    # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j
+    k = acts.k[:, :, tau]
+    G_prev = G[..., tau - 1] if tau else torch.zeros_like(G[..., 0])
+    eGp = G_prev.exp()
+    drk = eGp[..., None] * dpred
+    dRk[:, :, tau] = drk
+    dk = (drk[:, :, None] @ M0.mT)[:, :, 0]
+    if tau:
+        dGp = eGp * (dpred * acts.rk[:, :, tau]).sum(-1)
+        Kh, Uh = acts.k[:, :, :tau], acts.U[:, :, :tau]
+        w = (G_prev[..., None] - G[..., :tau]).exp()
+        sdot = (Kh @ k[..., None])[..., 0]
+        da = (Uh @ dpred[..., None])[..., 0]
+        dU[:, :, :tau] += (w * sdot)[..., None] * dpred[:, :, None]
+        dsd = da * w
+        dk = dk + (dsd[:, :, None] @ Kh)[:, :, 0]
+        dK[:, :, :tau] += dsd[..., None] * k[:, :, None]
+        dw = dsd * sdot
+        dG[..., :tau] -= dw
+        dG[..., tau - 1] += dGp + dw.sum(-1)
+    dK[:, :, tau] += dk
+    # G_t = G_{t-1} + log a_t, so d log a_t = sum over t' >= t of dG_t' (complete by now).
+    dG_suffix += dG[..., tau]
+    decay_pre = parts[3]
+    dparts[3].copy_(dG_suffix * (-W.A) * torch.sigmoid(decay_pre))
+    dA -= (dG_suffix * F.softplus(decay_pre)).sum(0)
 
 
 def _forward_chunks(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Tensor,
-                    M: Tensor | None, slots: _Slots, P: Tensor, S: Tensor | None,
-                    carries: list) -> None:
+                    M: Tensor | None, P: Tensor, S: Tensor | None, carries: list) -> None:
     """The no-grad forward over all chunks; appends each chunk's start carry to `carries`
     (and, last, the final carry); fills P and, when given, S (the state entering each step)."""
     for start, end in plan.spans:
         carries.append((s, s_prev, M))
-        inputs: list[Tensor] | None = [] if S is not None else None
-        P[:, start:end], s, s_prev, M = _run_chunk(plan, W, fuse[:, start:end], s, s_prev, M,
-                                                   slots, inputs)
-        if S is not None:
-            S[:, start:end] = torch.stack(inputs, dim=1)
+        P[:, start:end], s, s_prev, M = _run_chunk(
+            plan, W, fuse[:, start:end], s, s_prev, M, None if S is None else S[:, start:end])
     carries.append((s, s_prev, M))
 
 
@@ -385,13 +610,11 @@ class _SequenceFunction(torch.autograd.Function):
         W = _LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype)
         B, T, d = fuse.shape
         P = fuse.new_empty(B, T, d)
-        need_backward = any(ctx.needs_input_grad)
-        S = fuse.new_empty(B, T, d) if need_backward else None   # the state entering each step
-        s, s_prev, M = s0, s_prev0, M0
-        carries = []
-        no_slots = _Slots(plan, record=False)
+        # The state entering each step, O(T*d): what the backward recomputes each chunk from.
+        S = fuse.new_empty(B, T, d) if any(ctx.needs_input_grad) else None
+        carries: list = []
         with _phase("sequential forward"):
-            _forward_chunks(plan, W, fuse, s, s_prev, M, no_slots, P, S, carries)
+            _forward_chunks(plan, W, fuse, s0, s_prev0, M0, P, S, carries)
         s, s_prev, M = carries.pop()
         ctx.plan = plan
         ctx.carries = carries
@@ -405,81 +628,35 @@ class _SequenceFunction(torch.autograd.Function):
     def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
         fuse, S, *flat = ctx.saved_tensors
-        # Detached: the recompute below must not reach into the graph that built the weights.
         W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
         Wmm = W.for_matmul(plan.mm_dtype)
-        acc = fuse.dtype
-        g_w_in = [torch.zeros_like(w, dtype=acc) for w in W.w_in]
-        g_b_in = [torch.zeros_like(b, dtype=acc) for b in W.b_in]
-        g_w_out = [torch.zeros_like(w, dtype=acc) for w in W.w_out]
-        g_w_fg = torch.zeros_like(W.w_fg, dtype=acc)
-        g_b_fg = torch.zeros_like(W.b_fg, dtype=acc)
-        g_A = torch.zeros_like(W.A, dtype=acc) if W.A is not None else None
+        grads = _Grads.zeros_like(W, fuse.dtype)
         d_fuse = torch.empty_like(fuse)
         d_carry: tuple[Tensor | None, ...] = (ds, ds_prev, dM if plan.memory else None)
-        k_cols = plan.H * plan.dk
-
         for idx in range(len(plan.spans) - 1, -1, -1):
             start, end = plan.spans[idx]
             if end in plan.cuts:  # truncated BPTT: nothing flows back across this point
                 d_carry = (None, None, None)
-            s, s_prev, M = (None if t is None else t.detach().requires_grad_()
-                            for t in ctx.carries[idx])
-            fuse_c = fuse[:, start:end].detach().requires_grad_()
-            A_leaf = None if W.A is None else W.A.detach().requires_grad_()
-            Wc = _LoopWeights(Wmm.w_in, Wmm.b_in, Wmm.w_out, Wmm.w_fg, Wmm.b_fg, A_leaf)
-            # Every matmul of the chunk in a few large GEMMs; the sequential recompute below
-            # replays their outputs, so it only runs the cheap elementwise/memory steps.
+            _, s_prev, M = ctx.carries[idx]
             with _phase("parallel recompute"):
-                replay = _precompute_chunk(plan, Wmm, S[:, start:end], ctx.carries[idx][1],
-                                           ctx.carries[idx][2])
-            slots = _Slots(plan, record=True, replay=replay)
-            with _phase("sequential backward"), torch.enable_grad():
-                P_c, s_end, s_prev_end, M_end = _run_chunk(plan, Wc, fuse_c, s, s_prev, M, slots)
-                outs, grads = [P_c], [dP[:, start:end]]
-                for out, grad in zip((s_end, s_prev_end, M_end), d_carry):
-                    if out is not None and grad is not None and out.requires_grad:
-                        outs.append(out)
-                        grads.append(grad)
-                torch.autograd.backward(outs, grads)
-
-            with _phase("weight gradients"):
-                for i in range(plan.n_layers):
-                    _accumulate(slots.w_in[i], g_w_in[i], g_b_in[i])
-                    _accumulate(slots.w_out[i], g_w_out[i], None)
-                _accumulate(slots.fg, g_w_fg, g_b_fg)
-                if plan.memory:
-                    _accumulate(slots.key0, g_w_in[0][:, :k_cols], g_b_in[0][:k_cols])
-                    g_A += A_leaf.grad
-                dM0 = None
-                if M is not None:
-                    dM0 = _grad_or_zeros(M)
-                    deferred = slots.memory.weight_grad(acc)
-                    if deferred is not None:
-                        dM0 = dM0 + deferred[0]
-            d_fuse[:, start:end] = _grad_or_zeros(fuse_c)
-            d_carry = (_grad_or_zeros(s), _grad_or_zeros(s_prev), dM0)
-
-        weight_grads = [*g_w_in, *g_b_in, *g_w_out, g_w_fg, g_b_fg,
-                        *([g_A] if g_A is not None else [])]
-        weight_grads = [g.to(w.dtype) for g, w in zip(weight_grads, flat)]
+                acts = _recompute_chunk(plan, Wmm, S[:, start:end], s_prev, M)
+            with _phase("sequential backward"):
+                d_carry = _chunk_backward(plan, Wmm, acts, M, dP[:, start:end], *d_carry,
+                                          grads, d_fuse[:, start:end])
+        weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
         ds0, ds_prev0, dM0 = d_carry
         return (None, d_fuse, ds0, ds_prev0, dM0 if ctx.needs_input_grad[4] else None,
                 *weight_grads)
 
 
-def _grad_or_zeros(leaf: Tensor) -> Tensor:
-    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-
-
-def _accumulate(slot: DeferredSlot, g_w: Tensor, g_b: Tensor | None) -> None:
-    result = slot.weight_grad(g_w.dtype)
-    if result is None:
-        return
-    dW, db = result
-    g_w += dW
-    if g_b is not None:
-        g_b += db
+def _matmul(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ weight (+ bias) in the weight's dtype (bf16 under autocast), result in x's dtype."""
+    if weight.dtype != x.dtype:
+        y = (x.to(weight.dtype) @ weight).to(x.dtype)
+        return y if bias is None else y + bias
+    if bias is None:
+        return x @ weight
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
 
 
 # ------------------------------------------------------------------ entry point
