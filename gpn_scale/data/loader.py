@@ -154,12 +154,14 @@ def _token_dataset_class() -> type:
             except BaseException:
                 # streaming leaves a shard whose download failed in state PREPARING, and
                 # every other worker/rank of the node then waits for it forever (a hang,
-                # not an error). Put it back to REMOTE: they retry, fail the same way and
-                # report it.
+                # not an error). Their wait loops end only on LOCAL, so mark it LOCAL: a
+                # reader then finds the file missing and takes streaming's own recovery
+                # path (re-download + hash check), which fails again in *its* main thread
+                # and reports the error (or succeeds, if the failure was transient).
                 from streaming.base.dataset import _ShardState
                 try:
                     if self._shard_states[shard_id] == _ShardState.PREPARING:
-                        self._shard_states[shard_id] = _ShardState.REMOTE
+                        self._shard_states[shard_id] = _ShardState.LOCAL
                 except Exception:  # noqa: BLE001 - best effort; the original error matters
                     pass
                 raise
