@@ -11,9 +11,13 @@ Layout of one forward (see `shared/spec/gpn-model.md` for the equations):
      down-projection matmul;
    - the memory stays in chunk form (`ops/memory.py`, use 2): a read-only chunk-start M0,
      plus the chunk's keys, errors u_j and cumulative log-decays; M advances once per chunk;
-   - backward is chunk by chunk in reverse with recomputation: saved are the per-step
-     outputs p_t (O(T*d)) and one carry (s, s_prev, M) per chunk; weight gradients (and
-     dM0) are one large matmul per chunk (`ops/deferred.py`), not a rank-B update per step.
+   - backward is chunk by chunk in reverse: the forward keeps the outputs p_t and the
+     states s_t entering each step (O(T*d)) and one carry (s, s_prev, M) per chunk. Per
+     chunk the backward first recomputes every activation in parallel (C*B-row matmuls and
+     the fully parallel chunk memory form: no step loop), then runs a hand-written reverse
+     sweep whose only per-step matmuls are the inherent input gradients dy @ W^T; weight
+     gradients (and dM0) are one large matmul per chunk, never a rank-B update per step.
+     The sweep is held equal to autograd through the reference path by the tests.
 3. Outside the loop again: decode and cross-entropy in chunks of positions
    (`model/loss.py`), never the full B x T x V logits.
 
@@ -124,6 +128,13 @@ class _LoopWeights:
         L = plan.n_layers
         return _LoopWeights(list(flat[:L]), list(flat[L:2 * L]), list(flat[2 * L:3 * L]),
                             flat[3 * L], flat[3 * L + 1], flat[3 * L + 2] if plan.memory else None)
+
+    def transposed(self) -> "_LoopWeights":
+        """The matrices transposed and contiguous (for the backward's dy @ W^T); the key
+        columns of layer 0 come first in its transpose's rows."""
+        return _LoopWeights([w.t().contiguous() for w in self.w_in], self.b_in,
+                            [w.t().contiguous() for w in self.w_out],
+                            self.w_fg.t().contiguous(), self.b_fg, self.A)
 
     def for_matmul(self, dtype: torch.dtype | None) -> "_LoopWeights":
         """Matrices cast once to the matmul dtype (biases and A stay in the state dtype)."""
@@ -372,9 +383,10 @@ def _heads(x: Tensor) -> Tensor:
     return x.permute(1, 2, 0, 3)
 
 
-def _mm_t(dy: Tensor, weight: Tensor) -> Tensor:
-    """dy @ weight^T in the weight's (matmul) dtype, result in dy's dtype."""
-    return (dy.to(weight.dtype) @ weight.t()).to(dy.dtype)
+def _mm_t(dy: Tensor, weight_t: Tensor) -> Tensor:
+    """dy @ weight^T, given weight^T stored contiguous (a transposed view makes the few-row
+    matmul ~2.5x slower on CPU); in the weight's (matmul) dtype, result in dy's dtype."""
+    return (dy.to(weight_t.dtype) @ weight_t).to(dy.dtype)
 
 
 def _rms_back(n: Tensor, x: Tensor, dn: Tensor, eps: float) -> Tensor:
@@ -418,7 +430,7 @@ class _Grads:
                 *([self.A] if self.A is not None else [])]
 
 
-def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
+def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
                     dP: Tensor, ds_end: Tensor | None, ds_prev_end: Tensor | None,
                     dM_end: Tensor | None, grads: _Grads, d_fuse: Tensor
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -448,7 +460,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
         dRk = torch.zeros_like(U)
         dRq = [torch.zeros_like(U) for _ in range(L)]
         dM0 = torch.zeros_like(M0)
-        dA = torch.zeros_like(W.A)
+        dA = torch.zeros_like(Wt.A)
         if dM_end is not None:                         # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
             G_end = G[..., -1:]
             w = (G_end - G).exp()
@@ -459,6 +471,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
             dG[..., -1] += (w * t).sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
             dM0 += G_end[..., 0].exp()[..., None, None] * dM_end
         dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)   # d(pre-activation of k_{t+1})
+        M0t = M0.mT.contiguous()
         dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
         dsprev_start = None
     dg = ds_end if ds_end is not None else torch.zeros(B, d, dtype=dt, device=dP.device)
@@ -468,7 +481,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
         d_fuse[:, tau] = dg
         dyfg = dg * p * gate * (1 - gate)
         dYfg[tau] = dyfg
-        dc = dP[:, tau] + gate * dg + _rms_back(acts.n_p[tau], p, _mm_t(dyfg, W.w_fg), eps)
+        dc = dP[:, tau] + gate * dg + _rms_back(acts.n_p[tau], p, _mm_t(dyfg, Wt.w_fg), eps)
         for i in range(L - 1, -1, -1):
             c_in, n_in = acts.c[i][tau], acts.n[i][tau]
             parts = torch.split(acts.y[i][tau], plan.in_splits[i], dim=-1)
@@ -478,7 +491,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
             dZ[i][tau] = dc
             dparts[-1].copy_(dc * c_in * sg * (1 - sg))
             dc_in = dc * sg
-            dh = _mm_t(dc, W.w_out[i])
+            dh = _mm_t(dc, Wt.w_out[i])
             fa, fb = parts[-2].chunk(2, dim=-1)
             dfa, dfb = dparts[-2].chunk(2, dim=-1)
             dh_ffn = dh[:, -plan.f:]
@@ -496,7 +509,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
                 eG = Gt.exp()
                 drq = eG[..., None] * do
                 dRq[i][:, :, tau] = drq
-                dq = (drq[:, :, None] @ M0.mT)[:, :, 0]
+                dq = (drq[:, :, None] @ M0t)[:, :, 0]
                 dGt = eG * (do * acts.rq[i][:, :, tau]).sum(-1)
                 Kh, Uh = K[:, :, :tau + 1], U[:, :, :tau + 1]
                 w = (Gt[..., None] - G[..., :tau + 1]).exp()
@@ -511,7 +524,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
                 dG[..., tau] += dGt + dw.sum(-1)
                 dparts[-4].copy_(_l2n_back(q_pre.view(B, H, dk), dq).view(B, Hk))
             if mem and i == 0:
-                _write_backward(plan, W, acts, M0, tau, parts, dparts, dK, dU, dG, dRk,
+                _write_backward(plan, Wt, acts, M0t, tau, parts, dparts, dK, dU, dG, dRk,
                                 dk_next_pre, dG_suffix, dA)
                 dk_pre = _l2n_back(acts.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
                 if tau:
@@ -521,8 +534,8 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
                     grads.w_in[0][:, :k_cols] += acts.n_sprev.t().to(dt) @ dk_pre
                     grads.b_in[0][:k_cols] += dk_pre.sum(0)
                     dsprev_start = _rms_back(acts.n_sprev, acts.s_prev,
-                                             _mm_t(dk_pre, W.w_in[0][:, :k_cols]), eps)
-            dc = dc_in + _rms_back(n_in, c_in, _mm_t(dY[i][tau], W.w_in[i]), eps)
+                                             _mm_t(dk_pre, Wt.w_in[0][:k_cols]), eps)
+            dc = dc_in + _rms_back(n_in, c_in, _mm_t(dY[i][tau], Wt.w_in[i]), eps)
         dc = dc + ds_extra[tau]
         dg = dc                                         # gradient of the state entering step tau
     with _phase("weight gradients"):
@@ -543,7 +556,7 @@ def _chunk_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor |
     return dg, dsprev_start, dM0
 
 
-def _write_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor, tau: int,
+def _write_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0t: Tensor, tau: int,
                     parts: tuple[Tensor, ...], dparts: list[Tensor], dK: Tensor, dU: Tensor,
                     dG: Tensor, dRk: Tensor, dk_next_pre: Tensor, dG_suffix: Tensor,
                     dA: Tensor) -> None:
@@ -568,7 +581,7 @@ def _write_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0: Tensor, 
     eGp = G_prev.exp()
     drk = eGp[..., None] * dpred
     dRk[:, :, tau] = drk
-    dk = (drk[:, :, None] @ M0.mT)[:, :, 0]
+    dk = (drk[:, :, None] @ M0t)[:, :, 0]
     if tau:
         dGp = eGp * (dpred * acts.rk[:, :, tau]).sum(-1)
         Kh, Uh = acts.k[:, :, :tau], acts.U[:, :, :tau]
@@ -630,6 +643,7 @@ class _SequenceFunction(torch.autograd.Function):
         fuse, S, *flat = ctx.saved_tensors
         W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
         Wmm = W.for_matmul(plan.mm_dtype)
+        Wt = Wmm.transposed()
         grads = _Grads.zeros_like(W, fuse.dtype)
         d_fuse = torch.empty_like(fuse)
         d_carry: tuple[Tensor | None, ...] = (ds, ds_prev, dM if plan.memory else None)
@@ -641,7 +655,7 @@ class _SequenceFunction(torch.autograd.Function):
             with _phase("parallel recompute"):
                 acts = _recompute_chunk(plan, Wmm, S[:, start:end], s_prev, M)
             with _phase("sequential backward"):
-                d_carry = _chunk_backward(plan, Wmm, acts, M, dP[:, start:end], *d_carry,
+                d_carry = _chunk_backward(plan, Wt, acts, M, dP[:, start:end], *d_carry,
                                           grads, d_fuse[:, start:end])
         weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
         ds0, ds_prev0, dM0 = d_carry
