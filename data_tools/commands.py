@@ -119,7 +119,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     files = expand_inputs(args.inputs, args.format)
     spec = resolve_tokenizer(args.tokenizer, args.eod_token)
-    prepare_output(args.out, overwrite=False) if not args.overwrite else None
+    if not args.overwrite:  # fail before reading any input if --out is taken
+        prepare_output(args.out, overwrite=False)
     docs = iter_documents(files, field=args.field, hf_split=args.hf_split,
                           max_docs=args.max_docs)
     options = BuildOptions(seq_len=args.seq_len, seed=args.seed, val_fraction=args.val_fraction,

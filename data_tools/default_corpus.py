@@ -88,6 +88,8 @@ def build_default_dataset(out: str, *, seq_len: int = 256, seed: int = 0,
 
     If `out` already holds the same default dataset (same corpus hash, seq_len and seed)
     it is reused as is; any other dataset there is an error unless `overwrite`.
+    Call it from one process (e.g. rank 0, then a barrier): two concurrent builds into
+    the same `out` would interleave their files.
     """
     import platform
 
