@@ -55,7 +55,7 @@ def _engine_tokens_per_s(model_cfg, batch: int, seq_len: int, steps: int, with_o
 
 
 def _trainer_tokens_per_s(config: str, steps: int, run_dir: Path, warmup: int = 2,
-                          extra: list[str] | None = None) -> float:
+                          extra: list[str] | None = None) -> tuple[float, dict[str, float]]:
     from gpn_scale.train.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
@@ -66,8 +66,11 @@ def _trainer_tokens_per_s(config: str, steps: int, run_dir: Path, warmup: int = 
                                      *(extra or [])])
     Trainer(cfg, log=lambda _msg: None).run()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > warmup]
-    return statistics.median(tps)
+    rows = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
+    parts = {k: statistics.median(r[k] for r in rows) for k in
+             ("step_time_s", "time/data_s", "time/model_s", "time/update_s", "time/optim_s")
+             if rows and k in rows[0]}
+    return statistics.median(r["tokens_per_s"] for r in rows), parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # Build the data first so that its one-off cost is not in anyone's timing.
         run_dir = Path(tmp) / "run"
-        _trainer_tokens_per_s(args.config, 1, run_dir, warmup=0)
+        _trainer_tokens_per_s(args.config, 1, run_dir, warmup=0)  # builds the corpus
         data = ["data.remote=" + str(next((run_dir / "data").glob("default_corpus_T*")))]
         engs, eng_opts, trainers = [], [], []
         for r in range(args.rounds):
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             eng_opts.append(_engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=True))
             trainers.append(_trainer_tokens_per_s(args.config, args.steps,
                                                   Path(tmp) / f"run{r}", extra=data))
+    best = max(trainers, key=lambda t: t[0])
+    trainers = [t[0] for t in trainers]
     fwd_bwd, engine, trainer = max(engs), max(eng_opts), max(trainers)
     print(f"\nTrainer overhead: {args.config} ({model_cfg.name}, batch {batch} x {seq} tokens, "
           f"{torch.get_num_threads()} threads, {args.steps} measured steps, medians)\n")
@@ -107,6 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name:<27} | {value:>10.0f} | {value / engine:>8.1%} |")
     print(f"\nper round: engine step {[round(x) for x in eng_opts]}, fwd+bwd "
           f"{[round(x) for x in engs]}, trainer {[round(x) for x in trainers]} tokens/s")
+    parts = best[1]
+    if parts:
+        # Within the trainer's own steps (same load for every part): the engine's share of the
+        # step is what the trainer's speed is, relative to the engine running alone.
+        total = parts["step_time_s"]
+        engine_part = parts["time/model_s"] + parts["time/optim_s"]
+        clip = parts["time/update_s"] - parts["time/optim_s"]
+        print(f"\nWhere the trainer's step goes (best round, median of steps):\n")
+        print(f"| {'part':<40} | {'ms/step':>9} | {'share':>6} |")
+        print(f"|{'-' * 42}|{'-' * 11}|{'-' * 8}|")
+        for name, value in (("batch from the loader", parts["time/data_s"]),
+                            ("forward + backward (engine)", parts["time/model_s"]),
+                            ("grad norm + clip + finite checks", clip),
+                            ("AdamW step (engine)", parts["time/optim_s"]),
+                            ("whole step", total)):
+            print(f"| {name:<40} | {value * 1e3:>9.1f} | {value / total:>6.1%} |")
+        print(f"\nengine share of the trainer's step: {engine_part / total:.1%} "
+              "(= trainer tokens/s as a fraction of the engine's at the same load)")
     return 0
 
 

@@ -99,6 +99,7 @@ class _Backend:
     """What the loop needs from a parallelism backend."""
 
     name = "none"
+    last_optim_s = 0.0  # time of the last optimizer step (0 where the engine does it inside)
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
@@ -116,9 +117,11 @@ class _Backend:
         norm = optim_lib.grad_norm_and_clip(self.model.parameters(), grad_clip)
         norm_f = float(norm)
         applied = loss_finite and math.isfinite(norm_f)
+        t0 = time.perf_counter()
         if applied:
             optim_lib.set_lr(self.optimizer, lr)
             self.optimizer.step()
+        self.last_optim_s = time.perf_counter() - t0
         self.optimizer.zero_grad(set_to_none=True)
         return norm_f, applied
 
@@ -443,8 +446,11 @@ class Trainer:
                 if isinstance(backend, _DeepSpeedBackend):
                     backend.set_lr(lr)  # before engine.step() applies it
                 loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+                t_data = 0.0
                 for i in range(accum):
+                    td = time.perf_counter()
                     tokens_b = next(data).to(device, non_blocking=True)
+                    t_data += time.perf_counter() - td
                     with self._autocast():
                         loss, new_state = backend.forward_loss(
                             tokens_b, state, want_state=cfg.train.stateful_windows)
@@ -455,8 +461,10 @@ class Trainer:
                     if cfg.train.stateful_windows and new_state is not None:
                         state = new_state.detach()
                 loss_val = float(topo.all_reduce_mean(loss_sum / accum))
+                t_update = time.perf_counter()
                 grad_norm, applied = backend.clip_and_step(cfg.optim.grad_clip, lr,
                                                            math.isfinite(loss_val))
+                t_update = time.perf_counter() - t_update
                 step += 1
                 tokens += tokens_per_step
                 if device.type == "cuda":
@@ -476,7 +484,8 @@ class Trainer:
                                 "tokens_per_s": tps,
                                 "mfu": (flops_tok * tps / (peak * topo.world_size)) if peak else None,
                                 "step_time_s": dt, "mem_gb": memory_gb(device),
-                                "skipped_steps": skipped, "step_skipped": not applied},
+                                "skipped_steps": skipped, "step_skipped": not applied,
+                                **self._breakdown(dt, t_data, t_update, backend)},
                                step, tokens)
                 if self._pbar is not None:
                     self._pbar.update(1)
@@ -539,6 +548,19 @@ class Trainer:
         return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
 
     # ------------------------------------------------------------------ pieces
+    def _breakdown(self, dt: float, t_data: float, t_update: float, backend: _Backend
+                   ) -> dict[str, float]:
+        """Where a step's time went (CPU only: without a device sync GPU times would lie).
+
+        model = forward + backward (+ the loss all-reduce), update = grad norm + clip +
+        optimizer step, optim = the optimizer step alone; data = fetching the batch. The
+        engine benchmark's step is model + optim; everything else is the trainer's overhead.
+        """
+        if self.topo.device.type != "cpu":
+            return {}
+        return {"time/data_s": t_data, "time/model_s": dt - t_data - t_update,
+                "time/update_s": t_update, "time/optim_s": backend.last_optim_s}
+
     def _inject_nan(self, step: int) -> bool:
         d = self.cfg.debug
         return step + 1 in d.inject_nan_steps or (d.inject_nan_from is not None
