@@ -15,7 +15,31 @@ RESUME_HELP = ("'auto' = newest complete checkpoint under checkpoint.root (local
                "'none' = start fresh, or a checkpoint URI")
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets options sit anywhere among the overrides (`train cfg --resume auto a=1 b=2`);
+    plain argparse stops collecting a nargs='*' positional at the first option."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if getattr(self, "_intermixing", False):  # the inner calls of the intermixed parse
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    # add_parser has no per-call class argument; swap the action's class for our three.
+    previous = subparsers._parser_class
+    subparsers._parser_class = _IntermixedParser
+    try:
+        _register(subparsers)
+    finally:
+        subparsers._parser_class = previous
+
+
+def _register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train", help="train a GPN / GPN+M (single process, torchrun or SLURM)",
         description="Train from a YAML config (configs/train/<name>.yaml or a path) with "

@@ -102,3 +102,14 @@ def test_env_detection():
     assert sl.local_world_size == 8
     assert sl.master_addr in ("gpu07",) and sl.master_port == 20000 + 4242
     assert _first_host("node[3-5]") == "node3" and _first_host("a1,b2") == "a1"
+
+
+def test_cli_options_anywhere_among_overrides():
+    from gpn_scale.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["train", "ci_tiny", "a=1", "b=2", "--resume", "auto"],
+                 ["train", "ci_tiny", "--resume", "auto", "a=1", "b=2"],
+                 ["train", "ci_tiny", "a=1", "--resume", "auto", "b=2"]):
+        args = parser.parse_args(argv)
+        assert (args.config, args.overrides, args.resume) == ("ci_tiny", ["a=1", "b=2"], "auto")
