@@ -77,6 +77,15 @@ class Topology:
             dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A free TCP port on this host (a one-process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

@@ -276,11 +276,15 @@ class Trainer:
             raise ConfigError("parallel.backend: none cannot run on several processes; use "
                               "fsdp2 or deepspeed")
         self.backend_name = backend
-        if backend == "deepspeed" and env.distributed:
+        if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
+            import dataclasses
+
             from gpn_scale.parallel import deepspeed as ds
-            from gpn_scale.parallel.topology import pick_device
+            from gpn_scale.parallel.topology import free_port, pick_device
             from gpn_scale.train.env import export_for_torch
 
+            if not env.distributed and "MASTER_PORT" not in os.environ:
+                env = dataclasses.replace(env, master_port=free_port())
             export_for_torch(env)
             device = pick_device(cfg.train.device, env.local_rank)
             ds.init_distributed("nccl" if device.type == "cuda" else "gloo")
