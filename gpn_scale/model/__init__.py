@@ -1,6 +1,21 @@
-"""GPN / GPN+M: config, module, sequence engine, reference path, counts, reference format."""
+"""GPN / GPN+M: config, module, sequence engine, reference path, counts, reference format.
+
+The torch-dependent names load on first use, so that importing the config (as the CLI does
+for `--help` and for error types) does not import torch.
+"""
+
+from typing import Any
 
 from gpn_scale.model.config import ConfigError, GPNConfig, load_model_config
-from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 
 __all__ = ["ConfigError", "GPN", "GPNConfig", "GPNOutput", "GPNState", "load_model_config"]
+
+_LAZY = {"GPN", "GPNOutput", "GPNState"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from gpn_scale.model import gpn
+
+        return getattr(gpn, name)
+    raise AttributeError(f"module 'gpn_scale.model' has no attribute {name!r}")
