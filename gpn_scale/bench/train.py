@@ -67,7 +67,8 @@ def _trainer_tokens_per_s(config: str, steps: int, run_dir: Path, warmup: int = 
     Trainer(cfg, log=lambda _msg: None).run()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
-    parts = {k: statistics.median(r[k] for r in rows) for k in
+    # Means (not medians) so that the parts add up to the whole step.
+    parts = {k: statistics.fmean(r[k] for r in rows) for k in
              ("step_time_s", "time/data_s", "time/model_s", "time/update_s", "time/optim_s")
              if rows and k in rows[0]}
     return statistics.median(r["tokens_per_s"] for r in rows), parts
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         total = parts["step_time_s"]
         engine_part = parts["time/model_s"] + parts["time/optim_s"]
         clip = parts["time/update_s"] - parts["time/optim_s"]
-        print(f"\nWhere the trainer's step goes (best round, median of steps):\n")
+        print(f"\nWhere the trainer's step goes (best round, mean over the measured steps):\n")
         print(f"| {'part':<40} | {'ms/step':>9} | {'share':>6} |")
         print(f"|{'-' * 42}|{'-' * 11}|{'-' * 8}|")
         for name, value in (("batch from the loader", parts["time/data_s"]),
