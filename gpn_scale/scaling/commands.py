@@ -1,13 +1,14 @@
 """`gpn-scale sweep plan SWEEP` and `gpn-scale fit ...` (numpy/scipy/matplotlib load lazily).
 
-`sweep` takes sub-commands; `plan` exists now, `submit` and `status` (submitit + SLURM)
-will be registered beside it in `_register_sweep`.
+`sweep` takes sub-commands: `plan`; `submit` and `status` (submitit, gpn_scale.scaling.submit
+and .status); `pending` and `run-argv`, the helpers of slurm/sweep.sh and slurm/train.sbatch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from gpn_scale.model.config import ConfigError
@@ -38,6 +39,59 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
                       help="accept < 3 seeds (CI/smoke sweeps only; same as allow_few_seeds: true)")
     plan.set_defaults(func=cmd_sweep_plan)
 
+    pend = sub.add_parser(
+        "pending", help="indices of the runs without a DONE marker (for slurm/sweep.sh)",
+        description="Print the indices of SWEEP's unfinished runs (no DONE marker in the run's "
+                    "checkpoint root, local or s3://) as one comma-separated line, e.g. "
+                    "'0,2,3' (an empty line when all are finished): the --array of sweep.sh.")
+    pend.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
+    pend.add_argument("--names", action="store_true", help="print 'INDEX NAME' lines instead")
+    pend.set_defaults(func=cmd_sweep_pending)
+
+    argv = sub.add_parser(
+        "run-argv", help="the `gpn-scale train` arguments of run INDEX (for slurm/train.sbatch)",
+        description="Print the `gpn-scale train` arguments of SWEEP's run INDEX, one per line.")
+    argv.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
+    argv.add_argument("index", metavar="INDEX", type=int, help="run index (SLURM_ARRAY_TASK_ID)")
+    argv.add_argument("--if-pending", action="store_true",
+                      help="print nothing (exit 0) when the run already has its DONE marker")
+    argv.set_defaults(func=cmd_sweep_run_argv)
+
+    submit = sub.add_parser(
+        "submit", help="submit the unfinished runs through submitit (SLURM or local)",
+        description="Submit one submitit job per unfinished run of SWEEP (runs with a DONE "
+                    "marker are skipped). --executor slurm on a cluster, local on a laptop.")
+    submit.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
+    submit.add_argument("--executor", default="auto", choices=("auto", "slurm", "local"),
+                        help="auto: slurm when sbatch is on PATH, else local [auto]")
+    submit.add_argument("--folder", help="submitit logs/pickles [<run_root>/submitit]")
+    submit.add_argument("-p", "--partition", default=os.environ.get("SWEEP_PARTITION"))
+    submit.add_argument("-A", "--account", default=os.environ.get("SWEEP_ACCOUNT"))
+    submit.add_argument("-q", "--qos", default=os.environ.get("SWEEP_QOS"))
+    submit.add_argument("-t", "--time-min", type=int,
+                        default=int(os.environ.get("SWEEP_TIME_MIN", 24 * 60)),
+                        help="time limit per job in minutes [1440]")
+    submit.add_argument("--nodes", type=int, default=int(os.environ.get("SWEEP_NODES", 1)))
+    submit.add_argument("--gpus", type=int, default=int(os.environ.get("SWEEP_GPUS", 0)),
+                        help="GPUs per node = tasks per node (0: CPU, one task) [0]")
+    submit.add_argument("--cpus-per-task", type=int, default=None)
+    submit.add_argument("--mem-gb", type=float, default=None)
+    submit.add_argument("--signal-delay-s", type=int, default=300,
+                        help="seconds before the time limit to save and requeue [300]")
+    submit.add_argument("--only", type=int, nargs="+", metavar="INDEX",
+                        help="only these run indices (if unfinished)")
+    submit.add_argument("--wait", action="store_true", help="wait for the jobs and report")
+    submit.set_defaults(func=cmd_sweep_submit)
+
+    status = sub.add_parser(
+        "status", help="table of every run: state, step, tokens, last eval loss, restarts",
+        description="One row per run of SWEEP from its DONE marker, latest checkpoint, "
+                    "metrics.jsonl and (when squeue is on PATH) its SLURM job.")
+    status.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--no-scheduler", action="store_true", help="do not ask squeue")
+    status.set_defaults(func=cmd_sweep_status)
+
 
 def cmd_sweep_plan(args: argparse.Namespace) -> int:
     from gpn_scale.scaling.sweep import format_plan, load_sweep, validate_with_trainer
@@ -56,6 +110,81 @@ def cmd_sweep_plan(args: argparse.Namespace) -> int:
         print()
         for r in sweep.runs:
             print(f"{r.name}: gpn-scale train {' '.join(r.train_argv())}")
+    return 0
+
+
+def cmd_sweep_pending(args: argparse.Namespace) -> int:
+    from gpn_scale.scaling.slurm_launch import load, pending_indices
+
+    sweep = load(args.sweep)
+    todo = pending_indices(sweep)
+    if args.names:
+        for i in todo:
+            print(f"{i} {sweep.runs[i].name}")
+    else:
+        print(",".join(str(i) for i in todo))
+    return 0
+
+
+def cmd_sweep_run_argv(args: argparse.Namespace) -> int:
+    from gpn_scale.scaling.slurm_launch import is_done, load, run_at
+
+    sweep = load(args.sweep)
+    run = run_at(sweep, args.index)
+    if args.if_pending and is_done(run):
+        print(f"run {args.index} ({run.name}) is already finished ({run.checkpoint_root}/DONE)",
+              file=sys.stderr)
+        return 0
+    if run.base_config is None:
+        raise ConfigError(f"run {run.name}: the sweep has no base_config and `gpn-scale train` "
+                          "needs a config; set base_config in the sweep file")
+    print("\n".join(run.train_argv()))
+    return 0
+
+
+def cmd_sweep_submit(args: argparse.Namespace) -> int:
+    from gpn_scale.scaling.slurm_launch import load
+    from gpn_scale.scaling.submit import SubmitOptions, submit_sweep
+
+    sweep = load(args.sweep)
+    opts = SubmitOptions(executor=args.executor, folder=args.folder, partition=args.partition,
+                         account=args.account, qos=args.qos, time_min=args.time_min,
+                         nodes=args.nodes, gpus_per_node=args.gpus,
+                         cpus_per_task=args.cpus_per_task, mem_gb=args.mem_gb,
+                         signal_delay_s=args.signal_delay_s, only=args.only)
+    kind, jobs = submit_sweep(sweep, opts)
+    if not jobs:
+        print(f"nothing to submit: every run of sweep {sweep.name} is finished"
+              + (" (of --only)" if args.only else ""))
+        return 0
+    for i, job in jobs:
+        print(f"submitted {sweep.runs[i].name} (run {i}) as {kind} job {job.job_id}")
+    if args.wait:
+        failed = 0
+        for i, job in jobs:
+            try:
+                job.result()
+            except Exception as err:  # noqa: BLE001 - report every job, then fail once
+                failed += 1
+                first = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+                print(f"run {i} ({sweep.runs[i].name}) failed: {first}", file=sys.stderr)
+        if failed:
+            raise ConfigError(f"{failed} of {len(jobs)} jobs failed; see the logs under "
+                              f"{opts.folder or 'the submitit folder'}")
+        print(f"all {len(jobs)} jobs finished")
+    return 0
+
+
+def cmd_sweep_status(args: argparse.Namespace) -> int:
+    from gpn_scale.scaling.slurm_launch import load
+    from gpn_scale.scaling.status import format_status, sweep_status
+
+    sweep = load(args.sweep)
+    rows = sweep_status(sweep, scheduler=not args.no_scheduler)
+    if args.json:
+        print(json.dumps({"sweep": sweep.name, "runs": [r.to_dict() for r in rows]}, indent=1))
+    else:
+        print(format_status(sweep, rows))
     return 0
 
 
