@@ -111,3 +111,29 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 def kill9(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir)
+            if r.get("grad_norm") is not None}
+
+
+def weight_distance(a: dict, b: dict, init: dict) -> tuple[float, float]:
+    """(|a-b| / |a-init| over all weights, max |a-b|): how far two trainings ended apart,
+    relative to how far training moved the weights. Adam turns reduction-order noise in
+    near-zero gradients into weight differences of a few 1e-6..1e-5 after a few steps;
+    a real mistake (a lost shard, a wrong batch) is of the order of the movement itself."""
+    import torch
+
+    diff = torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a))
+    move = torch.sqrt(sum(((a[k] - init[k]) ** 2).sum() for k in a))
+    return float(diff / move), max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def initial_weights(model: str = "tiny", seed: int = 0) -> dict:
+    import torch
+
+    from gpn_scale.model import GPN, load_model_config
+
+    torch.manual_seed(seed)
+    return GPN(load_model_config(model)).state_dict()
