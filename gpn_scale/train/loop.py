@@ -417,6 +417,8 @@ class Trainer:
         backend.train(True)
 
         step, tokens, skipped, wandb_id = 0, 0, 0, None
+        if self.resume == "auto" and resume_uri is None and not self.eval_only:
+            self.log(f"resume auto: no complete checkpoint under {mgr.root}; starting fresh")
         if resume_uri:
             step, tokens, skipped, wandb_id = self._restore(mgr, resume_uri, backend,
                                                             train_loader, model_cfg)
@@ -659,7 +661,13 @@ class Trainer:
         from gpn_scale.train.metrics import JsonlSink, scrub_secrets
 
         run_dir = Path(self.run_dir)
-        (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        # Resolved: defaults filled in and the derived paths written out.
+        import copy
+
+        resolved = copy.deepcopy(self.cfg)
+        resolved.run_dir = self.cfg.resolved_run_dir
+        resolved.checkpoint.root = self.cfg.resolved_checkpoint_root
+        (run_dir / "config.yaml").write_text(to_yaml(resolved))
         self._sinks.append(JsonlSink(str(run_dir / "metrics.jsonl"), resume_step=resume_step))
         wb = self.cfg.logging.wandb
         if wb.mode != "disabled":
