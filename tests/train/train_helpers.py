@@ -61,9 +61,14 @@ def run_train(corpus: str, run_dir: Path, *overrides: str, nproc: int = 1,
         cmd += ["--resume", resume]
     proc = subprocess.run(cmd, cwd=REPO, env=env or child_env(run_dir.parent), text=True,
                           capture_output=True, timeout=timeout)
+    log = run_dir.parent / f"{run_dir.name}.{'resume' if resume else 'train'}.log"
+    with open(log, "a") as fh:  # kept for post-mortems of failed runs
+        fh.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\nexit {proc.returncode}\n")
     if check and proc.returncode != 0:
+        errors = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
+                           if "rror" in line and "Warning" not in line)
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-5000:]}")
+                             f"{proc.stderr[-3000:]}\nerror lines:\n{errors[-6000:]}")
     return proc
 
 
