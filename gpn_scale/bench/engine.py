@@ -8,7 +8,8 @@ Tables:
             on SMALL (8 x 256) and MEDIUM (4 x 512); the two alternate step by step so that
             machine noise hits both alike.
   roofline  per engine phase: its time next to the time of its bare matmuls at the same shapes.
-  memory    peak memory (RSS of a fresh process) for SMALL at T = 256 ... 2048, B = 8.
+  memory    peak memory (peak RSS, VmHWM, of a fresh process) for SMALL at T = 256 ... 2048,
+            B = 8.
   budget    best tokens/s each path reaches within a peak-memory budget at T = 2048.
 Prints tables only; nothing here is asserted (timings belong to benchmarks, not tests).
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -171,21 +171,30 @@ def _child(path: str, config: str, B: int, T: int) -> None:
     """One training step in a fresh process; prints peak RSS growth and tokens/s as JSON."""
     _, model, opt, tokens = _setup(config, B, T)
     _train_step(model, opt, tokens[:, :8], path)       # creates grads and AdamW state
-    base = _rss_bytes()
+    base = _proc_status_bytes("VmRSS")
     seconds = _train_step(model, opt, tokens, path)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _proc_status_bytes("VmHWM")
     print(json.dumps(dict(peak=peak, base=base, activation_peak=peak - base,
                           tokens_per_s=B * T / seconds)))
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _proc_status_bytes(field: str) -> int:
+    """VmRSS / VmHWM of this process. (Not getrusage's ru_maxrss: that survives execve, so a
+    child would report its parent's peak.)"""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _run_child(path: str, config: str, B: int, T: int) -> dict:
+    # Large blocks straight from mmap, so freed memory leaves the RSS at once and the peak
+    # RSS is the peak of live memory (glibc's adaptive threshold would keep freed blocks).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, "-m", "gpn_scale.bench.engine", "--child", path,
-                          config, str(B), str(T)], capture_output=True, text=True, check=True)
+                          config, str(B), str(T)], capture_output=True, text=True, check=True,
+                         env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -245,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
                   f"{r['ratio']:>6.2f}x")
     if "memory" in tables:
-        print("\n## Peak memory (RSS of a fresh process, MB), SMALL B=8, one training step")
+        print("\n## Peak memory (peak RSS of a fresh process, MB), SMALL B=8, one training step")
         print(f"{'T':>6} {'engine':>10} {'reference':>10}")
         rows = bench_memory()
         for r in rows:

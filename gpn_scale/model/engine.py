@@ -38,7 +38,7 @@ from torch import Tensor
 
 from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
-from gpn_scale.model.loss import chunked_linear_cross_entropy
+from gpn_scale.model.loss import chunked_decode_cross_entropy
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 
 
@@ -631,7 +631,8 @@ class _SequenceFunction(torch.autograd.Function):
         s, s_prev, M = carries.pop()
         ctx.plan = plan
         ctx.carries = carries
-        ctx.save_for_backward(fuse, S, *flat)
+        ctx.fuse_meta = (fuse.shape, fuse.dtype, fuse.device)   # its values are not needed
+        ctx.save_for_backward(S, *flat)
         if M is None:
             M = fuse.new_zeros(0)
             ctx.mark_non_differentiable(M)
@@ -640,12 +641,13 @@ class _SequenceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
-        fuse, S, *flat = ctx.saved_tensors
+        S, *flat = ctx.saved_tensors
+        shape, dtype, device = ctx.fuse_meta
         W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
         Wmm = W.for_matmul(plan.mm_dtype)
         Wt = Wmm.transposed()
-        grads = _Grads.zeros_like(W, fuse.dtype)
-        d_fuse = torch.empty_like(fuse)
+        grads = _Grads.zeros_like(W, dtype)
+        d_fuse = torch.empty(shape, dtype=dtype, device=device)
         d_carry: tuple[Tensor | None, ...] = (ds, ds_prev, dM if plan.memory else None)
         for idx in range(len(plan.spans) - 1, -1, -1):
             start, end = plan.spans[idx]
@@ -716,14 +718,14 @@ def run_engine(model: GPN, tokens: Tensor, state: GPNState | None, *,
             plan, fuse, state.s.to(sdt), state.s_prev.to(sdt),
             None if state.memory is None else state.memory.to(sdt), *weights)
         with _phase("decode"):
+            loss = chunked_decode_cross_entropy(
+                P.reshape(B * T, -1), model.decode_norm_weight, model.decode.weight,
+                model.decode.bias, E, tokens.reshape(B * T), cfg.loss_chunk_tokens, eps,
+                mm_dtype, scale=1.0 / (B * T))
+        logits = None
+        if return_logits:   # tests and analysis only: the full (B, T, V) block
             h = _linear(_rms(P, eps) * model.decode_norm_weight, model.decode.weight,
                         model.decode.bias, mm_dtype)
-            flat_h = h.reshape(B * T, -1)
-            targets = tokens.reshape(B * T)
-            loss = chunked_linear_cross_entropy(flat_h, E, targets, cfg.loss_chunk_tokens,
-                                                mm_dtype) / (B * T)
-        logits = None
-        if return_logits:
-            logits = _linear(h, E, None, mm_dtype).view(B, T, -1)
+            logits = _linear(h, E, None, mm_dtype)
     final = GPNState(s, s_prev, M if cfg.memory else None) if return_state else None
     return GPNOutput(loss=loss, state=final, logits=logits)

@@ -1,9 +1,12 @@
-"""Tied-output cross-entropy over many positions without materialising all logits.
+"""Decode + tied-output cross-entropy over many positions, without materialising the logits.
 
-loss_sum = sum_n CE(h_n @ E^T, y_n) is computed `rows` positions at a time; the gradients
-with respect to h and E are formed in the same pass (softmax - onehot, one matmul each), so
-peak memory is one (rows x V) block, never (N x V). Hand-written because torch has no fused
-linear + cross-entropy op; the slow form it equals is F.cross_entropy(h @ E.T, y).
+    loss_sum = sum_n CE((rms(p_n) * w) @ W_dec^T + b) @ E^T, y_n)
+
+is computed `rows` positions at a time, and the gradients with respect to p, w, W_dec, b
+and E are formed in the same pass (softmax - onehot, then one matmul each), so peak memory
+is one (rows x V) block, never (N x V), and nothing of size N is kept for the backward but
+dL/dp. Hand-written because torch has no fused linear + cross-entropy op; the slow form it
+equals (tested) is F.cross_entropy(decode(p) @ E.T, y, reduction="sum").
 """
 
 from __future__ import annotations
@@ -12,20 +15,31 @@ import torch
 from torch import Tensor
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, E: Tensor, targets: Tensor, rows: int,
-                mm_dtype: torch.dtype | None) -> Tensor:  # type: ignore[override]
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        Em = E if mm_dtype is None else E.to(mm_dtype)
-        total = torch.zeros((), dtype=acc, device=h.device)
-        dh = torch.empty_like(h) if need_grad else None
-        dE = torch.zeros(E.shape, dtype=acc, device=E.device) if need_grad else None
-        for start in range(0, h.shape[0], rows):
-            hc = h[start:start + rows]
-            hm = hc if mm_dtype is None else hc.to(mm_dtype)
-            logits = (hm @ Em.t()).to(acc)
+    def forward(ctx, P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None, E: Tensor,
+                targets: Tensor, rows: int, eps: float, mm_dtype: torch.dtype | None,
+                scale: float) -> Tensor:  # type: ignore[override]
+        acc = torch.float64 if P.dtype == torch.float64 else torch.float32
+        need_grad = any(ctx.needs_input_grad[:5])
+        mm = mm_dtype or P.dtype
+        Em, Wm = E.to(mm), W_dec.to(mm)
+        total = torch.zeros((), dtype=acc, device=P.device)
+        if need_grad:
+            dP = torch.empty_like(P)
+            dw = torch.zeros(norm_w.shape, dtype=acc, device=P.device)
+            dW = torch.zeros(W_dec.shape, dtype=acc, device=P.device)
+            db = torch.zeros(W_dec.shape[0], dtype=acc, device=P.device)
+            dE = torch.zeros(E.shape, dtype=acc, device=P.device)
+        for start in range(0, P.shape[0], rows):
+            p = P[start:start + rows]
+            r = torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + eps)
+            n = p * r
+            nw = (n * norm_w).to(mm)
+            h = nw @ Wm.t()
+            if b_dec is not None:
+                h = h + b_dec.to(mm)
+            logits = (h @ Em.t()).to(acc)
             tgt = targets[start:start + rows]
             picked = logits.gather(1, tgt[:, None])
             top = logits.amax(dim=-1, keepdim=True)
@@ -33,25 +47,49 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(top).exp_()
             denom = probs.sum(dim=-1, keepdim=True)
             total += (top + denom.log() - picked).sum()
-            if need_grad:
-                grad = probs.div_(denom)                      # softmax - onehot
-                grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
-                gm = grad.to(Em.dtype)
-                dh[start:start + rows] = (gm @ Em).to(h.dtype)
-                dE += (gm.t() @ hm).to(acc)
-        ctx.save_for_backward(dh, dE)
-        ctx.e_dtype = E.dtype
-        return total
+            if not need_grad:
+                continue
+            grad = probs.div_(denom)                              # softmax - onehot
+            grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
+            gm = grad.to(mm)
+            dh = gm @ Em
+            dE += (gm.t() @ h).to(acc)
+            dW += (dh.t() @ nw).to(acc)
+            db += dh.sum(0).to(acc)
+            dnw = (dh @ Wm).to(P.dtype)
+            dw += (dnw * n).sum(0).to(acc)
+            dn = dnw * norm_w
+            dP[start:start + rows] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+        if need_grad:
+            for g in (dP, dw, dW, db, dE):
+                g.mul_(scale)
+            ctx.save_for_backward(dP, dw, dW, db, dE)
+            ctx.has_bias = b_dec is not None
+            ctx.dtypes = (norm_w.dtype, W_dec.dtype, E.dtype)
+        return total * scale
 
     @staticmethod
     def backward(ctx, d_total: Tensor):  # type: ignore[override]
-        dh, dE = ctx.saved_tensors
-        return (dh * d_total.to(dh.dtype), (dE * d_total).to(ctx.e_dtype), None, None, None)
+        dP, dw, dW, db, dE = ctx.saved_tensors
+        w_dt, W_dt, E_dt = ctx.dtypes
+        # The usual upstream gradient is exactly 1 (loss.backward()): skip an (N x d) copy then
+        # (returning the saved tensor unmodified keeps repeated backwards correct).
+        scaled = dP if d_total.item() == 1.0 else dP * d_total.to(dP.dtype)
+        return (scaled, (dw * d_total).to(w_dt), (dW * d_total).to(W_dt),
+                (db * d_total).to(W_dt) if ctx.has_bias else None, (dE * d_total).to(E_dt),
+                None, None, None, None, None)
 
 
-def chunked_linear_cross_entropy(h: Tensor, E: Tensor, targets: Tensor, rows: int = 1024,
-                                 mm_dtype: torch.dtype | None = None) -> Tensor:
-    """Sum over positions of CE(h @ E^T, targets). h: (N, e), E: (V, e), targets: (N,)."""
+def chunked_decode_cross_entropy(P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None,
+                                 E: Tensor, targets: Tensor, rows: int = 1024, eps: float = 1e-6,
+                                 mm_dtype: torch.dtype | None = None, scale: float = 1.0
+                                 ) -> Tensor:
+    """`scale` x the sum over positions of CE(decode(P) @ E^T, targets).
+
+    P: (N, d) predicted states; norm_w: (d,); W_dec: (e, d) (nn.Linear layout); b_dec: (e,)
+    or None; E: (V, e) the tied embedding; targets: (N,). Matmuls run in `mm_dtype` if given.
+    """
     if rows < 1:
         raise ValueError(f"rows: must be >= 1, got {rows}")
-    return _ChunkedLinearCrossEntropy.apply(h, E, targets, rows, mm_dtype)
+    return _ChunkedDecodeCrossEntropy.apply(P, norm_w, W_dec, b_dec, E, targets, rows, eps,
+                                            mm_dtype, scale)
