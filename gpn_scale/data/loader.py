@@ -166,6 +166,23 @@ def _token_dataset_class() -> type:
                     pass
                 raise
 
+        # streaming's download threads report their exit (it.on_exit()) only when they end
+        # normally; one that dies by an exception never does, and the epoch's it.exit() then
+        # waits for it forever (seen as a rare hang on a corrupt shard). Report it anyway.
+        def _prepare_thread(self, it: Any) -> None:
+            try:
+                super()._prepare_thread(it)
+            except BaseException:
+                it.on_exit()
+                raise
+
+        def _ready_thread(self, it: Any) -> None:
+            try:
+                super()._ready_thread(it)
+            except BaseException:
+                it.on_exit()
+                raise
+
         def __iter__(self) -> Iterator[dict[str, Any]]:
             self._background_error = None
             try:
