@@ -148,6 +148,14 @@ def submit_sweep(sweep: Sweep, opts: SubmitOptions) -> tuple[str, list[tuple[int
     python = os.environ.get("GPN_SCALE_PYTHON") or sys.executable
     for i in todo:
         ex.update_parameters(name=single_job_name(sweep.name, i))
-        jobs.append((i, ex.submit(TrainRun(sweep.runs[i].train_argv(), python,
-                                           grace_s=max(30, opts.signal_delay_s - 30)))))
+        try:
+            job = ex.submit(TrainRun(sweep.runs[i].train_argv(), python,
+                                     grace_s=max(30, opts.signal_delay_s - 30)))
+        except Exception as err:  # noqa: BLE001 - sbatch's own message, on one line
+            lines = [ln for ln in str(err).splitlines() if ln.strip()]
+            raise SweepError(f"submitting run {i} ({sweep.runs[i].name}) to {kind} failed"
+                             + (f" after {len(jobs)} submitted" if jobs else "")
+                             + f": {lines[-1].strip() if lines else type(err).__name__}"
+                             ) from None
+        jobs.append((i, job))
     return kind, jobs
