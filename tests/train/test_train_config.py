@@ -113,3 +113,11 @@ def test_cli_options_anywhere_among_overrides():
                  ["train", "ci_tiny", "a=1", "--resume", "auto", "b=2"]):
         args = parser.parse_args(argv)
         assert (args.config, args.overrides, args.resume) == ("ci_tiny", ["a=1", "b=2"], "auto")
+
+
+def test_config_name_not_shadowed_by_a_directory(tmp_path, monkeypatch):
+    (tmp_path / "demo").mkdir()           # e.g. an old run directory called demo
+    monkeypatch.chdir(tmp_path)
+    assert load_train_config("demo").run_name == "demo"
+    with pytest.raises(ConfigError, match="not found"):
+        load_train_config("./nope.yaml")
