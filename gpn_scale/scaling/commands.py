@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     sweep = subparsers.add_parser(
-        "sweep", help="plan (and later submit/track) a sweep of runs from configs/sweeps/*.yaml",
+        "sweep", help="plan, submit and track a sweep of runs from configs/sweeps/*.yaml",
         description="Sweeps: a grid of model sizes x seeds with per-size rules.")
     sweep.set_defaults(func=lambda args: (sweep.print_help(), 0)[1])
     sub = sweep.add_subparsers(dest="sweep_command", metavar="SUBCOMMAND")
