@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,10 @@ from gpn_scale.scaling.status import single_job_name
 from gpn_scale.scaling.sweep import Sweep, SweepError
 
 EXIT_PREEMPTED = 75
+
+
+def _ignore_usr2() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 class TrainRun:
@@ -54,11 +59,17 @@ class TrainRun:
         return state
 
     def __call__(self) -> int:
-        self._proc = subprocess.Popen(self.command())
-        rc = self._proc.wait()
+        # SLURM delivers submitit's USR2 (`--signal=USR2@delay`, no B:) to every process of the
+        # step; the trainer must not die of it (USR2's default action) but save on the USR1
+        # that `checkpoint` sends. Its helpers inherit the ignore as well.
+        self._proc = subprocess.Popen(self.command(), preexec_fn=_ignore_usr2)
+        # Poll rather than block in Popen.wait(): a blocking wait holds Popen's waitpid lock,
+        # and submitit's signal handler (-> checkpoint) runs inside it and must reap the child.
+        while (rc := self._proc.poll()) is None:
+            time.sleep(0.5)
         if rc == EXIT_PREEMPTED:
-            # preempted without submitit's own signal (e.g. SIGTERM from the cluster): ask
-            # submitit to requeue by raising its dedicated exception when under SLURM
+            # preempted without submitit's own signal (e.g. a SIGTERM): the checkpoint is
+            # saved; submitting the sweep again resumes the run
             raise RuntimeError(f"trainer was preempted (exit {rc}); checkpoint saved, "
                                "resubmit to continue")
         if rc != 0:
@@ -70,12 +81,21 @@ class TrainRun:
         import submitit
 
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGUSR1)
-            try:
-                proc.wait(timeout=self.grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None and proc.returncode is None:
+            # os-level calls only: this runs in a signal handler, possibly inside Popen.poll()
+            os.kill(proc.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + self.grace_s
+            while True:
+                try:
+                    pid, _ = os.waitpid(proc.pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.2)
         return submitit.helpers.DelayedSubmission(TrainRun(self.argv, self.python, self.grace_s))
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from sweep_helpers import REPO, job_env, losses, write_sweep
+from sweep_helpers import REPO, job_env, losses, wait_for, write_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,11 @@ def _sweep(tmp_path, checkpoint_root):
                        tokens=2048, overrides=["logging.wandb.mode=offline"])
 
 
-def _check_finished(sweep, env):
+def _check_finished(sweep, env, restarts=(0, 0)):
     status = json.loads(_gpn(["sweep", "status", sweep, "--json"], env).stdout)["runs"]
     assert [r["state"] for r in status] == ["done", "done"], status
-    assert all(r["step"] == r["total_steps"] and r["eval_loss"] > 0 and r["restarts"] == 0
-               for r in status)
+    assert all(r["step"] == r["total_steps"] and r["eval_loss"] > 0 for r in status), status
+    assert [r["restarts"] for r in status] == list(restarts), status
     again = _gpn(["sweep", "submit", sweep, "--executor", "local"], env)
     assert again.returncode == 0 and "nothing to submit" in again.stdout, again.stderr
     return status
@@ -52,9 +52,12 @@ def test_submit_local_executor(tmp_path):
         assert (tmp_path / "ckpt" / name / "DONE").is_file()
 
 
-def test_submit_slurm_executor(slurm_env, s3_endpoint, tmp_path):
+def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path):
     bucket = s3_endpoint.create_bucket("subci-slurm")
-    sweep = _sweep(tmp_path, f"{bucket}/ckpt")
+    sweep = write_sweep(tmp_path / "sub.yaml", checkpoint_root=f"{bucket}/ckpt",
+                        run_root=tmp_path / "runs", seeds=[0], name="subci",
+                        models=[{"config": "tiny"}, {"config": "tiny_2l"}], tokens=2048,
+                        overrides=["logging.wandb.mode=offline", "debug.step_sleep=0.4"])
     env = job_env()
     proc = _gpn(["sweep", "submit", sweep, "--executor", "slurm", "--time-min", "10",
                  "--cpus-per-task", "1", "--folder", tmp_path / "submitit"], env)
@@ -64,13 +67,27 @@ def test_submit_slurm_executor(slurm_env, s3_endpoint, tmp_path):
     # while they are queued or running, status shows their SLURM jobs
     table = _gpn(["sweep", "status", sweep], env).stdout
     assert any(j in table for j in jobs), table
+    # preempt run 0 the way submitit expects (USR2 to the job step, as --signal=USR2@delay
+    # does): TrainRun.checkpoint lets the trainer save, submitit requeues, the job resumes
+    run0 = tmp_path / "runs" / "subci-tiny-s0"
+
+    def progressed():
+        try:
+            return 2 <= max(losses(run0), default=0) <= 5
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    wait_for(progressed, 120, "run 0 to reach step 2")
+    sig = subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=env, text=True,
+                         capture_output=True, timeout=30)
+    assert sig.returncode == 0, sig.stderr
     for j in jobs:
         assert slurm_env.wait(j, timeout=240) == "COMPLETED", \
-            list((tmp_path / "submitit").rglob("*.err"))
-    _check_finished(sweep, env)
-    # the submitit job ran under SLURM: its log names the job
-    logs = "".join(p.read_text() for p in (tmp_path / "submitit").rglob("*_log.out"))
-    assert all(f"job {j}" in logs.lower() or j in logs for j in jobs)
+            [p.read_text()[-2000:] for p in (tmp_path / "submitit").rglob("*.err")]
+    status = _check_finished(sweep, env, restarts=[1, 0])
+    assert sorted(losses(run0)) == list(range(1, status[0]["total_steps"] + 1))
+    logs = "".join(p.read_text() for p in (tmp_path / "submitit").rglob(f"{jobs[0]}_*.err"))
+    assert "Caught signal SIGUSR2" in logs and "preempted" in logs, logs[-3000:]
 
 
 def test_submit_errors_are_one_line(tmp_path, monkeypatch):
