@@ -257,10 +257,14 @@ class Trainer:
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
         self._log = log or (lambda msg: print(msg, flush=True))
+        self._log_is_print = log is None
 
     def log(self, msg: str) -> None:
         if self.topo is None or self.topo.is_main:
-            self._log(msg)
+            if self._pbar is not None and self._log_is_print:
+                self._pbar.write(msg)  # above the progress bar, not through it
+            else:
+                self._log(msg)
 
     topo: Topology | None = None
     _pbar: Any = None
@@ -530,6 +534,9 @@ class Trainer:
         finally:
             if flag is not None:
                 flag.uninstall()
+            if self._pbar is not None:  # the bar ends with the steps; the summary follows it
+                self._pbar.close()
+                self._pbar = None
 
         # ---- finish: eval, final checkpoint, DONE marker ------------------------------
         if cfg.eval.at_end:
