@@ -144,7 +144,7 @@ def test_endpoint_dies_mid_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         assert "\n" not in msg
         assert "step_000000200 not saved" in msg and "previous latest is unchanged" in msg
         assert "S3 unreachable" in msg and "after 2 attempts" in msg and "S3_ENDPOINT_URL" in msg
-        assert time.monotonic() - t0 < 10  # retries are bounded
+        assert time.monotonic() - t0 < 60  # retries are bounded (a generous bound: load varies)
         monkeypatch.setattr(S3Storage, "put_file", original)
     finally:
         server.stop()
@@ -190,9 +190,10 @@ def test_wrong_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     try:
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
-        t0 = time.monotonic()
+        sleeps: list[float] = []
+        monkeypatch.setattr("gpn_scale.checkpoint.storage.time.sleep", sleeps.append)
         msg = _one_line_error(CheckpointManager("s3://somebucket/x", staging_dir=str(tmp_path / "s"), s3_retries=5, s3_backoff_s=1.0))
-        assert time.monotonic() - t0 < 3  # auth errors are not retried
+        assert sleeps == []  # auth errors are not retried (no backoff sleep at all)
         assert "refused the credentials" in msg and "InvalidAccessKeyId" in msg and "AWS_SECRET_ACCESS_KEY" in msg
     finally:
         server.stop()
@@ -212,14 +213,17 @@ def test_nonexistent_bucket(s3_endpoint, tmp_path: Path) -> None:  # type: ignor
     assert "bucket 'no-such-bucket-4242' does not exist" in msg and "create it" in msg
 
 
-def test_transient_errors_are_retried_with_backoff(s3_endpoint) -> None:  # type: ignore[no-untyped-def]
+def test_transient_errors_are_retried_with_backoff(s3_endpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     from botocore.exceptions import ClientError, EndpointConnectionError
 
     storage = S3Storage("b", "p", retries=4, backoff_s=0.01)
-    attempts: list[float] = []
+    attempts: list[int] = []
+    sleeps: list[float] = []
+    # The backoff is checked on the delays asked for, not on wall time (load makes that noisy).
+    monkeypatch.setattr("gpn_scale.checkpoint.storage.time.sleep", sleeps.append)
 
     def flaky() -> str:
-        attempts.append(time.monotonic())
+        attempts.append(len(attempts))
         if len(attempts) == 1:
             raise EndpointConnectionError(endpoint_url="http://x")
         if len(attempts) == 2:
@@ -228,4 +232,4 @@ def test_transient_errors_are_retried_with_backoff(s3_endpoint) -> None:  # type
 
     assert storage._call("write", flaky) == "ok"
     assert len(attempts) == 3
-    assert attempts[2] - attempts[1] >= attempts[1] - attempts[0] >= 0.01  # exponential
+    assert len(sleeps) == 2 and sleeps[1] >= 2 * sleeps[0] * 0.99 and sleeps[0] >= 0.01  # exponential
