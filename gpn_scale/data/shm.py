@@ -24,7 +24,7 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 _SEGMENT = re.compile(r"^(\d{6})_[a-z_]+$")
-_MAPPED = re.compile(r"/dev/shm/(\d{6})_[a-z_]+")
+_MAPPED = re.compile(r"/dev/shm/(\d{6})_([a-z_]+)")
 # Segments of other jobs younger than this are left alone: a job may be between creating
 # and mapping them, and a just-killed job's owner may want to look at them.
 MIN_AGE_S = 30.0
@@ -47,7 +47,10 @@ def _prefixes_in_use() -> set[str] | None:
             continue
         except (FileNotFoundError, OSError):
             continue
-        in_use.update(_MAPPED.findall(maps))
+        # Every streaming process that picks a prefix walks the existing ones and maps their
+        # `_locals` segment, and may keep it mapped: a `_locals` mapping alone says nothing
+        # about ownership. The owner of a prefix maps its other segments (barrier, states).
+        in_use.update(prefix for prefix, kind in _MAPPED.findall(maps) if kind != "locals")
     return in_use
 
 
