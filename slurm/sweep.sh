@@ -15,7 +15,7 @@
 #   -p|--partition P   SWEEP_PARTITION   [the driver job's partition under sbatch, else default]
 #   -A|--account A     SWEEP_ACCOUNT     [the driver job's account under sbatch]
 #   -q|--qos Q         SWEEP_QOS
-#   -t|--time T        SWEEP_TIME        time limit per run task, e.g. 24:00:00 [24:00:00]
+#   -t|--time T        SWEEP_TIME        time limit per run task, e.g. 24:00:00 [partition default]
 #   -N|--nodes N       SWEEP_NODES       nodes per run [1]
 #   -g|--gpus G        SWEEP_GPUS        GPUs per node (0: CPU, GPN_NPROC_PER_NODE procs) [8]
 #   -c|--cpus C        SWEEP_CPUS        CPUs per task (the node's torchrun) [unset]
@@ -55,7 +55,7 @@ TRAIN_SBATCH="$ROOT/slurm/train.sbatch"
 PARTITION="${SWEEP_PARTITION:-$DRIVER_PARTITION}"
 ACCOUNT="${SWEEP_ACCOUNT:-$DRIVER_ACCOUNT}"
 QOS="${SWEEP_QOS:-}"
-TIME="${SWEEP_TIME:-24:00:00}"
+TIME="${SWEEP_TIME:-}"
 NODES="${SWEEP_NODES:-1}"
 GPUS="${SWEEP_GPUS:-8}"
 CPUS="${SWEEP_CPUS:-}"
@@ -107,10 +107,11 @@ if [[ $DRY -eq 0 ]] && ! command -v sbatch >/dev/null; then
   die "no sbatch on PATH; run on a SLURM login node (or add SLURM's bin dir to PATH)"
 fi
 
-# validate the whole sweep (every run's trainer config) before submitting anything
-"$PY" -m gpn_scale.cli sweep plan "$SWEEP" > /dev/null || exit 2
-PENDING="$("$PY" -m gpn_scale.cli sweep pending "$SWEEP")" || exit 2
-NAME="$("$PY" -c 'import sys; from gpn_scale.scaling.slurm_launch import load; print(load(sys.argv[1]).name)' "$SWEEP")" || exit 2
+# validate the whole sweep (every run's trainer config) and find its unfinished runs
+INFO="$("$PY" -m gpn_scale.cli sweep pending "$SWEEP" --validate --shell)" || exit 2
+NAME="$(sed -n 's/^SWEEP_NAME=//p' <<< "$INFO")"
+PENDING="$(sed -n 's/^PENDING=//p' <<< "$INFO")"
+[[ -n "$NAME" ]] || die "gpn-scale sweep pending printed no sweep name: $INFO"
 if [[ -z "$PENDING" ]]; then
   echo "nothing to submit: every run of sweep $NAME is finished (DONE markers present)"
   exit 0
@@ -118,12 +119,13 @@ fi
 N_PENDING=$(tr ',' '\n' <<< "$PENDING" | wc -l)
 
 ARGS=(--parsable --job-name="gpn-$NAME" --array="$PENDING%$CONCURRENCY"
-      --nodes="$NODES" --ntasks-per-node=1 --time="$TIME" --requeue
+      --nodes="$NODES" --ntasks-per-node=1 --requeue
       --signal="B:USR1@$GRACE" --open-mode=append
       --output="$LOGS/%x-%A_%a.out" --export=ALL)
 [[ -n "$PARTITION" ]] && ARGS+=(--partition="$PARTITION")
 [[ -n "$ACCOUNT" ]] && ARGS+=(--account="$ACCOUNT")
 [[ -n "$QOS" ]] && ARGS+=(--qos="$QOS")
+[[ -n "$TIME" ]] && ARGS+=(--time="$TIME")
 [[ -n "$CPUS" ]] && ARGS+=(--cpus-per-task="$CPUS")
 [[ -n "$MEM" ]] && ARGS+=(--mem="$MEM")
 if [[ "$GPUS" -gt 0 ]]; then

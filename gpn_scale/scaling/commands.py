@@ -46,6 +46,10 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
                     "'0,2,3' (an empty line when all are finished): the --array of sweep.sh.")
     pend.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
     pend.add_argument("--names", action="store_true", help="print 'INDEX NAME' lines instead")
+    pend.add_argument("--shell", action="store_true",
+                      help="print SWEEP_NAME=<name> and PENDING=<indices> lines (sweep.sh)")
+    pend.add_argument("--validate", action="store_true",
+                      help="first check every run's config with the trainer (as `plan` does)")
     pend.set_defaults(func=cmd_sweep_pending)
 
     argv = sub.add_parser(
@@ -117,8 +121,15 @@ def cmd_sweep_pending(args: argparse.Namespace) -> int:
     from gpn_scale.scaling.slurm_launch import load, pending_indices
 
     sweep = load(args.sweep)
+    if args.validate:
+        from gpn_scale.scaling.sweep import validate_with_trainer
+
+        validate_with_trainer(sweep)
     todo = pending_indices(sweep)
-    if args.names:
+    if args.shell:
+        print(f"SWEEP_NAME={sweep.name}")
+        print(f"PENDING={','.join(str(i) for i in todo)}")
+    elif args.names:
         for i in todo:
             print(f"{i} {sweep.runs[i].name}")
     else:

@@ -69,7 +69,7 @@ def sweep_setup(slurm_env, s3_endpoint, tmp_path, monkeypatch):
         tmp_path / "ci_slurm.yaml", checkpoint_root=f"{bucket}/ci/checkpoints",
         run_root=tmp_path / "runs",
         models=[{"config": "tiny"}, {"config": "tiny_2l"}, {"config": "tiny_wide.yaml"}],
-        overrides=["debug.step_sleep=0.4", "logging.wandb.mode=offline"])
+        overrides=["debug.step_sleep=0.3", "logging.wandb.mode=offline"])
     env = job_env({"SWEEP_GPUS": "0", "GPN_NPROC_PER_NODE": "1", "SWEEP_CONCURRENCY": "2",
                    "SWEEP_CPUS": "1", "SWEEP_TIME": "00:15:00", "SWEEP_GRACE": "60",
                    "SWEEP_LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1"})
@@ -168,30 +168,33 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
                 if "train/loss" in row}
     assert {k: wb_steps[k] for k in want} == want
 
-    # every run finished: DONE markers on S3
-    assert _gpn(["sweep", "pending", sweep], env).stdout.strip() == ""
+    # every run finished (DONE markers on S3): status, then fit in the background while
+    # re-running sweep.sh and a task of a finished run
+    out = tmp / "fit"
+    fit = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-m", "gpn_scale.cli", "fit",
+                            "--sweep", str(sweep), "--out", str(out), "--laws", "L(N)"],
+                           env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    proc = _run(["sbatch", "--parsable", "--array=1", "-o", tmp / "finished_%a.out",
+                 TRAIN_SBATCH, "--sweep", sweep], env)
+    assert proc.returncode == 0, proc.stderr
+    finished_job = proc.stdout.strip().split(";")[0]
     status = json.loads(_gpn(["sweep", "status", sweep, "--json"], env).stdout)["runs"]
     assert [r["state"] for r in status] == ["done"] * 6
     assert [r["restarts"] for r in status] == [int(i == victim) for i in range(6)]
     assert all(r["step"] == r["total_steps"] and r["eval_loss"] > 0 for r in status)
-    table = _gpn(["sweep", "status", sweep], env).stdout
-    assert "6 done" in table and run0["name"] in table
 
     # re-running sweep.sh submits nothing; a task of a finished run exits 0 without training
     again = _run(["bash", SWEEP_SH, sweep], env)
     assert again.returncode == 0, again.stderr
     assert "nothing to submit" in again.stdout and "ARRAY_JOB_ID" not in again.stdout
-    assert _run(["squeue", "-h", "-n", "gpn-ci"], env).stdout.strip() == ""
-    proc = _run(["sbatch", "--parsable", "--array=1", "-o", tmp / "finished_%a.out",
-                 TRAIN_SBATCH, "--sweep", sweep], env)
-    job = proc.stdout.strip().split(";")[0]
-    assert slurm_env.wait(job, timeout=120) == "COMPLETED"
+    assert _run(["squeue", "-h", "-n", "gpn-ci", "-t", "PENDING"], env).stdout.strip() == ""
+    assert slurm_env.wait(finished_job, timeout=120) == "COMPLETED"
     assert "already finished" in (tmp / "finished_1.out").read_text()
 
     # fit from the sweep: report, JSON, plots
-    out = tmp / "fit"
-    fit = _gpn(["fit", "--sweep", sweep, "--out", out, "--laws", "L(N)"], env, timeout=300)
-    assert fit.returncode == 0, fit.stderr
+    stdout, stderr = fit.communicate(timeout=300)
+    assert fit.returncode == 0, stderr
     data = json.loads((out / "fit.json").read_text())
     assert [(f["family"], f["law"], f["n_points"]) for f in data["fits"]] == [("gpn+m", "L(N)", 3)]
     assert len(data["cells"]) == 3 and all(c["n"] == 2 for c in data["cells"])

@@ -85,6 +85,8 @@ def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path)
         assert slurm_env.wait(j, timeout=240) == "COMPLETED", \
             [p.read_text()[-2000:] for p in (tmp_path / "submitit").rglob("*.err")]
     status = _check_finished(sweep, env, restarts=[1, 0])
+    table = _gpn(["sweep", "status", sweep], env).stdout
+    assert "2 done" in table and "subci-tiny-s0" in table, table
     assert sorted(losses(run0)) == list(range(1, status[0]["total_steps"] + 1))
     logs = "".join(p.read_text() for p in (tmp_path / "submitit").rglob(f"{jobs[0]}_*.err"))
     assert "Caught signal SIGUSR2" in logs and "preempted" in logs, logs[-3000:]
