@@ -146,9 +146,6 @@ def cmd_sweep_run_argv(args: argparse.Namespace) -> int:
         print(f"run {args.index} ({run.name}) is already finished ({run.checkpoint_root}/DONE)",
               file=sys.stderr)
         return 0
-    if run.base_config is None:
-        raise ConfigError(f"run {run.name}: the sweep has no base_config and `gpn-scale train` "
-                          "needs a config; set base_config in the sweep file")
     print("\n".join(run.train_argv()))
     return 0
 

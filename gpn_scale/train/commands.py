@@ -39,6 +39,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers._parser_class = previous
 
 
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The optional CONFIG positional: a first argument of the form key=value is an override."""
+    if args.config is not None and "=" in args.config:
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
 def _register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train", help="train a GPN / GPN+M (single process, torchrun or SLURM)",
@@ -46,7 +53,9 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
                     "key=value overrides, e.g. `gpn-scale train ci_tiny optim.lr=1e-3 "
                     "--resume auto`. Exit codes: 0 done, 2 bad input, 3 non-finite stop, "
                     "75 preempted (checkpoint saved).")
-    p.add_argument("config", help="training config name or YAML path")
+    p.add_argument("config", nargs="?", default=None,
+                   help="training config name or YAML path (omit it to start from the "
+                        "schema's defaults, e.g. for sweep runs given entirely as overrides)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
     p.add_argument("--resume", default="none", help=RESUME_HELP)
     p.set_defaults(func=cmd_train)
@@ -96,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     errors = _errors()
     try:
-        cfg = load_train_config(args.config, args.overrides)
+        cfg = load_train_config(*_config_and_overrides(args))
         result = Trainer(cfg, resume=args.resume).run()
     except errors as err:
         return _fail(err)

@@ -121,3 +121,17 @@ def test_config_name_not_shadowed_by_a_directory(tmp_path, monkeypatch):
     assert load_train_config("demo").run_name == "demo"
     with pytest.raises(ConfigError, match="not found"):
         load_train_config("./nope.yaml")
+
+
+def test_train_config_positional_is_optional_for_override_only_runs():
+    """Sweep runs without a base config call `gpn-scale train key=value ...`."""
+    import argparse
+
+    from gpn_scale.train.commands import _config_and_overrides
+
+    only = argparse.Namespace(config="model=tiny", overrides=["seed=3"])
+    assert _config_and_overrides(only) == (None, ["model=tiny", "seed=3"])
+    named = argparse.Namespace(config="ci_tiny", overrides=["seed=3"])
+    assert _config_and_overrides(named) == ("ci_tiny", ["seed=3"])
+    cfg = load_train_config(*_config_and_overrides(only))
+    assert cfg.model == "tiny" and cfg.seed == 3
