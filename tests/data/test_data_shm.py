@@ -70,16 +70,23 @@ def test_stale_shared_memory_from_a_killed_loader_does_not_stop_the_next_run(tmp
     assert stale, "SIGKILL should leave the segments behind (else this test proves nothing)"
 
     # The trap is real: plain streaming (in a fresh process, with its own TMPDIR like a
-    # restarted job) refuses the same cache directory now.
-    plain_tmp = tmp_path / "run2-tmp"
-    plain_tmp.mkdir()
-    plain = subprocess.run([sys.executable, "-c", PLAIN_STREAMING, root, cache],
-                           env={**env, "TMPDIR": str(plain_tmp)}, capture_output=True,
-                           text=True, timeout=120)
-    assert plain.returncode != 0 and "Reused local directory" in plain.stderr
+    # restarted job) refuses the same cache directory now. Streaming walks prefixes from 0
+    # and stops at the first missing one, so it meets the stale prefix only when no earlier
+    # prefix is missing (other jobs on the machine decide that); check it when it does.
+    stale_prefix = min(int(name[:6]) for name in stale)
+    if all(Path(f"/dev/shm/{i:06d}_locals").exists() for i in range(stale_prefix)):
+        plain_tmp = tmp_path / "run2-tmp"
+        plain_tmp.mkdir()
+        plain = subprocess.run([sys.executable, "-c", PLAIN_STREAMING, root, cache],
+                               env={**env, "TMPDIR": str(plain_tmp)}, capture_output=True,
+                               text=True, timeout=120)
+        assert plain.returncode != 0 and "Reused local directory" in plain.stderr
 
     # Our loader removes the unmapped segments that register its cache dir, and runs.
     loader = build_loader(DataConfig(remote=root, local_cache=cache), "train", 4, 0, 1)
+    # The killed job's segments are gone: any segment still under one of their names is the
+    # new loader's own (the freed prefix number is reused), mapped by this process.
+    assert stale & _segments() <= _mapped_by(os.getpid())
     keys = row_keys(loader)
     assert len(keys) == len(set(keys)) == 64
 
