@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         total = parts["step_time_s"]
         engine_part = parts["time/model_s"] + parts["time/optim_s"]
         clip = parts["time/update_s"] - parts["time/optim_s"]
-        print(f"\nWhere the trainer's step goes (best round, mean over the measured steps):\n")
+        print("\nWhere the trainer's step goes (best round, mean over the measured steps):\n")
         print(f"| {'part':<40} | {'ms/step':>9} | {'share':>6} |")
         print(f"|{'-' * 42}|{'-' * 11}|{'-' * 8}|")
         for name, value in (("batch from the loader", parts["time/data_s"]),

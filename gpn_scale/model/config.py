@@ -143,15 +143,26 @@ def load_model_config(name_or_path: str | Path, overrides: Mapping[str, Any] | N
     return GPNConfig.from_dict(raw)
 
 
-def resolve_model_config_path(name_or_path: str | Path) -> Path:
+def resolve_named_yaml(name_or_path: str | Path, directory: Path, what: str,
+                       error: type[ConfigError] = ConfigError) -> Path:
+    """A YAML path as given, or `directory/<name>.yaml`; `what` names it in the one-line
+    error (with the closest shipped name when the name is unknown)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml"):
+    # A path if it looks like one; a bare name is a shipped config first (a directory that
+    # happens to be called `demo` in the current directory must not shadow the shipped one).
+    if path.suffix in (".yaml", ".yml") or "/" in str(name_or_path):
         if not path.is_file():
-            raise ConfigError(f"{path}: model config file not found")
+            raise error(f"{path}: {what} file not found")
         return path
-    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    candidate = directory / f"{name_or_path}.yaml"
+    if not candidate.is_file() and path.is_file():
+        return path
     if not candidate.is_file():
-        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise ConfigError(f"model config '{name_or_path}' not found in {CONFIG_DIR}"
-                          f"{closest_key_hint(str(name_or_path), names)}")
+        names = sorted(p.stem for p in directory.glob("*.yaml"))
+        raise error(f"{what} '{name_or_path}' not found in {directory}"
+                    f"{closest_key_hint(str(name_or_path), names)}")
     return candidate
+
+
+def resolve_model_config_path(name_or_path: str | Path) -> Path:
+    return resolve_named_yaml(name_or_path, CONFIG_DIR, "model config")

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from gpn_scale.model.config import ConfigError, closest_key_hint
+from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_DIR = REPO_ROOT / "configs" / "sweeps"
@@ -147,17 +147,7 @@ class Sweep:
 # ----------------------------------------------------------------------------- helpers
 
 def resolve_sweep_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            raise SweepError(f"{path}: sweep file not found")
-        return path
-    candidate = SWEEP_DIR / f"{name_or_path}.yaml"
-    if not candidate.is_file():
-        names = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
-        raise SweepError(f"sweep '{name_or_path}' not found in {SWEEP_DIR}"
-                         f"{closest_key_hint(str(name_or_path), names)}")
-    return candidate
+    return resolve_named_yaml(name_or_path, SWEEP_DIR, "sweep", SweepError)
 
 
 def _check_keys(where: str, values: Mapping[str, Any], valid: Sequence[str]) -> None:

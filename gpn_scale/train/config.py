@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpn_scale.model.config import ConfigError, closest_key_hint
+from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
 
@@ -215,21 +215,7 @@ def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    # A path if it looks like one; a bare name is a shipped config first (a directory that
-    # happens to be called `demo` in the current directory must not shadow configs/train/demo).
-    if path.suffix in (".yaml", ".yml") or "/" in str(name_or_path):
-        if not path.is_file():
-            raise ConfigError(f"{path}: training config file not found")
-        return path
-    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
-    if not candidate.is_file() and path.is_file():
-        return path
-    if not candidate.is_file():
-        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise ConfigError(f"training config '{name_or_path}' not found in {CONFIG_DIR}"
-                          f"{closest_key_hint(str(name_or_path), names)}")
-    return candidate
+    return resolve_named_yaml(name_or_path, CONFIG_DIR, "training config")
 
 
 def load_train_config(name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()

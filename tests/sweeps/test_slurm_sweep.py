@@ -151,7 +151,7 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
         raise AssertionError((_task_states(env, array), log0)) from None
     assert states[victim] == ["REQUEUED", "COMPLETED"], states
     assert slurm_env.job_state(twin) == "COMPLETED", (tmp / "twin.out").read_text()
-    assert "got SIGUSR1" in log0 and f"requeueing job" in log0 and "restart 1" in log0, log0
+    assert "got SIGUSR1" in log0 and "requeueing job" in log0 and "restart 1" in log0, log0
     twin_log = (tmp / "twin.out").read_text()
     assert "requeueing job" not in twin_log and "restart 0" in twin_log
 

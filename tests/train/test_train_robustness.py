@@ -4,12 +4,10 @@ last good checkpoint intact. Bad input fails with one line and writes nothing.""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from train_helpers import child_env, read_metrics, run_train, train_args, train_losses
+from train_helpers import read_metrics, run_train, train_args, train_losses
 
 from gpn_scale.cli import main
 
