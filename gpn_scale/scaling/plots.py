@@ -59,17 +59,8 @@ def plot_loss_vs(var: str, fits: Sequence[FitResult], cells: Sequence[Cell], pat
                 label=f"{family}: E={p['E']:.3g}, A={p['A']:.3g}, α={p['alpha']:.3f}")
         ax.fill_between(grid, lo, hi, color=col, alpha=0.18, lw=0,
                         label=f"{family}: {fit.ci_level:.0%} bootstrap band")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel(AXIS_LABEL[var])
-    ax.set_ylabel("final held-out loss")
-    ax.set_title(f"loss vs {AXIS_LABEL[var]}: {law} = E + A·{var}^-α")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish_loglog(plt, fig, ax, AXIS_LABEL[var],
+                          f"loss vs {AXIS_LABEL[var]}: {law} = E + A·{var}^-α", path)
 
 
 def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
@@ -89,11 +80,18 @@ def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
         ax.plot(grid, fit.predict(N=n, D=grid), color=col, lw=1.4, label=f"N={n:.3g}")
         ax.fill_between(grid, lo, hi, color=col, alpha=0.15, lw=0)
     p = fit.params
+    return _finish_loglog(
+        plt, fig, ax, AXIS_LABEL["D"],
+        f"{fit.family}: L(N,D): E={p['E']:.3g}, α={p['alpha']:.3f}, β={p['beta']:.3f}", path)
+
+
+def _finish_loglog(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:  # noqa: ANN001
+    """Log-log axes against the final held-out loss, legend, save as PNG, close."""
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel(AXIS_LABEL["D"])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("final held-out loss")
-    ax.set_title(f"{fit.family}: L(N,D): E={p['E']:.3g}, α={p['alpha']:.3f}, β={p['beta']:.3f}")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
