@@ -40,6 +40,7 @@ from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_decode_cross_entropy
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
+from gpn_scale.ops.step_kernels import kernels_for
 
 
 # ------------------------------------------------------------------ phase timing
@@ -276,6 +277,20 @@ def _run_chunk(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Te
     return P, s, s_prev, M_end
 
 
+def _run_chunk_fused(plan: _Plan, W: _LoopWeights, kernels, fuse: Tensor, s: Tensor,
+                     s_prev: Tensor, M0: Tensor | None, P: Tensor, S_out: Tensor | None
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`_run_chunk` in one call of the fused CPU kernel (`ops/step_kernels.py`); writes the
+    chunk's outputs into P (B, C, d) and returns (s, s_prev, M_end)."""
+    out = kernels.chunk_forward(plan.n_layers, plan.memory, plan.H, plan.dk, plan.dv, plan.f,
+                                plan.eps, W.w_in, W.b_in, W.w_out, W.w_fg, W.b_fg, W.A, fuse,
+                                s, s_prev, M0, P, S_out)
+    if not plan.memory:
+        return out[0], out[1], None
+    s, s_prev, K, U, G = out
+    return s, s_prev, chunk_advance(K, U, G, M0)
+
+
 # --------------------------------------------------------------------- backward
 @dataclass
 class _ChunkActs:
@@ -336,7 +351,8 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
             acts.v = _heads(v.reshape(C, B, H, dv))
             log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)          # (B, H, C)
             acts.beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
-            acts.U, acts.G = chunk_errors(acts.k, acts.v, log_a, acts.beta, M0, "gpn")
+            U, acts.G = chunk_errors(acts.k, acts.v, log_a, acts.beta, M0, "gpn")
+            acts.U = U.contiguous()    # the solve returns it column-major; the sweep reads rows
             acts.rk = acts.k @ M0
             acts.pred = _prediction(acts, M0)
         elif mem:
@@ -432,12 +448,14 @@ class _Grads:
 
 def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
                     dP: Tensor, ds_end: Tensor | None, ds_prev_end: Tensor | None,
-                    dM_end: Tensor | None, grads: _Grads, d_fuse: Tensor
+                    dM_end: Tensor | None, grads: _Grads, d_fuse: Tensor, kernels=None
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The hand-written reverse sweep over one chunk's steps.
+    """One chunk's backward: the hand-written reverse sweep over its steps, then the weight
+    gradients.
 
     The per-step work is the inherent input-gradient matmuls (dy @ W^T, few rows) and cheap
-    elementwise/memory terms; the activations come from `_recompute_chunk`, and every weight
+    elementwise/memory terms (`_reverse_sweep`, or the fused CPU kernel doing the same when
+    `kernels` is given); the activations come from `_recompute_chunk`, and every weight
     gradient (and dM0) is formed at the end as one matmul over all steps of the chunk.
     Returns the gradients of the chunk's start carry (s, s_prev, M0).
     """
@@ -448,11 +466,7 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     dY = [torch.zeros_like(y) for y in acts.y]
     dZ = [torch.zeros(C, B, d, dtype=dt, device=dP.device) for _ in range(L)]
     dYfg = torch.zeros(C, B, d, dtype=dt, device=dP.device)
-    ds_extra = torch.zeros(C, B, d, dtype=dt, device=dP.device)
-    if ds_prev_end is not None:
-        ds_extra[C - 1] += ds_prev_end                 # s_prev at the end = state entering step C-1
     if mem:
-        Hk, Hv = H * dk, H * dv
         K, U, G = acts.k, acts.U, acts.G
         dK = torch.zeros_like(K)
         dU = torch.zeros_like(U)
@@ -470,10 +484,85 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
             dG -= w * t
             dG[..., -1] += (w * t).sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
             dM0 += G_end[..., 0].exp()[..., None, None] * dM_end
+    else:
+        dK = dU = dG = dRk = dA = None
+        dRq = []
+    adjoints = _SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA)
+    if kernels is not None:
+        mem_acts = ([acts.k_pre, K, acts.v, acts.beta, U, G, acts.pred, acts.rk, M0]
+                    if mem else [])
+        dg, dk_pre0 = kernels.chunk_backward(
+            L, mem, H, dk, dv, plan.f, eps, Wt.w_in, Wt.w_out, Wt.w_fg, Wt.A,
+            acts.c, acts.n, acts.y, acts.o if mem else [], acts.ro if mem else [],
+            acts.q if mem else [], acts.rq if mem else [], acts.n_p, acts.gate, acts.p,
+            mem_acts, dP, ds_end, ds_prev_end, dY, dZ, dRq, dYfg, d_fuse,
+            [dK, dU, dG, dRk, dA] if mem else [])
+    else:
+        dg, dk_pre0 = _reverse_sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end, adjoints)
+    dsprev_start = None
+    if mem:   # the chunk's first key comes from s_prev
+        k_cols = H * dk
+        grads.w_in[0][:, :k_cols] += acts.n_sprev.t().to(dt) @ dk_pre0
+        grads.b_in[0][:k_cols] += dk_pre0.sum(0)
+        dsprev_start = _rms_back(acts.n_sprev, acts.s_prev,
+                                 _mm_t(dk_pre0, Wt.w_in[0][:k_cols]), eps)
+    with _phase("weight gradients"):
+        # One matmul per weight over all C*B rows of the chunk (never a rank-B update per step).
+        rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
+        for i in range(L):
+            grads.w_in[i] += rows(acts.n[i]).t() @ rows(dY[i])
+            grads.b_in[i] += rows(dY[i]).sum(0)
+            grads.w_out[i] += rows(acts.hidden[i]).t() @ rows(dZ[i])
+        grads.w_fg += rows(acts.n_p).t() @ rows(dYfg)
+        grads.b_fg += rows(dYfg).sum(0)
+        if not mem:
+            return dg, torch.zeros_like(dg), None
+        grads.A += dA
+        dM0 = dM0 + K.mT @ dRk
+        for i in range(L):
+            dM0 = dM0 + acts.q[i].mT @ dRq[i]
+    return dg, dsprev_start, dM0
+
+
+@dataclass
+class _SweepAdjoints:
+    """What the reverse sweep adds to: per-step input adjoints of the chunk's matmuls (dY,
+    dZ, dYfg), d_fuse, and the memory adjoints (k, u, G, the M0 reads, A)."""
+
+    dY: list[Tensor]
+    dZ: list[Tensor]
+    dYfg: Tensor
+    d_fuse: Tensor
+    dK: Tensor | None
+    dU: Tensor | None
+    dG: Tensor | None
+    dRk: Tensor | None
+    dRq: list[Tensor]
+    dA: Tensor | None
+
+
+def _reverse_sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
+                   dP: Tensor, ds_end: Tensor | None, ds_prev_end: Tensor | None,
+                   adj: _SweepAdjoints) -> tuple[Tensor, Tensor | None]:
+    """The per-step reverse sweep of one chunk in PyTorch ops (the fused CPU kernel's
+    reference). Returns the gradient of the state entering the chunk and that of the
+    pre-activation of the chunk's first key (which came from s_prev)."""
+    C, B, d = acts.p.shape
+    H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
+    mem = plan.memory
+    dt = dP.dtype
+    dY, dZ, dYfg, d_fuse = adj.dY, adj.dZ, adj.dYfg, adj.d_fuse
+    dK, dU, dG, dRk, dRq, dA = adj.dK, adj.dU, adj.dG, adj.dRk, adj.dRq, adj.dA
+    ds_extra = torch.zeros(C, B, d, dtype=dt, device=dP.device)
+    if ds_prev_end is not None:
+        ds_extra[C - 1] += ds_prev_end                 # s_prev at the end = state entering step C-1
+    dk_pre0 = None
+    if mem:
+        Hk, Hv = H * dk, H * dv
+        K, U, G = acts.k, acts.U, acts.G
         dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)   # d(pre-activation of k_{t+1})
         M0t = M0.mT.contiguous()
         dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
-        dsprev_start = None
     dg = ds_end if ds_end is not None else torch.zeros(B, d, dtype=dt, device=dP.device)
     for tau in range(C - 1, -1, -1):
         # Ground: s_next = gate * p + fuse.
@@ -529,31 +618,12 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
                 dk_pre = _l2n_back(acts.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
                 if tau:
                     dk_next_pre = dk_pre
-                else:   # the chunk's first key comes from s_prev
-                    k_cols = Hk
-                    grads.w_in[0][:, :k_cols] += acts.n_sprev.t().to(dt) @ dk_pre
-                    grads.b_in[0][:k_cols] += dk_pre.sum(0)
-                    dsprev_start = _rms_back(acts.n_sprev, acts.s_prev,
-                                             _mm_t(dk_pre, Wt.w_in[0][:k_cols]), eps)
+                else:
+                    dk_pre0 = dk_pre
             dc = dc_in + _rms_back(n_in, c_in, _mm_t(dY[i][tau], Wt.w_in[i]), eps)
         dc = dc + ds_extra[tau]
         dg = dc                                         # gradient of the state entering step tau
-    with _phase("weight gradients"):
-        # One matmul per weight over all C*B rows of the chunk (never a rank-B update per step).
-        rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
-        for i in range(L):
-            grads.w_in[i] += rows(acts.n[i]).t() @ rows(dY[i])
-            grads.b_in[i] += rows(dY[i]).sum(0)
-            grads.w_out[i] += rows(acts.hidden[i]).t() @ rows(dZ[i])
-        grads.w_fg += rows(acts.n_p).t() @ rows(dYfg)
-        grads.b_fg += rows(dYfg).sum(0)
-        if not mem:
-            return dg, torch.zeros_like(dg), None
-        grads.A += dA
-        dM0 = dM0 + K.mT @ dRk
-        for i in range(L):
-            dM0 = dM0 + acts.q[i].mT @ dRq[i]
-    return dg, dsprev_start, dM0
+    return dg, dk_pre0
 
 
 def _write_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0t: Tensor, tau: int,
@@ -603,14 +673,21 @@ def _write_backward(plan: _Plan, W: _LoopWeights, acts: _ChunkActs, M0t: Tensor,
     dA -= (dG_suffix * F.softplus(decay_pre)).sum(0)
 
 
-def _forward_chunks(plan: _Plan, W: _LoopWeights, fuse: Tensor, s: Tensor, s_prev: Tensor,
-                    M: Tensor | None, P: Tensor, S: Tensor | None, carries: list) -> None:
+def _forward_chunks(plan: _Plan, W: _LoopWeights, kernels, fuse: Tensor, s: Tensor,
+                    s_prev: Tensor, M: Tensor | None, P: Tensor, S: Tensor | None,
+                    carries: list) -> None:
     """The no-grad forward over all chunks; appends each chunk's start carry to `carries`
-    (and, last, the final carry); fills P and, when given, S (the state entering each step)."""
+    (and, last, the final carry); fills P and, when given, S (the state entering each step).
+    `kernels`: the fused CPU step kernels, or None for the PyTorch steps."""
     for start, end in plan.spans:
         carries.append((s, s_prev, M))
-        P[:, start:end], s, s_prev, M = _run_chunk(
-            plan, W, fuse[:, start:end], s, s_prev, M, None if S is None else S[:, start:end])
+        S_chunk = None if S is None else S[:, start:end]
+        if kernels is not None:
+            s, s_prev, M = _run_chunk_fused(plan, W, kernels, fuse[:, start:end], s, s_prev, M,
+                                            P[:, start:end], S_chunk)
+        else:
+            P[:, start:end], s, s_prev, M = _run_chunk(plan, W, fuse[:, start:end], s, s_prev,
+                                                       M, S_chunk)
     carries.append((s, s_prev, M))
 
 
@@ -626,10 +703,12 @@ class _SequenceFunction(torch.autograd.Function):
         # The state entering each step, O(T*d): what the backward recomputes each chunk from.
         S = fuse.new_empty(B, T, d) if any(ctx.needs_input_grad) else None
         carries: list = []
+        kernels = kernels_for(fuse.device)
         with _phase("sequential forward"):
-            _forward_chunks(plan, W, fuse, s0, s_prev0, M0, P, S, carries)
+            _forward_chunks(plan, W, kernels, fuse, s0, s_prev0, M0, P, S, carries)
         s, s_prev, M = carries.pop()
         ctx.plan = plan
+        ctx.kernels = kernels
         ctx.carries = carries
         ctx.fuse_meta = (fuse.shape, fuse.dtype, fuse.device)   # its values are not needed
         ctx.save_for_backward(S, *flat)
@@ -641,6 +720,7 @@ class _SequenceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
+        dP = dP.contiguous()
         S, *flat = ctx.saved_tensors
         shape, dtype, device = ctx.fuse_meta
         W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
@@ -658,7 +738,7 @@ class _SequenceFunction(torch.autograd.Function):
                 acts = _recompute_chunk(plan, Wmm, S[:, start:end], s_prev, M)
             with _phase("sequential backward"):
                 d_carry = _chunk_backward(plan, Wt, acts, M, dP[:, start:end], *d_carry,
-                                          grads, d_fuse[:, start:end])
+                                          grads, d_fuse[:, start:end], ctx.kernels)
         weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
         ds0, ds_prev0, dM0 = d_carry
         return (None, d_fuse, ds0, ds_prev0, dM0 if ctx.needs_input_grad[4] else None,

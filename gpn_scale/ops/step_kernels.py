@@ -1,0 +1,94 @@
+"""The engine's fused CPU step kernels (`csrc/step_kernels.cpp`), compiled on first use.
+
+On CPU a training step's matmuls are few-row GEMMs, and the PyTorch form of a step
+(`gpn_scale.model.engine`) spends as long again dispatching its ~75 (forward) / ~110
+(reverse sweep) small elementwise and memory ops. These kernels run a whole chunk's steps
+in one call: the matmuls still through ATen, everything else as plain loops over batch
+rows. They compute exactly what the PyTorch steps compute (held equal by
+tests/model/test_step_kernels.py); on GPU the engine keeps its PyTorch steps.
+
+Choice, by the environment variable GPN_SCALE_STEP_KERNELS:
+  auto    (default) use them for CPU tensors when they build; if they cannot be built (no
+          C++ compiler), warn once and use the PyTorch steps (same results, slower)
+  cpp     require them: an error if they cannot be built
+  python  never use them
+
+The build uses torch.utils.cpp_extension (g++ and ninja; ~1 min once, cached in
+TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ENV_VAR = "GPN_SCALE_STEP_KERNELS"
+_CHOICES = ("auto", "cpp", "python")
+_SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
+
+
+class StepKernelError(RuntimeError):
+    """The fused step kernels were required but cannot be used."""
+
+
+def mode() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise StepKernelError(f"{ENV_VAR}={value!r}: expected one of {', '.join(_CHOICES)}")
+    return value
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build_flags() -> list[str]:
+    # ATen's Vectorized<T> picks its instruction set from CPU_CAPABILITY (as torch's own
+    # kernels and inductor's do); we build on the machine that runs, so ask /proc/cpuinfo.
+    if {"avx2", "fma"} <= _cpu_flags():
+        return ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-O3", "-DCPU_CAPABILITY=DEFAULT"]
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ModuleType | Exception:
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name="gpn_scale_step_kernels", sources=[str(_SOURCE)],
+                    extra_cflags=_build_flags(), verbose=False)
+    except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
+        return exc
+
+
+def kernels_for(device: torch.device) -> ModuleType | None:
+    """The compiled kernels when they should serve tensors on `device`, else None."""
+    choice = mode()
+    if choice == "python" or device.type != "cpu":
+        return None
+    module = _load()
+    if isinstance(module, Exception):
+        message = (f"the fused CPU step kernels could not be built ({type(module).__name__}: "
+                   f"{str(module).strip().splitlines()[-1] if str(module).strip() else ''}); "
+                   f"install g++ and ninja, or set {ENV_VAR}=python to use the PyTorch steps")
+        if choice == "cpp":
+            raise StepKernelError(message)
+        _warn_once(message + " (using the PyTorch steps: same results, slower)")
+        return None
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
