@@ -208,8 +208,10 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
   Tensor s = s0.contiguous().clone(), s_prev = s_prev0.contiguous().clone();
   Tensor c = at::empty({B, d}, opts), n = at::empty({B, d}, opts), z = at::empty({B, d}, opts);
   Tensor g = at::empty({B, d}, opts);
-  std::vector<Tensor> y, hid;
+  const Tensor b_fg_c = b_fg.contiguous();
+  std::vector<Tensor> y, hid, bias_in;
   for (int64_t i = 0; i < D.L; ++i) {
+    bias_in.push_back(b_in[i].contiguous());
     y.push_back(at::empty({B, w_in[i].size(1)}, opts));
     hid.push_back(at::empty({B, w_out[i].size(0)}, opts));
   }
@@ -258,12 +260,15 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
     });
     for (int64_t i = 0; i < D.L; ++i) {
       const InCols col(D, i);
-      matmul_into(y[i], n, w_in[i], b_in[i]);
+      // The bias is added in the row loop below: addmm's extra pass costs more than that.
+      matmul_into(y[i], n, w_in[i], std::nullopt);
       const int64_t Win = y[i].size(1), Wout = hid[i].size(1);
-      const T* yd = y[i].data_ptr<T>();
+      T* yd = y[i].data_ptr<T>();
+      const T* bias = bias_in[i].data_ptr<T>();
       T* hd = hid[i].data_ptr<T>();
       over_rows(B, [&](int64_t b) {
-        const T* yb = yd + b * Win;
+        T* yb = yd + b * Win;
+        for (int64_t j = 0; j < Win; ++j) yb[j] += bias[j];
         T* hb = hd + b * Wout;
         if (D.mem) {
           std::vector<T> q(dk), rk(dv), rq(dv), err(dv);
@@ -344,7 +349,8 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
       });
     }
     if (D.mem) Gp.copy_(Gc);
-    matmul_into(g, n, w_fg, b_fg);
+    matmul_into(g, n, w_fg, std::nullopt);
+    const T* bias_fg = b_fg_c.data_ptr<T>();
     // P[:, tau] = c; s_prev = s; s = sigmoid(gate) * c + fuse[:, tau]
     over_rows(B, [&](int64_t b) {
       T* sb = sd + b * d;
@@ -352,6 +358,7 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
       T* gb = gd + b * d;
       std::copy(cb, cb + d, Pv.at(b, tau));
       std::copy(sb, sb + d, spd + b * d);
+      for (int64_t j = 0; j < d; ++j) gb[j] += bias_fg[j];
       sigmoid_vec(gb, gb, d);
       const T* fb = Fv.at(b, tau);
       for (int64_t j = 0; j < d; ++j) sb[j] = gb[j] * cb[j] + fb[j];
