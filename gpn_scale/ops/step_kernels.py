@@ -55,11 +55,14 @@ def _cpu_flags() -> set[str]:
 
 
 def _build_flags() -> list[str]:
+    # -fopenmp: at::parallel_for is a header template whose `omp parallel` is silently serial
+    # without it (the runtime is torch's own libgomp, already loaded, matched by soname).
     # ATen's Vectorized<T> picks its instruction set from CPU_CAPABILITY (as torch's own
     # kernels and inductor's do); we build on the machine that runs, so ask /proc/cpuinfo.
+    flags = ["-O3", "-fopenmp"]
     if {"avx2", "fma"} <= _cpu_flags():
-        return ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return ["-O3", "-DCPU_CAPABILITY=DEFAULT"]
+        return flags + ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags + ["-DCPU_CAPABILITY=DEFAULT"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,7 +70,7 @@ def _load() -> ModuleType | Exception:
     try:
         from torch.utils.cpp_extension import load
         return load(name="gpn_scale_step_kernels", sources=[str(_SOURCE)],
-                    extra_cflags=_build_flags(), verbose=False)
+                    extra_cflags=_build_flags(), extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
         return exc
 
