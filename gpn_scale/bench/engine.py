@@ -28,6 +28,7 @@ import torch
 from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model.engine import input_column_blocks, phase_timer
 from gpn_scale.model.reference import reference_forward
+from gpn_scale.ops.step_kernels import ENV_VAR, kernels_for, mode
 
 SHAPES = {"SMALL": ("small", 8, 256), "MEDIUM": ("medium", 4, 512)}
 
@@ -90,9 +91,11 @@ def bench_roofline(repeats: int) -> list[dict]:
     rows = []
     for phase in ("sequential forward", "sequential backward", "parallel recompute",
                   "weight gradients", "decode"):
-        rows.append(dict(phase=phase, seconds=best.get(phase, float("nan")),
-                         bare_matmuls=bare[phase],
-                         ratio=best.get(phase, float("nan")) / bare[phase]))
+        seconds = best.get(phase, float("nan"))
+        with_memory = bare.get(phase + " +memory", bare[phase])
+        rows.append(dict(phase=phase, seconds=seconds, bare_matmuls=bare[phase],
+                         ratio=seconds / bare[phase], with_memory=with_memory,
+                         ratio_with_memory=seconds / with_memory))
     return rows
 
 
@@ -109,6 +112,18 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
     W_fg = r(d, d)
     dy_in = [r(B, n) for n in widths_in]
     dz = r(B, d)
+    # The backward's dy @ W^T against contiguous transposes, as the engine does (a transposed
+    # view makes these few-row matmuls ~2.5x slower and would flatter the ratio).
+    Wt_in = [W.t().contiguous() for W in W_in]
+    Wt_out = W_out.t().contiguous()
+    Wt_fg = W_fg.t().contiguous()
+    # The per-step memory reads are matmuls too: M0^T [k; q] (forward, layer 0; M0^T q for
+    # the other layers) and M0 [drq; drk] (backward), batched over B*H.
+    H, dk, dv, L = cfg.n_heads, cfg.d_key, cfg.d_value, cfg.n_layers
+    M0 = r(B * H, dk, dv)
+    M0t = M0.mT.contiguous()
+    kq = [r(B * H, 2 if i == 0 else 1, dk) for i in range(L)]
+    dkq = [r(B * H, 2 if i == 0 else 1, dv) for i in range(L)]
 
     def seq_fwd():
         for W in W_in:
@@ -117,10 +132,24 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
         x @ W_fg
 
     def seq_bwd():
-        for dy, W in zip(dy_in, W_in):
-            dy @ W.t()
-            dz @ W_out.t()
-        dz @ W_fg.t()
+        for dy, W in zip(dy_in, Wt_in):
+            dy @ W
+            dz @ Wt_out
+        dz @ Wt_fg
+
+    def seq_fwd_memory():
+        for W, a in zip(W_in, kq):
+            x @ W
+            a @ M0
+            h @ W_out
+        x @ W_fg
+
+    def seq_bwd_memory():
+        for dy, W, a in zip(dy_in, Wt_in, dkq):
+            dy @ W
+            a @ M0t
+            dz @ Wt_out
+        dz @ Wt_fg
 
     X = r(C * B, d)
     H_ = r(C * B, width_out)
@@ -161,6 +190,9 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
     return {
         "sequential forward": _time(seq_fwd, repeats * 20) * T,
         "sequential backward": _time(seq_bwd, repeats * 20) * T,
+        **({"sequential forward +memory": _time(seq_fwd_memory, repeats * 20) * T,
+            "sequential backward +memory": _time(seq_bwd_memory, repeats * 20) * T}
+           if cfg.memory else {}),
         "parallel recompute": _time(recompute, repeats * 5) * chunks,
         "weight gradients": _time(wgrad, repeats * 5) * chunks,
         "decode": _time(decode, repeats),
@@ -239,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         _child(path, config, int(B), int(T))
         return 0
     tables = set(args.only.split(","))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")
+    kernels = kernels_for(torch.device("cpu")) is not None
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
+          f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={mode()})")
     if "speed" in tables:
         print("\n## Training step tokens/s (forward + backward + AdamW), best of "
               f"{args.repeats}, interleaved")
@@ -249,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ratio']:>6.2f}x")
     if "roofline" in tables:
         print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")
-        print(f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7}")
+        print("(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk])")
+        print(f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7} "
+              f"{'+memory s':>10} {'ratio':>7}")
         for r in bench_roofline(args.repeats):
             print(f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
-                  f"{r['ratio']:>6.2f}x")
+                  f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x")
     if "memory" in tables:
         print("\n## Peak memory (peak RSS of a fresh process, MB), SMALL B=8, one training step")
         print(f"{'T':>6} {'engine':>10} {'reference':>10}")

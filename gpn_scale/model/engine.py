@@ -459,20 +459,36 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     gradient (and dM0) is formed at the end as one matmul over all steps of the chunk.
     Returns the gradients of the chunk's start carry (s, s_prev, M0).
     """
+    with _phase("sequential backward"):
+        dg, adjoints, dk_pre0, dM0 = _sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end,
+                                            dM_end, d_fuse, kernels)
+    with _phase("weight gradients"):
+        return _chunk_weight_gradients(plan, Wt, acts, dg, adjoints, dk_pre0, dM0, grads)
+
+
+def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, dP: Tensor,
+           ds_end: Tensor | None, ds_prev_end: Tensor | None, dM_end: Tensor | None,
+           d_fuse: Tensor, kernels) -> tuple[Tensor, "_SweepAdjoints", Tensor | None,
+                                             Tensor | None]:
+    """The reverse sweep over the chunk's steps (fused kernel or `_reverse_sweep`), after the
+    end-of-chunk memory's gradient has been pushed onto k, u and G. Returns the gradient of
+    the state entering the chunk, the adjoints, that of the first key's pre-activation and
+    the (partial) dM0."""
     C, B, d = acts.p.shape
     H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
     mem = plan.memory
     dt = dP.dtype
-    dY = [torch.zeros_like(y) for y in acts.y]
-    dZ = [torch.zeros(C, B, d, dtype=dt, device=dP.device) for _ in range(L)]
-    dYfg = torch.zeros(C, B, d, dtype=dt, device=dP.device)
+    # Written whole at every step (no zero fill needed); the memory adjoints accumulate.
+    dY = [torch.empty_like(y) for y in acts.y]
+    dZ = [torch.empty(C, B, d, dtype=dt, device=dP.device) for _ in range(L)]
+    dYfg = torch.empty(C, B, d, dtype=dt, device=dP.device)
     if mem:
         K, U, G = acts.k, acts.U, acts.G
         dK = torch.zeros_like(K)
         dU = torch.zeros_like(U)
         dG = torch.zeros_like(G)
-        dRk = torch.zeros_like(U)
-        dRq = [torch.zeros_like(U) for _ in range(L)]
+        dRk = torch.empty_like(U)
+        dRq = [torch.empty_like(U) for _ in range(L)]
         dM0 = torch.zeros_like(M0)
         dA = torch.zeros_like(Wt.A)
         if dM_end is not None:                         # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
@@ -499,28 +515,35 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
             [dK, dU, dG, dRk, dA] if mem else [])
     else:
         dg, dk_pre0 = _reverse_sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end, adjoints)
-    dsprev_start = None
-    if mem:   # the chunk's first key comes from s_prev
-        k_cols = H * dk
-        grads.w_in[0][:, :k_cols] += acts.n_sprev.t().to(dt) @ dk_pre0
-        grads.b_in[0][:k_cols] += dk_pre0.sum(0)
-        dsprev_start = _rms_back(acts.n_sprev, acts.s_prev,
-                                 _mm_t(dk_pre0, Wt.w_in[0][:k_cols]), eps)
-    with _phase("weight gradients"):
-        # One matmul per weight over all C*B rows of the chunk (never a rank-B update per step).
-        rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
-        for i in range(L):
-            grads.w_in[i] += rows(acts.n[i]).t() @ rows(dY[i])
-            grads.b_in[i] += rows(dY[i]).sum(0)
-            grads.w_out[i] += rows(acts.hidden[i]).t() @ rows(dZ[i])
-        grads.w_fg += rows(acts.n_p).t() @ rows(dYfg)
-        grads.b_fg += rows(dYfg).sum(0)
-        if not mem:
-            return dg, torch.zeros_like(dg), None
-        grads.A += dA
-        dM0 = dM0 + K.mT @ dRk
-        for i in range(L):
-            dM0 = dM0 + acts.q[i].mT @ dRq[i]
+    return dg, adjoints, dk_pre0 if mem else None, dM0 if mem else None
+
+
+def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg: Tensor,
+                            adj: "_SweepAdjoints", dk_pre0: Tensor | None, dM0: Tensor | None,
+                            grads: _Grads) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Every weight gradient of the chunk as one matmul over its C*B rows (never a rank-B
+    update per step), and the gradients of the chunk's start carry (s, s_prev, M0)."""
+    C, B, _ = acts.p.shape
+    L = plan.n_layers
+    rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
+    for i in range(L):
+        grads.w_in[i] += rows(acts.n[i]).t() @ rows(adj.dY[i])
+        grads.b_in[i] += rows(adj.dY[i]).sum(0)
+        grads.w_out[i] += rows(acts.hidden[i]).t() @ rows(adj.dZ[i])
+    grads.w_fg += rows(acts.n_p).t() @ rows(adj.dYfg)
+    grads.b_fg += rows(adj.dYfg).sum(0)
+    if not plan.memory:
+        return dg, torch.zeros_like(dg), None
+    # The chunk's first key came from s_prev.
+    k_cols = plan.H * plan.dk
+    grads.w_in[0][:, :k_cols] += acts.n_sprev.t().to(dk_pre0.dtype) @ dk_pre0
+    grads.b_in[0][:k_cols] += dk_pre0.sum(0)
+    dsprev_start = _rms_back(acts.n_sprev, acts.s_prev, _mm_t(dk_pre0, Wt.w_in[0][:k_cols]),
+                             plan.eps)
+    grads.A += adj.dA
+    dM0 = dM0 + acts.k.mT @ adj.dRk
+    for i in range(L):
+        dM0 = dM0 + acts.q[i].mT @ adj.dRq[i]
     return dg, dsprev_start, dM0
 
 
@@ -736,9 +759,8 @@ class _SequenceFunction(torch.autograd.Function):
             _, s_prev, M = ctx.carries[idx]
             with _phase("parallel recompute"):
                 acts = _recompute_chunk(plan, Wmm, S[:, start:end], s_prev, M)
-            with _phase("sequential backward"):
-                d_carry = _chunk_backward(plan, Wt, acts, M, dP[:, start:end], *d_carry,
-                                          grads, d_fuse[:, start:end], ctx.kernels)
+            d_carry = _chunk_backward(plan, Wt, acts, M, dP[:, start:end], *d_carry, grads,
+                                      d_fuse[:, start:end], ctx.kernels)
         weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
         ds0, ds_prev0, dM0 = d_carry
         return (None, d_fuse, ds0, ds_prev0, dM0 if ctx.needs_input_grad[4] else None,
