@@ -82,14 +82,24 @@ def kernels_for(device: torch.device) -> ModuleType | None:
         return None
     module = _load()
     if isinstance(module, Exception):
-        message = (f"the fused CPU step kernels could not be built ({type(module).__name__}: "
-                   f"{str(module).strip().splitlines()[-1] if str(module).strip() else ''}); "
+        message = (f"the fused CPU step kernels could not be built ({_first_error(module)}); "
                    f"install g++ and ninja, or set {ENV_VAR}=python to use the PyTorch steps")
         if choice == "cpp":
             raise StepKernelError(message)
         _warn_once(message + " (using the PyTorch steps: same results, slower)")
         return None
     return module
+
+
+def _first_error(exc: Exception) -> str:
+    """The compiler's first error line if there is one (the exception's own last line says
+    only that ninja stopped), else the exception's last line."""
+    text = str(exc).strip()
+    for source in (text, str(exc.__cause__ or "")):
+        for line in source.splitlines():
+            if "error:" in line:
+                return line.strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ inline T softplus(T x) { return x > T(20) ? x : std::log1p(std::exp(x)); }  // t
 // reduction by itself (it may not reorder the sum), and these dots (keys against the chunk's
 // history, rows of M0 against a gradient) are most of a step's non-matmul work.
 template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
+__attribute__((always_inline)) inline T dot(const T* a, const T* b, int64_t n) {
   using V = Vec<T>;
   constexpr int64_t w = V::size();
   V acc0(T(0)), acc1(T(0));
@@ -59,7 +59,7 @@ inline T dot(const T* a, const T* b, int64_t n) {
 }
 
 template <typename T>
-inline void axpy(T a, const T* x, T* y, int64_t n) {  // y += a x
+__attribute__((always_inline)) inline void axpy(T a, const T* x, T* y, int64_t n) {  // y += a x
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -93,27 +93,17 @@ inline T rms_factor(const T* x, int64_t n, T eps) {
 
 // out = l2n(relu(pre)) over n values
 template <typename T>
-inline void l2n_relu(const T* pre, T* out, int64_t n) {
-  T ss = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    T r = pre[i] > T(0) ? pre[i] : T(0);
-    out[i] = r;
-    ss += r * r;
-  }
-  const T rho = T(1) / std::sqrt(ss + T(1e-12));
+inline T l2n_relu(const T* pre, T* out, int64_t n) {   // returns the norm's factor
+  for (int64_t i = 0; i < n; ++i) out[i] = pre[i] > T(0) ? pre[i] : T(0);
+  const T rho = T(1) / std::sqrt(dot(out, out, n) + T(1e-12));
   for (int64_t i = 0; i < n; ++i) out[i] *= rho;
+  return rho;
 }
 
 // d pre of y = l2n(relu(pre)), given dy; `scratch` holds n values
 template <typename T>
 inline void l2n_relu_back(const T* pre, const T* dy, T* out, T* scratch, int64_t n) {
-  l2n_relu(pre, scratch, n);  // y
-  T ss = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    T r = pre[i] > T(0) ? pre[i] : T(0);
-    ss += r * r;
-  }
-  const T rho = T(1) / std::sqrt(ss + T(1e-12));
+  const T rho = l2n_relu(pre, scratch, n);  // scratch = y
   const T ydy = dot(scratch, dy, n);
   for (int64_t i = 0; i < n; ++i)
     out[i] = pre[i] > T(0) ? rho * (dy[i] - scratch[i] * ydy) : T(0);
@@ -445,14 +435,34 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
   const auto G_at = [&](int64_t b, int64_t h, int64_t j) -> T& { return *Gv.at(b, h, j); };
   const auto dG_at = [&](int64_t b, int64_t h, int64_t j) -> T& { return *dGv.at(b, h, j); };
 
+  // Rows of the (C, B, width) activations at step t, without building a tensor per step.
+  const auto row = [&](const Tensor& t, int64_t tau) { return t.data_ptr<T>() + tau * t.stride(0); };
+  const T* dspe = ds_prev_end ? ds_prev_end->data_ptr<T>() : nullptr;
+  // The last stage of a layer's reverse (dc = dc_in + rms_back(.., dY W_in^T)) runs at the
+  // start of the next parallel region instead of one of its own: one fork/join less per layer.
+  struct Pending { bool on = false; const T* nin = nullptr; const T* cin = nullptr; bool sprev = false; };
+  Pending pending;
+  const auto finish = [&](int64_t b) {
+    if (!pending.on) return;
+    T* dcb = dcd + b * d;
+    rms_back(pending.nin + b * d, pending.cin + b * d, dcmd + b * d, dcb, d, eps);
+    for (int64_t j = 0; j < d; ++j) dcb[j] += dcin[b * d + j];
+    if (pending.sprev)   // s_prev at the chunk's end is the state that entered step C-1
+      for (int64_t j = 0; j < d; ++j) dcb[j] += dspe[b * d + j];
+  };
+
   for (int64_t tau = C - 1; tau >= 0; --tau) {
     // Ground: s_next = gate * p + fuse.
-    const T* pd = X.p[tau].data_ptr<T>();
-    const T* gated = X.gate[tau].data_ptr<T>();
-    const T* npd = X.n_p[tau].data_ptr<T>();
+    const T* pd = row(X.p, tau);
+    const T* gated = row(X.gate, tau);
+    const T* npd = row(X.n_p, tau);
     Tensor dyfg = J.dYfg[tau];
     T* dyfgd = dyfg.data_ptr<T>();
     over_rows(B, [&](int64_t b) {
+      if (pending.on) {   // the previous (later) step's end: dg = the state gradient
+        finish(b);
+        std::copy(dcd + b * d, dcd + (b + 1) * d, dgd + b * d);
+      }
       const T* dgb = dgd + b * d;
       std::copy(dgb, dgb + d, dFv.at(b, tau));
       for (int64_t j = 0; j < d; ++j) {
@@ -460,26 +470,30 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
         dyfgd[b * d + j] = dgb[j] * pd[b * d + j] * gt * (T(1) - gt);
       }
     });
+    pending.on = false;
     matmul_into(t1, dyfg, wt_fg, std::nullopt);
-    over_rows(B, [&](int64_t b) {
-      rms_back(npd + b * d, pd + b * d, t1d + b * d, dcd + b * d, d, eps);
-      const T* dPb = dPv.at(b, tau);
-      for (int64_t j = 0; j < d; ++j)
-        dcd[b * d + j] += dPb[j] + gated[b * d + j] * dgd[b * d + j];
-    });
     for (int64_t i = D.L - 1; i >= 0; --i) {
       const InCols col(D, i);
-      const Tensor yt = X.y[i][tau], dYt = J.dY[i][tau];
-      const int64_t Win = yt.size(1), Wout = dh[i].size(1);
-      const T* yd = yt.data_ptr<T>();
+      const Tensor dYt = J.dY[i][tau];
+      const int64_t Win = X.y[i].size(2), Wout = dh[i].size(1);
+      const T* yd = row(X.y[i], tau);
       T* dyd = dYt.data_ptr<T>();
-      const T* cin = X.c[i][tau].data_ptr<T>();
-      const T* nin = X.n[i][tau].data_ptr<T>();
-      T* dZd = J.dZ[i][tau].data_ptr<T>();
-      const T* rod = D.mem ? X.ro[i][tau].data_ptr<T>() : nullptr;
-      const T* od = D.mem ? X.o[i][tau].data_ptr<T>() : nullptr;
-      const T* kpred = D.mem && i == 0 ? X.k_pre[tau].data_ptr<T>() : nullptr;
+      const T* cin = row(X.c[i], tau);
+      const T* nin = row(X.n[i], tau);
+      T* dZd = row(J.dZ[i], tau);
+      const T* rod = D.mem ? row(X.ro[i], tau) : nullptr;
+      const T* od = D.mem ? row(X.o[i], tau) : nullptr;
+      const T* kpred = D.mem && i == 0 ? row(X.k_pre, tau) : nullptr;
+      const bool top = i == D.L - 1;
       over_rows(B, [&](int64_t b) {
+        if (top) {   // dc of the last layer's output p: decode, ground gate, the next state
+          rms_back(npd + b * d, pd + b * d, t1d + b * d, dcd + b * d, d, eps);
+          const T* dPb = dPv.at(b, tau);
+          for (int64_t j = 0; j < d; ++j)
+            dcd[b * d + j] += dPb[j] + gated[b * d + j] * dgd[b * d + j];
+        } else {
+          finish(b);
+        }
         T* dpg = dyd + b * Win + col.pg;
         T* sg = dcin + b * d;
         sigmoid_vec(yd + b * Win + col.pg, sg, d);
@@ -490,6 +504,7 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           sg[j] *= x;   // dc_in = dc * sigmoid(pg)
         }
       });
+      pending.on = false;
       matmul_into(dh[i], dc, wt_out[i], std::nullopt);
       const T* dhd = dh[i].data_ptr<T>();
       over_rows(B, [&](int64_t b) {
@@ -525,34 +540,37 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           const T Gt = G_at(b, h, tau), eG = std::exp(Gt);
           T* drq = dRqs[i].at(b, h, tau);
           for (int64_t v = 0; v < dv; ++v) drq[v] = eG * dob[v];
-          for (int64_t a = 0; a < dk; ++a) dq[a] = dot(M + a * dv, drq, dv);
           const T dGt = eG * dot(dob, rqs[i].at(b, h, tau), dv);
-          T sum_dw = 0;
-          for (int64_t j = 0; j <= tau; ++j) {
+          std::fill(dq.begin(), dq.end(), T(0));
+          // The read's term j: adds to dU_j, dK_j, dG_j and dq; returns its share of dG_t.
+          const auto read_term = [&](int64_t j) -> T {
             const T* Kj = kv.at(b, h, j);
-            const T* Uj = Uv.at(b, h, j);
             const T w = std::exp(Gt - G_at(b, h, j));
             const T sdot = dot(Kj, q, dk);
-            const T dsd = dot(Uj, dob, dv) * w;
+            const T dsd = dot(Uv.at(b, h, j), dob, dv) * w;
             axpy(w * sdot, dob, dUv.at(b, h, j), dv);
             axpy(dsd, Kj, dq.data(), dk);
             axpy(dsd, q, dKv.at(b, h, j), dk);
-            const T dw = dsd * sdot;
-            dG_at(b, h, j) -= dw;
-            sum_dw += dw;
+            dG_at(b, h, j) -= dsd * sdot;
+            return dsd * sdot;
+          };
+          // j = t first: it completes du_t, which the write's reverse below needs.
+          T sum_dw = read_term(tau);
+          if (i != 0) {   // a read-only layer
+            for (int64_t j = 0; j < tau; ++j) sum_dw += read_term(j);
+            dG_at(b, h, tau) += dGt + sum_dw;
+            for (int64_t a = 0; a < dk; ++a) dq[a] += dot(M + a * dv, drq, dv);
+            l2n_relu_back(yb + col.q + h * dk, dq.data(), dyb + col.q + h * dk, scratch.data(), dk);
+            continue;
           }
-          dG_at(b, h, tau) += dGt + sum_dw;
-          l2n_relu_back(yb + col.q + h * dk, dq.data(), dyb + col.q + h * dk, scratch.data(), dk);
-          if (i != 0) continue;
-          // Step tau's write reversed: u_t = beta (v - M_{t-1}^T k_t) and the decay.
+          // Step t's write reversed: u_t = beta (v - M_{t-1}^T k_t) and the decay.
           const T* du = dUv.at(b, h, tau);
           const T beta = *betav.at(b, h, tau);
           T* dkn_bh = dkn.data_ptr<T>() + b * Hk + h * dk;
           std::copy(dkn_bh, dkn_bh + dk, dyb + col.kn + h * dk);   // k_{t+1} is computed at step t
           const T* vt = vv.at(b, h, tau);
           const T* pr = predv.at(b, h, tau);
-          T s_err = 0;
-          for (int64_t v = 0; v < dv; ++v) s_err += du[v] * (vt[v] - pr[v]);
+          const T s_err = dot(du, vt, dv) - dot(du, pr, dv);
           dyb[col.beta + h] = s_err * beta * (T(1) - beta);
           for (int64_t v = 0; v < dv; ++v) {
             dyb[col.v + h * dv + v] = beta * du[v];
@@ -563,25 +581,38 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           const T Gp = tau ? G_at(b, h, tau - 1) : T(0), eGp = std::exp(Gp);
           T* drk = dRkv.at(b, h, tau);
           for (int64_t v = 0; v < dv; ++v) drk[v] = eGp * dpred[v];
-          for (int64_t a = 0; a < dk; ++a) dkv[a] = dot(M + a * dv, drk, dv);
-          if (tau) {
-            const T dGp = eGp * dot(dpred.data(), rkv.at(b, h, tau), dv);
-            T sw = 0;
-            for (int64_t j = 0; j < tau; ++j) {
-              const T* Kj = kv.at(b, h, j);
-              const T* Uj = Uv.at(b, h, j);
-              const T w = std::exp(Gp - G_at(b, h, j));
-              const T sdot = dot(Kj, kt, dk);
-              const T dsd = dot(Uj, dpred.data(), dv) * w;
-              axpy(w * sdot, dpred.data(), dUv.at(b, h, j), dv);
-              axpy(dsd, Kj, dkv.data(), dk);
-              axpy(dsd, kt, dKv.at(b, h, j), dk);
-              const T dw = dsd * sdot;
-              dG_at(b, h, j) -= dw;
-              sw += dw;
+          std::fill(dkv.begin(), dkv.end(), T(0));
+          // The read's and the write's history terms in one pass over the chunk's k_j, u_j.
+          T sw = 0;
+          for (int64_t j = 0; j < tau; ++j) {
+            const T* Kj = kv.at(b, h, j);
+            const T* Uj = Uv.at(b, h, j);
+            const T Gj = G_at(b, h, j);
+            const T wr = std::exp(Gt - Gj), ww = std::exp(Gp - Gj);
+            const T sr = dot(Kj, q, dk), sk = dot(Kj, kt, dk);
+            const T dr = dot(Uj, dob, dv) * wr, dw_ = dot(Uj, dpred.data(), dv) * ww;
+            const T ar = wr * sr, aw = ww * sk;
+            T* dUj = dUv.at(b, h, j);
+            for (int64_t v = 0; v < dv; ++v) dUj[v] += ar * dob[v] + aw * dpred[v];
+            T* dKj = dKv.at(b, h, j);
+            for (int64_t a = 0; a < dk; ++a) {
+              dq[a] += dr * Kj[a];
+              dkv[a] += dw_ * Kj[a];
+              dKj[a] += dr * q[a] + dw_ * kt[a];
             }
-            dG_at(b, h, tau - 1) += dGp + sw;
+            dG_at(b, h, j) -= dr * sr + dw_ * sk;
+            sum_dw += dr * sr;
+            sw += dw_ * sk;
           }
+          dG_at(b, h, tau) += dGt + sum_dw;
+          if (tau) dG_at(b, h, tau - 1) += eGp * dot(dpred.data(), rkv.at(b, h, tau), dv) + sw;
+          // One pass over M0 for both: dq += M0 drq, dk += M0 drk.
+          for (int64_t a = 0; a < dk; ++a) {
+            const T* Ma = M + a * dv;
+            dq[a] += dot(Ma, drq, dv);
+            dkv[a] += dot(Ma, drk, dv);
+          }
+          l2n_relu_back(yb + col.q + h * dk, dq.data(), dyb + col.q + h * dk, scratch.data(), dk);
           T* dKt = dKv.at(b, h, tau);
           for (int64_t a = 0; a < dk; ++a) dKt[a] += dkv[a];
           // G_t = G_{t-1} + log a_t, so d log a_t = sum over t' >= t of dG_t' (complete now).
@@ -595,14 +626,13 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
         }
       });
       matmul_into(dcm, dYt, wt_in[i], std::nullopt);
-      over_rows(B, [&](int64_t b) {
-        rms_back(nin + b * d, cin + b * d, dcmd + b * d, dcd + b * d, d, eps);
-        for (int64_t j = 0; j < d; ++j) dcd[b * d + j] += dcin[b * d + j];
-      });
+      pending = Pending{true, nin, cin, i == 0 && tau == C - 1 && dspe != nullptr};
     }
-    if (tau == C - 1 && ds_prev_end) dc.add_(*ds_prev_end);  // s_prev at the end entered step C-1
-    dg.copy_(dc);                                           // the state entering step tau
   }
+  over_rows(B, [&](int64_t b) {   // the gradient of the state entering the chunk
+    finish(b);
+    std::copy(dcd + b * d, dcd + (b + 1) * d, dgd + b * d);
+  });
   if (D.mem) J.dA.add_(dAb.sum(0));
   return {dg, dk_pre0};
 }
@@ -616,8 +646,17 @@ std::vector<Tensor> chunk_backward(
     std::optional<Tensor> ds_end, std::optional<Tensor> ds_prev_end, std::vector<Tensor> dY,
     std::vector<Tensor> dZ, std::vector<Tensor> dRq, Tensor dYfg, Tensor d_fuse,
     std::vector<Tensor> memory_adjoints) {
-  Acts X{c, n, y, o, ro, q, rq, n_p.contiguous(), gate.contiguous(), p.contiguous()};
-  for (const auto& t : c) check_rows(t, "c");
+  // Dense activations and adjoints are read as rows of contiguous (C, B, width) blocks.
+  const auto dense = [](std::vector<Tensor> ts) {
+    for (auto& t : ts) t = t.contiguous();
+    return ts;
+  };
+  for (const auto& t : dY) TORCH_CHECK(t.is_contiguous(), "dY: expected contiguous (C, B, width)");
+  for (const auto& t : dZ) TORCH_CHECK(t.is_contiguous(), "dZ: expected contiguous (C, B, d)");
+  TORCH_CHECK(dYfg.is_contiguous(), "dYfg: expected contiguous (C, B, d)");
+  Acts X{dense(c), dense(n), dense(y), dense(o), dense(ro), q, rq,
+         n_p.contiguous(), gate.contiguous(), p.contiguous()};
+  if (ds_prev_end) ds_prev_end = ds_prev_end->contiguous();
   check_rows(dP, "dP");
   check_rows(d_fuse, "d_fuse");
   Adjoints J{dY, dZ, dRq, dYfg, d_fuse};
@@ -625,7 +664,7 @@ std::vector<Tensor> chunk_backward(
   if (mem) {
     TORCH_CHECK(memory_acts.size() == 9 && memory_adjoints.size() == 5 && A,
                 "chunk_backward: expected 9 memory activations and 5 memory adjoints");
-    X.k_pre = memory_acts[0]; X.k = memory_acts[1]; X.v = memory_acts[2];
+    X.k_pre = memory_acts[0].contiguous(); X.k = memory_acts[1]; X.v = memory_acts[2];
     X.beta = memory_acts[3]; X.U = memory_acts[4]; X.G = memory_acts[5];
     X.pred = memory_acts[6]; X.rk = memory_acts[7]; X.M0 = memory_acts[8].contiguous();
     J.dK = memory_adjoints[0]; J.dU = memory_adjoints[1]; J.dG = memory_adjoints[2];
