@@ -239,15 +239,17 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
   T* zd = z.data_ptr<T>();
   T* gd = g.data_ptr<T>();
 
+  // The state entering step t: recorded, copied to c and normalised (the last region of
+  // step t-1 does this for step t, saving a fork/join per step).
+  const auto enter = [&](int64_t b, int64_t tau) {
+    const T* sb = sd + b * d;
+    if (S_out) std::copy(sb, sb + d, Sv.at(b, tau));
+    std::copy(sb, sb + d, cd + b * d);
+    const T r = rms_factor(sb, d, eps);
+    for (int64_t j = 0; j < d; ++j) nd[b * d + j] = sb[j] * r;
+  };
+  over_rows(B, [&](int64_t b) { enter(b, 0); });
   for (int64_t tau = 0; tau < C; ++tau) {
-    // c = s; n = rms(c)
-    over_rows(B, [&](int64_t b) {
-      const T* sb = sd + b * d;
-      if (S_out) std::copy(sb, sb + d, Sv.at(b, tau));
-      std::copy(sb, sb + d, cd + b * d);
-      const T r = rms_factor(sb, d, eps);
-      for (int64_t j = 0; j < d; ++j) nd[b * d + j] = sb[j] * r;
-    });
     for (int64_t i = 0; i < D.L; ++i) {
       const InCols col(D, i);
       // The bias is added in the row loop below: addmm's extra pass costs more than that.
@@ -338,7 +340,6 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
         for (int64_t j = 0; j < d; ++j) nd[b * d + j] = cb[j] * r;
       });
     }
-    if (D.mem) Gp.copy_(Gc);
     matmul_into(g, n, w_fg, std::nullopt);
     const T* bias_fg = b_fg_c.data_ptr<T>();
     // P[:, tau] = c; s_prev = s; s = sigmoid(gate) * c + fuse[:, tau]
@@ -352,6 +353,9 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
       sigmoid_vec(gb, gb, d);
       const T* fb = Fv.at(b, tau);
       for (int64_t j = 0; j < d; ++j) sb[j] = gb[j] * cb[j] + fb[j];
+      if (D.mem) std::copy(Gc.data_ptr<T>() + b * H, Gc.data_ptr<T>() + (b + 1) * H,
+                           Gp.data_ptr<T>() + b * H);
+      if (tau + 1 < C) enter(b, tau + 1);
     });
   }
   if (!D.mem) return {s, s_prev};
