@@ -32,6 +32,12 @@ import pytest
 
 from gpn_scale.testing.s3 import LocalS3
 
+# One build cache for compiled extensions (the engine's step kernels, DeepSpeed's ops) shared
+# by this process and every child the tests start (the trainer tests pass the same path).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   ".cache", "torch_extensions"))
+
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[LocalS3]:

@@ -20,7 +20,9 @@ TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -65,12 +67,28 @@ def _build_flags() -> list[str]:
     return flags + ["-DCPU_CAPABILITY=DEFAULT"]
 
 
+_NAME = "gpn_scale_step_kernels"
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> ModuleType | Exception:
     try:
-        from torch.utils.cpp_extension import load
-        return load(name="gpn_scale_step_kernels", sources=[str(_SOURCE)],
-                    extra_cflags=_build_flags(), extra_ldflags=["-fopenmp"], verbose=False)
+        # Importing cpp_extension on a machine without CUDA logs a warning about CUDA_HOME
+        # that is irrelevant to a CPU-only extension; keep it out of users' logs.
+        cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+        level = cpp_logger.level
+        cpp_logger.setLevel(logging.ERROR)
+        try:
+            from torch.utils import cpp_extension
+        finally:
+            cpp_logger.setLevel(level)
+        build_dir = Path(cpp_extension._get_build_directory(_NAME, verbose=False))
+        if not any(build_dir.glob(f"{_NAME}*.so")):
+            print(f"gpn_scale: compiling the fused CPU step kernels into {build_dir} "
+                  "(once; about a minute)", file=sys.stderr, flush=True)
+        return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)],
+                                  extra_cflags=_build_flags(), extra_ldflags=["-fopenmp"],
+                                  verbose=False)
     except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
         return exc
 

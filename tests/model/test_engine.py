@@ -5,6 +5,7 @@ import torch
 
 from gpn_scale.model import GPNState
 from gpn_scale.model.reference import reference_forward
+from gpn_scale.ops.step_kernels import ENV_VAR
 
 from model_helpers import perturbed_model, tiny_config
 
@@ -45,8 +46,11 @@ def _compare(cfg, dtype, T=12, B=3, rtol=1e-9, grad_atol=0.0, grad_rtol=1e-9, lo
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("steps", ["cpp", "python"])
 @pytest.mark.parametrize("case", CASES)
-def test_engine_equals_reference_float64(case):
+def test_engine_equals_reference_float64(case, steps, monkeypatch):
+    # Both forms of the loop's steps: the fused CPU kernels and the PyTorch ops (GPU's form).
+    monkeypatch.setenv(ENV_VAR, steps)
     _compare(tiny_config(**CASES[case]), torch.float64)
 
 
