@@ -494,9 +494,10 @@ def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, d
         if dM_end is not None:                         # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
             G_end = G[..., -1:]
             w = (G_end - G).exp()
+            KdM = K @ dM_end
             dK += w[..., None] * (U @ dM_end.mT)
-            dU += w[..., None] * (K @ dM_end)
-            t = ((K @ dM_end) * U).sum(-1)
+            dU += w[..., None] * KdM
+            t = (KdM * U).sum(-1)
             dG -= w * t
             dG[..., -1] += (w * t).sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
             dM0 += G_end[..., 0].exp()[..., None, None] * dM_end

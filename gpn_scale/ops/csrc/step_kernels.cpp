@@ -63,6 +63,34 @@ __attribute__((always_inline)) inline void axpy(T a, const T* x, T* y, int64_t n
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// (a . x, b . x) in one pass over x
+template <typename T>
+__attribute__((always_inline)) inline void dot2(const T* a, const T* b, const T* x, int64_t n,
+                                                T& ax, T& bx) {
+  using V = Vec<T>;
+  constexpr int64_t w = V::size();
+  V acc_a(T(0)), acc_b(T(0));
+  int64_t i = 0;
+  for (; i + w <= n; i += w) {
+    const V xv = V::loadu(x + i);
+    acc_a = at::vec::fmadd(V::loadu(a + i), xv, acc_a);
+    acc_b = at::vec::fmadd(V::loadu(b + i), xv, acc_b);
+  }
+  T la[w], lb[w];
+  acc_a.store(la);
+  acc_b.store(lb);
+  ax = 0;
+  bx = 0;
+  for (int64_t l = 0; l < w; ++l) {
+    ax += la[l];
+    bx += lb[l];
+  }
+  for (; i < n; ++i) {
+    ax += a[i] * x[i];
+    bx += b[i] * x[i];
+  }
+}
+
 // out[i] = g(x[i]) * w[i] with g = sigmoid (vectorised: exp dominates the step's elementwise cost)
 template <typename T>
 void sigmoid_vec(const T* x, T* out, int64_t n) {
@@ -593,8 +621,10 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
             const T* Uj = Uv.at(b, h, j);
             const T Gj = G_at(b, h, j);
             const T wr = std::exp(Gt - Gj), ww = std::exp(Gp - Gj);
-            const T sr = dot(Kj, q, dk), sk = dot(Kj, kt, dk);
-            const T dr = dot(Uj, dob, dv) * wr, dw_ = dot(Uj, dpred.data(), dv) * ww;
+            T sr, sk, ur, uw;
+            dot2(q, kt, Kj, dk, sr, sk);
+            dot2(dob, dpred.data(), Uj, dv, ur, uw);
+            const T dr = ur * wr, dw_ = uw * ww;
             const T ar = wr * sr, aw = ww * sk;
             T* dUj = dUv.at(b, h, j);
             for (int64_t v = 0; v < dv; ++v) dUj[v] += ar * dob[v] + aw * dpred[v];
@@ -612,9 +642,10 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           if (tau) dG_at(b, h, tau - 1) += eGp * dot(dpred.data(), rkv.at(b, h, tau), dv) + sw;
           // One pass over M0 for both: dq += M0 drq, dk += M0 drk.
           for (int64_t a = 0; a < dk; ++a) {
-            const T* Ma = M + a * dv;
-            dq[a] += dot(Ma, drq, dv);
-            dkv[a] += dot(Ma, drk, dv);
+            T mq, mk;
+            dot2(drq, drk, M + a * dv, dv, mq, mk);
+            dq[a] += mq;
+            dkv[a] += mk;
           }
           l2n_relu_back(yb + col.q + h * dk, dq.data(), dyb + col.q + h * dk, scratch.data(), dk);
           T* dKt = dKv.at(b, h, tau);
