@@ -65,3 +65,24 @@ def s3_bucket(s3_endpoint: LocalS3) -> str:
 def s3_env_snapshot() -> dict[str, str]:
     """The S3-related environment as the test sees it (handy for child processes)."""
     return {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "S3_"))}
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A TMPDIR of the test's own (streaming keeps filelocks and its default cache in
+    tempfile.gettempdir(); sharing one between tests makes them interfere), and no
+    distributed topology variables (streaming reads them; a test sets them when it needs to).
+    The data and trainer tests use it for every test (autouse in their conftest.py)."""
+    import tempfile
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+        # set-then-delete so that pytest restores "absent" after the test even if the
+        # code under test (build_loader) sets them
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
+    return tmp

@@ -14,16 +14,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """streaming keeps filelocks in tempfile.gettempdir(): one TMPDIR per test."""
-    import tempfile
-
-    tmp = tmp_path / "tmpdir"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
-        monkeypatch.setenv(key, "0")
-        monkeypatch.delenv(key)  # restored to "absent" even if the code under test sets it
-    return tmp
+def _own_tmpdir(private_tmpdir: Path) -> Path:
+    """One TMPDIR per test (see `private_tmpdir` in tests/conftest.py)."""
+    return private_tmpdir
