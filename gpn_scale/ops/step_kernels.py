@@ -56,22 +56,27 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_flags() -> list[str]:
+def _capability() -> str:
+    """The instruction set to build for. ATen's Vectorized<T> picks it from CPU_CAPABILITY
+    (as torch's own kernels and inductor's do); we build on the machine that runs."""
+    return "avx2" if {"avx2", "fma"} <= _cpu_flags() else "default"
+
+
+def _build_flags(capability: str) -> list[str]:
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is silently serial
     # without it (the runtime is torch's own libgomp, already loaded, matched by soname).
-    # ATen's Vectorized<T> picks its instruction set from CPU_CAPABILITY (as torch's own
-    # kernels and inductor's do); we build on the machine that runs, so ask /proc/cpuinfo.
     flags = ["-O3", "-fopenmp"]
-    if {"avx2", "fma"} <= _cpu_flags():
+    if capability == "avx2":
         return flags + ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags + ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-_NAME = "gpn_scale_step_kernels"
-
-
 @functools.lru_cache(maxsize=1)
 def _load() -> ModuleType | Exception:
+    # The instruction set is in the name: nodes of a cluster that share a home directory
+    # (hence the build cache) but not a CPU generation each get a build they can run.
+    capability = _capability()
+    name = f"gpn_scale_step_kernels_{capability}"
     try:
         # Importing cpp_extension on a machine without CUDA logs a warning about CUDA_HOME
         # that is irrelevant to a CPU-only extension; keep it out of users' logs.
@@ -82,15 +87,23 @@ def _load() -> ModuleType | Exception:
             from torch.utils import cpp_extension
         finally:
             cpp_logger.setLevel(level)
-        build_dir = Path(cpp_extension._get_build_directory(_NAME, verbose=False))
-        if not any(build_dir.glob(f"{_NAME}*.so")):
-            print(f"gpn_scale: compiling the fused CPU step kernels into {build_dir} "
-                  "(once; about a minute)", file=sys.stderr, flush=True)
-        return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)],
-                                  extra_cflags=_build_flags(), extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        _notice_first_build(cpp_extension, name)
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)],
+                                  extra_cflags=_build_flags(capability),
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
         return exc
+
+
+def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
+    """One line on stderr before a build (it takes about a minute; later loads are cached)."""
+    try:   # a private helper of torch's: without it, only the notice is lost
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:
+        return
+    if not any(build_dir.glob(f"{name}*.so")):
+        print(f"gpn_scale: compiling the fused CPU step kernels into {build_dir} "
+              "(once; about a minute)", file=sys.stderr, flush=True)
 
 
 def kernels_for(device: torch.device) -> ModuleType | None:

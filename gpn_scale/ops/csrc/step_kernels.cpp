@@ -7,7 +7,7 @@
 // everything else (norms, gates, activations, the chunk-form memory read/write and its
 // reverse) is a plain loop per batch row, in parallel over rows. torch.compile was measured
 // first: its per-call overhead alone (~70 us) exceeds what the step may spend outside its
-// matmuls. Semantics are exactly those of `_run_chunk` / `_chunk_backward` in engine.py,
+// matmuls. Semantics are exactly those of `_run_chunk` / `_reverse_sweep` in engine.py,
 // which stay as the reference and are held equal to this file by tests/model/test_step_kernels.py.
 //
 // Layouts (as the engine hands them over): dense activations (C, B, width) contiguous; memory
@@ -91,7 +91,7 @@ __attribute__((always_inline)) inline void dot2(const T* a, const T* b, const T*
   }
 }
 
-// out[i] = g(x[i]) * w[i] with g = sigmoid (vectorised: exp dominates the step's elementwise cost)
+// out[i] = sigmoid(x[i]) (vectorised: exp dominates the step's elementwise cost)
 template <typename T>
 void sigmoid_vec(const T* x, T* out, int64_t n) {
   const Vec<T> one(T(1));
