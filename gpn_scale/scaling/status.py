@@ -16,7 +16,6 @@ started (has progress but no job seen) | failed (last line a non-finite stop) | 
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import subprocess
@@ -53,20 +52,9 @@ def single_job_name(sweep_name: str, index: int) -> str:
 
 
 def _metrics(run_dir: str | None) -> list[dict]:
-    if not run_dir:
-        return []
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    from gpn_scale.train.metrics import read_jsonl
+
+    return read_jsonl(Path(run_dir) / "metrics.jsonl", live=True) if run_dir else []
 
 
 def _json_at(uri: str, key: str) -> dict | None:

@@ -116,10 +116,28 @@ class JsonlSink:
             self._file.close()
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file (for tests, plots and reports)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_jsonl(path: str | os.PathLike[str], *, live: bool = False) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file (for tests, plots, reports and sweep status).
+
+    `live=True` reads a file that a run may still be writing: no file yet is no rows, and a
+    line that does not parse as a JSON object (a torn last line) is skipped instead of raising.
+    """
+    if live and not os.path.isfile(path):
+        return []
+    rows = []
+    with open(path, encoding="utf-8", errors="replace" if live else "strict") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if not live:
+                    raise
+                continue
+            if isinstance(row, dict) or not live:
+                rows.append(row)
+    return rows
 
 
 # -- secrets ------------------------------------------------------------------------------------

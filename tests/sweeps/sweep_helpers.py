@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
+
+from gpn_scale.train.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -45,27 +46,12 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     """train/loss by step from metrics.jsonl (a resumed run's later line wins)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "train/loss" in rec:
-            out[rec["step"]] = rec["train/loss"]
-    return out
+    return {r["step"]: r["train/loss"]
+            for r in read_jsonl(run_dir / "metrics.jsonl", live=True) if "train/loss" in r}
 
 
 def events(run_dir: Path) -> list[str]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "event" in rec:
-            out.append(rec["event"])
-    return out
+    return [r["event"] for r in read_jsonl(run_dir / "metrics.jsonl", live=True) if "event" in r]
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.3):

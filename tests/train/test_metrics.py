@@ -31,6 +31,16 @@ def _strict_rows(path: Path) -> list[dict]:
 # -- JSONL ------------------------------------------------------------------------------------
 
 
+def test_read_jsonl_live_tolerates_a_run_still_writing(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    assert read_jsonl(path, live=True) == []                    # the run has not started
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(path)
+    path.write_text('{"step": 1, "train/loss": 2.5}\n{"step": 2, "tra')   # torn last line
+    assert read_jsonl(path, live=True) == [{"step": 1, "train/loss": 2.5}]
+    with pytest.raises(json.JSONDecodeError):
+        read_jsonl(path)
+
 def test_jsonl_appends_and_resume_truncates(tmp_path: Path) -> None:
     path = tmp_path / "run" / "metrics.jsonl"
     sink = JsonlSink(str(path))

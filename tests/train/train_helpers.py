@@ -7,13 +7,14 @@ Runs go through the real CLI: `python -m gpn_scale train …` in a subprocess (o
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gpn_scale.train.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -82,16 +83,7 @@ def start_train(corpus: str, run_dir: Path, *overrides: str, resume: str | None 
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written right now
-            pass
-    return out
+    return read_jsonl(run_dir / "metrics.jsonl", live=True)   # the run may be writing it
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
