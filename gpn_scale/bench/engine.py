@@ -125,29 +125,19 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
     kq = [r(B * H, 2 if i == 0 else 1, dk) for i in range(L)]
     dkq = [r(B * H, 2 if i == 0 else 1, dv) for i in range(L)]
 
-    def seq_fwd():
-        for W in W_in:
-            x @ W
-            h @ W_out
-        x @ W_fg
-
-    def seq_bwd():
-        for dy, W in zip(dy_in, Wt_in):
-            dy @ W
-            dz @ Wt_out
-        dz @ Wt_fg
-
-    def seq_fwd_memory():
+    def seq_fwd(memory: bool = False):
         for W, a in zip(W_in, kq):
             x @ W
-            a @ M0
+            if memory:
+                a @ M0
             h @ W_out
         x @ W_fg
 
-    def seq_bwd_memory():
+    def seq_bwd(memory: bool = False):
         for dy, W, a in zip(dy_in, Wt_in, dkq):
             dy @ W
-            a @ M0t
+            if memory:
+                a @ M0t
             dz @ Wt_out
         dz @ Wt_fg
 
@@ -190,8 +180,8 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
     return {
         "sequential forward": _time(seq_fwd, repeats * 20) * T,
         "sequential backward": _time(seq_bwd, repeats * 20) * T,
-        **({"sequential forward +memory": _time(seq_fwd_memory, repeats * 20) * T,
-            "sequential backward +memory": _time(seq_bwd_memory, repeats * 20) * T}
+        **({"sequential forward +memory": _time(lambda: seq_fwd(True), repeats * 20) * T,
+            "sequential backward +memory": _time(lambda: seq_bwd(True), repeats * 20) * T}
            if cfg.memory else {}),
         "parallel recompute": _time(recompute, repeats * 5) * chunks,
         "weight gradients": _time(wgrad, repeats * 5) * chunks,
