@@ -31,22 +31,11 @@ from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model.counts import count_parameters, flops_per_token
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops.step_kernels import kernels_for
+from gpn_scale.testing.models import perturbed_model, tiny_config
 from gpn_scale.train.loop import peak_flops
 
-TINY = GPNConfig(vocab_size=37, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6,
-                 chunk_size=4, n_layers=2)
+TINY = tiny_config(n_layers=2)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-
-
-def _perturbed(cfg: GPNConfig, dtype: torch.dtype, device: torch.device) -> GPN:
-    """The reference init zeroes the gates and the FFN output; perturb every parameter so
-    that every path (and its gradient) carries signal."""
-    torch.manual_seed(0)
-    model = GPN(cfg).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model
 
 
 def check_exactness(device: torch.device) -> list[dict]:
@@ -54,7 +43,7 @@ def check_exactness(device: torch.device) -> list[dict]:
     tokens = torch.randint(0, TINY.vocab_size, (3, 12), generator=torch.Generator().manual_seed(3))
     tokens = tokens.to(device)
     for dtype in (torch.float64, torch.float32):
-        model = _perturbed(TINY, dtype, device)
+        model = perturbed_model(TINY, dtype).to(device)
         params = list(model.parameters())
         out = model(tokens)
         ref = reference_forward(model, tokens)
@@ -67,7 +56,7 @@ def check_exactness(device: torch.device) -> list[dict]:
         rows.append(dict(check=f"engine == reference, {str(dtype).replace('torch.', '')}",
                          loss_rel_err=loss_err, grad_rel_err=grad_err, tolerance=tol,
                          ok=loss_err <= tol and grad_err <= tol))
-    model = _perturbed(TINY, torch.float32, device)
+    model = perturbed_model(TINY, torch.float32).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(tokens, return_state=True)
     out.loss.backward()

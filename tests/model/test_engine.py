@@ -7,7 +7,7 @@ from gpn_scale.model import GPNState
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops.step_kernels import ENV_VAR
 
-from model_helpers import perturbed_model, tiny_config
+from gpn_scale.testing.models import perturbed_model, tiny_config
 
 CASES = {
     "1-layer": dict(),

@@ -11,7 +11,7 @@ from gpn_scale.model import GPN, ConfigError
 from gpn_scale.model.reference_format import (export_reference, import_reference,
                                               load_reference_params)
 
-from model_helpers import perturbed_model, tiny_config
+from gpn_scale.testing.models import perturbed_model, tiny_config
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(n_layers=2, decoder_bias=True),

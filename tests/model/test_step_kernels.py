@@ -13,7 +13,7 @@ from gpn_scale.model import engine
 from gpn_scale.ops import step_kernels
 from gpn_scale.ops.step_kernels import ENV_VAR, StepKernelError, kernels_for
 
-from model_helpers import perturbed_model, tiny_config
+from gpn_scale.testing.models import perturbed_model, tiny_config
 
 CASES = {
     "1-layer": dict(),

@@ -1,4 +1,5 @@
-"""Shared builders for the model tests: tiny configs and models with non-trivial weights."""
+"""Tiny configs and models with non-trivial weights: for the model tests and the device
+check (`gpn_scale.bench.gpu`), which hold the engine equal to the reference path."""
 
 from __future__ import annotations
 
