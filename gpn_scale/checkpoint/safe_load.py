@@ -37,7 +37,22 @@ _DCP_MODULES = (
     "torch.distributed.checkpoint._extension",
     "torch.distributed.checkpoint.stateful",
 )
+
+
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """`builtins.getattr` as some Pythons pickle an enum member (3.11.2 writes DCP's
+    `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT` as getattr(_MEM_FORMAT_ENCODING, name);
+    3.11.7 calls the class): only a member name of an enum class, which itself can only come
+    from `find_class`'s allowed set, is looked up; anything else is refused."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
+            and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError("getattr in checkpoint metadata is allowed only for an enum "
+                                 "member")
+
+
 _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("builtins", "getattr"): _enum_member,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # name -> torch.layout lookup
     ("pathlib", "PosixPath"): pathlib.PosixPath,

@@ -215,6 +215,31 @@ def test_pickled_object_in_dcp_metadata_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+
+class _Getattr:
+    """Pickles as getattr(obj, name), as Python 3.11.2 writes enum members in DCP metadata."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def __reduce__(self):
+        return (getattr, (self.obj, self.name))
+
+
+def test_dcp_metadata_enum_member_by_getattr_loads_and_other_getattr_refused() -> None:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from gpn_scale.checkpoint.safe_load import safe_unpickle_metadata
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    data = pickle.dumps([_Getattr(_MEM_FORMAT_ENCODING, member.name)])
+    assert b"getattr" in data
+    assert safe_unpickle_metadata(data, "m") == [member]
+    for obj, name in ((torch.Size, "__reduce__"), (_MEM_FORMAT_ENCODING, "__class__"),
+                      (_MEM_FORMAT_ENCODING, "_member_map_")):
+        with pytest.raises(CheckpointError, match="not plain DCP metadata.*only for an enum member"):
+            safe_unpickle_metadata(pickle.dumps(_Getattr(obj, name)), "m")
+
 def test_pickled_object_in_dcp_value_refused(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path / "ck"))
     model, opt = trained()
