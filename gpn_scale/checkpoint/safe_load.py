@@ -122,7 +122,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = _weights_only_load(value)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(
                 f"refusing to unpickle checkpoint value '{read_item.dest_index.fqn}' ({_why(exc)}); "
@@ -136,11 +136,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def _weights_only_load(source: Any, extra_safe_globals: Iterable[Any] = (),
+                       map_location: str | None = None) -> Any:
+    """torch.load(weights_only=True), also reading enum members pickled as getattr(Enum, name)
+    (Python 3.11.2 does that) through `_enum_member`, never through the real getattr."""
+    allowed = [(_enum_member, "builtins.getattr"), *extra_safe_globals]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(source, map_location=map_location, weights_only=True)
+
+
 def safe_torch_load(path: Path, *, extra_safe_globals: Iterable[Any] = ()) -> Any:
     """torch.load(weights_only=True) with a one-line CheckpointError on refusal."""
     try:
-        with torch.serialization.safe_globals(list(extra_safe_globals)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return _weights_only_load(path, extra_safe_globals, map_location="cpu")
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(
             f"refusing to load {path}: not loadable with weights_only=True ({_why(exc)}); "

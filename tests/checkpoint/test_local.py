@@ -3,6 +3,7 @@ refusal of pickled code, bad paths."""
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import pickle
@@ -239,6 +240,22 @@ def test_dcp_metadata_enum_member_by_getattr_loads_and_other_getattr_refused() -
                       (_MEM_FORMAT_ENCODING, "_member_map_")):
         with pytest.raises(CheckpointError, match="not plain DCP metadata.*only for an enum member"):
             safe_unpickle_metadata(pickle.dumps(_Getattr(obj, name)), "m")
+
+
+class Stage(enum.Enum):   # module level: torch's weights_only loader allowlists it by path
+    ONE = 1
+
+
+def test_weights_only_files_read_enum_member_by_getattr_and_refuse_other_getattr(
+        tmp_path: Path) -> None:
+    from gpn_scale.checkpoint.safe_load import safe_torch_load
+
+    path = tmp_path / "state.pt"
+    torch.save({"stage": _Getattr(Stage, "ONE")}, path)
+    assert safe_torch_load(path, extra_safe_globals=[Stage]) == {"stage": Stage.ONE}
+    torch.save({"x": _Getattr(Stage, "__class__")}, path)
+    with pytest.raises(CheckpointError, match="refusing to load .*state.pt"):
+        safe_torch_load(path, extra_safe_globals=[Stage])
 
 def test_pickled_object_in_dcp_value_refused(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path / "ck"))
