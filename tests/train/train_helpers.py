@@ -2,7 +2,7 @@
 
 Runs go through the real CLI: `python -m gpn_scale train …` in a subprocess (or under
 `torch.distributed.run` for 2 gloo ranks), with OMP_NUM_THREADS=1, a private TMPDIR
-(streaming's filelocks) and the repo's DeepSpeed op cache.
+(streaming's filelocks) and the extension build cache that tests/conftest.py sets.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ def child_env(tmp: Path, **extra: str) -> dict[str, str]:
     tmpdir = tmp / "tmp"
     tmpdir.mkdir(parents=True, exist_ok=True)
     env.update({"OMP_NUM_THREADS": "1", "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1",
-                "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
                 "WANDB_SILENT": "true"})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS"):
