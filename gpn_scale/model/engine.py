@@ -503,7 +503,7 @@ def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, d
             dG[..., -1] += (w * t).sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
             dM0 += G_end[..., 0].exp()[..., None, None] * dM_end
     else:
-        dK = dU = dG = dRk = dA = None
+        dK = dU = dG = dRk = dA = dM0 = None
         dRq = []
     adjoints = _SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA)
     if kernels is not None:
@@ -517,7 +517,7 @@ def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, d
             [dK, dU, dG, dRk, dA] if mem else [])
     else:
         dg, dk_pre0 = _reverse_sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end, adjoints)
-    return dg, adjoints, dk_pre0 if mem else None, dM0 if mem else None
+    return dg, adjoints, dk_pre0, dM0
 
 
 def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg: Tensor,
