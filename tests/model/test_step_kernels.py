@@ -72,6 +72,15 @@ def test_fused_equals_pytorch_steps_float64(case, monkeypatch):
     _compare(tiny_config(**CASES[case]), torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.parametrize("layers,chunk", [(1, 20), (1, 17), (2, 19)])
+def test_fused_equals_pytorch_steps_long_chunks_float64(layers, chunk, monkeypatch):
+    """Chunks of several sweep blocks (the reverse sweep defers the history pushes of a block
+    of 8 steps onto earlier steps): whole blocks, a partial last block, a block of one step.
+    45 steps of a perturbed recurrence amplify float64 rounding to ~1e-11 in the state."""
+    _compare(tiny_config(n_layers=layers, chunk_size=chunk), torch.float64, monkeypatch,
+             rtol=1e-10, atol=1e-12, value_tol=1e-10, T=45)
+
+
 @pytest.mark.parametrize("case", ["1-layer", "2-layer", "gpn-no-memory", "tbptt", "wide-heads"])
 def test_fused_equals_pytorch_steps_float32(case, monkeypatch):
     # The engine tests' float32 tolerances: loss 1e-5, gradients 1e-5 + 1e-4 relative, state
