@@ -90,7 +90,7 @@ def bench_roofline(repeats: int) -> list[dict]:
     bare = _bare_matmul_times(cfg, B, T, repeats)
     rows = []
     for phase in ("sequential forward", "sequential backward", "parallel recompute",
-                  "weight gradients", "decode"):
+                  "memory carry backward", "weight gradients", "decode"):
         seconds = best.get(phase, float("nan"))
         with_memory = bare.get(phase + " +memory", bare[phase])
         rows.append(dict(phase=phase, seconds=seconds, bare_matmuls=bare[phase],
@@ -152,6 +152,13 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
             H_ @ W_out
         X @ W_fg
 
+    # Per chunk, the end memory's gradient onto the chunk's keys and values: K dM, U dM^T.
+    Kc, Uc, dM = r(B * H, C, dk), r(B * H, C, dv), r(B * H, dk, dv)
+
+    def memory_carry():
+        Kc @ dM
+        Uc @ dM.mT
+
     def wgrad():
         for dy in dY:
             X.t() @ dy
@@ -184,6 +191,7 @@ def _bare_matmul_times(cfg: GPNConfig, B: int, T: int, repeats: int) -> dict[str
             "sequential backward +memory": _time(lambda: seq_bwd(True), repeats * 20) * T}
            if cfg.memory else {}),
         "parallel recompute": _time(recompute, repeats * 5) * chunks,
+        "memory carry backward": _time(memory_carry, repeats * 5) * (chunks - 1),
         "weight gradients": _time(wgrad, repeats * 5) * chunks,
         "decode": _time(decode, repeats),
     }

@@ -459,23 +459,23 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     gradient (and dM0) is formed at the end as one matmul over all steps of the chunk.
     Returns the gradients of the chunk's start carry (s, s_prev, M0).
     """
+    # Pushing the end memory's gradient onto the chunk's k, u and G is chunk-wide GEMM work
+    # (like the recompute), timed apart from the sequential sweep that follows it.
+    with _phase("memory carry backward"):
+        adjoints, dM0 = _sweep_adjoints(plan, Wt, acts, M0, dP, dM_end, d_fuse, workspace)
     with _phase("sequential backward"):
-        dg, adjoints, dk_pre0, dM0 = _sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end,
-                                            dM_end, d_fuse, kernels, workspace)
+        dg, dk_pre0 = _sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end, adjoints, kernels)
     with _phase("weight gradients"):
         return _chunk_weight_gradients(plan, Wt, acts, dg, adjoints, dk_pre0, dM0, grads)
 
 
-def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, dP: Tensor,
-           ds_end: Tensor | None, ds_prev_end: Tensor | None, dM_end: Tensor | None,
-           d_fuse: Tensor, kernels, workspace: "_Workspace"
-           ) -> tuple[Tensor, "_SweepAdjoints", Tensor | None, Tensor | None]:
-    """The reverse sweep over the chunk's steps (fused kernel or `_reverse_sweep`), after the
-    end-of-chunk memory's gradient has been pushed onto k, u and G. Returns the gradient of
-    the state entering the chunk, the adjoints, that of the first key's pre-activation and
-    the (partial) dM0."""
+def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
+                    dP: Tensor, dM_end: Tensor | None, d_fuse: Tensor, workspace: "_Workspace"
+                    ) -> tuple["_SweepAdjoints", Tensor | None]:
+    """The adjoint buffers the reverse sweep accumulates into, with the end-of-chunk
+    memory's gradient already pushed onto k, u and G; and the (partial) dM0."""
     C, B, d = acts.p.shape
-    H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
+    L = plan.n_layers
     mem = plan.memory
     dt = dP.dtype
     ws = workspace
@@ -505,19 +505,28 @@ def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, d
     else:
         dK = dU = dG = dRk = dA = dM0 = None
         dRq = []
-    adjoints = _SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA)
+    return _SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
+
+
+def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, dP: Tensor,
+           ds_end: Tensor | None, ds_prev_end: Tensor | None, adjoints: "_SweepAdjoints",
+           kernels) -> tuple[Tensor, Tensor | None]:
+    """The reverse sweep over the chunk's steps (fused kernel or `_reverse_sweep`), adding
+    into `adjoints`. Returns the gradient of the state entering the chunk and that of the
+    first key's pre-activation."""
+    H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
+    mem = plan.memory
+    a = adjoints
     if kernels is not None:
-        mem_acts = ([acts.k_pre, K, acts.v, acts.beta, U, G, acts.pred, acts.rk, M0]
-                    if mem else [])
-        dg, dk_pre0 = kernels.chunk_backward(
+        mem_acts = ([acts.k_pre, acts.k, acts.v, acts.beta, acts.U, acts.G, acts.pred, acts.rk,
+                     M0] if mem else [])
+        return tuple(kernels.chunk_backward(
             L, mem, H, dk, dv, plan.f, eps, Wt.w_in, Wt.w_out, Wt.w_fg, Wt.A,
             acts.c, acts.n, acts.y, acts.o if mem else [], acts.ro if mem else [],
             acts.q if mem else [], acts.rq if mem else [], acts.n_p, acts.gate, acts.p,
-            mem_acts, dP, ds_end, ds_prev_end, dY, dZ, dRq, dYfg, d_fuse,
-            [dK, dU, dG, dRk, dA] if mem else [])
-    else:
-        dg, dk_pre0 = _reverse_sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end, adjoints)
-    return dg, adjoints, dk_pre0, dM0
+            mem_acts, dP, ds_end, ds_prev_end, a.dY, a.dZ, a.dRq, a.dYfg, a.d_fuse,
+            [a.dK, a.dU, a.dG, a.dRk, a.dA] if mem else []))
+    return _reverse_sweep(plan, Wt, acts, M0, dP, ds_end, ds_prev_end, adjoints)
 
 
 def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg: Tensor,
