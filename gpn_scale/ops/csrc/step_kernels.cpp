@@ -92,6 +92,44 @@ __attribute__((always_inline)) inline void dot2(const T* a, const T* b, const T*
   }
 }
 
+// ox[c] += sum_r M[r][c] x[r] (and oy with y unless it is null) for an (rows x n) row-major M:
+// a memory read M0^T k (forward) or, on M0^T's rows, M0 drq (reverse). Columns in register
+// blocks, rows innermost: no horizontal sums (a dot per row needs one per row) and no
+// read-modify-write of the outputs per row (an axpy per row does).
+template <typename T>
+void matvec_rows(const T* M, const T* x, const T* y, T* ox, T* oy, int64_t rows, int64_t n) {
+  using V = Vec<T>;
+  constexpr int64_t w = V::size();
+  int64_t c = 0;
+  for (; c + 2 * w <= n; c += 2 * w) {
+    V x0 = V::loadu(ox + c), x1 = V::loadu(ox + c + w), y0(T(0)), y1(T(0));
+    if (y) { y0 = V::loadu(oy + c); y1 = V::loadu(oy + c + w); }
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* m = M + r * n + c;
+      const V m0 = V::loadu(m), m1 = V::loadu(m + w), xr(x[r]);
+      x0 = at::vec::fmadd(m0, xr, x0);
+      x1 = at::vec::fmadd(m1, xr, x1);
+      if (y) {
+        const V yr(y[r]);
+        y0 = at::vec::fmadd(m0, yr, y0);
+        y1 = at::vec::fmadd(m1, yr, y1);
+      }
+    }
+    x0.store(ox + c);
+    x1.store(ox + c + w);
+    if (y) { y0.store(oy + c); y1.store(oy + c + w); }
+  }
+  for (; c < n; ++c) {
+    T sx = ox[c], sy = y ? oy[c] : T(0);
+    for (int64_t r = 0; r < rows; ++r) {
+      sx += M[r * n + c] * x[r];
+      if (y) sy += M[r * n + c] * y[r];
+    }
+    ox[c] = sx;
+    if (y) oy[c] = sy;
+  }
+}
+
 // out[i] = sigmoid(x[i]) (vectorised: exp dominates the step's elementwise cost)
 template <typename T>
 void sigmoid_vec(const T* x, T* out, int64_t n) {
@@ -311,10 +349,7 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
               // One pass over M0 for the key (error term) and the query (read after write).
               std::fill(rk.begin(), rk.end(), T(0));
               std::fill(rq.begin(), rq.end(), T(0));
-              for (int64_t a = 0; a < dk; ++a) {
-                axpy(kb[a], M + a * dv, rk.data(), dv);
-                axpy(q[a], M + a * dv, rq.data(), dv);
-              }
+              matvec_rows(M, kb, q.data(), rk.data(), rq.data(), dk, dv);
               const T egp = std::exp(gp), eg = std::exp(G);
               for (int64_t v = 0; v < dv; ++v) {
                 err[v] = egp * rk[v];
@@ -341,7 +376,8 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
             } else {
               const T G = Gc.data_ptr<T>()[bh];
               std::fill(rq.begin(), rq.end(), T(0));
-              for (int64_t a = 0; a < dk; ++a) axpy(q[a], M + a * dv, rq.data(), dv);
+              matvec_rows(M, q.data(), static_cast<const T*>(nullptr), rq.data(),
+                          static_cast<T*>(nullptr), dk, dv);
               const T eg = std::exp(G);
               for (int64_t v = 0; v < dv; ++v) out[v] = eg * rq[v];
               for (int64_t j = 0; j <= tau; ++j)
@@ -471,7 +507,10 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
     dGv = Strided<T>(J.dG); dRkv = Strided<T>(J.dRk);
     Ad = A_t.data_ptr<T>();
   }
-  const T* M0d = D.mem ? X.M0.data_ptr<T>() : nullptr;
+  // The reverse reads M0 as M0 x (x: drq, drk), i.e. along M0^T's rows (see matvec_rows);
+  // one transposed copy per chunk costs a fraction of one step's pass over M0.
+  const Tensor M0T = D.mem ? X.M0.transpose(-2, -1).contiguous() : Tensor();
+  const T* M0d = D.mem ? M0T.data_ptr<T>() : nullptr;
   T* dgd = dg.data_ptr<T>();
   T* dcd = dc.data_ptr<T>();
   T* dcin = dc_in.data_ptr<T>();
@@ -579,7 +618,7 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
         rms_back(ro, ob, dsr.data(), dov.data(), Hv, eps);
         for (int64_t h = 0; h < H; ++h) {
           // Read after write: o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j.
-          const T* M = M0d + (b * H + h) * dk * dv;
+          const T* MT = M0d + (b * H + h) * dv * dk;   // M0^T of this row and head
           const T* q = qs[i].at(b, h, tau);
           const T* dob = dov.data() + h * dv;
           const T Gt = G_at(b, h, tau), eG = std::exp(Gt);
@@ -604,7 +643,8 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           if (i != 0) {   // a read-only layer
             for (int64_t j = 0; j < tau; ++j) sum_dw += read_term(j);
             dG_at(b, h, tau) += dGt + sum_dw;
-            for (int64_t a = 0; a < dk; ++a) dq[a] += dot(M + a * dv, drq, dv);
+            matvec_rows(MT, drq, static_cast<const T*>(nullptr), dq.data(),
+                        static_cast<T*>(nullptr), dv, dk);
             l2n_relu_back(yb + col.q + h * dk, dq.data(), dyb + col.q + h * dk, scratch.data(), dk);
             continue;
           }
@@ -685,12 +725,7 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           dG_at(b, h, tau) += dGt + sum_dw;
           if (tau) dG_at(b, h, tau - 1) += eGp * dot(dpred.data(), rkv.at(b, h, tau), dv) + sw;
           // One pass over M0 for both: dq += M0 drq, dk += M0 drk.
-          for (int64_t a = 0; a < dk; ++a) {
-            T mq, mk;
-            dot2(drq, drk, M + a * dv, dv, mq, mk);
-            dq[a] += mq;
-            dkv[a] += mk;
-          }
+          matvec_rows(MT, drq, drk, dq.data(), dkv.data(), dv, dk);
           l2n_relu_back(yb + col.q + h * dk, dq.data(), dyb + col.q + h * dk, scratch.data(), dk);
           T* dKt = dKv.at(b, h, tau);
           for (int64_t a = 0; a < dk; ++a) dKt[a] += dkv[a];
