@@ -3,7 +3,9 @@ PyTorch steps, forward and every gradient, and the choice between them behaves."
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -174,3 +176,19 @@ def test_build_failure_in_auto_mode_warns_and_falls_back(monkeypatch):
         loss = model(torch.randint(0, 37, (2, 9))).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("level", ["default", "avx2"])
+def test_build_level_follows_torch_dispatch_level(level):
+    """ATEN_CPU_CAPABILITY caps torch's own kernels; the step kernels are built no higher (a
+    separately named build: nodes of different CPU generations share a build cache)."""
+    code = ("from gpn_scale.ops import step_kernels as s; "
+            "c = s._capability(); print(c, ' '.join(s._build_flags(c)))")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": level}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    cpu_has_avx2 = {"avx2", "fma"} <= step_kernels._cpu_flags()
+    want = "avx2" if level == "avx2" and cpu_has_avx2 else "default"
+    assert out[0] == want
+    assert f"-DCPU_CAPABILITY={want.upper()}" in out
+    assert ("-mavx2" in out) == (want == "avx2") and not any(f.startswith("-mavx512") for f in out)
