@@ -485,23 +485,26 @@ def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     dYfg = ws.take("dYfg", (C, B, d), 0, dt)
     if mem:
         K, U, G = acts.k, acts.U, acts.G
-        dK = ws.take("dK", K.shape, 2, dt, zero=True)
-        dU = ws.take("dU", U.shape, 2, dt, zero=True)
-        dG = ws.take("dG", G.shape, 2, dt, zero=True)
+        pushed = dM_end is not None   # the chunk's last one has no later memory
+        # dK, dU, dG start as the end memory's share (written in place, no zero fill first).
+        dK = ws.take("dK", K.shape, 2, dt, zero=not pushed)
+        dU = ws.take("dU", U.shape, 2, dt, zero=not pushed)
+        dG = ws.take("dG", G.shape, 2, dt, zero=not pushed)
         dRk = ws.take("dRk", U.shape, 2, dt)
         dRq = [ws.take(f"dRq{i}", U.shape, 2, dt) for i in range(L)]
-        dM0 = torch.zeros_like(M0)    # not from the workspace: it outlives the chunk
         dA = torch.zeros_like(Wt.A)
-        if dM_end is not None:                         # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
+        if pushed:                                     # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
             G_end = G[..., -1:]
             w = (G_end - G).exp()
             KdM = K @ dM_end
-            dK += w[..., None] * (U @ dM_end.mT)
-            dU += w[..., None] * KdM
-            t = (KdM * U).sum(-1)
-            dG -= w * t
-            dG[..., -1] += (w * t).sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
-            dM0 += G_end[..., 0].exp()[..., None, None] * dM_end
+            torch.mul(U @ dM_end.mT, w[..., None], out=dK)
+            torch.mul(KdM, w[..., None], out=dU)
+            wt = w * (KdM * U).sum(-1)
+            torch.neg(wt, out=dG)
+            dG[..., -1] += wt.sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
+            dM0 = G_end[..., 0].exp()[..., None, None] * dM_end   # outlives the chunk
+        else:
+            dM0 = torch.zeros_like(M0)
     else:
         dK = dU = dG = dRk = dA = dM0 = None
         dRq = []
