@@ -353,8 +353,8 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
             acts.beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
             U, acts.G = chunk_errors(acts.k, acts.v, log_a, acts.beta, M0, "gpn")
             acts.U = U.contiguous()    # the solve returns it column-major; the sweep reads rows
-            acts.rk = acts.k @ M0
-            acts.pred = _prediction(acts, M0)
+            acts.rk = _step_major(acts.k @ M0)
+            acts.pred = _step_major(_prediction(acts, M0))
         elif mem:
             q_pre, rg, ffn_in, pg = parts
         else:
@@ -363,7 +363,7 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
         hidden = F.silu(a) * b
         if mem:
             q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
-            rq = q @ M0
+            rq = _step_major(q @ M0)
             o = chunk_read(q, acts.k, acts.U, acts.G, M0).permute(2, 0, 1, 3).reshape(C, B, H * dv)
             ro = _rms(o, eps)
             hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
@@ -392,6 +392,13 @@ def _prediction(acts: _ChunkActs, M0: Tensor) -> Tensor:
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device), diagonal=-1)
     expo = torch.where(strict, G_prev[..., :, None] - G[..., None, :], float("-inf"))
     return G_prev.exp()[..., None] * acts.rk + ((acts.k @ acts.k.mT) * expo.exp()) @ acts.U
+
+
+def _step_major(x: Tensor) -> Tensor:
+    """(B, H, C, n) -> the same values as a (B, H, C, n) view of a (C, B, H, n) buffer: the
+    reverse sweep reads these one step at a time, and a step's rows for every head and batch
+    row then lie together (prefetchable) instead of C*n apart."""
+    return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
 def _heads(x: Tensor) -> Tensor:
@@ -490,8 +497,9 @@ def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
         dK = ws.take("dK", K.shape, 2, dt, zero=not pushed)
         dU = ws.take("dU", U.shape, 2, dt, zero=not pushed)
         dG = ws.take("dG", G.shape, 2, dt, zero=not pushed)
-        dRk = ws.take("dRk", U.shape, 2, dt)
-        dRq = [ws.take(f"dRq{i}", U.shape, 2, dt) for i in range(L)]
+        step_major = (C, *U.shape[:2], U.shape[3])     # (C, B, H, dv), see _step_major
+        dRk = ws.take("dRk", step_major, 0, dt).permute(1, 2, 0, 3)
+        dRq = [ws.take(f"dRq{i}", step_major, 0, dt).permute(1, 2, 0, 3) for i in range(L)]
         dA = torch.zeros_like(Wt.A)
         if pushed:                                     # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
             G_end = G[..., -1:]
