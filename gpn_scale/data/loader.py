@@ -12,12 +12,14 @@ credentials, an unreachable endpoint or a model that does not fit the data), the
   (streaming's `StreamingDataLoader` counts in the main process, after prefetch and
   workers), so restoring it yields exactly the samples not yet consumed;
 - stale `/dev/shm` segments and filelocks of killed jobs are cleaned before streaming
-  starts (see `shm.py`).
+  starts, and jobs starting together on one machine register their shared memory one at a
+  time (see `shm.py`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -32,7 +34,7 @@ import torch
 
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
-from gpn_scale.data.shm import clean_stale_streaming_shm
+from gpn_scale.data.shm import clean_stale_streaming_shm, registration_lock
 from gpn_scale.data.storage import Location, join
 
 STATE_VERSION = 1
@@ -336,14 +338,16 @@ def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_
 
     do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
     dataset_cls = _token_dataset_class()
+    registering = registration_lock() if local_leader else contextlib.nullcontext()
     try:
-        dataset = dataset_cls(
-            remote=join(cfg.remote, split), local=os.path.join(cache_dir, split),
-            shuffle=do_shuffle, shuffle_seed=cfg.shuffle_seed,
-            num_canonical_nodes=cfg.num_canonical_nodes, batch_size=batch_size,
-            predownload=cfg.predownload, validate_hash=cfg.validate_hash,
-            download_timeout=cfg.download_timeout, cache_limit=cfg.cache_limit,
-            download_retry=1)
+        with registering:
+            dataset = dataset_cls(
+                remote=join(cfg.remote, split), local=os.path.join(cache_dir, split),
+                shuffle=do_shuffle, shuffle_seed=cfg.shuffle_seed,
+                num_canonical_nodes=cfg.num_canonical_nodes, batch_size=batch_size,
+                predownload=cfg.predownload, validate_hash=cfg.validate_hash,
+                download_timeout=cfg.download_timeout, cache_limit=cfg.cache_limit,
+                download_retry=1)
     except ValueError as err:
         if "Reused local directory" in str(err):
             raise DataError(f"local cache {cache_dir} is in use by another running loader; "

@@ -12,14 +12,20 @@ hand-written: a prefix is stale when no live process maps any of its segments (r
 `_locals` segment registers one of *our* cache directories (then it is certainly a dead
 run of ours, and waiting would only make the restart fail). Stale segments and their
 filelocks are removed.
+
+It also serialises streaming's prefix registration among the jobs of one machine
+(`registration_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -28,6 +34,36 @@ _MAPPED = re.compile(r"/dev/shm/(\d{6})_([a-z_]+)")
 # Segments of other jobs younger than this are left alone: a job may be between creating
 # and mapping them, and a just-killed job's owner may want to look at them.
 MIN_AGE_S = 30.0
+
+
+# One lock file per machine (in /dev/shm, like the segments it guards; every job of every
+# user sees the same one, whatever its TMPDIR).
+REGISTRATION_LOCK = "gpn_scale_streaming_registration.lock"
+
+
+@contextlib.contextmanager
+def registration_lock() -> Iterator[None]:
+    """Hold while a StreamingDataset is constructed (by each job's local leader only).
+
+    streaming picks the first prefix whose `_locals` segment does not exist yet and then
+    creates that segment: check-then-create with no lock between jobs, so two jobs that start
+    together on one node (SLURM array tasks do) can pick the same prefix, and the second
+    fails with FileExistsError. Taken by local leaders only: a job's other ranks wait for
+    their leader at streaming's own barrier, never for another job's lock. A lock file that
+    cannot be opened (another user's, unreadable) leaves the construction unserialised.
+    """
+    directory = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+    try:
+        # Read-only is enough for flock, so a lock file created by another user still works.
+        fd = os.open(directory / REGISTRATION_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)    # releases the lock
 
 
 def _prefixes_in_use() -> set[str] | None:

@@ -126,3 +126,51 @@ def test_cleaner_keeps_live_and_young_segments_of_others(tmp_path):
         young_other.unlink(missing_ok=True)
         live.close()
         live.unlink()
+
+
+RACER = r"""
+import sys, time
+import streaming.base.shared.prefix as prefix
+
+_find = prefix._check_and_find
+
+
+def slow_find(*args, **kwargs):
+    # Widen streaming's window between finding a free prefix and creating its segment, so
+    # that jobs starting together certainly meet in it (by default they do only sometimes).
+    found = _find(*args, **kwargs)
+    time.sleep(0.3)
+    return found
+
+
+prefix._check_and_find = slow_find
+from gpn_scale.data import DataConfig, build_loader
+
+time.sleep(max(0.0, float(sys.argv[3]) - time.time()))    # start together
+loader = build_loader(DataConfig(remote=sys.argv[1], local_cache=sys.argv[2]), "train", 4, 0, 1)
+next(iter(loader))
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+def test_jobs_starting_together_on_one_machine_register_distinct_prefixes(tmp_path):
+    """Like SLURM array tasks packed on one node: three jobs (own caches, own TMPDIRs) build
+    their loaders at the same moment. streaming's prefix registration is check-then-create;
+    without gpn_scale's registration lock two of them pick one prefix and one fails with
+    FileExistsError."""
+    root = str(tmp_path / "ds")
+    build_counter_dataset(root, n_windows=72, val_windows=8)
+    start = time.time() + 12.0          # after every child's imports
+    children = []
+    for i in range(3):
+        job_tmp = tmp_path / f"job{i}-tmp"
+        job_tmp.mkdir()
+        env = {**os.environ, "TMPDIR": str(job_tmp)}
+        children.append(subprocess.Popen(
+            [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(start)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [child.communicate(timeout=180) for child in children]
+    assert time.time() > start, "a child finished before the common start: raise the delay"
+    for child, (out, err) in zip(children, results):
+        assert child.returncode == 0 and out.strip() == "OK", err[-2000:]
