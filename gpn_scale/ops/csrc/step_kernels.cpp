@@ -403,8 +403,9 @@ std::vector<Tensor> forward_impl(const Dims& D, const std::vector<Tensor>& w_in,
                           static_cast<T*>(nullptr), dk, dv);
               const T eg = std::exp(G);
               for (int64_t v = 0; v < dv; ++v) out[v] = eg * rq[v];
+              exp_from(G, Gbh, wq.data(), tau + 1);
               for (int64_t j = 0; j <= tau; ++j)
-                axpy(dot(q.data(), Kbh + j * dk, dk) * std::exp(G - Gbh[j]), Ubh + j * dv, out, dv);
+                axpy(dot(q.data(), Kbh + j * dk, dk) * wq[j], Ubh + j * dv, out, dv);
             }
           }
           // hidden = [silu(rg) * rms(o), silu(a) * b]
@@ -649,10 +650,10 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
           for (int64_t v = 0; v < dv; ++v) drq[v] = eG * dob[v];
           const T dGt = eG * dot(dob, rqs[i].at(b, h, tau), dv);
           std::fill(dq.begin(), dq.end(), T(0));
-          // The read's term j: adds to dU_j, dK_j, dG_j and dq; returns its share of dG_t.
-          const auto read_term = [&](int64_t j) -> T {
+          // The read's term j, decay weight w = e^{G_t - G_j}: adds to dU_j, dK_j, dG_j and dq;
+          // returns its share of dG_t.
+          const auto read_term = [&](int64_t j, T w) -> T {
             const T* Kj = kv.at(b, h, j);
-            const T w = std::exp(Gt - G_at(b, h, j));
             const T sdot = dot(Kj, q, dk);
             const T dsd = dot(Uv.at(b, h, j), dob, dv) * w;
             axpy(w * sdot, dob, dUv.at(b, h, j), dv);
@@ -662,9 +663,10 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
             return dsd * sdot;
           };
           // j = t first: it completes du_t, which the write's reverse below needs.
-          T sum_dw = read_term(tau);
+          T sum_dw = read_term(tau, T(1));
           if (i != 0) {   // a read-only layer
-            for (int64_t j = 0; j < tau; ++j) sum_dw += read_term(j);
+            exp_from(Gt, Gv.at(b, h, 0), wr_.data(), tau);
+            for (int64_t j = 0; j < tau; ++j) sum_dw += read_term(j, wr_[j]);
             dG_at(b, h, tau) += dGt + sum_dw;
             matvec_rows(MT, drq, static_cast<const T*>(nullptr), dq.data(),
                         static_cast<T*>(nullptr), dv, dk);
