@@ -137,6 +137,11 @@ class _LoopWeights:
                             [w.t().contiguous() for w in self.w_out],
                             self.w_fg.t().contiguous(), self.b_fg, self.A)
 
+    def untransposed_views(self) -> "_LoopWeights":
+        """Views of transposed copies back in (in, out) layout (no copy)."""
+        return _LoopWeights([w.t() for w in self.w_in], self.b_in, [w.t() for w in self.w_out],
+                            self.w_fg.t(), self.b_fg, self.A)
+
     def for_matmul(self, dtype: torch.dtype | None) -> "_LoopWeights":
         """Matrices cast once to the matmul dtype (biases and A stay in the state dtype)."""
         if dtype is None:
@@ -548,11 +553,13 @@ def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg:
     C, B, _ = acts.p.shape
     L = plan.n_layers
     rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
+    # Accumulated in place (GEMM with beta = 1): a product the size of the weights, added
+    # afterwards, would be written and read once more per chunk.
     for i in range(L):
-        grads.w_in[i] += rows(acts.n[i]).t() @ rows(adj.dY[i])
+        grads.w_in[i].addmm_(rows(acts.n[i]).t(), rows(adj.dY[i]))
         grads.b_in[i] += rows(adj.dY[i]).sum(0)
-        grads.w_out[i] += rows(acts.hidden[i]).t() @ rows(adj.dZ[i])
-    grads.w_fg += rows(acts.n_p).t() @ rows(adj.dYfg)
+        grads.w_out[i].addmm_(rows(acts.hidden[i]).t(), rows(adj.dZ[i]))
+    grads.w_fg.addmm_(rows(acts.n_p).t(), rows(adj.dYfg))
     grads.b_fg += rows(adj.dYfg).sum(0)
     if not plan.memory:
         return dg, torch.zeros_like(dg), None
@@ -792,8 +799,11 @@ class _SequenceFunction(torch.autograd.Function):
         S, *flat = ctx.saved_tensors
         shape, dtype, device = ctx.fuse_meta
         W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
-        Wmm = W.for_matmul(plan.mm_dtype)
-        Wt = Wmm.transposed()
+        Wt = W.for_matmul(plan.mm_dtype).transposed()
+        # The recompute reads the same copies as the sweep, as views (its chunk-wide GEMMs run
+        # as fast on them): the backward streams one copy of the loop weights instead of two,
+        # and the sweep's first steps of each chunk find more of them still in cache.
+        Wrec = Wt.untransposed_views()
         grads = _Grads.zeros_like(W, dtype)
         d_fuse = torch.empty(shape, dtype=dtype, device=device)
         d_carry: tuple[Tensor | None, ...] = (ds, ds_prev, dM if plan.memory else None)
@@ -804,7 +814,7 @@ class _SequenceFunction(torch.autograd.Function):
                 d_carry = (None, None, None)
             _, s_prev, M = ctx.carries[idx]
             with _phase("parallel recompute"):
-                acts = _recompute_chunk(plan, Wmm, S[:, start:end], s_prev, M)
+                acts = _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M)
             d_carry = _chunk_backward(plan, Wt, acts, M, dP[:, start:end], *d_carry, grads,
                                       d_fuse[:, start:end], ctx.kernels, workspace)
         weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
