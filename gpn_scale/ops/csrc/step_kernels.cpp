@@ -152,6 +152,13 @@ __attribute__((always_inline)) inline void axpy2(T a1, T a2, const T* x, T* y1, 
   }
 }
 
+// y += a1 x1 + a2 x2 in one pass over y
+template <typename T>
+__attribute__((always_inline)) inline void axpy_pair(T a1, const T* x1, T a2, const T* x2, T* y,
+                                                     int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a1 * x1[i] + a2 * x2[i];
+}
+
 // out[i] = sigmoid(x[i]) (vectorised: exp dominates the step's elementwise cost)
 template <typename T>
 void sigmoid_vec(const T* x, T* out, int64_t n) {
@@ -711,20 +718,15 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
             dot2(dob, dpred.data(), Uj, dv, ur, uw);
             const T dr = ur * wr, dw_ = uw * ww;
             const T ar = wr * sr, aw = ww * sk;
-            for (int64_t a = 0; a < dk; ++a) {
-              dq[a] += dr * Kj[a];
-              dkv[a] += dw_ * Kj[a];
-            }
+            axpy2(dr, dw_, Kj, dq.data(), dkv.data(), dk);
             if (j < blk) {
               cf[j] = ar;
               cf[C + j] = aw;
               cf[2 * C + j] = dr;
               cf[3 * C + j] = dw_;
             } else {
-              T* dUj = dUv.at(b, h, j);
-              for (int64_t v = 0; v < dv; ++v) dUj[v] += ar * dob[v] + aw * dpred[v];
-              T* dKj = dKv.at(b, h, j);
-              for (int64_t a = 0; a < dk; ++a) dKj[a] += dr * q[a] + dw_ * kt[a];
+              axpy_pair(ar, dob, aw, dpred.data(), dUv.at(b, h, j), dv);
+              axpy_pair(dr, q, dw_, kt, dKv.at(b, h, j), dk);
             }
             dG_at(b, h, j) -= dr * sr + dw_ * sk;
             sum_dw += dr * sr;
@@ -741,10 +743,8 @@ std::vector<Tensor> backward_impl(const Dims& D, const std::vector<Tensor>& wt_i
                 const T* c_ = cf0 + s_ * 4 * C;
                 const T* dos = dv0 + s_ * 2 * dv;
                 const T ar = c_[j], aw = c_[C + j], dr = c_[2 * C + j], dw_ = c_[3 * C + j];
-                for (int64_t v = 0; v < dv; ++v) dUj[v] += ar * dos[v] + aw * dos[dv + v];
-                const T* qs_ = qs[0].at(b, h, blk + s_);
-                const T* ks_ = kv.at(b, h, blk + s_);
-                for (int64_t a = 0; a < dk; ++a) dKj[a] += dr * qs_[a] + dw_ * ks_[a];
+                axpy_pair(ar, dos, aw, dos + dv, dUj, dv);
+                axpy_pair(dr, qs[0].at(b, h, blk + s_), dw_, kv.at(b, h, blk + s_), dKj, dk);
               }
             }
           }
