@@ -7,7 +7,10 @@ Tables:
   speed     training step (forward + backward + AdamW, fp32) tokens/s, engine vs reference,
             on SMALL (8 x 256) and MEDIUM (4 x 512); the two alternate step by step so that
             machine noise hits both alike.
-  roofline  per engine phase: its time next to the time of its bare matmuls at the same shapes.
+  roofline  per engine phase: its time next to the time of its bare matmuls at the same shapes;
+            for the sequential phases also their other work alone (the phase timed on a
+            benchmark build of the kernels that leaves the matmuls out), so that a phase's
+            time splits into matmuls, other work, and what the two cost each other.
   memory    peak memory (peak RSS, VmHWM, of a fresh process) for SMALL at T = 256 ... 2048,
             B = 8.
   budget    best tokens/s each path reaches within a peak-memory budget at T = 2048.
@@ -29,6 +32,7 @@ import torch
 from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model.engine import input_column_blocks, phase_timer
 from gpn_scale.model.reference import reference_forward
+from gpn_scale.ops import step_kernels
 from gpn_scale.ops.step_kernels import ENV_VAR, kernels_for, mode
 
 SHAPES = {"SMALL": ("small", 8, 256), "MEDIUM": ("medium", 4, 512)}
@@ -78,13 +82,17 @@ def _time(fn, repeats: int) -> float:
     return best
 
 
-def bench_roofline(repeats: int) -> list[dict]:
-    """Engine phases of a SMALL training step vs bare matmuls of the same shapes."""
-    config, B, T = SHAPES["SMALL"]
+def bench_roofline(repeats: int, shape: tuple[str, int, int] = SHAPES["SMALL"]) -> list[dict]:
+    """Engine phases of a training step vs bare matmuls of the same shapes; with the fused
+    kernels, also each sequential phase with its matmuls left out (its other work alone)."""
+    config, B, T = shape
     cfg, model, opt, tokens = _setup(config, B, T)
     loops = _bare_matmul_loops(cfg, B, T)
+    without_matmuls = (step_kernels.benchmark_build(step_kernels.WITHOUT_STEP_MATMULS)
+                       if kernels_for(torch.device("cpu")) is not None else None)
     best: dict[str, float] = {}
     bare: dict[str, float] = {}
+    rest: dict[str, float] = {}
     # Rounds alternate the engine's step and the bare loops, so that machine load hits both
     # alike; each bare loop runs a whole phase's worth (T steps, every chunk) like the phase.
     for _ in range(repeats + 1):
@@ -92,6 +100,14 @@ def bench_roofline(repeats: int) -> list[dict]:
             _train_step(model, opt, tokens, "engine")
         for key, value in phases.items():
             best[key] = min(best.get(key, float("inf")), value)
+        if without_matmuls is not None:
+            # Same model, same inputs; the step's result is meaningless, so nothing is
+            # updated (no optimizer step) and the gradients are dropped.
+            with step_kernels.kernels_override(without_matmuls), phase_timer() as phases:
+                model(tokens).loss.backward()
+            model.zero_grad(set_to_none=True)
+            for key, value in phases.items():
+                rest[key] = min(rest.get(key, float("inf")), value)
         for key, loop in loops.items():
             bare[key] = min(bare.get(key, float("inf")), _time(loop, 1))
     rows = []
@@ -101,9 +117,12 @@ def bench_roofline(repeats: int) -> list[dict]:
             continue
         seconds = best.get(phase, float("nan"))
         with_memory = bare.get(phase + " +memory", bare[phase])
+        other = rest.get(phase) if phase.startswith("sequential") else None
         rows.append(dict(phase=phase, seconds=seconds, bare_matmuls=bare[phase],
                          ratio=seconds / bare[phase], with_memory=with_memory,
-                         ratio_with_memory=seconds / with_memory))
+                         ratio_with_memory=seconds / with_memory, other_work=other,
+                         ratio_of_sum=None if other is None else
+                         (bare[phase] + other) / bare[phase]))
     return rows
 
 
@@ -295,13 +314,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
                   f"{r['ratio']:>6.2f}x")
     if "roofline" in tables:
+        roofline = bench_roofline(args.repeats)   # before the header: it may build the kernels
         print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")
-        print("(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk])")
+        print("(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk];\n"
+              " rest: the phase with its projection matmuls left out (a benchmark build of the\n"
+              " kernels), i.e. all its other work; sum: (matmuls + rest) / matmuls, the ratio\n"
+              " the phase would have if the two did not slow each other down)")
         print(f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7} "
-              f"{'+memory s':>10} {'ratio':>7}")
-        for r in bench_roofline(args.repeats):
+              f"{'+memory s':>10} {'ratio':>7} {'rest s':>8} {'sum':>7}")
+        for r in roofline:
+            split = (f" {r['other_work']:>8.3f} {r['ratio_of_sum']:>6.2f}x"
+                     if r["other_work"] is not None else f" {'-':>8} {'-':>7}")
             print(f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
-                  f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x")
+                  f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x"
+                  + split)
     if "memory" in tables:
         print("\n## Peak memory (peak RSS of a fresh process, MB), SMALL B=8, one training step")
         print(f"{'T':>6} {'engine':>10} {'reference':>10}")

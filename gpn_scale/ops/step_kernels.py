@@ -19,11 +19,13 @@ TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -83,10 +85,19 @@ def _build_flags(capability: str) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> ModuleType | Exception:
+    return _build()
+
+
+# A build for benchmarks only: the sequential phases without their matmuls (the roofline's
+# "other work alone"; see gpn_scale.bench.engine). Never chosen by kernels_for on its own.
+WITHOUT_STEP_MATMULS = "GPN_SCALE_BENCH_WITHOUT_STEP_MATMULS"
+
+
+def _build(define: str | None = None) -> ModuleType | Exception:
     # The instruction set is in the name: nodes of a cluster that share a home directory
     # (hence the build cache) but not a CPU generation each get a build they can run.
     capability = _capability()
-    name = f"gpn_scale_step_kernels_{capability}"
+    name = f"gpn_scale_step_kernels_{capability}" + (f"_{define.lower()}" if define else "")
     try:
         # Importing cpp_extension on a machine without CUDA logs a warning about CUDA_HOME
         # that is irrelevant to a CPU-only extension; keep it out of users' logs.
@@ -98,11 +109,36 @@ def _load() -> ModuleType | Exception:
         finally:
             cpp_logger.setLevel(level)
         _notice_first_build(cpp_extension, name)
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)],
-                                  extra_cflags=_build_flags(capability),
+        flags = _build_flags(capability) + ([f"-D{define}"] if define else [])
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
         return exc
+
+
+@functools.lru_cache(maxsize=None)
+def benchmark_build(define: str) -> ModuleType:
+    """A variant of the kernels compiled with `define` (e.g. WITHOUT_STEP_MATMULS), for
+    benchmarks; raises StepKernelError if it cannot be built."""
+    module = _build(define)
+    if isinstance(module, Exception):
+        raise StepKernelError(f"the benchmark build {define} failed ({_first_error(module)})")
+    return module
+
+
+_override: ModuleType | None = None
+
+
+@contextlib.contextmanager
+def kernels_override(module: ModuleType) -> Iterator[None]:
+    """Within the block, the engine runs on `module` (a benchmark build) instead of the
+    kernels `kernels_for` would pick; only where it would pick compiled kernels at all."""
+    global _override
+    previous, _override = _override, module
+    try:
+        yield
+    finally:
+        _override = previous
 
 
 def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
@@ -122,6 +158,8 @@ def kernels_for(device: torch.device) -> ModuleType | None:
     if choice == "python" or device.type != "cpu":
         return None
     module = _load()
+    if _override is not None and not isinstance(module, Exception):
+        return _override
     if isinstance(module, Exception):
         message = (f"the fused CPU step kernels could not be built ({_first_error(module)}); "
                    f"install g++ and ninja, or set {ENV_VAR}=python to use the PyTorch steps")
