@@ -73,3 +73,14 @@ def test_roofline_splits_the_sequential_phases(without_matmuls):
                 (row["bare_matmuls"] + row["other_work"]) / row["bare_matmuls"])
         else:
             assert row["other_work"] is None and row["ratio_of_sum"] is None
+
+
+def test_machine_probe_measures_latency_and_streaming():
+    from gpn_scale.bench import machine
+
+    curve = machine.latency_curve((0.25, 4.0))
+    assert [row["megabytes"] for row in curve] == [0.25, 4.0]
+    assert all(row["ns"] > 0 for row in curve)
+    rows = machine.streaming((1.0,), 2)
+    assert len(rows) == 1 and len(rows[0]["gbps"]) == 2 and all(r > 0 for r in rows[0]["gbps"])
+    assert machine.main(["--sizes", "0.5"]) == 0
