@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import sys
 from types import ModuleType
 
 import torch
+
+from gpn_scale.ops.step_kernels import cpp_extension_quietly, cpu_build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -89,20 +90,11 @@ std::vector<double> stream_gbps(double megabytes, int64_t threads, int64_t passe
 
 @functools.lru_cache(maxsize=1)
 def _probe() -> ModuleType:
-    from gpn_scale.ops.step_kernels import _build_flags, _capability
-
-    cpp_logger = logging.getLogger("torch.utils.cpp_extension")   # no CUDA_HOME noise
-    level = cpp_logger.level
-    cpp_logger.setLevel(logging.ERROR)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        cpp_logger.setLevel(level)
-    capability = _capability()
-    return cpp_extension.load_inline(
+    capability, flags = cpu_build()
+    return cpp_extension_quietly().load_inline(
         name=f"gpn_scale_machine_probe_{capability}", cpp_sources=[_SOURCE],
-        functions=["chase_ns", "stream_gbps"], extra_cflags=_build_flags(capability),
-        extra_ldflags=["-fopenmp"], verbose=False)
+        functions=["chase_ns", "stream_gbps"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        verbose=False)
 
 
 def latency_curve(sizes_mb: tuple[float, ...]) -> list[dict]:

@@ -93,24 +93,36 @@ def _load() -> ModuleType | Exception:
 WITHOUT_STEP_MATMULS = "GPN_SCALE_BENCH_WITHOUT_STEP_MATMULS"
 
 
+def cpp_extension_quietly() -> ModuleType:
+    """torch.utils.cpp_extension, imported without the warning about CUDA_HOME it logs on a
+    machine without CUDA (irrelevant to a CPU-only extension; kept out of users' logs)."""
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+    return cpp_extension
+
+
+def cpu_build() -> tuple[str, list[str]]:
+    """The instruction set CPU extensions are built for on this machine (see _capability),
+    and the compiler flags for it."""
+    capability = _capability()
+    return capability, _build_flags(capability)
+
+
 def _build(define: str | None = None) -> ModuleType | Exception:
     # The instruction set is in the name: nodes of a cluster that share a home directory
     # (hence the build cache) but not a CPU generation each get a build they can run.
-    capability = _capability()
+    capability, flags = cpu_build()
     name = f"gpn_scale_step_kernels_{capability}" + (f"_{define.lower()}" if define else "")
     try:
-        # Importing cpp_extension on a machine without CUDA logs a warning about CUDA_HOME
-        # that is irrelevant to a CPU-only extension; keep it out of users' logs.
-        cpp_logger = logging.getLogger("torch.utils.cpp_extension")
-        level = cpp_logger.level
-        cpp_logger.setLevel(logging.ERROR)
-        try:
-            from torch.utils import cpp_extension
-        finally:
-            cpp_logger.setLevel(level)
+        cpp_extension = cpp_extension_quietly()
         _notice_first_build(cpp_extension, name)
-        flags = _build_flags(capability) + ([f"-D{define}"] if define else [])
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)],
+                                  extra_cflags=flags + ([f"-D{define}"] if define else []),
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
         return exc
