@@ -170,8 +170,6 @@ def kernels_for(device: torch.device) -> ModuleType | None:
     if choice == "python" or device.type != "cpu":
         return None
     module = _load()
-    if _override is not None and not isinstance(module, Exception):
-        return _override
     if isinstance(module, Exception):
         message = (f"the fused CPU step kernels could not be built ({_first_error(module)}); "
                    f"install g++ and ninja, or set {ENV_VAR}=python to use the PyTorch steps")
@@ -179,7 +177,7 @@ def kernels_for(device: torch.device) -> ModuleType | None:
             raise StepKernelError(message)
         _warn_once(message + " (using the PyTorch steps: same results, slower)")
         return None
-    return module
+    return module if _override is None else _override
 
 
 def _first_error(exc: Exception) -> str:
