@@ -33,7 +33,8 @@ from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model.engine import input_column_blocks, phase_timer
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops import step_kernels
-from gpn_scale.ops.step_kernels import ENV_VAR, kernels_for, mode
+from gpn_scale.ops.gpn_step.registry import requested
+from gpn_scale.ops.step_kernels import ENV_VAR, kernels_for
 
 SHAPES = {"SMALL": ("small", 8, 256), "MEDIUM": ("medium", 4, 512)}
 
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = set(args.only.split(","))
     kernels = kernels_for(torch.device("cpu")) is not None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
-          f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={mode()})")
+          f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={requested()})")
     if "speed" in tables:
         print("\n## Training step tokens/s (forward + backward + AdamW), best of "
               f"{args.repeats}, interleaved")

@@ -50,6 +50,12 @@ class GPNConfig:
     tbptt: int = 0
     # Decode + cross-entropy run over this many positions at a time (never B x T x V at once).
     loss_chunk_tokens: int = 1024
+    # Which backend runs the time steps (gpn_scale/ops/gpn_step/registry.py): auto picks by
+    # device (fused C++ kernels on CPU, Triton kernels on CUDA); reference = PyTorch steps;
+    # the environment variable GPN_SCALE_STEP_KERNELS overrides it.
+    step_backend: str = "auto"
+    # CUDA backend: capture each chunk's steps and reverse sweep as CUDA graphs.
+    cuda_graphs: bool = True
     # Optional redundant check: when given, must equal n_heads * d_key * d_value.
     memory_cells: int | None = None
     name: str = ""
@@ -62,6 +68,11 @@ class GPNConfig:
         _require_int("tbptt", self.tbptt, minimum=0)
         if not isinstance(self.memory, bool):
             raise ConfigError(f"memory: expected true or false, got {self.memory!r}")
+        if self.step_backend not in ("auto", "reference", "cpu", "cuda"):
+            raise ConfigError(f"step_backend: expected auto, reference, cpu or cuda, got "
+                              f"{self.step_backend!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
         if not isinstance(self.decoder_bias, bool):
             raise ConfigError(f"decoder_bias: expected true or false, got {self.decoder_bias!r}")
         if self.memory:

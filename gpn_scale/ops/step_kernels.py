@@ -1,17 +1,13 @@
-"""The engine's fused CPU step kernels (`csrc/step_kernels.cpp`), compiled on first use.
+"""The fused CPU step kernels (`csrc/step_kernels.cpp`), compiled on first use.
 
 On CPU a training step's matmuls are few-row GEMMs, and the PyTorch form of a step
-(`gpn_scale.model.engine`) spends as long again dispatching its ~75 (forward) / ~110
-(reverse sweep) small elementwise and memory ops. These kernels run a whole chunk's steps
-in one call: the matmuls still through ATen, everything else as plain loops over batch
-rows. They compute exactly what the PyTorch steps compute (held equal by
-tests/model/test_step_kernels.py); on GPU the engine keeps its PyTorch steps.
-
-Choice, by the environment variable GPN_SCALE_STEP_KERNELS:
-  auto    (default) use them for CPU tensors when they build; if they cannot be built (no
-          C++ compiler), warn once and use the PyTorch steps (same results, slower)
-  cpp     require them: an error if they cannot be built
-  python  never use them
+(`gpn_scale.ops.gpn_step.reference`) spends as long again dispatching its ~75 (forward) /
+~110 (reverse sweep) small elementwise and memory ops. These kernels run a whole chunk's
+steps in one call: the matmuls still through ATen, everything else as plain loops over
+batch rows. They compute exactly what the PyTorch steps compute (held equal by
+tests/ops/test_gpn_step.py); `gpn_scale.ops.gpn_step.cpu` serves them to the engine, and
+`gpn_scale.ops.gpn_step.registry` decides when (the environment variable
+GPN_SCALE_STEP_KERNELS overrides the engine config's `step_backend`).
 
 The build uses torch.utils.cpp_extension (g++ and ninja; ~1 min once, cached in
 TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
@@ -32,19 +28,11 @@ from types import ModuleType
 import torch
 
 ENV_VAR = "GPN_SCALE_STEP_KERNELS"
-_CHOICES = ("auto", "cpp", "python")
 _SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
 
 
 class StepKernelError(RuntimeError):
     """The fused step kernels were required but cannot be used."""
-
-
-def mode() -> str:
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise StepKernelError(f"{ENV_VAR}={value!r}: expected one of {', '.join(_CHOICES)}")
-    return value
 
 
 def _cpu_flags() -> set[str]:
@@ -164,20 +152,26 @@ def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
               "(once; about a minute)", file=sys.stderr, flush=True)
 
 
-def kernels_for(device: torch.device) -> ModuleType | None:
-    """The compiled kernels when they should serve tensors on `device`, else None."""
-    choice = mode()
-    if choice == "python" or device.type != "cpu":
-        return None
+def load(required: bool) -> ModuleType | None:
+    """The compiled kernels (or the benchmark override), or None after one warning when they
+    cannot be built; `required`: raise StepKernelError instead."""
     module = _load()
     if isinstance(module, Exception):
         message = (f"the fused CPU step kernels could not be built ({_first_error(module)}); "
-                   f"install g++ and ninja, or set {ENV_VAR}=python to use the PyTorch steps")
-        if choice == "cpp":
+                   f"install g++ and ninja, or set {ENV_VAR}=reference to use the PyTorch steps")
+        if required:
             raise StepKernelError(message)
         _warn_once(message + " (using the PyTorch steps: same results, slower)")
         return None
     return module if _override is None else _override
+
+
+def kernels_for(device: torch.device, config_choice: str = "auto") -> ModuleType | None:
+    """The compiled kernels when the step-backend choice would run them for tensors on
+    `device` (the environment override included), else None."""
+    from gpn_scale.ops.gpn_step.registry import select_backend
+    backend = select_backend(config_choice, device)
+    return getattr(backend, "module", None) if backend.name == "cpu" else None
 
 
 def _first_error(exc: Exception) -> str:

@@ -1,0 +1,77 @@
+"""Small differentiable-by-hand pieces shared by the engine's chunk-wide work and the
+PyTorch step reference: the norms, their backward, and matmuls in the autocast dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def rms(x: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def l2n(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+
+
+def rms_back(n: Tensor, x: Tensor, dn: Tensor, eps: float) -> Tensor:
+    """Gradient of n = x * rsqrt(mean(x^2) + eps) at x, given dn."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return r * (dn - n * (dn * n).mean(-1, keepdim=True))
+
+
+def l2n_back(pre: Tensor, dy: Tensor) -> Tensor:
+    """Gradient of y = l2n(relu(pre)) at pre, given dy."""
+    x = F.relu(pre)
+    rho = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+    y = x * rho
+    return (pre > 0) * rho * (dy - y * (y * dy).sum(-1, keepdim=True))
+
+
+def silu_back(x: Tensor, dy: Tensor) -> Tensor:
+    sig = torch.sigmoid(x)
+    return dy * sig * (1 + x * (1 - sig))
+
+
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ weight (+ bias) in the weight's dtype (bf16 under autocast), result in x's dtype.
+    With the dtypes equal it is one GEMM launch (addmm with the bias), not cast + GEMM + add."""
+    if weight.dtype != x.dtype:
+        return linear_out(x.to(weight.dtype), weight, bias, x.dtype)
+    if bias is None:
+        return x @ weight
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+
+
+def mm_t(dy: Tensor, weight_t: Tensor) -> Tensor:
+    """dy @ weight^T, given weight^T stored contiguous (a transposed view makes the few-row
+    matmul ~2.5x slower on CPU); in the weight's (matmul) dtype, result in dy's dtype."""
+    if dy.dtype == weight_t.dtype:
+        return dy @ weight_t
+    return (dy.to(weight_t.dtype) @ weight_t).to(dy.dtype)
+
+
+def linear_out(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype
+               ) -> Tensor:
+    """x @ weight (+ bias) with x, weight in the matmul dtype and the result in `out_dtype`.
+    On CUDA one GEMM that accumulates and writes in out_dtype (cuBLAS's dtype overload);
+    elsewhere the GEMM in the matmul dtype, cast and bias added after."""
+    if x.is_cuda and weight.dtype != out_dtype:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = (torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype) if bias is not None
+             else torch.mm(x2, weight, out_dtype=out_dtype))
+        return y.view(*x.shape[:-1], -1)
+    y = (x @ weight).to(out_dtype)
+    return y if bias is None else y + bias
+
+
+def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, mm_dtype: torch.dtype | None) -> None:
+    """acc += a @ b, accumulated in acc's dtype. Under autocast on CUDA the operands go in the
+    matmul dtype (bf16 tensor cores, fp32 accumulation straight into acc: cuBLAS beta = 1);
+    otherwise in acc's dtype (float32 or float64: the exactness tests stay in IEEE)."""
+    if mm_dtype is not None and acc.is_cuda:
+        torch.addmm(acc, a.to(mm_dtype), b.to(mm_dtype), out_dtype=acc.dtype, out=acc)
+        return
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))

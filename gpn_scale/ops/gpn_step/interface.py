@@ -1,0 +1,248 @@
+"""The seam between the sequence engine and the backends that run its time steps.
+
+The engine (`gpn_scale.model.engine`) owns everything chunk-wide: the plan, folding the
+module's parameters into the loop's fused matrices, the parallel recompute, the weight
+gradients and the autograd function. A step backend owns the two sequential parts:
+
+- `forward_chunk`: the C steps of one chunk, no autograd (fills P, and S when asked);
+- `reverse_sweep`: one chunk's hand-written reverse sweep, adding into the adjoint buffers.
+
+Every backend computes what `reference.py` (the PyTorch steps) computes; the op-level tests
+(tests/ops/test_gpn_step.py) hold each one to it, forward and every gradient.
+
+The fused input matrix of layer i has its column blocks in the order `ColumnLayout` names
+(defined here once; the C++ and Triton kernels take the offsets from it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+# ------------------------------------------------------------------ column layout
+@dataclass(frozen=True)
+class ColumnLayout:
+    """Column offsets of one layer's fused input matmul, (start, end) per block; None where the
+    layer has no such block. Order: [key(next step), value, beta, decay] (layer 0 of GPN+M:
+    the memory write), [query, read gate] (every GPN+M layer), FFN in (a | b), predict gate."""
+
+    key: tuple[int, int] | None
+    value: tuple[int, int] | None
+    beta: tuple[int, int] | None
+    decay: tuple[int, int] | None
+    query: tuple[int, int] | None
+    read_gate: tuple[int, int] | None
+    ffn: tuple[int, int]
+    predict_gate: tuple[int, int]
+    sizes: tuple[int, ...] = field(repr=False)   # the blocks' widths, for torch.split
+
+    @property
+    def width(self) -> int:
+        return self.predict_gate[1]
+
+    @staticmethod
+    def build(layer: int, memory: bool, H: int, dk: int, dv: int, f: int, d: int
+              ) -> "ColumnLayout":
+        names = []
+        if memory and layer == 0:
+            names += [("key", H * dk), ("value", H * dv), ("beta", H), ("decay", H)]
+        if memory:
+            names += [("query", H * dk), ("read_gate", H * dv)]
+        names += [("ffn", 2 * f), ("predict_gate", d)]
+        spans: dict[str, tuple[int, int]] = {}
+        at = 0
+        for name, width in names:
+            spans[name] = (at, at + width)
+            at += width
+        blocks = ("key", "value", "beta", "decay", "query", "read_gate", "ffn", "predict_gate")
+        return ColumnLayout(**{b: spans.get(b) for b in blocks},
+                            sizes=tuple(w for _, w in names))
+
+
+# ------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class StepPlan:
+    """Static description of one engine call (everything that is not a tensor)."""
+
+    n_layers: int
+    memory: bool
+    H: int
+    dk: int
+    dv: int
+    d: int
+    f: int
+    eps: float
+    spans: tuple[tuple[int, int], ...]     # chunk boundaries [start, end)
+    cuts: frozenset[int]                    # positions where truncated BPTT stops gradients
+    mm_dtype: torch.dtype | None            # matmul dtype under autocast, else None
+    backend: str = "auto"                   # step backend asked for (see registry.py)
+    cuda_graphs: bool = True                # capture the CUDA backend's chunks as graphs
+
+    @property
+    def columns(self) -> tuple[ColumnLayout, ...]:
+        return tuple(ColumnLayout.build(i, self.memory, self.H, self.dk, self.dv, self.f,
+                                        self.d) for i in range(self.n_layers))
+
+    @property
+    def in_splits(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(c.sizes for c in self.columns)
+
+
+# ----------------------------------------------------------------------- weights
+@dataclass
+class LoopWeights:
+    """The loop's matrices in (in, out) layout with norm weights folded in."""
+
+    w_in: list[Tensor]
+    b_in: list[Tensor]
+    w_out: list[Tensor]
+    w_fg: Tensor
+    b_fg: Tensor
+    A: Tensor | None            # exp(A_log): the decay rate per head
+
+    def flat(self) -> list[Tensor]:
+        return [*self.w_in, *self.b_in, *self.w_out, self.w_fg, self.b_fg,
+                *([self.A] if self.A is not None else [])]
+
+    @staticmethod
+    def unflat(plan: StepPlan, flat: list[Tensor] | tuple[Tensor, ...]) -> "LoopWeights":
+        L = plan.n_layers
+        return LoopWeights(list(flat[:L]), list(flat[L:2 * L]), list(flat[2 * L:3 * L]),
+                           flat[3 * L], flat[3 * L + 1], flat[3 * L + 2] if plan.memory else None)
+
+    def transposed(self) -> "LoopWeights":
+        """The matrices transposed and contiguous (for the backward's dy @ W^T); the key
+        columns of layer 0 come first in its transpose's rows."""
+        return LoopWeights([w.t().contiguous() for w in self.w_in], self.b_in,
+                           [w.t().contiguous() for w in self.w_out],
+                           self.w_fg.t().contiguous(), self.b_fg, self.A)
+
+    def untransposed_views(self) -> "LoopWeights":
+        """Views of transposed copies back in (in, out) layout (no copy)."""
+        return LoopWeights([w.t() for w in self.w_in], self.b_in, [w.t() for w in self.w_out],
+                           self.w_fg.t(), self.b_fg, self.A)
+
+    def for_matmul(self, dtype: torch.dtype | None) -> "LoopWeights":
+        """Matrices cast once to the matmul dtype (biases and A stay in the state dtype)."""
+        if dtype is None:
+            return self
+        return LoopWeights([w.to(dtype) for w in self.w_in], self.b_in,
+                           [w.to(dtype) for w in self.w_out], self.w_fg.to(dtype), self.b_fg,
+                           self.A)
+
+
+# ------------------------------------------------------------------ forward chunk
+@dataclass
+class ChunkForward:
+    """One chunk's forward inputs and output buffers.
+
+    fuse (B, C, d): the grounding input of every step; s, s_prev (B, d) and M0 (B, H, dk, dv)
+    the carry entering the chunk; P (B, C, d) receives the outputs p_t; S (B, C, d), when
+    given, the state entering every step (what the backward recomputes from)."""
+
+    fuse: Tensor
+    s: Tensor
+    s_prev: Tensor
+    M0: Tensor | None
+    P: Tensor
+    S: Tensor | None = None
+
+
+@dataclass
+class ChunkForwardResult:
+    """The carry leaving the chunk and the chunk's memory history (k_j, u_j and cumulative
+    log-decays G_j, (B, H, C, dk | dv | -)), from which the engine advances M once."""
+
+    s: Tensor
+    s_prev: Tensor
+    K: Tensor | None = None
+    U: Tensor | None = None
+    G: Tensor | None = None
+
+
+# ------------------------------------------------------------------ reverse sweep
+@dataclass
+class ChunkActs:
+    """Every activation of a chunk, recomputed in parallel. Dense ones are (C, B, width);
+    memory ones (B, H, C, width)."""
+
+    c: list[Tensor]            # input of each layer (c_0 = S)
+    n: list[Tensor]            # rms(c_i)
+    y: list[Tensor]            # the fused input matmul's output
+    hidden: list[Tensor]       # input of the down-projection
+    o: list[Tensor | None]     # memory read output (flat, H*dv)
+    ro: list[Tensor | None]    # rms(o)
+    q: list[Tensor | None]     # read queries (B, H, C, dk)
+    rq: list[Tensor | None]    # M0^T q
+    n_p: Tensor                # rms(p)
+    gate: Tensor               # sigmoid of the fuse gate
+    p: Tensor
+    s_prev: Tensor | None = None    # (B, d): the chunk's first key comes from it
+    n_sprev: Tensor | None = None   # rms(s_prev)
+    k_pre: Tensor | None = None     # (C, B, H*dk), row t = the pre-activation of k_t
+    k: Tensor | None = None
+    v: Tensor | None = None
+    beta: Tensor | None = None
+    U: Tensor | None = None
+    G: Tensor | None = None
+    pred: Tensor | None = None      # M_{t-1}^T k_t
+    rk: Tensor | None = None        # M0^T k_t
+
+
+@dataclass
+class SweepAdjoints:
+    """What the reverse sweep adds to: per-step input adjoints of the chunk's matmuls (dY,
+    dZ, dYfg), d_fuse, and the memory adjoints (k, u, G, the M0 reads, A)."""
+
+    dY: list[Tensor]
+    dZ: list[Tensor]
+    dYfg: Tensor
+    d_fuse: Tensor
+    dK: Tensor | None
+    dU: Tensor | None
+    dG: Tensor | None
+    dRk: Tensor | None
+    dRq: list[Tensor]
+    dA: Tensor | None
+
+
+@dataclass
+class ReverseSweep:
+    """One chunk's reverse-sweep inputs: its activations, its start memory M0, the gradient
+    of its outputs dP (B, C, d), of the carry leaving it (ds_end, ds_prev_end: (B, d) or
+    None), and the adjoint buffers the sweep adds to."""
+
+    acts: ChunkActs
+    M0: Tensor | None
+    dP: Tensor
+    ds_end: Tensor | None
+    ds_prev_end: Tensor | None
+    adjoints: SweepAdjoints
+
+
+@dataclass
+class ReverseSweepResult:
+    """The gradient of the state entering the chunk (B, d), and that of the pre-activation
+    of the chunk's first key (B, H*dk; GPN+M only), which came from s_prev."""
+
+    ds_start: Tensor
+    dk_pre0: Tensor | None
+
+
+# ------------------------------------------------------------------------ backend
+class StepBackend(Protocol):
+    """What the engine calls for the sequential parts of a chunk."""
+
+    name: str
+
+    def forward_chunk(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
+                      ) -> ChunkForwardResult: ...
+
+    def reverse_sweep(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
+                      ) -> ReverseSweepResult:
+        """Wt: the loop weights transposed (`LoopWeights.transposed`)."""
+        ...

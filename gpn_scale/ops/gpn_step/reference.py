@@ -1,0 +1,247 @@
+"""The PyTorch steps: the spec every other step backend is held to.
+
+Plain tensor ops on any device, one step at a time; the forward is `shared/spec/gpn-model.md`
+with the memory in chunk form (a read-only chunk-start M0 plus the chunk's low-rank history,
+`shared/spec/memory-chunkwise.md`), and the reverse sweep is that forward differentiated by
+hand (held equal to autograd through the step-by-step model by tests/model/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpn_scale.ops.gpn_step.functional import (l2n, l2n_back, matmul, mm_t, rms, rms_back,
+                                               silu_back)
+from gpn_scale.ops.gpn_step.interface import (ChunkActs, ChunkForward, ChunkForwardResult,
+                                              LoopWeights, ReverseSweep, ReverseSweepResult,
+                                              StepPlan, SweepAdjoints)
+
+
+class _ChunkHistory:
+    """The chunk's k_j, u_j, G_j so far, in preallocated buffers (no copy of the history per
+    step)."""
+
+    def __init__(self, B: int, H: int, C: int, dk: int, dv: int, like: Tensor) -> None:
+        self.K = like.new_empty(B, H, C, dk)
+        self.U = like.new_empty(B, H, C, dv)
+        self.G = like.new_empty(B, H, C)
+
+    def append(self, tau: int, k: Tensor, u: Tensor, G: Tensor) -> None:
+        self.K[:, :, tau] = k
+        self.U[:, :, tau] = u
+        self.G[:, :, tau] = G
+
+    def upto(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.K[:, :, :n], self.U[:, :, :n], self.G[:, :, :n]
+
+
+class ReferenceBackend:
+    """The PyTorch steps (any device)."""
+
+    name = "reference"
+
+    def forward_chunk(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
+                      ) -> ChunkForwardResult:
+        return forward_chunk(plan, W, chunk)
+
+    def reverse_sweep(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
+                      ) -> ReverseSweepResult:
+        return reverse_sweep(plan, Wt, sweep)
+
+
+@torch.no_grad()
+def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkForwardResult:
+    """The steps of one chunk (no autograd)."""
+    fuse, s, s_prev, M0, P, S_out = chunk.fuse, chunk.s, chunk.s_prev, chunk.M0, chunk.P, chunk.S
+    B, C, _ = fuse.shape
+    H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
+    mem = plan.memory
+    splits = plan.in_splits
+    if mem:
+        k_cols = H * dk
+        k = l2n(F.relu(matmul(rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols]))
+                .view(B, H, dk))
+        history = _ChunkHistory(B, H, C, dk, dv, s)
+        G_prev = s.new_zeros(B, H)
+    for tau in range(C):
+        if S_out is not None:
+            S_out[:, tau] = s
+        c = s
+        for i in range(plan.n_layers):
+            y = matmul(rms(c, eps), W.w_in[i], W.b_in[i])
+            parts = torch.split(y, splits[i], dim=-1)
+            if mem and i == 0:
+                k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
+                v = v.view(B, H, dv)
+                G = G_prev + (-W.A * F.softplus(decay_pre))
+                q = l2n(F.relu(q_pre).view(B, H, dk))
+                # One read of M0 for the key (error term) and the query (read after write).
+                kq = torch.stack([k, q], dim=2)
+                r = kq @ M0
+                err_base = G_prev.exp()[..., None] * r[:, :, 0]
+                out_base = G.exp()[..., None] * r[:, :, 1]
+                if tau:
+                    K, U, Gj = history.upto(tau)   # (B, H, tau, dk), (.., dv), (B, H, tau)
+                    expo = torch.stack([G_prev, G], dim=2)[..., None] - Gj[:, :, None, :]
+                    hist = ((kq @ K.mT) * expo.exp()) @ U
+                    err_base = err_base + hist[:, :, 0]
+                    out_base = out_base + hist[:, :, 1]
+                u = torch.sigmoid(beta_pre)[..., None] * (v - err_base)
+                o = out_base + (q * k).sum(-1, keepdim=True) * u
+                history.append(tau, k, u, G)
+                G_prev = G
+                k = l2n(F.relu(k_next_pre).view(B, H, dk))
+            elif mem:
+                q_pre, rg, ffn_in, pg = parts
+                q = l2n(F.relu(q_pre).view(B, H, dk))
+                K, U, Gj = history.upto(tau + 1)
+                w = (q[:, :, None] @ K.mT) * (G[..., None, None] - Gj[:, :, None, :]).exp()
+                o = G.exp()[..., None] * (q[:, :, None] @ M0)[:, :, 0] + (w @ U)[:, :, 0]
+            else:
+                ffn_in, pg = parts
+            a, b = ffn_in.chunk(2, dim=-1)
+            hidden = F.silu(a) * b
+            if mem:
+                hidden = torch.cat([F.silu(rg) * rms(o.reshape(B, H * dv), eps), hidden], dim=-1)
+            c = torch.sigmoid(pg) * c + matmul(hidden, W.w_out[i], None)
+        P[:, tau] = c
+        gate = torch.sigmoid(matmul(rms(c, eps), W.w_fg, W.b_fg))
+        s_prev, s = s, gate * c + fuse[:, tau]
+    if not mem:
+        return ChunkForwardResult(s, s_prev)
+    K, U, Gj = history.upto(C)
+    return ChunkForwardResult(s, s_prev, K, U, Gj)
+
+
+@torch.no_grad()
+def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> ReverseSweepResult:
+    """The per-step reverse sweep of one chunk, adding into `sweep.adjoints`."""
+    acts, M0, dP, adj = sweep.acts, sweep.M0, sweep.dP, sweep.adjoints
+    C, B, d = acts.p.shape
+    H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
+    mem = plan.memory
+    splits = plan.in_splits
+    dt = dP.dtype
+    dY, dZ, dYfg, d_fuse = adj.dY, adj.dZ, adj.dYfg, adj.d_fuse
+    dK, dU, dG, dRq = adj.dK, adj.dU, adj.dG, adj.dRq
+    ds_extra = torch.zeros(C, B, d, dtype=dt, device=dP.device)
+    if sweep.ds_prev_end is not None:
+        ds_extra[C - 1] += sweep.ds_prev_end          # s_prev at the end = state entering step C-1
+    dk_pre0 = None
+    if mem:
+        Hk, Hv = H * dk, H * dv
+        K, U, G = acts.k, acts.U, acts.G
+        dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)   # d(pre-activation of k_{t+1})
+        M0t = M0.mT.contiguous()
+        dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
+    dg = (sweep.ds_end if sweep.ds_end is not None
+          else torch.zeros(B, d, dtype=dt, device=dP.device))
+    for tau in range(C - 1, -1, -1):
+        # Ground: s_next = gate * p + fuse.
+        p, gate = acts.p[tau], acts.gate[tau]
+        d_fuse[:, tau] = dg
+        dyfg = dg * p * gate * (1 - gate)
+        dYfg[tau] = dyfg
+        dc = dP[:, tau] + gate * dg + rms_back(acts.n_p[tau], p, mm_t(dyfg, Wt.w_fg), eps)
+        for i in range(L - 1, -1, -1):
+            c_in, n_in = acts.c[i][tau], acts.n[i][tau]
+            parts = torch.split(acts.y[i][tau], splits[i], dim=-1)
+            dparts = list(torch.split(dY[i][tau], splits[i], dim=-1))  # views into dY
+            pg = parts[-1]
+            sg = torch.sigmoid(pg)
+            dZ[i][tau] = dc
+            dparts[-1].copy_(dc * c_in * sg * (1 - sg))
+            dc_in = dc * sg
+            dh = mm_t(dc, Wt.w_out[i])
+            fa, fb = parts[-2].chunk(2, dim=-1)
+            dfa, dfb = dparts[-2].chunk(2, dim=-1)
+            dh_ffn = dh[:, -plan.f:]
+            dfa.copy_(silu_back(fa, dh_ffn * fb))
+            dfb.copy_(dh_ffn * F.silu(fa))
+            if mem:
+                q_pre, rg = parts[-4], parts[-3]
+                ro = acts.ro[i][tau]
+                dh_read = dh[:, :Hv]
+                dparts[-3].copy_(silu_back(rg, dh_read * ro))
+                do = rms_back(ro, acts.o[i][tau], dh_read * F.silu(rg), eps).view(B, H, dv)
+                # Read after write: o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j.
+                q = acts.q[i][:, :, tau]
+                Gt = G[..., tau]
+                eG = Gt.exp()
+                drq = eG[..., None] * do
+                dRq[i][:, :, tau] = drq
+                dq = (drq[:, :, None] @ M0t)[:, :, 0]
+                dGt = eG * (do * acts.rq[i][:, :, tau]).sum(-1)
+                Kh, Uh = K[:, :, :tau + 1], U[:, :, :tau + 1]
+                w = (Gt[..., None] - G[..., :tau + 1]).exp()
+                sdot = (Kh @ q[..., None])[..., 0]
+                da = (Uh @ do[..., None])[..., 0]
+                dU[:, :, :tau + 1] += (w * sdot)[..., None] * do[:, :, None]
+                dsd = da * w
+                dq = dq + (dsd[:, :, None] @ Kh)[:, :, 0]
+                dK[:, :, :tau + 1] += dsd[..., None] * q[:, :, None]
+                dw = dsd * sdot
+                dG[..., :tau + 1] -= dw
+                dG[..., tau] += dGt + dw.sum(-1)
+                dparts[-4].copy_(l2n_back(q_pre.view(B, H, dk), dq).view(B, Hk))
+            if mem and i == 0:
+                _write_backward(plan, Wt, acts, M0t, tau, parts, dparts, adj, dk_next_pre,
+                                dG_suffix)
+                dk_pre = l2n_back(acts.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
+                if tau:
+                    dk_next_pre = dk_pre
+                else:
+                    dk_pre0 = dk_pre
+            dc = dc_in + rms_back(n_in, c_in, mm_t(dY[i][tau], Wt.w_in[i]), eps)
+        dc = dc + ds_extra[tau]
+        dg = dc                                         # gradient of the state entering step tau
+    return ReverseSweepResult(dg, dk_pre0)
+
+
+def _write_backward(plan: StepPlan, W: LoopWeights, acts: ChunkActs, M0t: Tensor, tau: int,
+                    parts: tuple[Tensor, ...], dparts: list[Tensor], adj: SweepAdjoints,
+                    dk_next_pre: Tensor, dG_suffix: Tensor) -> None:
+    """Step tau's memory write, reversed: u_t = beta (v - M_{t-1}^T k_t) and the decay.
+
+    Fills the write blocks of layer 0's input gradient (`dparts`) and adds to the chunk's
+    adjoints of k, u and G (dK, dU, dG) and to dA; dG_suffix is updated in place.
+    """
+    dK, dU, dG, dRk, dA = adj.dK, adj.dU, adj.dG, adj.dRk, adj.dA
+    B, H, dv = dK.shape[0], plan.H, plan.dv
+    G = acts.G
+    du = dU[:, :, tau]
+    beta = acts.beta[..., tau]
+    dparts[0].copy_(dk_next_pre)                     # k_{t+1} is computed at step t
+    dparts[2].copy_((du * (acts.v[:, :, tau] - acts.pred[:, :, tau])).sum(-1)
+                    * beta * (1 - beta))
+    dvv = beta[..., None] * du
+    dparts[1].copy_(dvv.reshape(B, H * dv))
+    dpred = -dvv
+    # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j
+    k = acts.k[:, :, tau]
+    G_prev = G[..., tau - 1] if tau else torch.zeros_like(G[..., 0])
+    eGp = G_prev.exp()
+    drk = eGp[..., None] * dpred
+    dRk[:, :, tau] = drk
+    dk = (drk[:, :, None] @ M0t)[:, :, 0]
+    if tau:
+        dGp = eGp * (dpred * acts.rk[:, :, tau]).sum(-1)
+        Kh, Uh = acts.k[:, :, :tau], acts.U[:, :, :tau]
+        w = (G_prev[..., None] - G[..., :tau]).exp()
+        sdot = (Kh @ k[..., None])[..., 0]
+        da = (Uh @ dpred[..., None])[..., 0]
+        dU[:, :, :tau] += (w * sdot)[..., None] * dpred[:, :, None]
+        dsd = da * w
+        dk = dk + (dsd[:, :, None] @ Kh)[:, :, 0]
+        dK[:, :, :tau] += dsd[..., None] * k[:, :, None]
+        dw = dsd * sdot
+        dG[..., :tau] -= dw
+        dG[..., tau - 1] += dGp + dw.sum(-1)
+    dK[:, :, tau] += dk
+    # G_t = G_{t-1} + log a_t, so d log a_t = sum over t' >= t of dG_t' (complete by now).
+    dG_suffix += dG[..., tau]
+    decay_pre = parts[3]
+    dparts[3].copy_(dG_suffix * (-W.A) * torch.sigmoid(decay_pre))
+    dA -= (dG_suffix * F.softplus(decay_pre)).sum(0)

@@ -1,0 +1,100 @@
+"""Which step backend runs a chunk's steps: chosen at run time by device and availability.
+
+The engine config's `step_backend` asks for one (`auto` by default); the environment variable
+GPN_SCALE_STEP_KERNELS, when set, overrides it (for benchmarks and bisecting):
+
+  auto       CPU tensors: the fused C++ kernels when they build, else (one warning) the
+             PyTorch steps; CUDA tensors: the CUDA backend (Triton kernels) when Triton
+             imports, else (one warning) the PyTorch steps; any other device: PyTorch steps
+  reference  the PyTorch steps (any device; alias: python)
+  cpu        the fused C++ kernels (CPU tensors; an error if they cannot be built; alias: cpp)
+  cuda       the Triton kernels (CUDA tensors; on CPU tensors only under TRITON_INTERPRET=1,
+             which is how the tests run them; alias: triton)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from gpn_scale.ops import step_kernels
+from gpn_scale.ops.gpn_step.interface import StepBackend
+from gpn_scale.ops.gpn_step.reference import ReferenceBackend
+
+ENV_VAR = step_kernels.ENV_VAR
+CHOICES = ("auto", "reference", "cpu", "cuda")
+ALIASES = {"python": "reference", "cpp": "cpu", "triton": "cuda"}
+
+
+class StepBackendError(step_kernels.StepKernelError):
+    """A step backend was asked for that cannot serve these tensors."""
+
+
+def normalise(choice: str, where: str) -> str:
+    value = (choice or "auto").strip().lower()
+    value = ALIASES.get(value, value)
+    if value not in CHOICES:
+        raise StepBackendError(f"{where}={choice!r}: expected one of {', '.join(CHOICES)} "
+                               f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})")
+    return value
+
+
+def requested(config_choice: str = "auto") -> str:
+    """The backend asked for: the environment override if set, else the config's choice."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return normalise(env, ENV_VAR)
+    return normalise(config_choice, "model.step_backend")
+
+
+def interpreting() -> bool:
+    """Triton kernels run on CPU tensors in the interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def select_backend(config_choice: str, device: torch.device) -> StepBackend:
+    """The backend for tensors on `device` (see the module docstring)."""
+    choice = requested(config_choice)
+    if choice == "reference":
+        return ReferenceBackend()
+    if choice == "cpu" or (choice == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise StepBackendError(f"step backend 'cpu' (the fused C++ kernels) serves CPU "
+                                   f"tensors, not {device.type}; use auto or cuda")
+        return _cpu_backend(required=choice == "cpu") or ReferenceBackend()
+    if choice == "cuda" or (choice == "auto" and device.type == "cuda"):
+        if device.type != "cuda" and not interpreting():
+            raise StepBackendError(f"step backend 'cuda' serves CUDA tensors, not {device.type} "
+                                   "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
+                                   "slowly, as the tests do); use auto or cpu")
+        return _cuda_backend(required=choice == "cuda") or ReferenceBackend()
+    return ReferenceBackend()
+
+
+def _cpu_backend(required: bool) -> StepBackend | None:
+    module = step_kernels.load(required)
+    if module is None:
+        return None
+    from gpn_scale.ops.gpn_step.cpu import CpuBackend
+    return CpuBackend(module)
+
+
+def _cuda_backend(required: bool) -> StepBackend | None:
+    try:
+        from gpn_scale.ops.gpn_step.cuda import CudaBackend
+    except ImportError as exc:   # no triton in this environment
+        message = (f"the CUDA step backend needs Triton ({exc}); install triton (it ships "
+                   f"with torch's CUDA wheels) or set {ENV_VAR}=reference")
+        if required:
+            raise StepBackendError(message) from None
+        warn_once(message + " (using the PyTorch steps: same results, many more launches)")
+        return None
+    return CudaBackend()
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
