@@ -1,0 +1,504 @@
+"""Triton kernels of the CUDA step backend (`cuda.py` launches them; `reference.py` is what
+they compute). Three kinds:
+
+- `linear_kernel`: a few-row GEMM (the batch's rows x a weight matrix streamed once) with the
+  work around it fused into its prologue and epilogue: the RMSNorm of the input row as a row
+  scale applied after the product (norm weights are folded into the matrices, so
+  rms(x) @ W == rsqrt(mean(x^2) + eps) * (x @ W)), the bias, the gated residual of the
+  down-projection (with the read's RMSNorm as a second row scale over its own K range), and
+  the fuse gate with the grounding add.
+- `memory_forward_kernel` / `memory_backward_kernel`: everything between the GEMMs of one
+  layer in one launch, one program per (row, head) for the memory (the error term and the read
+  over M0 plus the chunk's low-rank history, gates, l2-norms; in the backward the read and the
+  write reversed with ONE pass over M0 for both) and one per (row, block of FFN columns).
+- `rev_row_kernel`: the reverse sweep's row-wise pieces (an RMSNorm backward, which needs the
+  whole row, then the next layer's start or the step's end), one program per row.
+
+Accumulation is in the output's dtype (float32 under bf16 autocast: operands in bf16, the
+state, the memory and every sum in float32). Under TRITON_INTERPRET=1 they run on CPU tensors
+(float32 / float64; the interpreter has no bf16), which is how CI holds them to the reference.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _softplus(x):
+    # torch's threshold: x above 20 is returned as is.
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _silu(x):
+    return x * _sigmoid(x)
+
+
+@triton.jit
+def _silu_back(x, dy):
+    sig = _sigmoid(x)
+    return dy * sig * (1.0 + x * (1.0 - sig))
+
+
+@triton.jit
+def _l2n_relu(pre):
+    x = tl.maximum(pre, 0.0)
+    return x / tl.sqrt(tl.sum(x * x, axis=0) + 1e-12)
+
+
+@triton.jit
+def _l2n_relu_back(pre, dy):
+    x = tl.maximum(pre, 0.0)
+    rho = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) + 1e-12)
+    y = x * rho
+    return tl.where(pre > 0.0, rho * (dy - y * tl.sum(y * dy, axis=0)), 0.0)
+
+
+# ----------------------------------------------------------------------------- GEMM
+@triton.jit
+def linear_kernel(
+    A, stride_am, stride_ak,           # (M, K) input rows
+    W, stride_wk, stride_wn,           # (K, N) weight
+    BIAS,                              # (N,) or unused
+    OUT, stride_om,                    # (M, N) output (unit column stride)
+    SS, stride_ss,                     # (M, n_ss) partial sums of squares (SPLIT_K1 > 0)
+    PG, stride_pg,                     # EPILOGUE 1: gate pre-activations (M, N)
+    RES, stride_res,                   # EPILOGUE 1, 2: the residual / gated state (M, N)
+    FUSE, stride_fuse,                 # EPILOGUE 2: the grounding input (M, N)
+    OUT2, stride_o2,                   # EPILOGUE 2: a second copy of the output (S_out)
+    M, N, K, eps,
+    N_SS: tl.constexpr, SS_COLS: tl.constexpr, SPLIT_K1: tl.constexpr, ROW_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HAS_OUT2: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT = epilogue(scale * (A @ W) + bias).
+
+    ROW_RMS: scale = rsqrt(mean(A_row^2) + eps), summed while A streams through the K loop.
+    SPLIT_K1 > 0: columns [0, SPLIT_K1) of A get the row scale rsqrt(sum(SS_row) / SPLIT_K1 +
+    eps) (the read's RMSNorm, its sums of squares left by the memory kernel), the rest none.
+    EPILOGUE 0: store; 1: sigmoid(PG) * RES + acc (the gated residual); 2: the fuse gate,
+    sigmoid(acc) * RES + FUSE (OUT2 gets a copy when HAS_OUT2).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc_t = OUT.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    ss = tl.zeros((BLOCK_M,), dtype=acc_t)
+    k_start = 0
+    if SPLIT_K1 > 0:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+        for k0 in range(0, SPLIT_K1, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < SPLIT_K1
+            a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc1 = tl.dot(a.to(w.dtype), w, acc1, input_precision=PRECISION)
+        rs = tl.arange(0, N_SS)
+        part = tl.load(SS + rm[:, None] * stride_ss + rs[None, :],
+                       mask=m_ok[:, None] & (rs < SS_COLS)[None, :], other=0.0)
+        rr = 1.0 / tl.sqrt(tl.sum(part, axis=1) / SPLIT_K1 + eps)
+        acc = acc1 * rr[:, None]
+        k_start = SPLIT_K1
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    for k0 in range(k_start, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if ROW_RMS:
+            af = a.to(acc_t)
+            ss += tl.sum(af * af, axis=1)
+        w = tl.load(W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc2 = tl.dot(a.to(w.dtype), w, acc2, input_precision=PRECISION)
+    if ROW_RMS:
+        acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    acc = acc + acc2
+    if HAS_BIAS:
+        acc = acc + tl.load(BIAS + rn, mask=n_ok, other=0.0)[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if EPILOGUE == 1:
+        pg = tl.load(PG + rm[:, None] * stride_pg + rn[None, :], mask=ok, other=0.0)
+        res = tl.load(RES + rm[:, None] * stride_res + rn[None, :], mask=ok, other=0.0)
+        acc = _sigmoid(pg) * res + acc
+    if EPILOGUE == 2:
+        res = tl.load(RES + rm[:, None] * stride_res + rn[None, :], mask=ok, other=0.0)
+        fuse = tl.load(FUSE + rm[:, None] * stride_fuse + rn[None, :], mask=ok, other=0.0)
+        acc = _sigmoid(acc) * res + fuse
+        if HAS_OUT2:
+            tl.store(OUT2 + rm[:, None] * stride_o2 + rn[None, :], acc, mask=ok)
+    tl.store(OUT + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
+
+
+# ------------------------------------------------------------------ first key of a chunk
+@triton.jit
+def l2n_relu_kernel(X, stride_x, OUT, stride_ob, stride_oh, DK: tl.constexpr,
+                    BLOCK_DK: tl.constexpr):
+    """OUT[b, h] = l2n(relu(X[b, h*DK:(h+1)*DK])): grid (B, H)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rk = tl.arange(0, BLOCK_DK)
+    ok = rk < DK
+    pre = tl.load(X + b * stride_x + h * DK + rk, mask=ok, other=0.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + rk, _l2n_relu(pre), mask=ok)
+
+
+# ------------------------------------------------------------------- memory, forward
+@triton.jit
+def memory_forward_kernel(
+    Y, stride_y,                 # (B, width) this layer's input-GEMM output at this step
+    HID, stride_hid,             # (B, H*DV + F) the down-projection's input
+    SS,                          # (B, H) per-head sums of squares of the read output
+    KCUR,                        # (B, H, DK) the current key (WRITE: replaced by the next)
+    GPREV,                       # (B, H) G_{t-1} (WRITE: replaced by G_t)
+    M0, s_m0b, s_m0h, s_m0k,     # (B, H, DK, DV) chunk-start memory (unit last stride)
+    KH, s_khb, s_khh, s_khc,     # (B, H, C, DK) the chunk's keys
+    UH, s_uhb, s_uhh, s_uhc,     # (B, H, C, DV) the chunk's errors u_j
+    GH, s_ghb, s_ghh,            # (B, H, C) the chunk's cumulative log-decays
+    A,                           # (H,) decay rates exp(A_log)
+    tau,                         # the step within the chunk
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, HV: tl.constexpr,
+    COL_KEY: tl.constexpr, COL_VALUE: tl.constexpr, COL_BETA: tl.constexpr,
+    COL_DECAY: tl.constexpr, COL_QUERY: tl.constexpr, COL_RGATE: tl.constexpr,
+    COL_FFN: tl.constexpr,
+    WRITE: tl.constexpr, MEMORY: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
+    write at layer 0, then the read); the others one block of FFN columns."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if h >= H:
+        rf = (h - H) * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_ok = rf < F
+        fa = tl.load(Y + b * stride_y + COL_FFN + rf, mask=f_ok, other=0.0)
+        fb = tl.load(Y + b * stride_y + COL_FFN + F + rf, mask=f_ok, other=0.0)
+        tl.store(HID + b * stride_hid + HV + rf, _silu(fa) * fb, mask=f_ok)
+    elif MEMORY:
+        rk = tl.arange(0, BLOCK_DK)
+        k_ok = rk < DK
+        rc = tl.arange(0, BLOCK_C)
+        y_row = Y + b * stride_y
+        q = _l2n_relu(tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0))
+        kh_base = KH + b * s_khb + h * s_khh
+        uh_base = UH + b * s_uhb + h * s_uhh
+        gh_base = GH + b * s_ghb + h * s_ghh
+        if WRITE:
+            k = tl.load(KCUR + (b * H + h) * DK + rk, mask=k_ok, other=0.0)
+            Gp = tl.load(GPREV + b * H + h)
+            decay_pre = tl.load(y_row + COL_DECAY + h)
+            G = Gp - tl.load(A + h) * _softplus(decay_pre)
+            beta = _sigmoid(tl.load(y_row + COL_BETA + h))
+            qk = tl.sum(q * k, axis=0)
+            hist_ok = rc < tau                       # the write's error sees j < t
+        else:
+            G = tl.load(gh_base + tau)
+            hist_ok = rc <= tau                      # the read sees this step's write
+        # History coefficients: (q . k_j) e^{G - G_j}, and for the write (k . k_j) e^{Gp - G_j}.
+        Kh = tl.load(kh_base + rc[:, None] * s_khc + rk[None, :],
+                     mask=hist_ok[:, None] & k_ok[None, :], other=0.0)
+        Gj = tl.load(gh_base + rc, mask=hist_ok, other=0.0)
+        cq = tl.where(hist_ok, tl.sum(Kh * q[None, :], axis=1) * tl.exp(G - Gj), 0.0)
+        if WRITE:
+            ck = tl.where(hist_ok, tl.sum(Kh * k[None, :], axis=1) * tl.exp(Gp - Gj), 0.0)
+        ss = tl.sum(tl.zeros((BLOCK_DV,), dtype=SS.dtype.element_ty), axis=0)
+        m0_base = M0 + b * s_m0b + h * s_m0h
+        for v0 in range(0, DV, BLOCK_DV):
+            rv = v0 + tl.arange(0, BLOCK_DV)
+            v_ok = rv < DV
+            m0 = tl.load(m0_base + rk[:, None] * s_m0k + rv[None, :],
+                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+            Uh = tl.load(uh_base + rc[:, None] * s_uhc + rv[None, :],
+                         mask=hist_ok[:, None] & v_ok[None, :], other=0.0)
+            o = tl.exp(G) * tl.sum(q[:, None] * m0, axis=0) + tl.sum(cq[:, None] * Uh, axis=0)
+            if WRITE:
+                err = tl.exp(Gp) * tl.sum(k[:, None] * m0, axis=0) + tl.sum(ck[:, None] * Uh,
+                                                                             axis=0)
+                v = tl.load(y_row + COL_VALUE + h * DV + rv, mask=v_ok, other=0.0)
+                u = beta * (v - err)
+                o = o + qk * u
+                tl.store(uh_base + tau * s_uhc + rv, u, mask=v_ok)
+            rg = tl.load(y_row + COL_RGATE + h * DV + rv, mask=v_ok, other=0.0)
+            tl.store(HID + b * stride_hid + h * DV + rv, _silu(rg) * o, mask=v_ok)
+            ss += tl.sum(tl.where(v_ok, o * o, 0.0), axis=0)
+        tl.store(SS + b * H + h, ss)
+        if WRITE:
+            tl.store(kh_base + tau * s_khc + rk, k, mask=k_ok)
+            tl.store(gh_base + tau, G)
+            tl.store(GPREV + b * H + h, G)
+            k_next = _l2n_relu(tl.load(y_row + COL_KEY + h * DK + rk, mask=k_ok, other=0.0))
+            tl.store(KCUR + (b * H + h) * DK + rk, k_next, mask=k_ok)
+
+
+# ----------------------------------------------------------------- reverse, row-wise
+@triton.jit
+def rev_row_kernel(
+    DN, N_, X, stride_row,         # the RMSNorm backward's dn, n and x rows (B, D), one stride
+    BASE, stride_base,             # BASE_GROUND: dP[:, t]; else dc_in (B, D)
+    GATE, DG,                      # BASE_GROUND: dc = dP + gate * dg + ...
+    EXTRA,                         # HAS_EXTRA: added to dc (ds_prev at the chunk's end)
+    # THEN_LAYER: start layer i's backward at this step
+    DZ, PG, stride_pg, CIN, DPG, stride_dpg, DCIN,
+    # THEN_STEP: the step's end (dg = dc), and the ground of the step before (HAS_PREV)
+    DFUSE_PREV, stride_df, P_PREV, GATE_PREV, DYFG_PREV,
+    D, eps,
+    BASE_GROUND: tl.constexpr, HAS_EXTRA: tl.constexpr, THEN_LAYER: tl.constexpr,
+    HAS_PREV: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dc = base + rms_back(n, x, dn) (+ extra); then layer start (dZ = dc, the predict
+    gate's input gradient, dc_in = dc * sigmoid(pg)) or step end (dg = dc; d_fuse and the
+    fuse gate's input gradient of the previous step). Grid (B,). Dense (B, D) buffers share
+    `stride_row` = D unless given their own stride."""
+    b = tl.program_id(0)
+    row = b * stride_row
+    acc_t = DN.dtype.element_ty
+    sx = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
+    sdn = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
+    for d0 in range(0, D, BLOCK_D):
+        rd = d0 + tl.arange(0, BLOCK_D)
+        ok = rd < D
+        x = tl.load(X + row + rd, mask=ok, other=0.0)
+        sx += tl.sum(x * x, axis=0)
+        sdn += tl.sum(tl.load(DN + row + rd, mask=ok, other=0.0)
+                      * tl.load(N_ + row + rd, mask=ok, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(sx / D + eps)
+    mean_dn = sdn / D
+    for d0 in range(0, D, BLOCK_D):
+        rd = d0 + tl.arange(0, BLOCK_D)
+        ok = rd < D
+        dn = tl.load(DN + row + rd, mask=ok, other=0.0)
+        n = tl.load(N_ + row + rd, mask=ok, other=0.0)
+        dc = r * (dn - n * mean_dn) + tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
+        if BASE_GROUND:
+            dc += tl.load(GATE + row + rd, mask=ok, other=0.0) * tl.load(DG + row + rd, mask=ok,
+                                                                         other=0.0)
+        if HAS_EXTRA:
+            dc += tl.load(EXTRA + row + rd, mask=ok, other=0.0)
+        if THEN_LAYER:
+            tl.store(DZ + row + rd, dc, mask=ok)
+            sg = _sigmoid(tl.load(PG + b * stride_pg + rd, mask=ok, other=0.0))
+            c_in = tl.load(CIN + row + rd, mask=ok, other=0.0)
+            tl.store(DPG + b * stride_dpg + rd, dc * c_in * sg * (1.0 - sg), mask=ok)
+            tl.store(DCIN + row + rd, dc * sg, mask=ok)
+        else:
+            tl.store(DG + row + rd, dc, mask=ok)
+            if HAS_PREV:
+                tl.store(DFUSE_PREV + b * stride_df + rd, dc, mask=ok)
+                p = tl.load(P_PREV + row + rd, mask=ok, other=0.0)
+                g = tl.load(GATE_PREV + row + rd, mask=ok, other=0.0)
+                tl.store(DYFG_PREV + row + rd, dc * p * g * (1.0 - g), mask=ok)
+
+
+@triton.jit
+def rev_start_kernel(DS_END, DG, DFUSE, stride_df, P, GATE, DYFG, D, HAS_DS: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """The chunk's last step: dg = ds_end (or 0), d_fuse and the fuse gate's input gradient."""
+    b = tl.program_id(0)
+    for d0 in range(0, D, BLOCK_D):
+        rd = d0 + tl.arange(0, BLOCK_D)
+        ok = rd < D
+        row = b * D + rd
+        if HAS_DS:
+            dg = tl.load(DS_END + row, mask=ok, other=0.0)
+        else:
+            dg = tl.zeros((BLOCK_D,), dtype=DG.dtype.element_ty)
+        tl.store(DG + row, dg, mask=ok)
+        tl.store(DFUSE + b * stride_df + rd, dg, mask=ok)
+        p = tl.load(P + row, mask=ok, other=0.0)
+        g = tl.load(GATE + row, mask=ok, other=0.0)
+        tl.store(DYFG + row, dg * p * g * (1.0 - g), mask=ok)
+
+
+# ------------------------------------------------------------------ memory, reverse
+@triton.jit
+def memory_backward_kernel(
+    Y, stride_y,                 # (B, width) the layer's input-GEMM output at this step
+    DY, stride_dy,               # (B, width) its gradient at this step (filled here)
+    DY_PREV,                     # WRITE: the gradient row of the step before (its key columns)
+    DH, stride_dh,               # (B, H*DV + F) gradient of the down-projection's input
+    O, RO, stride_o,             # (B, H*DV) the read output and its RMSNorm
+    Q, s_qb, s_qh,               # (B, H, DK) this step's read query
+    RQ, s_rqb, s_rqh,            # (B, H, DV) M0^T q
+    DRQ, s_drqb, s_drqh,         # (B, H, DV) out: its gradient
+    KA, s_kb, s_kh, s_kc,        # (B, H, C, DK) the chunk's keys
+    UA, s_ub, s_uh, s_uc,        # (B, H, C, DV) the chunk's errors
+    GA, s_gb, s_gh, s_gc,        # (B, H, C) cumulative log-decays
+    DKA, s_dkb, s_dkh, s_dkc,    # (B, H, C, DK) adjoints, added to
+    DUA, s_dub, s_duh, s_duc,    # (B, H, C, DV)
+    DGA, s_dgb, s_dgh, s_dgc,    # (B, H, C)
+    M0, s_m0b, s_m0h, s_m0k,     # (B, H, DK, DV)
+    # WRITE only (layer 0): this step's write activations and outputs
+    KPRE, stride_kpre,           # (B, H*DK) pre-activation of k_t
+    V, s_vb, s_vh,               # (B, H, DV)
+    BETA, s_bb, s_bh,            # (B, H)
+    PRED, s_pb, s_ph,            # (B, H, DV) M_{t-1}^T k_t
+    RK, s_rkb, s_rkh,            # (B, H, DV) M0^T k_t
+    DRK, s_drkb, s_drkh,         # (B, H, DV) out
+    DGS,                         # (B, H) running suffix sum of dG (d log a)
+    DA_ROWS,                     # (B, H) dA accumulated per row
+    DKPRE0,                      # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
+    A, tau, is_last, eps,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, HV: tl.constexpr,
+    COL_KEY: tl.constexpr, COL_VALUE: tl.constexpr, COL_BETA: tl.constexpr,
+    COL_DECAY: tl.constexpr, COL_QUERY: tl.constexpr, COL_RGATE: tl.constexpr,
+    COL_FFN: tl.constexpr,
+    WRITE: tl.constexpr, MEMORY: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_HV: tl.constexpr,
+):
+    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step
+    (BLOCK_DV covers DV: a head's adjoint vectors stay in registers).
+    Head programs fill the read's (and at layer 0 the write's) columns of DY and add to the
+    chunk's dK, dU, dG; FFN programs fill the FFN columns."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    y_row = Y + b * stride_y
+    dy_row = DY + b * stride_dy
+    if h >= H:
+        rf = (h - H) * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_ok = rf < F
+        fa = tl.load(y_row + COL_FFN + rf, mask=f_ok, other=0.0)
+        fb = tl.load(y_row + COL_FFN + F + rf, mask=f_ok, other=0.0)
+        dh = tl.load(DH + b * stride_dh + HV + rf, mask=f_ok, other=0.0)
+        tl.store(dy_row + COL_FFN + rf, _silu_back(fa, dh * fb), mask=f_ok)
+        tl.store(dy_row + COL_FFN + F + rf, dh * _silu(fa), mask=f_ok)
+    elif MEMORY:
+        acc_t = DY.dtype.element_ty
+        # The read's RMSNorm spans all heads: its row dot over H*DV values, read again here
+        # by every head's program (a few KB) instead of a second launch.
+        sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
+        sdn = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
+        for c0 in range(0, HV, BLOCK_HV):
+            rj = c0 + tl.arange(0, BLOCK_HV)
+            j_ok = rj < HV
+            x = tl.load(O + b * stride_o + rj, mask=j_ok, other=0.0)
+            sx += tl.sum(x * x, axis=0)
+            dn = (tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0)
+                  * _silu(tl.load(y_row + COL_RGATE + rj, mask=j_ok, other=0.0)))
+            sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
+        r = 1.0 / tl.sqrt(sx / HV + eps)
+        mean_dn = sdn / HV
+        rv = tl.arange(0, BLOCK_DV)
+        v_ok = rv < DV
+        rk = tl.arange(0, BLOCK_DK)
+        k_ok = rk < DK
+        rc = tl.arange(0, BLOCK_C)
+        col_v = h * DV + rv
+        dh_read = tl.load(DH + b * stride_dh + col_v, mask=v_ok, other=0.0)
+        rg = tl.load(y_row + COL_RGATE + col_v, mask=v_ok, other=0.0)
+        ro = tl.load(RO + b * stride_o + col_v, mask=v_ok, other=0.0)
+        tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
+        do = r * (dh_read * _silu(rg) - ro * mean_dn)
+        do = tl.where(v_ok, do, 0.0)
+        # o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j
+        q = tl.load(Q + b * s_qb + h * s_qh + rk, mask=k_ok, other=0.0)
+        g_base = GA + b * s_gb + h * s_gh
+        Gt = tl.load(g_base + tau * s_gc)
+        eG = tl.exp(Gt)
+        drq = eG * do
+        tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
+        dGt = eG * tl.sum(do * tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0),
+                          axis=0)
+        read_ok = rc <= tau
+        Kh = tl.load(KA + b * s_kb + h * s_kh + rc[:, None] * s_kc + rk[None, :],
+                     mask=read_ok[:, None] & k_ok[None, :], other=0.0)
+        Uh = tl.load(UA + b * s_ub + h * s_uh + rc[:, None] * s_uc + rv[None, :],
+                     mask=read_ok[:, None] & v_ok[None, :], other=0.0)
+        Gj = tl.load(g_base + rc * s_gc, mask=read_ok, other=0.0)
+        w = tl.where(read_ok, tl.exp(Gt - Gj), 0.0)
+        sdot = tl.sum(Kh * q[None, :], axis=1)
+        dsd = tl.sum(Uh * do[None, :], axis=1) * w
+        dU_add = (w * sdot)[:, None] * do[None, :]
+        dK_add = dsd[:, None] * q[None, :]
+        dw = dsd * sdot
+        dG_add = tl.where(rc == tau, dGt + tl.sum(dw, axis=0), 0.0) - dw
+        dq = tl.sum(dsd[:, None] * Kh, axis=0)
+        du_ptr = DUA + b * s_dub + h * s_duh
+        dk_ptr = DKA + b * s_dkb + h * s_dkh
+        dg_ptr = DGA + b * s_dgb + h * s_dgh
+        if WRITE:
+            # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at t
+            # has added its share (j = t: weight 1).
+            is_t = rc == tau
+            du = (tl.load(du_ptr + tau * s_duc + rv, mask=v_ok, other=0.0)
+                  + tl.sum(tl.where(is_t[:, None], dU_add, 0.0), axis=0))
+            beta = tl.load(BETA + b * s_bb + h * s_bh)
+            v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
+            pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
+            tl.store(dy_row + COL_BETA + h, tl.sum(du * (v - pred), axis=0) * beta * (1.0 - beta))
+            dvv = beta * du
+            tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
+            dpred = -dvv
+            k = tl.load(KA + b * s_kb + h * s_kh + tau * s_kc + rk, mask=k_ok, other=0.0)
+            has_prev = tau > 0
+            Gp = tl.load(g_base + (tau - 1) * s_gc, mask=has_prev, other=0.0)
+            eGp = tl.exp(Gp)
+            drk = eGp * dpred
+            tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
+            dGp = eGp * tl.sum(dpred * tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok,
+                                               other=0.0), axis=0)
+            # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j
+            write_ok = rc < tau
+            w2 = tl.where(write_ok, tl.exp(Gp - Gj), 0.0)
+            sdot2 = tl.sum(Kh * k[None, :], axis=1)
+            dsd2 = tl.sum(Uh * dpred[None, :], axis=1) * w2
+            dU_add += (w2 * sdot2)[:, None] * dpred[None, :]
+            dK_add += dsd2[:, None] * k[None, :]
+            dw2 = dsd2 * sdot2
+            dG_add += tl.where(rc == tau - 1, dGp + tl.sum(dw2, axis=0), 0.0) - dw2
+            dk = tl.sum(dsd2[:, None] * Kh, axis=0)
+        # One pass over M0 for both reads: dq += M0 drq and (write) dk += M0 drk.
+        m0 = tl.load(M0 + b * s_m0b + h * s_m0h + rk[:, None] * s_m0k + rv[None, :],
+                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        dq += tl.sum(m0 * drq[None, :], axis=1)
+        if WRITE:
+            dk += tl.sum(m0 * drk[None, :], axis=1)
+        # The chunk's adjoints of k, u and G, each read and written once.
+        tile_dk = dk_ptr + rc[:, None] * s_dkc + rk[None, :]
+        tile_du = du_ptr + rc[:, None] * s_duc + rv[None, :]
+        ok_k = read_ok[:, None] & k_ok[None, :]
+        ok_v = read_ok[:, None] & v_ok[None, :]
+        dK_new = tl.load(tile_dk, mask=ok_k, other=0.0) + dK_add
+        if WRITE:
+            dK_new += tl.where((rc == tau)[:, None], dk[None, :], 0.0)
+        tl.store(tile_dk, dK_new, mask=ok_k)
+        tl.store(tile_du, tl.load(tile_du, mask=ok_v, other=0.0) + dU_add, mask=ok_v)
+        dG_new = tl.load(dg_ptr + rc * s_dgc, mask=read_ok, other=0.0) + dG_add
+        tl.store(dg_ptr + rc * s_dgc, dG_new, mask=read_ok)
+        q_pre = tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0)
+        tl.store(dy_row + COL_QUERY + h * DK + rk, _l2n_relu_back(q_pre, dq), mask=k_ok)
+        if WRITE:
+            # G_t = G_{t-1} + log a_t: d log a_t is the suffix sum of dG (complete at t now).
+            dgs = tl.load(DGS + b * H + h) + tl.sum(tl.where(rc == tau, dG_new, 0.0), axis=0)
+            tl.store(DGS + b * H + h, dgs)
+            decay_pre = tl.load(y_row + COL_DECAY + h)
+            a_h = tl.load(A + h)
+            tl.store(dy_row + COL_DECAY + h, dgs * (-a_h) * _sigmoid(decay_pre))
+            tl.store(DA_ROWS + b * H + h,
+                     tl.load(DA_ROWS + b * H + h) - dgs * _softplus(decay_pre))
+            # k_t came from step t-1's key columns (or, at t = 0, from s_prev).
+            dk_t = tl.sum(tl.where((rc == tau)[:, None], dK_new, 0.0), axis=0)
+            k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
+            dk_pre = _l2n_relu_back(k_pre, dk_t)
+            if is_last != 0:
+                tl.store(dy_row + COL_KEY + h * DK + rk, tl.zeros((BLOCK_DK,), dtype=acc_t),
+                         mask=k_ok)
+            if tau > 0:
+                tl.store(DY_PREV + b * stride_dy + COL_KEY + h * DK + rk, dk_pre, mask=k_ok)
+            else:
+                tl.store(DKPRE0 + b * H * DK + h * DK + rk, dk_pre, mask=k_ok)
