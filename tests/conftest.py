@@ -29,8 +29,16 @@ import uuid
 from typing import Iterator
 
 import pytest
+import torch
 
 from gpn_scale.testing.s3 import LocalS3
+
+# The CUDA step backend's Triton kernels run on CPU tensors in Triton's interpreter
+# (tests/ops): it must be chosen before triton decorates them, i.e. before any import of
+# gpn_scale.ops.gpn_step.triton_kernels. Without a GPU nothing else reads it; with one the
+# kernels run compiled on it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One build cache for compiled extensions (the engine's step kernels, DeepSpeed's ops) shared
 # by this process and every child the tests start (the trainer tests pass the same path).

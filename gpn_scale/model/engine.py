@@ -81,11 +81,30 @@ def phase_timer() -> Iterator[dict[str, float]]:
         _PHASES = previous
 
 
+_CURRENT: list[str] = []   # the phases open now, innermost last (while phase_timer is on)
+
+
+def current_phase() -> str | None:
+    """The innermost engine phase running now, when phases are being timed (accounting)."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
 @contextlib.contextmanager
 def _phase(name: str, device: torch.device | None = None) -> Iterator[None]:
     if _PHASES is None:
         yield
         return
+    _CURRENT.append(name)
+    try:
+        with _timed_phase(name, device):
+            yield
+    finally:
+        _CURRENT.pop()
+
+
+@contextlib.contextmanager
+def _timed_phase(name: str, device: torch.device | None) -> Iterator[None]:
+    assert _PHASES is not None
     if device is not None and device.type == "cuda":
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -462,7 +481,26 @@ class _SequenceFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ entry point
+_MM_DTYPE_OVERRIDE: torch.dtype | None = None
+
+
+@contextlib.contextmanager
+def matmul_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run the engine's matmuls in `dtype` as under autocast, on devices autocast does not
+    know (the launch accounting's meta tensors: gpn_scale.bench.gpu_model)."""
+    global _MM_DTYPE_OVERRIDE
+    previous, _MM_DTYPE_OVERRIDE = _MM_DTYPE_OVERRIDE, dtype
+    try:
+        yield
+    finally:
+        _MM_DTYPE_OVERRIDE = previous
+
+
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    if _MM_DTYPE_OVERRIDE is not None:
+        return _MM_DTYPE_OVERRIDE
+    if device.type == "meta":
+        return None
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
@@ -486,7 +524,8 @@ def run_engine(model: GPN, tokens: Tensor, state: GPNState | None, *,
     B, T = tokens.shape
     device = tokens.device
     mm_dtype = _autocast_dtype(device)
-    with torch.autocast(device.type, enabled=False):
+    with (torch.autocast(device.type, enabled=False) if device.type != "meta"
+          else contextlib.nullcontext()):
         if state is None:
             state = model.initial_state(B, device)
         sdt = model.state_dtype()

@@ -240,7 +240,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise FitError(f"--ci: a level in (0, 1), got {args.ci}")
     parts = []
     for s in args.sweep:
-        parts.append(C.collect_sweep(load_sweep(s, allow_few_seeds=True),
+        parts.append(C.collect_sweep(load_sweep(s, allow_few_seeds=True, price=False),
                                      allow_unfinished=args.allow_unfinished))
     if args.roots:
         parts.append(C.collect_roots(args.roots, allow_unfinished=args.allow_unfinished))

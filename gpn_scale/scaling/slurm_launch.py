@@ -40,4 +40,4 @@ def run_at(sweep: Sweep, index: int) -> RunSpec:
 
 def load(path: str) -> Sweep:
     # The file decides about few seeds (allow_few_seeds); launchers never override it.
-    return load_sweep(path)
+    return load_sweep(path, price=False)

@@ -10,7 +10,9 @@ A sweep file (`configs/sweeps/*.yaml`, OmegaConf YAML) looks like
     checkpoint_root: s3://bucket/ckpt/gpn-ladder   # run r checkpoints (and DONE) in <root>/<r>
     run_root: null                   # local run dirs (metrics.jsonl) in <run_root>/<r>
     wandb: {project: gpn-scale, group: null, job_type: scaling}
-    hardware: {gpu: H100-SXM, peak_tflops: 989, mfu: 0.35}   # for the GPU-hour estimate
+    hardware: {gpu: H100-SXM, peak_tflops: 989, mfu: predicted, sequences_per_gpu: 16}
+                                   # GPU-hours: mfu a measured fraction (docs/perf.md), or
+                                   # "predicted" by gpn_scale.bench.gpu_model per model size
     defaults:                        # rules every size uses unless it overrides them
       tokens_per_param: 20           # or tokens: 2.6e9 (one of the two; a list = several D)
       global_batch_size: 128         # sequences per optimizer step
@@ -28,6 +30,8 @@ Every error is one line naming the key and the fix (`SweepError`, a ConfigError)
 """
 
 from __future__ import annotations
+
+import functools
 
 import math
 import re
@@ -53,7 +57,7 @@ TOP_KEYS = ("name", "description", "seeds", "allow_few_seeds", "base_config", "d
             "checkpoint_root", "run_root", "wandb", "hardware", "defaults", "models")
 DATA_KEYS = ("remote", "seq_len")
 WANDB_KEYS = ("project", "group", "job_type")
-HARDWARE_KEYS = ("gpu", "peak_tflops", "mfu")
+HARDWARE_KEYS = ("gpu", "peak_tflops", "mfu", "sequences_per_gpu")
 RULE_KEYS = ("tokens_per_param", "tokens", "global_batch_size", "lr", "warmup_steps",
              "min_lr_ratio", "overrides")
 MODEL_KEYS = ("config", "name", "family") + RULE_KEYS
@@ -219,8 +223,11 @@ def _short(x: float) -> str:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> Sweep:
-    """Read, validate and expand a sweep file (by path or by name in configs/sweeps/)."""
+def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False,
+               price: bool = True) -> Sweep:
+    """Read, validate and expand a sweep file (by path or by name in configs/sweeps/).
+    `price`: compute the GPU-hours (with `mfu: predicted`, ~1 s per model size of launch
+    accounting); callers that only need the runs (array tasks, fits) pass False."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -232,7 +239,25 @@ def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> Sw
         raise SweepError(f"{path}: cannot read the sweep: {first}") from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: expected a mapping at the top level")
-    return _expand(raw, path, allow_few_seeds=allow_few_seeds)
+    return _expand(raw, path, allow_few_seeds=allow_few_seeds, price=price)
+
+
+_ACCOUNTING_GPUS = {"h100": "h100", "h100-sxm": "h100", "h100 sxm": "h100", "h200": "h200"}
+
+
+def _accounting_gpu(name: str) -> str:
+    key = _ACCOUNTING_GPUS.get(name.strip().lower())
+    if key is None:
+        raise SweepError(f"hardware.gpu: {name!r} has no launch accounting (H100-SXM, H200); "
+                         "give a measured hardware.mfu (a fraction) for it")
+    return key
+
+
+@functools.lru_cache(maxsize=None)
+def _predicted_mfu(cfg: Any, sequences_per_gpu: int, seq_len: int, gpu: str) -> float:
+    # The accounting runs the engine's CUDA code path on meta tensors (bench/gpu_model.py).
+    from gpn_scale.bench.gpu_model import predicted_mfu
+    return predicted_mfu(cfg, sequences_per_gpu, seq_len, gpu)
 
 
 def expand_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> list[RunSpec]:
@@ -240,7 +265,8 @@ def expand_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> 
     return load_sweep(name_or_path, allow_few_seeds=allow_few_seeds).runs
 
 
-def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool) -> Sweep:
+def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
+            price: bool = True) -> Sweep:
     from gpn_scale.model import counts
     from gpn_scale.model.config import load_model_config
 
@@ -302,14 +328,21 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool) -> Sweep:
         if not isinstance(val, str):
             raise SweepError(f"wandb.{key}: expected a string, got {val!r}")
 
-    hardware = {"gpu": "H100-SXM", "peak_tflops": 989.0, "mfu": 0.35}
+    hardware = {"gpu": "H100-SXM", "peak_tflops": 989.0, "mfu": "predicted",
+                "sequences_per_gpu": 16}
     hw = _mapping("hardware", raw.get("hardware"))
     _check_keys("hardware.", hw, HARDWARE_KEYS)
     hardware.update(hw)
     peak = _positive_float("hardware.peak_tflops", hardware["peak_tflops"])
-    mfu = _positive_float("hardware.mfu", hardware["mfu"])
-    if mfu > 1:
-        raise SweepError(f"hardware.mfu: a fraction in (0, 1], got {mfu}")
+    seqs_per_gpu = _positive_int("hardware.sequences_per_gpu", hardware["sequences_per_gpu"])
+    predicted_gpu = None
+    if hardware["mfu"] == "predicted":
+        predicted_gpu = _accounting_gpu(str(hardware["gpu"]))
+        mfu = 0.0
+    else:
+        mfu = _positive_float("hardware.mfu", hardware["mfu"])
+        if mfu > 1:
+            raise SweepError(f"hardware.mfu: a fraction in (0, 1] or 'predicted', got {mfu}")
 
     defaults = _mapping("defaults", raw.get("defaults"))
     _check_keys("defaults.", defaults, RULE_KEYS)
@@ -378,6 +411,11 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool) -> Sweep:
         params = int(counts.count_parameters(cfg))
         non_emb = int(counts.non_embedding_parameters(cfg))
         per_token = float(counts.flops_per_token(cfg, seq_len))
+        run_mfu = mfu
+        if predicted_gpu is not None:
+            run_mfu = _predicted_mfu(cfg, seqs_per_gpu, seq_len, predicted_gpu) if price \
+                else float("nan")
+            hardware.setdefault("predicted_mfu", {})[size] = run_mfu
         tokens_per_step = gbs * seq_len
         for budget in budgets:
             target = budget * params if has_tpp else budget
@@ -404,7 +442,7 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool) -> Sweep:
                     checkpoint_root=_join(ckpt_root, run_name),
                     run_dir=_join(run_root, run_name) if run_root else None,
                     wandb_project=project, wandb_group=group, wandb_job_type=job_type,
-                    flops=flops, gpu_hours=flops / (peak * 1e12 * mfu) / 3600.0,
+                    flops=flops, gpu_hours=flops / (peak * 1e12 * run_mfu) / 3600.0,
                     base_config=base_config, extra_overrides=tuple(extra)))
     description = raw.get("description") or ""
     return Sweep(name=name, path=path, runs=runs, seeds=seeds, hardware=hardware, notes=notes,
@@ -439,6 +477,14 @@ def _resolve_train_config(name: str, sweep_path: Path) -> str:
 
 # ----------------------------------------------------------------------------- plan
 
+def _mfu_text(hw: Mapping[str, Any]) -> str:
+    if hw["mfu"] != "predicted":
+        return f"{float(hw['mfu']):.0%} MFU"
+    per_size = ", ".join(f"{size} {m:.1%}" for size, m in hw.get("predicted_mfu", {}).items())
+    return (f"the MFU predicted by gpn_scale.bench.gpu_model at {hw['sequences_per_gpu']} "
+            f"sequences per GPU ({per_size}; give a measured hardware.mfu to override)")
+
+
 def format_plan(sweep: Sweep) -> str:
     """The human-readable plan: one row per run, then totals and assumptions."""
     hw = sweep.hardware
@@ -462,7 +508,7 @@ def format_plan(sweep: Sweep) -> str:
     r0 = sweep.runs[0]
     lines += [
         f"total: {sweep.total_flops:.3g} FLOPs, {sweep.total_gpu_hours:,.4g} GPU-hours "
-        f"(at {float(hw['mfu']):.0%} MFU of {float(hw['peak_tflops']):g} TFLOP/s per "
+        f"(at {_mfu_text(hw)} of {float(hw['peak_tflops']):g} TFLOP/s per "
         f"{hw['gpu']}; FLOPs = 3 x forward per token)",
         f"data {r0.data_remote} (seq_len {r0.seq_len}); checkpoints "
         f"{r0.checkpoint_root.rsplit('/', 1)[0]}/<run>; W&B {r0.wandb_project}/"

@@ -64,7 +64,8 @@ def write_sweep(d, text=BASE, **edits):
 
 
 def test_expand_gives_one_run_per_size_and_seed_with_planned_numbers(sweep_dir):
-    runs = expand_sweep(write_sweep(sweep_dir))
+    sweep = load_sweep(write_sweep(sweep_dir))
+    runs = sweep.runs
     assert [r.name for r in runs] == [f"t-a-s{s}" for s in range(3)] + [f"t-bee-s{s}" for s in range(3)]
     r = runs[3]
     assert isinstance(r, RunSpec)
@@ -72,7 +73,10 @@ def test_expand_gives_one_run_per_size_and_seed_with_planned_numbers(sweep_dir):
     assert r.params == n and r.family == "gpn+m" and r.seed == 0 and r.lr == 5e-4
     assert r.total_steps == math.ceil(20 * n / (4 * 32)) and r.tokens == r.total_steps * 4 * 32
     assert r.flops == pytest.approx(counts.flops_per_token(TINY_B, 32) * r.tokens)
-    assert r.gpu_hours == pytest.approx(r.flops / (989e12 * 0.35) / 3600)
+    # No hardware.mfu given: the launch accounting's prediction for this size (H100, 16/GPU).
+    mfu = sweep.hardware["predicted_mfu"][r.size]
+    assert 0 < mfu < 1
+    assert r.gpu_hours == pytest.approx(r.flops / (989e12 * mfu) / 3600)
     assert r.checkpoint_root == "s3://bucket/ckpt/t/t-bee-s0"
     assert r.wandb_group == "t" and r.wandb_job_type == "scaling"
     assert r.model == str((sweep_dir / "models" / "b.yaml").resolve())

@@ -53,12 +53,18 @@ def mm_t(dy: Tensor, weight_t: Tensor) -> Tensor:
     return (dy.to(weight_t.dtype) @ weight_t).to(dy.dtype)
 
 
+def _gpu_path(t: Tensor) -> bool:
+    """The CUDA code path: on CUDA tensors, and on meta ones (the launch accounting runs the
+    CUDA path's code on meta tensors, gpn_scale.bench.gpu_model)."""
+    return t.device.type in ("cuda", "meta")
+
+
 def linear_out(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype
                ) -> Tensor:
     """x @ weight (+ bias) with x, weight in the matmul dtype and the result in `out_dtype`.
     On CUDA one GEMM that accumulates and writes in out_dtype (cuBLAS's dtype overload);
     elsewhere the GEMM in the matmul dtype, cast and bias added after."""
-    if x.is_cuda and weight.dtype != out_dtype:
+    if _gpu_path(x) and weight.dtype != out_dtype:
         x2 = x.reshape(-1, x.shape[-1])
         y = (torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype) if bias is not None
              else torch.mm(x2, weight, out_dtype=out_dtype))
@@ -71,7 +77,7 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, mm_dtype: torch.dtype | Non
     """acc += a @ b, accumulated in acc's dtype. Under autocast on CUDA the operands go in the
     matmul dtype (bf16 tensor cores, fp32 accumulation straight into acc: cuBLAS beta = 1);
     otherwise in acc's dtype (float32 or float64: the exactness tests stay in IEEE)."""
-    if mm_dtype is not None and acc.is_cuda:
+    if mm_dtype is not None and _gpu_path(acc):
         torch.addmm(acc, a.to(mm_dtype), b.to(mm_dtype), out_dtype=acc.dtype, out=acc)
         return
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))

@@ -66,12 +66,21 @@ def select_backend(config_choice: str, device: torch.device) -> StepBackend:
                                    f"tensors, not {device.type}; use auto or cuda")
         return _cpu_backend(required=choice == "cpu") or ReferenceBackend()
     if choice == "cuda" or (choice == "auto" and device.type == "cuda"):
-        if device.type != "cuda" and not interpreting():
+        if device.type != "cuda" and not interpreting() and not _dry_run():
             raise StepBackendError(f"step backend 'cuda' serves CUDA tensors, not {device.type} "
                                    "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
                                    "slowly, as the tests do); use auto or cpu")
         return _cuda_backend(required=choice == "cuda") or ReferenceBackend()
     return ReferenceBackend()
+
+
+def _dry_run() -> bool:
+    """The launch accounting runs the CUDA backend's code on meta tensors, launching nothing."""
+    try:
+        from gpn_scale.ops.gpn_step.cuda import is_dry
+    except ImportError:
+        return False
+    return is_dry()
 
 
 def _cpu_backend(required: bool) -> StepBackend | None:
@@ -82,9 +91,16 @@ def _cpu_backend(required: bool) -> StepBackend | None:
     return CpuBackend(module)
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_backend_instance() -> StepBackend:
+    """One per process: its captured chunk graphs are reused across engine calls."""
+    from gpn_scale.ops.gpn_step.cuda import CudaBackend
+    return CudaBackend()
+
+
 def _cuda_backend(required: bool) -> StepBackend | None:
     try:
-        from gpn_scale.ops.gpn_step.cuda import CudaBackend
+        import triton  # noqa: F401
     except ImportError as exc:   # no triton in this environment
         message = (f"the CUDA step backend needs Triton ({exc}); install triton (it ships "
                    f"with torch's CUDA wheels) or set {ENV_VAR}=reference")
@@ -92,7 +108,7 @@ def _cuda_backend(required: bool) -> StepBackend | None:
             raise StepBackendError(message) from None
         warn_once(message + " (using the PyTorch steps: same results, many more launches)")
         return None
-    return CudaBackend()
+    return _cuda_backend_instance()
 
 
 @functools.lru_cache(maxsize=None)

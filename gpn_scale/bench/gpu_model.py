@@ -1,0 +1,331 @@
+"""Launch, byte and FLOP accounting of a training step on CUDA, and the predicted step time.
+
+    python -m gpn_scale.bench.gpu_model gpn_m_130m --batch 64 --seq-len 2048
+
+Nothing is guessed per kernel: the engine's real code path runs on meta tensors at the real
+sizes with the CUDA step backend in dry mode (`ops/gpn_step/cuda.py`: every Triton launch is
+recorded with its grid, the bytes it must move and its FLOPs, and nothing runs), and every
+ATen op of the chunk-wide work (recompute, weight gradients, memory advance, decode, the
+loss) is recorded by a dispatch mode with its operands' bytes and matmul FLOPs. The probe
+runs two chunks' worth of steps (every per-step and per-chunk cost is linear in T for T a
+multiple of the chunk size) and scales to --seq-len.
+
+The prediction per launch is max(bytes / (eff_bw * HBM bandwidth), FLOPs / (eff_flops *
+dense bf16 peak)), plus, per launch, the GPU-side gap between kernels when the sequential
+phases replay as CUDA graphs (~1.3 us on H100: Hazy Research, "no bubbles"), or the host's
+launch cost when they run eagerly (~5 us; a phase is then host-bound where its kernels are
+shorter). The floor beside it is what any implementation of this algorithm must pay: each
+sequential step streams the loop weights (bf16) and every sequence's float32 M0 once in the
+forward and once in the reverse sweep (or its GEMM FLOPs, if larger), and the chunk-wide
+FLOPs run at peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpn_scale.model import GPN, GPNConfig, load_model_config
+from gpn_scale.model import engine
+from gpn_scale.model.counts import flops_per_token
+from gpn_scale.ops.gpn_step import cuda as cuda_backend
+from gpn_scale.ops.gpn_step.registry import ENV_VAR
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float      # dense
+
+
+GPUS = {
+    "h100": Gpu("H100 SXM", 3.35e12, 989e12),
+    "h200": Gpu("H200", 4.8e12, 989e12),
+}
+GRAPH_GAP_S = 1.3e-6        # between two kernels of a replayed graph, on the GPU
+HOST_LAUNCH_S = 5e-6        # host time to issue one eager launch (dispatch included)
+SEQUENTIAL = ("sequential forward", "sequential backward")
+_NO_LAUNCH = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
+              "detach", "alias", "lift_fresh", "_local_scalar_dense", "set_", "resize_",
+              "_unsafe_view", "view", "_reshape_alias"}
+
+
+@dataclass
+class Op:
+    name: str
+    phase: str
+    bytes: int
+    flops: int
+    triton: bool
+
+
+@dataclass
+class Accounting:
+    """What one training step launches, per phase, at `seq_len`: the code path is run at two
+    probe lengths (one and two chunks) and every figure extrapolated linearly to seq_len
+    (per-window work, e.g. folding the weights, is in both probes alike; per-chunk and
+    per-token work grows with T)."""
+
+    config: str
+    batch: int
+    seq_len: int
+    chunk: int
+    n_layers: int
+    probes: dict[int, list[Op]] = field(default_factory=dict)   # probe T -> its ops
+    loop_weight_bytes: int = 0  # bf16
+    m0_bytes: int = 0           # per sequence, float32
+    loop_params: int = 0
+
+    def at_seq_len(self, measure) -> float:
+        """measure(ops, probe_T) at each probe, extrapolated linearly to seq_len."""
+        (t1, ops1), *rest = sorted(self.probes.items())
+        v1 = measure(ops1, t1)
+        if not rest:
+            return v1 * self.seq_len / t1
+        t2, ops2 = rest[0]
+        v2 = measure(ops2, t2)
+        return v1 + (v2 - v1) * (self.seq_len - t1) / (t2 - t1)
+
+    @property
+    def ops(self) -> list[Op]:
+        """The longer probe's ops (for listing what runs; figures come from at_seq_len)."""
+        return self.probes[max(self.probes)]
+
+    def phases(self) -> list[str]:
+        return sorted({op.phase for op in self.ops})
+
+    def per_phase(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for phase in self.phases():
+            sel = lambda ops, ph=phase: [op for op in ops if op.phase == ph]   # noqa: E731
+            out[phase] = dict(
+                launches=self.at_seq_len(lambda ops, _t: len(sel(ops))),
+                bytes=self.at_seq_len(lambda ops, _t: sum(op.bytes for op in sel(ops))),
+                flops=self.at_seq_len(lambda ops, _t: sum(op.flops for op in sel(ops))))
+        return out
+
+    def launches_per_step(self, phase: str) -> float:
+        """Launches of one time step of `phase`: the CUDA backend's per-step kind, or (the
+        PyTorch steps) every op of the phase, per-chunk work included, over its steps."""
+        kind = "forward step" if phase == "sequential forward" else "reverse step"
+
+        def count(ops: list[Op], _t: int) -> int:
+            if any(op.triton for op in ops):
+                return sum(1 for op in ops if op.triton and op.name.startswith(kind))
+            return sum(1 for op in ops if op.phase == phase)
+        return self.at_seq_len(count) / self.seq_len
+
+
+_STEP_TAG = "\x00"
+
+
+def account(cfg: GPNConfig, batch: int, seq_len: int, name: str = "",
+            backend: str = "cuda") -> Accounting:
+    """Run one training step's code path on meta tensors; record its launches. `backend`:
+    "cuda" (the Triton step kernels) or "reference" (the PyTorch steps, what CUDA ran before
+    the CUDA backend existed: every ATen op a launch)."""
+    C = cfg.chunk_size
+    lengths = [seq_len] if seq_len <= C else [C, 2 * C]
+    acc = Accounting(name or cfg.name, batch, seq_len, C, cfg.n_layers)
+    for T in lengths:
+        acc.probes[T] = _probe(cfg.replace(step_backend=backend), batch, T, backend)
+    d, f, H, dk, dv = cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_value
+    w_in = sum(d * w for w in _in_widths(cfg))
+    w_out = cfg.n_layers * (H * dv + f) * d
+    acc.loop_params = w_in + w_out + d * d
+    acc.loop_weight_bytes = 2 * acc.loop_params
+    acc.m0_bytes = 4 * H * dk * dv if cfg.memory else 0
+    return acc
+
+
+def _probe(cfg: GPNConfig, batch: int, T: int, backend: str) -> list[Op]:
+    with torch.device("meta"):
+        model = GPN(cfg)
+    tokens = torch.zeros(batch, T, dtype=torch.long, device="meta")
+    recorder = _AtenRecorder(sequential=backend != "cuda")
+    previous = os.environ.pop(ENV_VAR, None)
+    try:
+        with cuda_backend.recording(dry=True) as launches, engine.phase_timer(), recorder, \
+                engine.matmul_dtype(torch.bfloat16):
+            model(tokens).loss.backward()
+    finally:
+        if previous is not None:
+            os.environ[ENV_VAR] = previous
+    ops = [Op(f"{launch.phase}: {launch.name}",
+              "sequential forward" if launch.phase.startswith("forward") else
+              "sequential backward", launch.bytes, launch.flops, True) for launch in launches]
+    return ops + recorder.ops
+
+
+def _in_widths(cfg: GPNConfig) -> list[int]:
+    return [sum(engine.input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
+
+
+class _AtenRecorder(TorchDispatchMode):
+    """Every ATen op that would launch a kernel, with its operands' bytes and matmul FLOPs,
+    attributed to the engine phase running it. The CUDA backend's own few ATen calls in the
+    sequential phases are recorded by the backend itself (as named launches)."""
+
+    def __init__(self, sequential: bool) -> None:
+        super().__init__()
+        self.sequential = sequential     # also record the sequential phases' ATen ops
+        self.ops: list[Op] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        phase = engine.current_phase() or "outside the loop"
+        if func.is_view or name in _NO_LAUNCH or (phase in SEQUENTIAL and not self.sequential):
+            return out
+        tensors = [t for t in _flat(args) + _flat(kwargs) + _flat(out)
+                   if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.ops.append(Op(name, phase, nbytes, _matmul_flops(name, args), False))
+        return out
+
+
+def _flat(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flat(item)]
+    if isinstance(x, dict):
+        return [y for item in x.values() for y in _flat(item)]
+    return [x]
+
+
+def _matmul_flops(name: str, args) -> int:
+    name = name.rstrip("_")      # addmm_ (in-place accumulation) costs what addmm does
+    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    if name in ("mm",) and len(shapes) >= 2:
+        (m, k), (_, n) = shapes[0], shapes[1]
+        return 2 * m * k * n
+    if name == "addmm" and len(shapes) >= 3:
+        (m, k), (_, n) = shapes[1], shapes[2]
+        return 2 * m * k * n
+    if name in ("bmm",) and len(shapes) >= 2:
+        (b, m, k), (_, _, n) = shapes[0], shapes[1]
+        return 2 * b * m * k * n
+    if name == "baddbmm" and len(shapes) >= 3:
+        (b, m, k), (_, _, n) = shapes[1], shapes[2]
+        return 2 * b * m * k * n
+    if name == "linalg_solve_triangular" and len(shapes) >= 2:
+        *lead, n, _ = shapes[0]
+        return math.prod(lead) * n * n * shapes[1][-1]
+    return 0
+
+
+@dataclass
+class Prediction:
+    gpu: Gpu
+    graphs: bool
+    seconds: float
+    floor_seconds: float
+    tokens_per_s: float
+    mfu: float
+    per_phase_seconds: dict[str, float]
+
+
+EFF_BW = 0.8
+EFF_FLOPS = 0.7
+
+
+def predict(acc: Accounting, gpu: Gpu, graphs: bool = True, eff_bw: float = EFF_BW,
+            eff_flops: float = EFF_FLOPS, cfg: GPNConfig | None = None) -> Prediction:
+    def op_time(op: Op) -> float:
+        t = max(op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
+                op.flops / (eff_flops * gpu.bf16_flops_per_s))
+        return t + GRAPH_GAP_S if op.triton and graphs else max(t, HOST_LAUNCH_S)
+
+    per_phase = {ph: acc.at_seq_len(lambda ops, _t, ph=ph: sum(op_time(op) for op in ops
+                                                               if op.phase == ph))
+                 for ph in acc.phases()}
+    seconds = sum(per_phase.values())
+    B, T = acc.batch, acc.seq_len
+    step_stream = (acc.loop_weight_bytes + B * acc.m0_bytes) / gpu.hbm_bytes_per_s
+    step_flops = 2 * B * acc.loop_params / gpu.bf16_flops_per_s
+    chunk_flops = acc.at_seq_len(lambda ops, _t: sum(op.flops for op in ops
+                                                     if op.phase not in SEQUENTIAL))
+    floor = 2 * T * max(step_stream, step_flops) + chunk_flops / gpu.bf16_flops_per_s
+    tokens_per_s = B * T / seconds
+    model_flops = flops_per_token(cfg, T) if cfg is not None else 0.0
+    return Prediction(gpu, graphs, seconds, floor, tokens_per_s,
+                      model_flops * tokens_per_s / gpu.bf16_flops_per_s, per_phase)
+
+
+def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str = "h100"
+                  ) -> float:
+    """The MFU the accounting predicts (graphs on): what `gpn-scale sweep plan` prices with
+    unless a sweep gives a measured `hardware.mfu`."""
+    acc = account(cfg, sequences_per_gpu, seq_len)
+    return predict(acc, GPUS[gpu], graphs=True, cfg=cfg).mfu
+
+
+def report(acc: Accounting, cfg: GPNConfig, gpus: list[str],
+           before: Accounting | None = None) -> str:
+    lines = [f"# GPU accounting: {acc.config}, batch {acc.batch}, T = {acc.seq_len}, chunk "
+             f"{acc.chunk}, {acc.n_layers} layer(s) (bf16 autocast; probes of "
+             f"{' and '.join(map(str, sorted(acc.probes)))} steps, extrapolated)", "",
+             f"Launches per time step (CUDA backend): forward "
+             f"{acc.launches_per_step('sequential forward'):.0f}, reverse sweep "
+             f"{acc.launches_per_step('sequential backward'):.0f}", "",
+             "| phase | launches | GB moved | GFLOP |", "|---|---|---|---|"]
+    for phase, row in sorted(acc.per_phase().items(), key=lambda kv: -kv[1]["bytes"]):
+        lines.append(f"| {phase} | {row['launches']:,.0f} | {row['bytes'] / 1e9:,.2f} | "
+                     f"{row['flops'] / 1e9:,.1f} |")
+    rows = [(f"CUDA backend, graphs {'on' if g else 'off'}", acc, g) for g in (True, False)]
+    if before is not None:
+        rows.append(("PyTorch steps (eager)", before, False))
+        lines += ["", f"PyTorch steps, for comparison: {before.launches_per_step(SEQUENTIAL[0]):.0f}"
+                  f" forward / {before.launches_per_step(SEQUENTIAL[1]):.0f} reverse launches per "
+                  "step (per-chunk work included)"]
+    phases = sorted(acc.per_phase(), key=lambda ph: -acc.per_phase()[ph]["bytes"])
+    lines += ["", "| GPU | path | predicted s/step | floor s/step | floor / predicted | "
+              "tokens/s | MFU | " + " | ".join(phases) + " |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(phases)]
+    for key in gpus:
+        for label, a, graphs in rows:
+            p = predict(a, GPUS[key], graphs=graphs, cfg=cfg)
+            lines.append(f"| {p.gpu.name} | {label} | {p.seconds:.3f} | {p.floor_seconds:.3f} | "
+                         f"{p.floor_seconds / p.seconds:.0%} | {p.tokens_per_s:,.0f} | "
+                         f"{p.mfu:.1%} | " + " | ".join(f"{p.per_phase_seconds.get(ph, 0):.3f}"
+                                                        for ph in phases) + " |")
+    lines += ["", f"Assumptions: {EFF_BW:.0%} of HBM bandwidth and {EFF_FLOPS:.0%} of dense bf16 "
+              f"peak reached per kernel; {GRAPH_GAP_S * 1e6:.1f} us between graphed kernels; "
+              f"{HOST_LAUNCH_S * 1e6:.0f} us host time per eager launch."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="model config name or path (e.g. gpn_m_130m)")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per GPU (default 64)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="override the config's chunk_size (default: the config's)")
+    parser.add_argument("--gpu", default="h100,h200",
+                        help=f"comma-separated, of {', '.join(GPUS)} (default both)")
+    args = parser.parse_args(argv)
+    gpus = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
+    unknown = [g for g in gpus if g not in GPUS]
+    if unknown or args.batch < 1 or args.seq_len < 1:
+        print(f"gpu_model: {'unknown GPU ' + unknown[0] if unknown else 'batch and seq-len must be >= 1'}"
+              f" (GPUs: {', '.join(GPUS)})", file=sys.stderr)
+        return 2
+    cfg = load_model_config(args.config)
+    if args.chunk_size is not None:
+        cfg = cfg.replace(chunk_size=args.chunk_size)
+    acc = account(cfg, args.batch, args.seq_len, args.config)
+    before = account(cfg, args.batch, args.seq_len, args.config, backend="reference")
+    print(report(acc, cfg, gpus, before))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Every step backend (gpn_scale/ops/gpn_step) equals the PyTorch steps: the loss, the final
+carry and every gradient, over the same configurations (1-3 layers, GPN without memory,
+chunk sizes that do and do not divide T, carried state, truncated BPTT).
+
+Backends: `cpu` (the fused C++ kernels), `cuda` (the Triton kernels, run on CPU tensors by
+Triton's interpreter here: float32/float64 only) and `cuda-graphs` (the same, through the
+chunk-graph machinery with the capture call replaced by its eager stand-in)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gpn_scale.model import GPNState
+from gpn_scale.ops.gpn_step import graphs
+from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
+from gpn_scale.testing.models import perturbed_model, tiny_config
+
+CASES = {
+    "1-layer": dict(),
+    "2-layer": dict(n_layers=2),
+    "3-layer": dict(n_layers=3, chunk_size=5),
+    "gpn-no-memory": dict(memory=False),
+    "gpn-2-layer": dict(memory=False, n_layers=2),
+    "decoder-bias": dict(decoder_bias=True),
+    "chunk-1": dict(chunk_size=1),
+    "chunk-not-dividing": dict(chunk_size=5),
+    "chunk-longer-than-T": dict(chunk_size=64),
+    "tbptt": dict(tbptt=5, chunk_size=4),
+    "tbptt-2-layer": dict(tbptt=4, n_layers=2, chunk_size=3),
+    "wide-heads": dict(n_heads=3, d_key=16, d_value=20, d_state=40, d_ffn=36),
+}
+# The interpreter runs a Triton program instance at a time in numpy: the graph variant (the
+# same kernels again) runs on the cases that exercise its shape keys (several chunks, a
+# partial last chunk, several layers, no memory).
+GRAPH_CASES = ("2-layer", "chunk-not-dividing", "gpn-no-memory", "tbptt")
+BACKENDS = ("cpu", "cuda", "cuda-graphs")
+
+
+@contextlib.contextmanager
+def _backend(name: str, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    if name == "cuda-graphs":
+        with graphs.capture_with():
+            yield "cuda", True
+    else:
+        yield name, False
+
+
+def _state(cfg, B: int, dtype) -> GPNState:
+    """A non-zero initial carry (as in a stateful window) that also receives gradients."""
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(B, cfg.d_state, generator=g, dtype=dtype)
+    s_prev = torch.randn(B, cfg.d_state, generator=g, dtype=dtype)
+    M = (torch.randn(B, cfg.n_heads, cfg.d_key, cfg.d_value, generator=g, dtype=dtype) * 0.3
+         if cfg.memory else None)
+    return GPNState(*(t.requires_grad_() if t is not None else None for t in (s, s_prev, M)))
+
+
+def _run(cfg, model, tokens, state, backend: str, graphs_on: bool) -> tuple:
+    model.config = cfg.replace(step_backend=backend, cuda_graphs=graphs_on)
+    out = model(tokens, state=state, return_state=True)
+    wrt = [*model.parameters(), *(t for t in state if t is not None and t.requires_grad)]
+    return out, torch.autograd.grad(out.loss, wrt)
+
+
+def compare(cfg, backend: str, dtype, monkeypatch, rtol: float, atol: float,
+            value_tol: float | None = None, T: int = 13, B: int = 3) -> None:
+    model = perturbed_model(cfg, dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
+    state = _state(cfg, B, dtype)
+    want, g_want = _run(cfg, model, tokens, state, "reference", False)
+    with _backend(backend, monkeypatch) as (name, graphs_on):
+        got, g_got = _run(cfg, model, tokens, state, name, graphs_on)
+    torch.testing.assert_close(got.loss, want.loss, rtol=min(rtol, 1e-5), atol=0)
+    for a, b in zip(got.state, want.state):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=value_tol or rtol, atol=value_tol or atol)
+    names = [n for n, _ in model.named_parameters()] + ["s0", "s_prev0", "M0"]
+    for name, a, b in zip(names, g_got, g_want):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol + rtol * scale,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def _params(backends=BACKENDS):
+    for backend in backends:
+        for case in CASES:
+            if backend == "cuda-graphs" and case not in GRAPH_CASES:
+                continue
+            marks = [pytest.mark.slow] if backend.startswith("cuda") else []
+            yield pytest.param(backend, case, id=f"{backend}-{case}", marks=marks)
+
+
+@pytest.mark.parametrize("backend,case", list(_params()))
+def test_backend_equals_pytorch_steps_float64(backend, case, monkeypatch):
+    compare(tiny_config(**CASES[case]), backend, torch.float64, monkeypatch, rtol=1e-11,
+            atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layers,chunk", [(1, 20), (1, 17), (2, 19)])
+def test_backend_equals_pytorch_steps_long_chunks_float64(backend, layers, chunk, monkeypatch):
+    """Chunks of several sweep blocks (the C++ reverse sweep defers the history pushes of a
+    block of 8 steps onto earlier steps; the Triton kernels keep a whole chunk's history in one
+    tile): whole blocks, a partial last block, a block of one step. 45 steps of a perturbed
+    recurrence amplify float64 rounding to ~1e-11 in the state."""
+    compare(tiny_config(n_layers=layers, chunk_size=chunk), backend, torch.float64, monkeypatch,
+            rtol=1e-10, atol=1e-12, value_tol=1e-10, T=45)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["1-layer", "2-layer", "gpn-no-memory", "tbptt", "wide-heads"])
+def test_backend_equals_pytorch_steps_float32(backend, case, monkeypatch):
+    # The engine tests' float32 tolerances: loss 1e-5, gradients 1e-5 + 1e-4 relative, state
+    # 1e-4 (13 steps of a perturbed recurrence amplify rounding differences). The Triton
+    # GEMMs apply the RMSNorm as a row scale after the product and sum in other orders: their
+    # float32 gradients differ by up to ~4e-4 relative (float64 above: 1e-11).
+    rtol = 1e-4 if backend == "cpu" else 1e-3
+    compare(tiny_config(**CASES[case]), backend, torch.float32, monkeypatch, rtol=rtol,
+            atol=1e-5, value_tol=1e-4)
+
+
+@pytest.mark.slow
+def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
+    """T = 13 in chunks of 5: chunks of 5, 5, 3 -> one forward and one reverse graph per chunk
+    length, replayed for every chunk; a second engine call replays without capturing."""
+    cfg = tiny_config(chunk_size=5, step_backend="cuda")
+    model = perturbed_model(cfg, torch.float64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    backend = select_backend("cuda", torch.device("cpu"))
+    backend.graphs = graphs.ChunkGraphs()
+    with graphs.capture_with():
+        model(tokens).loss.backward()
+        assert (backend.graphs.captures, backend.graphs.replays) == (4, 6)
+        model(tokens).loss.backward()
+        assert (backend.graphs.captures, backend.graphs.replays) == (4, 12)
+
+
+@pytest.mark.slow
+def test_chunk_graph_capture_failure_warns_and_runs_eagerly(monkeypatch):
+    def failing(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    cfg = tiny_config(step_backend="cuda")
+    model = perturbed_model(cfg, torch.float64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    backend = select_backend("cuda", torch.device("cpu"))
+    backend.graphs = graphs.ChunkGraphs()
+    want = perturbed_model(tiny_config(step_backend="reference"), torch.float64)(tokens).loss
+    with graphs.capture_with(failing), pytest.warns(RuntimeWarning, match="capture .* failed"):
+        got = model(tokens).loss
+    assert backend.graphs.failed and "not permitted" in backend.graphs.failed
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -1,0 +1,93 @@
+"""The launch accounting (gpn_scale.bench.gpu_model) counts what the CUDA backend's code path
+really launches, and `gpn-scale sweep plan` prices with its prediction."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from gpn_scale.bench import gpu_model
+from gpn_scale.ops.gpn_step import cuda
+from gpn_scale.ops.gpn_step.registry import ENV_VAR
+from gpn_scale.scaling.sweep import SweepError, format_plan, load_sweep
+from gpn_scale.testing.models import perturbed_model, tiny_config
+
+
+@pytest.mark.parametrize("layers,memory", [(1, True), (2, True), (3, True), (1, False)])
+def test_launches_per_step_counted_from_the_code_path(layers, memory):
+    cfg = tiny_config(n_layers=layers, memory=memory, chunk_size=4)
+    acc = gpu_model.account(cfg, batch=3, seq_len=16)
+    assert acc.launches_per_step("sequential forward") == 3 * layers + 1
+    assert acc.launches_per_step("sequential backward") == 4 * layers + 2
+
+
+@pytest.mark.slow
+def test_dry_accounting_matches_a_real_run(monkeypatch):
+    """The same launches, one by one, when the kernels really run (Triton's interpreter)."""
+    cfg = tiny_config(n_layers=2, chunk_size=4, step_backend="cuda", cuda_graphs=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    model = perturbed_model(cfg, torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with cuda.recording() as real:
+        model(tokens).loss.backward()
+    dry = gpu_model.account(cfg, batch=2, seq_len=8).ops
+    assert [op.name for op in dry if op.triton] == [f"{r.phase}: {r.name}" for r in real]
+
+
+def test_prediction_on_the_paper_model_has_floor_below_it_and_graphs_help_small_batches():
+    cfg = gpu_model.load_model_config("gpn_m_130m")
+    acc = gpu_model.account(cfg, batch=64, seq_len=256)
+    assert acc.launches_per_step("sequential forward") <= 8
+    assert acc.launches_per_step("sequential backward") <= 12
+    for gpu in gpu_model.GPUS.values():
+        p = gpu_model.predict(acc, gpu, graphs=True, cfg=cfg)
+        assert 0 < p.floor_seconds < p.seconds and 0 < p.mfu < 1
+    small = gpu_model.account(cfg, batch=1, seq_len=128)
+    h200 = gpu_model.GPUS["h200"]
+    assert (gpu_model.predict(small, h200, graphs=True).seconds
+            < gpu_model.predict(small, h200, graphs=False).seconds)
+    before = gpu_model.account(cfg, batch=64, seq_len=256, backend="reference")
+    assert before.launches_per_step("sequential forward") > 8 * 4
+
+
+def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
+    assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Launches per time step (CUDA backend): forward 4, reverse sweep 6" in out
+    assert "| H200 | CUDA backend, graphs on |" in out
+    assert gpu_model.main(["tiny", "--gpu", "a100"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown GPU a100" in err
+
+
+SWEEP = """\
+name: priced
+seeds: [0, 1, 2]
+data: {remote: /tmp/none, seq_len: 64}
+checkpoint_root: /tmp/priced
+wandb: {project: p}
+hardware: {gpu: %s, mfu: %s}
+defaults: {tokens: 4096, global_batch_size: 4, lr: 1.0e-3, warmup_steps: 1}
+models:
+  - {config: tiny}
+"""
+
+
+def test_sweep_plan_prices_with_the_predicted_mfu_unless_a_measured_one_is_given(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(SWEEP % ("H200", "predicted"))
+    sweep = load_sweep(path)
+    predicted = sweep.hardware["predicted_mfu"]["tiny"]
+    assert 0 < predicted < 1
+    run = sweep.runs[0]
+    assert run.gpu_hours == pytest.approx(run.flops / (989e12 * predicted) / 3600)
+    assert "MFU predicted by gpn_scale.bench.gpu_model" in format_plan(sweep)
+    path.write_text(SWEEP % ("H200", 0.25))
+    run = load_sweep(path).runs[0]
+    assert run.gpu_hours == pytest.approx(run.flops / (989e12 * 0.25) / 3600)
+    path.write_text(SWEEP % ("B200", "predicted"))
+    with pytest.raises(SweepError, match=textwrap.dedent(
+            r"hardware.gpu: 'B200' has no launch accounting .* give a measured hardware.mfu")):
+        load_sweep(path)
