@@ -171,7 +171,7 @@ def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, s
         raise
     except Exception as err:  # noqa: BLE001 - upload failures arrive as botocore errors
         if type(err).__module__.startswith("botocore"):
-            raise translate_s3_error(err, url) from err
+            raise translate_s3_error(err, url, what="upload to") from err
         raise
     if not shards:
         import json

@@ -21,9 +21,11 @@ Public API (the trainer codes against exactly these names)::
     # DeepSpeed: ckpt.save_deepspeed(step, engine, meta=..., rank_state=...) / ckpt.load_deepspeed(uri, engine)
 
 - `CheckpointError(ConfigError)`: every failure, one line naming the problem and the fix.
-- `open_storage(uri) -> Storage`: LocalStorage(dir) or S3Storage(bucket, prefix) (boto3; endpoint
-  from S3_ENDPOINT_URL; multipart; bounded exponential backoff on transient errors
-  (GPN_S3_RETRIES, GPN_S3_BACKOFF_S); immediate failure on auth errors / missing bucket).
+- `open_storage(uri) -> Storage`: LocalStorage(dir) or S3Storage(bucket, prefix) from
+  gpn_scale.io, the storage layer the data pipeline uses too (boto3; endpoint from
+  S3_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; multipart; bounded exponential
+  backoff on transient errors (GPN_S3_RETRIES, GPN_S3_BACKOFF_S); immediate failure on auth
+  errors / missing bucket), raising CheckpointError.
 - `CheckpointManager(root, *, keep_last=3, staging_dir=None, s3_retries=None, s3_backoff_s=None)`:
   `preflight()`, `save(step, app_state, *, meta, rank_state=None) -> uri`,
   `save_deepspeed(step, engine, *, meta, rank_state=None) -> uri`, `latest() -> uri | None`,
@@ -40,9 +42,14 @@ See docs/checkpoints.md.
 """
 
 from gpn_scale.checkpoint.errors import CheckpointError
-from gpn_scale.checkpoint.manager import CheckpointManager, LoadedCheckpoint, step_dir_name
+from gpn_scale.checkpoint.manager import (
+    CheckpointManager,
+    LoadedCheckpoint,
+    open_storage,
+    step_dir_name,
+)
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
-from gpn_scale.checkpoint.storage import LocalStorage, ObjectInfo, S3Storage, Storage, open_storage
+from gpn_scale.io.storage import LocalStorage, ObjectInfo, S3Storage, Storage
 
 __all__ = [
     "CheckpointError",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,14 +75,16 @@ _BUCKETS: dict[tuple[str, str], Any] = {}
 
 
 def _storage(uri: str):
-    from gpn_scale.checkpoint.storage import open_storage
+    from gpn_scale.checkpoint import open_storage
 
     return open_storage(uri)
 
 
 def _bucket_storage(bucket: str):
     """One S3 client per bucket (and endpoint) for all the runs read from it."""
-    endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    from gpn_scale.io.storage import endpoint_url
+
+    endpoint = endpoint_url() or ""
     key = (bucket, endpoint)
     if key not in _BUCKETS:
         if len(_BUCKETS) > 32:
@@ -93,7 +94,7 @@ def _bucket_storage(bucket: str):
 
 
 def _read(uri: str, key: str) -> bytes | None:
-    """Bytes of <uri>/<key>, or None when absent (local path or s3://, S3_ENDPOINT_URL honoured)."""
+    """Bytes of <uri>/<key>, or None when absent (local path or s3://, endpoint as gpn_scale.io resolves it)."""
     try:
         if uri.startswith("s3://"):
             bucket, _, prefix = uri[len("s3://"):].partition("/")
