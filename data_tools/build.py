@@ -18,9 +18,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -102,10 +103,10 @@ def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *
     with open(path, "wb") as out:
         own_pool = None
         if pool is not None:
-            results = pool.imap(encode_in_worker, batches, chunksize=4)
+            results: Iterable[np.ndarray] = pool.imap(encode_in_worker, batches, chunksize=4)
         elif workers <= 1:
             encoder = Encoder(spec)
-            results: Iterable[np.ndarray] = (encoder.encode_documents(b) for b in batches)
+            results = (encoder.encode_documents(b) for b in batches)
         else:
             own_pool = start_pool(spec, workers)
             results = own_pool.imap(encode_in_worker, batches, chunksize=4)  # in input order

@@ -11,10 +11,10 @@ wrong (credentials, endpoint, bucket, key).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator
 
 from gpn_scale.data.errors import DataError
 from gpn_scale.io import storage as io_storage

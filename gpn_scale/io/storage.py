@@ -29,15 +29,18 @@ gpn_scale; `subject` names what the root is to the user ("checkpoint root", "dat
 
 from __future__ import annotations
 
+import builtins
 import errno
+import functools
 import os
 import shutil
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 ErrorType = Callable[[str], Exception]
@@ -351,7 +354,7 @@ class Storage(ABC):
         """All files under `prefix` (recursive): key relative to the root -> info."""
 
     @abstractmethod
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:  # (`list` is a method in here)
         """Names of the immediate sub-directories of the root."""
 
     @abstractmethod
@@ -473,7 +476,7 @@ class LocalStorage(Storage):
                     size=st.st_size, mtime_ns=st.st_mtime_ns)
         return out
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:  # (`list` is a method in here)
         try:
             return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
         except FileNotFoundError:
@@ -633,7 +636,7 @@ class S3Storage(Storage):
                     size=int(obj["Size"]), etag=str(obj.get("ETag", "")).strip('"'))
         return out
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:  # (`list` is a method in here)
         base = f"{self.prefix}/" if self.prefix else ""
         names: set[str] = set()
         for page in self._list_raw(base, "/"):
@@ -645,8 +648,8 @@ class S3Storage(Storage):
         keys = [self._key(k) for k in self.list(prefix.rstrip("/") + "/")]
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
-            self._call(f"delete {prefix}", lambda b=batch: self.client.delete_objects(
-                Bucket=self.bucket, Delete=b))
+            self._call(f"delete {prefix}", functools.partial(
+                self.client.delete_objects, Bucket=self.bucket, Delete=batch))
 
     def preflight(self) -> None:
         probe = self._key(f".preflight-{uuid.uuid4().hex[:12]}")

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,6 @@ from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_decode_cross_entropy
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 from gpn_scale.ops.step_kernels import kernels_for
-
 
 # ------------------------------------------------------------------ phase timing
 _PHASES: dict[str, float] | None = None   # set by `phase_timer()` (benchmarks only)
@@ -125,24 +124,24 @@ class _LoopWeights:
                 *([self.A] if self.A is not None else [])]
 
     @staticmethod
-    def unflat(plan: _Plan, flat: list[Tensor] | tuple[Tensor, ...]) -> "_LoopWeights":
+    def unflat(plan: _Plan, flat: list[Tensor] | tuple[Tensor, ...]) -> _LoopWeights:
         L = plan.n_layers
         return _LoopWeights(list(flat[:L]), list(flat[L:2 * L]), list(flat[2 * L:3 * L]),
                             flat[3 * L], flat[3 * L + 1], flat[3 * L + 2] if plan.memory else None)
 
-    def transposed(self) -> "_LoopWeights":
+    def transposed(self) -> _LoopWeights:
         """The matrices transposed and contiguous (for the backward's dy @ W^T); the key
         columns of layer 0 come first in its transpose's rows."""
         return _LoopWeights([w.t().contiguous() for w in self.w_in], self.b_in,
                             [w.t().contiguous() for w in self.w_out],
                             self.w_fg.t().contiguous(), self.b_fg, self.A)
 
-    def untransposed_views(self) -> "_LoopWeights":
+    def untransposed_views(self) -> _LoopWeights:
         """Views of transposed copies back in (in, out) layout (no copy)."""
         return _LoopWeights([w.t() for w in self.w_in], self.b_in, [w.t() for w in self.w_out],
                             self.w_fg.t(), self.b_fg, self.A)
 
-    def for_matmul(self, dtype: torch.dtype | None) -> "_LoopWeights":
+    def for_matmul(self, dtype: torch.dtype | None) -> _LoopWeights:
         """Matrices cast once to the matmul dtype (biases and A stay in the state dtype)."""
         if dtype is None:
             return self
@@ -390,7 +389,8 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
 
 
 def _prediction(acts: _ChunkActs, M0: Tensor) -> Tensor:
-    """M_{t-1}^T k_t for every step: e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
+    """M_{t-1}^T k_t for every step:
+    e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
     G = acts.G
     G_prev = torch.cat([torch.zeros_like(G[..., :1]), G[..., :-1]], dim=-1)
     C = G.shape[-1]
@@ -448,7 +448,7 @@ class _Grads:
     A: Tensor | None
 
     @staticmethod
-    def zeros_like(W: _LoopWeights, dtype: torch.dtype) -> "_Grads":
+    def zeros_like(W: _LoopWeights, dtype: torch.dtype) -> _Grads:
         z = lambda t: torch.zeros(t.shape, dtype=dtype, device=t.device)  # noqa: E731
         return _Grads([z(w) for w in W.w_in], [z(b) for b in W.b_in], [z(w) for w in W.w_out],
                       z(W.w_fg), z(W.b_fg), None if W.A is None else z(W.A))
@@ -461,7 +461,7 @@ class _Grads:
 def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
                     dP: Tensor, ds_end: Tensor | None, ds_prev_end: Tensor | None,
                     dM_end: Tensor | None, grads: _Grads, d_fuse: Tensor, kernels,
-                    workspace: "_Workspace") -> tuple[Tensor, Tensor, Tensor | None]:
+                    workspace: _Workspace) -> tuple[Tensor, Tensor, Tensor | None]:
     """One chunk's backward: the hand-written reverse sweep over its steps, then the weight
     gradients.
 
@@ -482,8 +482,8 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
 
 
 def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
-                    dP: Tensor, dM_end: Tensor | None, d_fuse: Tensor, workspace: "_Workspace"
-                    ) -> tuple["_SweepAdjoints", Tensor | None]:
+                    dP: Tensor, dM_end: Tensor | None, d_fuse: Tensor, workspace: _Workspace
+                    ) -> tuple[_SweepAdjoints, Tensor | None]:
     """The adjoint buffers the reverse sweep accumulates into, with the end-of-chunk
     memory's gradient already pushed onto k, u and G; and the (partial) dM0."""
     C, B, d = acts.p.shape
@@ -525,7 +525,7 @@ def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
 
 
 def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, dP: Tensor,
-           ds_end: Tensor | None, ds_prev_end: Tensor | None, adjoints: "_SweepAdjoints",
+           ds_end: Tensor | None, ds_prev_end: Tensor | None, adjoints: _SweepAdjoints,
            kernels) -> tuple[Tensor, Tensor | None]:
     """The reverse sweep over the chunk's steps (fused kernel or `_reverse_sweep`), adding
     into `adjoints`. Returns the gradient of the state entering the chunk and that of the
@@ -546,7 +546,7 @@ def _sweep(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None, d
 
 
 def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg: Tensor,
-                            adj: "_SweepAdjoints", dk_pre0: Tensor | None, dM0: Tensor | None,
+                            adj: _SweepAdjoints, dk_pre0: Tensor | None, dM0: Tensor | None,
                             grads: _Grads) -> tuple[Tensor, Tensor, Tensor | None]:
     """Every weight gradient of the chunk as one matmul over its C*B rows (never a rank-B
     update per step), and the gradients of the chunk's start carry (s, s_prev, M0)."""

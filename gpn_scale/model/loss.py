@@ -19,7 +19,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None, E: Tensor,
                 targets: Tensor, rows: int, eps: float, mm_dtype: torch.dtype | None,
-                scale: float) -> Tensor:  # type: ignore[override]
+                scale: float) -> Tensor:
         acc = torch.float64 if P.dtype == torch.float64 else torch.float32
         need_grad = any(ctx.needs_input_grad[:5])
         mm = mm_dtype or P.dtype
@@ -69,7 +69,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
         return total * scale
 
     @staticmethod
-    def backward(ctx, d_total: Tensor):  # type: ignore[override]
+    def backward(ctx, d_total: Tensor):
         dP, dw, dW, db, dE = ctx.saved_tensors
         w_dt, W_dt, E_dt = ctx.dtypes
         # The usual upstream gradient is exactly 1 (loss.backward()): skip an (N x d) copy then

@@ -11,15 +11,21 @@ from pathlib import Path
 
 import boto3
 import pytest
-
 from ckpt_helpers import app_state, apply, assert_same, assert_same_training_state, fresh, trained
-from gpn_scale.checkpoint import CheckpointError, CheckpointManager, S3Storage, capture_rng_state, open_storage
+
+from gpn_scale.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    S3Storage,
+    capture_rng_state,
+    open_storage,
+)
 from gpn_scale.testing.s3 import LocalS3, free_port
 
 FAST = {"s3_retries": 2, "s3_backoff_s": 0.01}
 
 
-def _client() -> "boto3.client":
+def _client() -> boto3.client:
     return boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from data_helpers import build_counter_dataset, one_line, row_keys
+
 from data_tools.cli import main as gpn_data
 from gpn_scale.data import DataConfig, DataError, build_loader, read_metadata
 from gpn_scale.data.storage import split_s3

@@ -10,11 +10,9 @@ import sys
 import pytest
 import torch
 
-from gpn_scale.model import GPNState
-from gpn_scale.model import engine
+from gpn_scale.model import GPNState, engine
 from gpn_scale.ops import step_kernels
 from gpn_scale.ops.step_kernels import ENV_VAR, StepKernelError, kernels_for
-
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 CASES = {
@@ -66,7 +64,7 @@ def _compare(cfg, dtype, monkeypatch, rtol: float, atol: float, value_tol: float
     for name, got, want in zip(names, g_fused, g_plain):
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol + rtol * scale,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from train_helpers import train_args, train_losses
 
 from gpn_scale.cli import main
