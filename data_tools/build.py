@@ -18,9 +18,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -102,10 +103,10 @@ def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *
     with open(path, "wb") as out:
         own_pool = None
         if pool is not None:
-            results = pool.imap(encode_in_worker, batches, chunksize=4)
+            results: Iterable[np.ndarray] = pool.imap(encode_in_worker, batches, chunksize=4)
         elif workers <= 1:
             encoder = Encoder(spec)
-            results: Iterable[np.ndarray] = (encoder.encode_documents(b) for b in batches)
+            results = (encoder.encode_documents(b) for b in batches)
         else:
             own_pool = start_pool(spec, workers)
             results = own_pool.imap(encode_in_worker, batches, chunksize=4)  # in input order
@@ -171,7 +172,7 @@ def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, s
         raise
     except Exception as err:  # noqa: BLE001 - upload failures arrive as botocore errors
         if type(err).__module__.startswith("botocore"):
-            raise translate_s3_error(err, url) from err
+            raise translate_s3_error(err, url, what="upload to") from err
         raise
     if not shards:
         import json

@@ -7,8 +7,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from gpn_scale.data.errors import DataError
 

@@ -2,11 +2,15 @@
 
     python -m gpn_scale.bench.engine            # everything (about 10-15 min on 2 cores)
     python -m gpn_scale.bench.engine --only speed,roofline
+    python -m gpn_scale.bench.engine --only speed --reference-jax ~/grounded-prediction-network
 
 Tables:
   speed     training step (forward + backward + AdamW, fp32) tokens/s, engine vs reference,
             on SMALL (8 x 256) and MEDIUM (4 x 512); the two alternate step by step so that
-            machine noise hits both alike.
+            machine noise hits both alike. With --reference-jax PATH also the paper's JAX
+            implementation (a checkout of github.com/steve-z-wang/grounded-prediction-network;
+            needs the `jax` extra), its own trainer from our model's weights, in the same
+            alternation (gpn_scale/bench/reference_jax.py).
   roofline  per engine phase: its time next to the time of its bare matmuls at the same shapes;
             for the sequential phases also their other work alone (the phase timed on a
             benchmark build of the kernels that leaves the matmuls out), so that a phase's
@@ -57,19 +61,44 @@ def _setup(config: str, B: int, T: int, seed: int = 0):
     return cfg, model, opt, tokens
 
 
-def bench_speed(repeats: int) -> list[dict]:
+def _our_steps(model: GPN, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+               times: dict[str, list[float]]) -> Callable[[int], None]:
+    """One training step of each of our paths per call, timed into `times` (step 0: warm-up,
+    for allocations and first-touch, not recorded)."""
+    def ours(step: int) -> None:
+        for path in times:
+            seconds = _train_step(model, opt, tokens, path)
+            if step > 0:
+                times[path].append(seconds)
+    return ours
+
+
+def bench_speed(repeats: int, reference_jax: str | None = None,
+                shapes: dict[str, tuple[str, int, int]] = SHAPES) -> list[dict]:
+    """Training-step tokens/s of the engine and the reference path (and, with
+    `reference_jax`, of the paper's JAX trainer), best of `repeats` after one warm-up step,
+    the paths alternating step by step."""
     rows = []
-    for label, (config, B, T) in SHAPES.items():
+    for label, (config, B, T) in shapes.items():
         _, model, opt, tokens = _setup(config, B, T)
         times: dict[str, list[float]] = {"engine": [], "reference": []}
-        for path in times:                       # warm-up (allocations, first-touch)
-            _train_step(model, opt, tokens, path)
-        for _ in range(repeats):                 # interleaved: same noise for both
-            for path in times:
-                times[path].append(_train_step(model, opt, tokens, path))
+        ours = _our_steps(model, opt, tokens, times)
+        jax_times: list[float] = []
+        if reference_jax:
+            from gpn_scale.bench import reference_jax as jax_bench
+
+            # Its step 0 compiles (jit); ours run after each of its steps.
+            jax_times = jax_bench.train_steps(reference_jax, model, tokens.numpy(),
+                                              repeats + 1, between=ours)[1:]
+        else:
+            for step in range(repeats + 1):      # interleaved: same noise for both
+                ours(step)
         eng = B * T / min(times["engine"])
         ref = B * T / min(times["reference"])
-        rows.append(dict(shape=f"{label} {B}x{T}", engine=eng, reference=ref, ratio=eng / ref))
+        row = dict(shape=f"{label} {B}x{T}", engine=eng, reference=ref, ratio=eng / ref)
+        if jax_times:
+            row.update(jax=B * T / min(jax_times), ratio_jax=eng / (B * T / min(jax_times)))
+        rows.append(row)
     return rows
 
 
@@ -291,11 +320,19 @@ def bench_budget(budget_gb: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="--reference-jax needs a checkout of the paper's code: git clone "
+               "https://github.com/steve-z-wang/grounded-prediction-network (any directory), "
+               "and jax, flax, optax: pip install -e '.[jax]' (CPU wheels suffice).")
     parser.add_argument("--only", default="speed,roofline,memory,budget",
                         help="comma-separated tables to run (speed, roofline, memory, budget)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-gb", type=float, default=4.0)
+    parser.add_argument("--reference-jax", metavar="PATH", default=None,
+                        help="also time the paper's JAX implementation (its own trainer, from "
+                             "our model's weights) in the speed table, alternating with ours; "
+                             "PATH: a checkout of its repository (see below). Default: off")
     parser.add_argument("--child", nargs=4, metavar=("PATH", "CONFIG", "B", "T"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -304,16 +341,31 @@ def main(argv: list[str] | None = None) -> int:
         _child(path, config, int(B), int(T))
         return 0
     tables = set(args.only.split(","))
+    if args.reference_jax:
+        from gpn_scale.bench import reference_jax as jax_bench
+
+        try:
+            jax_bench.check_checkout(args.reference_jax)
+            jax_bench.require_jax()
+        except jax_bench.ReferenceJaxError as err:
+            print(f"gpn_scale.bench.engine: error: {err}", file=sys.stderr)
+            return 2
+        if "speed" not in tables:
+            print("gpn_scale.bench.engine: error: --reference-jax adds to the speed table; "
+                  "include speed in --only", file=sys.stderr)
+            return 2
     kernels = kernels_for(torch.device("cpu")) is not None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
           f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={requested()})")
     if "speed" in tables:
         print("\n## Training step tokens/s (forward + backward + AdamW), best of "
               f"{args.repeats}, interleaved")
-        print(f"{'shape':<18} {'engine':>10} {'reference':>10} {'ratio':>7}")
-        for r in bench_speed(args.repeats):
+        jax_cols = f" {'JAX (paper)':>11} {'vs JAX':>7}" if args.reference_jax else ""
+        print(f"{'shape':<18} {'engine':>10} {'reference':>10} {'ratio':>7}" + jax_cols)
+        for r in bench_speed(args.repeats, args.reference_jax):
+            jax = f" {r['jax']:>11.0f} {r['ratio_jax']:>6.2f}x" if "jax" in r else ""
             print(f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
-                  f"{r['ratio']:>6.2f}x")
+                  f"{r['ratio']:>6.2f}x" + jax)
     if "roofline" in tables:
         roofline = bench_roofline(args.repeats)   # before the header: it may build the kernels
         print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             trainers.append(_trainer_tokens_per_s(args.config, args.steps,
                                                   Path(tmp) / f"run{r}", extra=data))
     best = max(trainers, key=lambda t: t[0])
-    trainers = [t[0] for t in trainers]
-    fwd_bwd, engine, trainer = max(engs), max(eng_opts), max(trainers)
+    trainer_rates = [t[0] for t in trainers]
+    fwd_bwd, engine, trainer = max(engs), max(eng_opts), max(trainer_rates)
     print(f"\nTrainer overhead: {args.config} ({model_cfg.name}, batch {batch} x {seq} tokens, "
           f"{torch.get_num_threads()} threads, {args.steps} measured steps, medians)\n")
     print(f"| {'path':<27} | {'tokens/s':>10} | {'vs engine':>9} |")
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("gpn-scale train", trainer)):
         print(f"| {name:<27} | {value:>10.0f} | {value / engine:>8.1%} |")
     print(f"\nper round: engine step {[round(x) for x in eng_opts]}, fwd+bwd "
-          f"{[round(x) for x in engs]}, trainer {[round(x) for x in trainers]} tokens/s")
+          f"{[round(x) for x in engs]}, trainer {[round(x) for x in trainer_rates]} tokens/s")
     parts = best[1]
     if parts:
         # Within the trainer's own steps (same load for every part): the engine's share of the

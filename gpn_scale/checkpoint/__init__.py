@@ -2,28 +2,34 @@
 
 Public API (the trainer codes against exactly these names)::
 
-    from gpn_scale.checkpoint import CheckpointManager, CheckpointError, LoadedCheckpoint, open_storage
+    from gpn_scale.checkpoint import (CheckpointManager, CheckpointError, LoadedCheckpoint,
+                                      open_storage)
 
     ckpt = CheckpointManager("s3://bucket/runs/r1/ckpt", keep_last=3)   # or a local directory
-    ckpt.preflight()                          # before any training work: bad path/credentials/endpoint
-    uri = ckpt.resolve_resume("auto")         # "auto" -> latest() | "none" -> None | URI -> validated
+    ckpt.preflight()                   # before any training work: bad path/credentials/endpoint
+    uri = ckpt.resolve_resume("auto")  # "auto" -> latest() | "none" -> None | URI -> validated
     if uri:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         app = {"model": model_sd, "optim": optim_sd}
-        loaded = ckpt.load(uri, app)          # COLLECTIVE; fills `app` in place (reshards if needed)
-        set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
+        loaded = ckpt.load(uri, app)   # COLLECTIVE; fills `app` in place (reshards if needed)
+        set_state_dict(model, optimizer, model_state_dict=app["model"],
+                       optim_state_dict=app["optim"])
         loaded.meta, loaded.step, loaded.rank_state   # rank_state None if the world size changed
     ...
     model_sd, optim_sd = get_state_dict(model, optimizer)
     ckpt.save(step, {"model": model_sd, "optim": optim_sd},            # COLLECTIVE
-              meta={"step": step, "tokens": n, "loader": loader_state, "wandb_run_id": rid, "config": cfg},
+              meta={"step": step, "tokens": n, "loader": loader_state, "wandb_run_id": rid,
+                    "config": cfg},
               rank_state=capture_rng_state())
-    # DeepSpeed: ckpt.save_deepspeed(step, engine, meta=..., rank_state=...) / ckpt.load_deepspeed(uri, engine)
+    # DeepSpeed: ckpt.save_deepspeed(step, engine, meta=..., rank_state=...)
+    #            ckpt.load_deepspeed(uri, engine)
 
 - `CheckpointError(ConfigError)`: every failure, one line naming the problem and the fix.
-- `open_storage(uri) -> Storage`: LocalStorage(dir) or S3Storage(bucket, prefix) (boto3; endpoint
-  from S3_ENDPOINT_URL; multipart; bounded exponential backoff on transient errors
-  (GPN_S3_RETRIES, GPN_S3_BACKOFF_S); immediate failure on auth errors / missing bucket).
+- `open_storage(uri) -> Storage`: LocalStorage(dir) or S3Storage(bucket, prefix) from
+  gpn_scale.io, the storage layer the data pipeline uses too (boto3; endpoint from
+  S3_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; multipart; bounded exponential
+  backoff on transient errors (GPN_S3_RETRIES, GPN_S3_BACKOFF_S); immediate failure on auth
+  errors / missing bucket), raising CheckpointError.
 - `CheckpointManager(root, *, keep_last=3, staging_dir=None, s3_retries=None, s3_backoff_s=None)`:
   `preflight()`, `save(step, app_state, *, meta, rank_state=None) -> uri`,
   `save_deepspeed(step, engine, *, meta, rank_state=None) -> uri`, `latest() -> uri | None`,
@@ -40,9 +46,14 @@ See docs/checkpoints.md.
 """
 
 from gpn_scale.checkpoint.errors import CheckpointError
-from gpn_scale.checkpoint.manager import CheckpointManager, LoadedCheckpoint, step_dir_name
+from gpn_scale.checkpoint.manager import (
+    CheckpointManager,
+    LoadedCheckpoint,
+    open_storage,
+    step_dir_name,
+)
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
-from gpn_scale.checkpoint.storage import LocalStorage, ObjectInfo, S3Storage, Storage, open_storage
+from gpn_scale.io.storage import LocalStorage, ObjectInfo, S3Storage, Storage
 
 __all__ = [
     "CheckpointError",

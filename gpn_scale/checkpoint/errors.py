@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from gpn_scale.io.storage import one_line
 from gpn_scale.model.config import ConfigError
+
+__all__ = ["CheckpointError", "one_line"]
 
 
 class CheckpointError(ConfigError):
@@ -16,10 +19,3 @@ class CheckpointError(ConfigError):
     def __init__(self, message: str) -> None:
         # Keep the promise of one line even when a wrapped library error is multi-line.
         super().__init__(" ".join(str(message).split()))
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """`Type: message` of an exception, squeezed onto one line and cut to `limit` characters."""
-    text = " ".join(str(exc).split()) or repr(exc)
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -43,12 +43,22 @@ from gpn_scale.checkpoint.safe_load import (
     safe_torch_load,
     safe_unpickle_metadata,
 )
-from gpn_scale.checkpoint.storage import LocalStorage, ObjectInfo, Storage, open_storage
+from gpn_scale.io import storage as io_storage
+from gpn_scale.io.storage import LocalStorage, ObjectInfo, Storage
 
 FORMAT = "gpn_scale.checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
+
+
+def open_storage(uri: str, **s3_options: Any) -> Storage:
+    """The storage of a checkpoint root (gpn_scale.io: a directory or s3://bucket/prefix),
+    failing with CheckpointErrors that speak of the checkpoint root.
+
+    `s3_options` (retries, backoff_s, multipart_mb) go to S3Storage; ignored for local roots."""
+    return io_storage.open_storage(uri, error=CheckpointError, subject="checkpoint root",
+                                   **s3_options)
 
 
 def step_dir_name(step: int) -> str:
@@ -155,7 +165,8 @@ class CheckpointManager:
         name = text.rsplit("/", 1)[-1]
         if not _STEP_RE.match(name):
             raise CheckpointError(
-                f"{uri!r} is not a checkpoint (expected .../step_NNNNNNNNN); use --resume auto or a step directory"
+                f"{uri!r} is not a checkpoint (expected .../step_NNNNNNNNN); use --resume auto "
+                "or a step directory"
             )
         parent = text[: -len(name)].rstrip("/") or "/"
         mine = self.storage.uri.rstrip("/")
@@ -227,7 +238,8 @@ class CheckpointManager:
         return out
 
     def resolve_resume(self, resume: str | None) -> str | None:
-        """'auto' -> latest() (None when there is none); 'none'/'' -> None; a URI -> that URI if complete."""
+        """'auto' -> latest() (None when there is none); 'none'/'' -> None; a URI -> that URI
+        if complete."""
         value = (resume or "none").strip()
         if value.lower() in ("none", "no", "false", "off", ""):
             return None
@@ -237,7 +249,8 @@ class CheckpointManager:
         manifest, reason = self._check(storage, name)
         if manifest is None:
             raise CheckpointError(
-                f"cannot resume from {storage.child_uri(name)}: {reason}; pick a complete checkpoint or use --resume auto"
+                f"cannot resume from {storage.child_uri(name)}: {reason}; pick a complete "
+                "checkpoint or use --resume auto"
             )
         return storage.child_uri(name)
 
@@ -254,7 +267,8 @@ class CheckpointManager:
             raise CheckpointError(f"{storage.child_uri(name)}/manifest.json is unreadable ({one_line(exc, 120)})") from exc
 
     def preflight(self) -> None:
-        """Cheap write probe of the root and of this rank's staging directory (call before training)."""
+        """Cheap write probe of the root and of this rank's staging directory (call before
+        training)."""
         self.storage.preflight()
         stage = self._stage()
         try:
@@ -289,7 +303,8 @@ class CheckpointManager:
         except CheckpointError as exc:
             err = str(exc)
         except OSError as exc:
-            err = f"cannot prepare staging directory {stage} ({one_line(exc, 160)}); pass a writable staging_dir"
+            err = (f"cannot prepare staging directory {stage} ({one_line(exc, 160)}); pass a "
+                   "writable staging_dir")
         self._agree(err, f"checkpoint {name} not saved")
         return name, stage
 
@@ -314,8 +329,10 @@ class CheckpointManager:
         return entries
 
     def _commit(self, step: int, name: str, stage: Path, kind: str, per_rank: Any, meta: dict[str, Any]) -> str:
-        """Collective tail of a save: gather file lists, rank 0 verifies + writes manifest/latest."""
-        what = f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous latest is unchanged"
+        """Collective tail of a save: gather file lists, rank 0 verifies + writes
+        manifest/latest."""
+        what = (f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous "
+                "latest is unchanged")
         gathered = self._gather(per_rank)
         for r, item in enumerate(gathered):
             if isinstance(item, str):
@@ -426,7 +443,8 @@ class CheckpointManager:
         meta: dict[str, Any],
         rank_state: dict[str, Any] | None = None,
     ) -> str:
-        """COLLECTIVE. engine.save_checkpoint into this rank's staging dir, then upload/manifest/latest."""
+        """COLLECTIVE. engine.save_checkpoint into this rank's staging dir, then
+        upload/manifest/latest."""
         name, stage = self._begin(step, meta)
         err = None
         try:
@@ -464,7 +482,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{reason}; pick a complete checkpoint or use --resume auto")
             if manifest.get("kind") != kind:
                 raise CheckpointError(
-                    f"it is a {manifest.get('kind')} checkpoint; load it with the matching load method"
+                    f"it is a {manifest.get('kind')} checkpoint; load it with the matching "
+                    "load method"
                 )
             files = manifest["files"]
             if local is None:
@@ -492,7 +511,8 @@ class CheckpointManager:
         uris = sorted({u for _, u in results})
         if len(uris) > 1:
             raise CheckpointError(
-                f"ranks asked to load different checkpoints ({', '.join(uris)}); resolve the URI once "
+                f"ranks asked to load different checkpoints ({', '.join(uris)}); resolve the "
+                "URI once "
                 "(e.g. on rank 0) and pass the same one to every rank"
             )
         assert manifest is not None and local is not None
@@ -542,7 +562,8 @@ class CheckpointManager:
             if cause is not None:
                 raise CheckpointError(f"cannot load {full_uri}: {cause}") from exc
             raise CheckpointError(
-                f"cannot load {full_uri}: DCP load failed ({one_line(exc)}); does the model/optimizer match the checkpoint?"
+                f"cannot load {full_uri}: DCP load failed ({one_line(exc)}); does the "
+                "model/optimizer match the checkpoint?"
             ) from exc
         try:
             return self._loaded(manifest, local, full_uri, "dcp")
@@ -558,8 +579,10 @@ class CheckpointManager:
         full_uri = storage.child_uri(name)
         if int(manifest.get("world_size", 1)) != self.world_size:
             raise CheckpointError(
-                f"cannot load {full_uri}: DeepSpeed checkpoint saved on {manifest.get('world_size')} ranks, now "
-                f"{self.world_size}; resume on the same number of ranks or convert it with ds_to_universal"
+                f"cannot load {full_uri}: DeepSpeed checkpoint saved on "
+                f"{manifest.get('world_size')} ranks, now "
+                f"{self.world_size}; resume on the same number of ranks or convert it with "
+                "ds_to_universal"
             )
         ckpt_engine = engine.checkpoint_engine
         original = ckpt_engine.load
@@ -572,7 +595,8 @@ class CheckpointManager:
             raise
         except Exception as exc:  # noqa: BLE001
             cause = _find_checkpoint_error(exc)
-            raise CheckpointError(f"cannot load {full_uri}: {cause or 'DeepSpeed load_checkpoint failed (' + one_line(exc) + ')'}") from exc
+            why = cause or f"DeepSpeed load_checkpoint failed ({one_line(exc)})"
+            raise CheckpointError(f"cannot load {full_uri}: {why}") from exc
         finally:
             ckpt_engine.load = original
         if load_path is None:

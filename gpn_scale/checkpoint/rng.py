@@ -15,7 +15,7 @@ import torch
 
 def capture_rng_state() -> dict[str, Any]:
     """python, numpy, torch CPU and (when available) CUDA RNG states of this process."""
-    algo, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    algo, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},

@@ -18,8 +18,9 @@ import io
 import pathlib
 import pickle
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -96,8 +97,8 @@ def safe_unpickle_metadata(data: bytes, what: str) -> Any:
         return _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(
-            f"refusing to load {what}: it is not plain DCP metadata ({one_line(exc)}); the checkpoint is "
-            "corrupt or was tampered with, pick another"
+            f"refusing to load {what}: it is not plain DCP metadata ({one_line(exc)}); the "
+            "checkpoint is corrupt or was tampered with, pick another"
         ) from exc
 
 
@@ -125,7 +126,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = _weights_only_load(value)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(
-                f"refusing to unpickle checkpoint value '{read_item.dest_index.fqn}' ({_why(exc)}); "
+                f"refusing to unpickle checkpoint value '{read_item.dest_index.fqn}' "
+                f"({_why(exc)}); "
                 "checkpoints may hold only tensors and plain python values"
             ) from exc
         if self.flatten_state_dict:

@@ -25,9 +25,10 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -143,6 +144,8 @@ def _token_dataset_class() -> type:
 
     class TokenStreamingDataset(StreamingDataset):
         _background_error: BaseException | None = None
+        _gpn_remote: str = ""  # set by build_loader, for error messages
+        _gpn_split: str = ""
 
         def on_exception(self, future: Any) -> None:
             error = future.exception()

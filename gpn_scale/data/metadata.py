@@ -60,7 +60,7 @@ class DatasetMetadata:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "metadata") -> "DatasetMetadata":
+    def from_dict(cls, data: dict[str, Any], where: str = "metadata") -> DatasetMetadata:
         if data.get("format") != FORMAT:
             raise DataError(f"{where}: unknown dataset format {data.get('format')!r} (expected "
                             f"{FORMAT!r}); rebuild the dataset with this version of gpn-data")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -40,8 +40,8 @@ def heldout_loss(forward: Callable[[torch.Tensor], torch.Tensor], batches: Itera
     pair = torch.stack([total, count])
     if all_reduce_sum is not None:
         pair = all_reduce_sum(pair)
-    total, count = float(pair[0]), float(pair[1])
-    if count == 0:
+    seen = float(pair[1])
+    if seen == 0:
         raise RuntimeError("held-out evaluation saw no tokens (is the validation split empty?)")
-    loss = total / count
-    return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 700.0)), "eval/tokens": int(count)}
+    mean = float(pair[0]) / seen
+    return {"eval/loss": mean, "eval/ppl": math.exp(min(mean, 700.0)), "eval/tokens": int(seen)}

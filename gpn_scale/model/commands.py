@@ -17,9 +17,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _info(args: argparse.Namespace) -> int:
     from gpn_scale.model.config import ConfigError, load_model_config
-    from gpn_scale.model.counts import (count_parameters, estimate_training_memory,
-                                        flops_per_token, forward_flops_per_token,
-                                        non_embedding_parameters)
+    from gpn_scale.model.counts import (
+        count_parameters,
+        estimate_training_memory,
+        flops_per_token,
+        forward_flops_per_token,
+        non_embedding_parameters,
+    )
 
     if args.batch_size < 1 or args.seq_len < 1:
         raise ConfigError("--batch-size and --seq-len must be >= 1")
@@ -36,7 +40,8 @@ def _info(args: argparse.Namespace) -> int:
         ("forward FLOPs/token", f"{forward_flops_per_token(cfg):.4g}"),
         ("training FLOPs/token", f"{flops_per_token(cfg, args.seq_len):.4g}"),
         (f"training memory (B={args.batch_size}, T={args.seq_len}, fp32 + AdamW)",
-         f"{mem.total_bytes / gib:.2f} GiB = weights {mem.parameters_bytes / gib:.2f} + grads/AdamW "
+         f"{mem.total_bytes / gib:.2f} GiB = weights {mem.parameters_bytes / gib:.2f} "
+         "+ grads/AdamW "
          f"{mem.training_state_bytes / gib:.2f} + activations {mem.activations_bytes / gib:.2f}"),
     ]
     width = max(len(k) for k, _ in rows)

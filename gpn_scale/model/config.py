@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
@@ -106,7 +107,7 @@ class GPNConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **changes: Any) -> "GPNConfig":
+    def replace(self, **changes: Any) -> GPNConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -114,7 +115,7 @@ class GPNConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "GPNConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> GPNConfig:
         """Build from a mapping; an unknown key fails naming the closest valid one."""
         valid = cls.field_names()
         for key in values:
@@ -151,7 +152,7 @@ def load_model_config(name_or_path: str | Path, overrides: Mapping[str, Any] | N
     raw.setdefault("name", Path(path).stem)
     if overrides:
         raw.update(overrides)
-    return GPNConfig.from_dict(raw)
+    return GPNConfig.from_dict({str(k): v for k, v in raw.items()})
 
 
 def resolve_named_yaml(name_or_path: str | Path, directory: Path, what: str,

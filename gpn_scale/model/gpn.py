@@ -27,7 +27,7 @@ class GPNState(NamedTuple):
     s_prev: Tensor            # (B, d)
     memory: Tensor | None     # (B, H, dk, dv), None for GPN
 
-    def detach(self) -> "GPNState":
+    def detach(self) -> GPNState:
         return GPNState(self.s.detach(), self.s_prev.detach(),
                         None if self.memory is None else self.memory.detach())
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.model.gpn import GPN, GPNOutput, GPNState, Gate, MemoryRead, SwiGLU
+from gpn_scale.model.gpn import GPN, Gate, GPNOutput, GPNState, MemoryRead, SwiGLU
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:

@@ -8,8 +8,9 @@ transposed on the way in and out. Import infers the architecture from the shapes
 from __future__ import annotations
 
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch

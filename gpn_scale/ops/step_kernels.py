@@ -116,7 +116,7 @@ def _build(define: str | None = None) -> ModuleType | Exception:
         return exc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def benchmark_build(define: str) -> ModuleType:
     """A variant of the kernels compiled with `define` (e.g. WITHOUT_STEP_MATMULS), for
     benchmarks; raises StepKernelError if it cannot be built."""
@@ -185,6 +185,6 @@ def _first_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -109,9 +109,9 @@ def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
     backend = "nccl" if device.type == "cuda" else "gloo"
     export_for_torch(dist_env)
     if init_pg and not dist.is_initialized():
+        extra: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+                                timeout=datetime.timedelta(seconds=timeout_s), **extra)
     from torch.distributed.device_mesh import init_device_mesh
 
     if dist_env.world_size % tp:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, TypeGuard, cast
 
 from gpn_scale.model.config import ConfigError
 from gpn_scale.scaling.fit import FitError, Observation
@@ -49,8 +49,11 @@ class RunRecord:
     detail: str = ""
 
     def observation(self) -> Observation:
-        return Observation(family=self.family, N=float(self.N), D=float(self.D), C=float(self.C),
-                           loss=float(self.loss), seed=self.seed, run=self.name)
+        # only called for usable records, whose N, D, C and loss are all set
+        N, D, C, loss = cast("tuple[float, float, float, float]",
+                             (self.N, self.D, self.C, self.loss))
+        return Observation(family=self.family, N=float(N), D=float(D), C=float(C),
+                           loss=float(loss), seed=self.seed, run=self.name)
 
 
 @dataclass
@@ -76,14 +79,16 @@ _BUCKETS: dict[tuple[str, str], Any] = {}
 
 
 def _storage(uri: str):
-    from gpn_scale.checkpoint.storage import open_storage
+    from gpn_scale.checkpoint import open_storage
 
     return open_storage(uri)
 
 
 def _bucket_storage(bucket: str):
     """One S3 client per bucket (and endpoint) for all the runs read from it."""
-    endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    from gpn_scale.io.storage import endpoint_url
+
+    endpoint = endpoint_url() or ""
     key = (bucket, endpoint)
     if key not in _BUCKETS:
         if len(_BUCKETS) > 32:
@@ -93,7 +98,8 @@ def _bucket_storage(bucket: str):
 
 
 def _read(uri: str, key: str) -> bytes | None:
-    """Bytes of <uri>/<key>, or None when absent (local path or s3://, S3_ENDPOINT_URL honoured)."""
+    """Bytes of <uri>/<key>, or None when absent (local path or s3://, endpoint as gpn_scale.io
+    resolves it)."""
     try:
         if uri.startswith("s3://"):
             bucket, _, prefix = uri[len("s3://"):].partition("/")
@@ -143,7 +149,7 @@ def last_eval(metrics: bytes | None) -> dict[str, Any] | None:
     return best
 
 
-def _finite(x: Any) -> bool:
+def _finite(x: Any) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
@@ -228,7 +234,7 @@ def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
         value = OmegaConf.to_container(OmegaConf.create(raw.decode()), resolve=False)
     except Exception as err:  # noqa: BLE001 - any YAML problem becomes one line
         raise FitError(f"{where}: cannot read YAML: {str(err).splitlines()[0]}") from None
-    return value if isinstance(value, dict) else {}
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else {}
 
 
 def _family_of(model: str) -> str:
@@ -323,7 +329,8 @@ def read_table(path: str | Path) -> Collection:
             C = float(row["C"]) if row.get("C") not in (None, "") else 6.0 * vals["N"] * vals["D"]
             seed = int(float(row["seed"])) if row.get("seed") not in (None, "") else None
         except KeyError as err:
-            raise FitError(f"{where}: missing column {err.args[0]}; need family, N, D, loss")
+            raise FitError(f"{where}: missing column {err.args[0]}; need family, N, D, loss"
+                           ) from None
         except (TypeError, ValueError):
             raise FitError(f"{where}: N, D, C, loss and seed must be numbers") from None
         family = str(row.get("family") or "").strip()

@@ -3,8 +3,8 @@ fitted curves and bootstrap bands (one colour per family), L(N, D) per size, res
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from gpn_scale.scaling.collect import Collection
 from gpn_scale.scaling.fit import HUBER_DELTA, Cell, FitResult, aggregate
@@ -21,7 +22,7 @@ def _g(x: float | None, digits: int = 4) -> str:
 def build_json(fits: Sequence[FitResult], cells: Sequence[Cell], notes: Sequence[str],
                collection: Collection, settings: dict[str, Any]) -> dict[str, Any]:
     return {
-        "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "generated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "protocol": {
             "objective": "sum of Huber(delta) over log L_pred - log L_obs (log L_pred by "
                          "logsumexp of the log-terms), L-BFGS-B from a grid of initialisations",
@@ -103,7 +104,7 @@ def write_outputs(out_dir: str | Path, fits: Sequence[FitResult], notes: Sequenc
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cells = aggregate(collection.observations())
-    colours = P.family_colours({c.family for c in cells})
+    colours = P.family_colours(sorted({c.family for c in cells}))
     paths: dict[str, Path] = {}
     for var in ("N", "C"):
         if any(f.form.key == f"L({var})" for f in fits):

@@ -6,8 +6,8 @@
                                              line; with --if-pending nothing (exit 0) when the run
                                              already has its DONE marker
 
-A run is finished when `<checkpoint root>/DONE` exists (local path or s3://, S3_ENDPOINT_URL
-honoured): the trainer writes it last, after the final eval and checkpoint.
+A run is finished when `<checkpoint root>/DONE` exists (local path or s3://, endpoint as
+gpn_scale.io resolves it): the trainer writes it last, after the final eval and checkpoint.
 Run indices are positions in `expand_sweep(SWEEP)`: stable for a given sweep file, and the
 SLURM array task ids of `sweep.sh`.
 """

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpn_scale.scaling.slurm_launch import pending_indices
 from gpn_scale.scaling.status import single_job_name
@@ -133,7 +134,8 @@ def make_executor(sweep: Sweep, opts: SubmitOptions):
     folder = opts.folder or str(Path(sweep.runs[0].run_dir or ".").parent / "submitit")
     ex = submitit.AutoExecutor(folder=str(Path(folder) / "%j"), cluster=kind)
     tasks = max(1, opts.gpus_per_node)
-    params = dict(timeout_min=opts.time_min, nodes=opts.nodes, tasks_per_node=tasks)
+    params: dict[str, Any] = dict(timeout_min=opts.time_min, nodes=opts.nodes,
+                                  tasks_per_node=tasks)
     if opts.cpus_per_task:
         params["cpus_per_task"] = opts.cpus_per_task
     if opts.gpus_per_node:
@@ -152,7 +154,7 @@ def make_executor(sweep: Sweep, opts: SubmitOptions):
     return kind, ex
 
 
-def submit_sweep(sweep: Sweep, opts: SubmitOptions) -> tuple[str, list[tuple[int, object]]]:
+def submit_sweep(sweep: Sweep, opts: SubmitOptions) -> tuple[str, list[tuple[int, Any]]]:
     """Submit every unfinished run (or the unfinished ones of `opts.only`); returns the
     executor kind and [(run index, submitit job)]."""
     n = len(sweep.runs)
@@ -164,7 +166,7 @@ def submit_sweep(sweep: Sweep, opts: SubmitOptions) -> tuple[str, list[tuple[int
     if opts.only is not None:
         todo = [i for i in todo if i in set(opts.only)]
     kind, ex = make_executor(sweep, opts)
-    jobs = []
+    jobs: list[tuple[int, Any]] = []
     python = os.environ.get("GPN_SCALE_PYTHON") or sys.executable
     for i in todo:
         ex.update_parameters(name=single_job_name(sweep.name, i))

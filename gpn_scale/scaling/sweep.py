@@ -35,9 +35,10 @@ import functools
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
 
@@ -157,7 +158,7 @@ def resolve_sweep_path(name_or_path: str | Path) -> Path:
 def _check_keys(where: str, values: Mapping[str, Any], valid: Sequence[str]) -> None:
     for key in values:
         if key not in valid:
-            raise SweepError(f"{where}{key}: unknown key{closest_key_hint(str(key), valid)}")
+            raise SweepError(f"{where}{key}: unknown key{closest_key_hint(str(key), list(valid))}")
 
 
 def _mapping(where: str, value: Any) -> dict[str, Any]:
@@ -239,7 +240,8 @@ def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False,
         raise SweepError(f"{path}: cannot read the sweep: {first}") from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: expected a mapping at the top level")
-    return _expand(raw, path, allow_few_seeds=allow_few_seeds, price=price)
+    return _expand({str(k): v for k, v in raw.items()}, path, allow_few_seeds=allow_few_seeds,
+                   price=price)
 
 
 _ACCOUNTING_GPUS = {"h100": "h100", "h100-sxm": "h100", "h100 sxm": "h100", "h200": "h200"}

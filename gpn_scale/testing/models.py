@@ -3,6 +3,8 @@ check (`gpn_scale.bench.gpu`), which hold the engine equal to the reference path
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gpn_scale.model import GPN, GPNConfig
@@ -12,7 +14,7 @@ TINY = dict(vocab_size=37, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_
 
 
 def tiny_config(**changes) -> GPNConfig:
-    values = dict(TINY)
+    values: dict[str, Any] = dict(TINY)
     if changes.get("memory") is False:
         values.update(n_heads=0, d_key=0, d_value=0)
     values.update(changes)

@@ -70,7 +70,7 @@ class LocalS3:
         """Environment that boto3 and streaming need to use this endpoint."""
         return {"S3_ENDPOINT_URL": self.url, **DUMMY_CREDENTIALS}
 
-    def start(self, timeout: float = 30.0) -> "LocalS3":
+    def start(self, timeout: float = 30.0) -> LocalS3:
         if self.process:
             env = {**os.environ, **DUMMY_CREDENTIALS}
             if self.enforce_auth:
@@ -124,7 +124,7 @@ class LocalS3:
             pass
         return f"s3://{name}"
 
-    def __enter__(self) -> "LocalS3":
+    def __enter__(self) -> LocalS3:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

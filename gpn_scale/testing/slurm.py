@@ -29,8 +29,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "slurm" / "local"
 # The unix socket path of munge must stay under ~108 bytes.
@@ -100,7 +100,7 @@ class LocalSlurm:
         return env
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         script = SCRIPTS / "start.sh"
         if not script.is_file():
             raise SlurmStartError(f"{script} not found; LocalSlurm needs a source checkout")
@@ -125,7 +125,7 @@ class LocalSlurm:
         self.started = False
         return proc.stdout + proc.stderr
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -206,7 +206,7 @@ def probe(x: int) -> dict:
 try:
     import pytest
 except ImportError:  # pragma: no cover - library use without pytest
-    pytest = None
+    pytest = None  # type: ignore[assignment]  # (the fixtures below check for None)
 
 if pytest is not None:
 

@@ -19,7 +19,7 @@ class _IntermixedParser(argparse.ArgumentParser):
     """Lets options sit anywhere among the overrides (`train cfg --resume auto a=1 b=2`);
     plain argparse stops collecting a nargs='*' positional at the first option."""
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         if getattr(self, "_intermixing", False):  # the inner calls of the intermixed parse
             return super().parse_known_args(args, namespace)
         self._intermixing = True
@@ -100,7 +100,6 @@ def _fail(err: BaseException) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.config import load_train_config
-
     from gpn_scale.train.loop import Trainer, TrainingError
 
     errors = _errors()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
 
@@ -28,10 +28,10 @@ DEFAULT_CORPUS = "default"
 @dataclass
 class DataSection:
     remote: str = DEFAULT_CORPUS      # MDS root: local dir, s3://bucket/prefix, or "default"
-    local_cache: Optional[str] = None  # streaming's local cache (default: <run_dir>/data_cache)
+    local_cache: str | None = None  # streaming's local cache (default: <run_dir>/data_cache)
     seq_len: int = 256
     shuffle_seed: int = 0
-    num_canonical_nodes: Optional[int] = None
+    num_canonical_nodes: int | None = None
     num_workers: int = 0
 
 
@@ -56,12 +56,12 @@ class ScheduleSection:
 @dataclass
 class TrainSection:
     global_batch_size: int = 8         # sequences per optimizer step, all ranks together
-    micro_batch_size: Optional[int] = None  # per rank per forward; None = global / world (no accumulation)
+    micro_batch_size: int | None = None  # per rank per forward; None = global / world (no accumulation)
     device: str = "auto"               # auto | cpu | cuda
     precision: str = "auto"            # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     deterministic: bool = True         # torch.use_deterministic_algorithms (CPU exact resume)
-    num_threads: Optional[int] = None  # torch.set_num_threads on CPU (None = leave as is)
-    tbptt: Optional[int] = None        # overrides the model's truncated-BPTT length when set
+    num_threads: int | None = None  # torch.set_num_threads on CPU (None = leave as is)
+    tbptt: int | None = None        # overrides the model's truncated-BPTT length when set
     stateful_windows: bool = False     # carry the (detached) state from one batch to the next
     max_nonfinite_in_a_row: int = 5    # stop after this many consecutive skipped steps
     log_every: int = 1
@@ -74,7 +74,7 @@ class ParallelSection:
     zero_stage: int = 2                # DeepSpeed ZeRO stage (1, 2, 3)
     # ZeRO-3: parameters smaller than this stay whole on every rank (DeepSpeed default 1e5);
     # 0 partitions every parameter (tests use it so that tiny models are really sharded).
-    zero3_persistence_threshold: Optional[int] = None
+    zero3_persistence_threshold: int | None = None
     reduce_dtype: str = "fp32"         # FSDP2 mixed-precision gradient reduction dtype
     reshard_after_forward: bool = True
     tp: int = 1                        # tensor parallel degree: reserved (mesh dim "tp")
@@ -82,7 +82,7 @@ class ParallelSection:
 
 @dataclass
 class CheckpointSection:
-    root: Optional[str] = None         # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
+    root: str | None = None         # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
     every_steps: int = 0               # 0 = only on preemption and at the end
     keep_last: int = 2
     save_final: bool = True
@@ -95,10 +95,10 @@ class CheckpointSection:
 class WandbSection:
     mode: str = "disabled"             # online | offline | disabled
     project: str = "gpn-scale"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
     job_type: str = "train"
-    dir: Optional[str] = None          # default <run_dir>
+    dir: str | None = None          # default <run_dir>
 
 
 @dataclass
@@ -111,7 +111,7 @@ class LoggingSection:
 class EvalSection:
     every_steps: int = 0               # 0 = only at the end
     batches: int = 4                   # fixed held-out windows: batches x batch_size
-    batch_size: Optional[int] = None   # per rank (default: the training micro batch)
+    batch_size: int | None = None   # per rank (default: the training micro batch)
     at_end: bool = True
 
 
@@ -125,7 +125,7 @@ class PreemptionSection:
 class DebugSection:
     # Test hooks: the loss is replaced by NaN at these steps / from this step on.
     inject_nan_steps: list[int] = field(default_factory=list)
-    inject_nan_from: Optional[int] = None
+    inject_nan_from: int | None = None
     # Sleep this many seconds after each step (tests that signal a running job).
     step_sleep: float = 0.0
 
@@ -136,7 +136,7 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     run_name: str = "run"
-    run_dir: Optional[str] = None      # default runs/<run_name>
+    run_dir: str | None = None      # default runs/<run_name>
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
@@ -271,9 +271,9 @@ def validate(cfg: TrainConfig) -> None:
                 "schedule.total_steps": cfg.schedule.total_steps, "train.log_every": cfg.train.log_every,
                 "eval.batches": cfg.eval.batches, "checkpoint.keep_last": cfg.checkpoint.keep_last,
                 "train.max_nonfinite_in_a_row": cfg.train.max_nonfinite_in_a_row}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    for key, number in positive.items():
+        if number < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {number}")
     if cfg.schedule.warmup_steps < 0 or cfg.schedule.warmup_steps > cfg.schedule.total_steps:
         raise ConfigError(f"schedule.warmup_steps: must be in [0, schedule.total_steps="
                           f"{cfg.schedule.total_steps}], got {cfg.schedule.warmup_steps}")

@@ -22,9 +22,10 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +37,12 @@ from gpn_scale.parallel.topology import Topology, init_topology
 from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
 from gpn_scale.train.env import detect
-from gpn_scale.train.signals import (EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag,
-                                     request_slurm_requeue)
+from gpn_scale.train.signals import (
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    PreemptionFlag,
+    request_slurm_requeue,
+)
 
 # Peak dense bf16 FLOP/s per device for MFU (vendor figures, no sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,

@@ -5,15 +5,16 @@ API (the training loop creates these on rank 0 only)::
     sink = JsonlSink(run_dir / "metrics.jsonl", resume_step=step_or_None)
     wb = WandbSink(project, group, job_type, name, config=scrub_secrets(cfg), mode="offline",
                    dir=run_dir, resume_id=meta.get("wandb_run_id"))
-    meta["wandb_run_id"] = wb.run_id            # kept in the checkpoint: a resumed job continues the run
+    meta["wandb_run_id"] = wb.run_id  # kept in the checkpoint: a resumed job continues the run
     sink.log({"loss": 2.3, "lr": 1e-3}, step=10); sink.close()
 
 - `MetricsSink` (Protocol): `log(metrics: dict, step: int) -> None`, `close() -> None`.
-- `JsonlSink(path, resume_step=None)`: one JSON object per line, `{"step": s, ...metrics, "time": t}`;
-  appends; with resume_step it first drops lines with step > resume_step (the steps a preempted
-  job did after its last checkpoint and will redo), so the per-step history stays clean. A torn
-  last line (killed mid-write) is dropped too. Non-finite floats are written as the strings
-  "NaN" / "Infinity" / "-Infinity" so every JSON reader accepts the file.
+- `JsonlSink(path, resume_step=None)`: one JSON object per line,
+  `{"step": s, ...metrics, "time": t}`; appends; with resume_step it first drops lines with
+  step > resume_step (the steps a preempted job did after its last checkpoint and will redo),
+  so the per-step history stays clean. A torn last line (killed mid-write) is dropped too.
+  Non-finite floats are written as the strings "NaN" / "Infinity" / "-Infinity" so every JSON
+  reader accepts the file.
 - `WandbSink(project, group, job_type, name, config, mode, dir, resume_id=None)`: `.run_id`;
   config is scrubbed again on the way in; mode "offline" | "online" | "disabled".
 - `scrub_secrets(config) -> dict`: a copy with credential-looking keys/values replaced.
@@ -30,9 +31,10 @@ import re
 import struct
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gpn_scale.model.config import ConfigError
 
@@ -74,7 +76,8 @@ class JsonlSink:
             self._repair(resume_step)
             self._file = open(self.path, "a", encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot write metrics file {self.path} ({exc.strerror or exc}); choose a writable run_dir") from exc
+            raise ConfigError(f"cannot write metrics file {self.path} ({exc.strerror or exc}); "
+                              "choose a writable run_dir") from exc
 
     def _repair(self, resume_step: int | None) -> None:
         """Drop a torn last line and, on resume, lines beyond the resumed step (atomic rewrite)."""
@@ -170,7 +173,8 @@ def _words(key: str) -> list[str]:
 
 
 def is_secret_key(key: str) -> bool:
-    """Whether a config key names a credential (api_key, hf_token, password, AWS_SECRET_ACCESS_KEY...)."""
+    """Whether a config key names a credential (api_key, hf_token, password,
+    AWS_SECRET_ACCESS_KEY...)."""
     words = _words(str(key))
     if not words:
         return False
@@ -254,7 +258,7 @@ class WandbSink:
                 name=name,
                 tags=tags,
                 config=scrub_secrets(config),
-                mode=mode,
+                mode=mode,  # type: ignore[arg-type]  # checked against wandb's modes above
                 dir=str(dir),
                 id=resume_id,
                 resume="allow" if resume_id else None,
@@ -265,7 +269,8 @@ class WandbSink:
         except Exception as exc:  # noqa: BLE001 - surface as one line before training starts
             msg = " ".join(str(exc).split())[:300]
             raise ConfigError(
-                f"W&B init failed in mode {mode!r} ({type(exc).__name__}: {msg}); set WANDB_API_KEY or use "
+                f"W&B init failed in mode {mode!r} ({type(exc).__name__}: {msg}); set "
+                "WANDB_API_KEY or use "
                 "logging.wandb.mode=offline"
             ) from exc
         self._warned = False
@@ -310,7 +315,7 @@ def _wait_for_exit_record(path: Path, timeout_s: float = 20.0) -> None:
         except (OSError, ValueError):
             records = []
         for raw in reversed(records[-5:]):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]  # generated protobuf module
             rec.ParseFromString(raw)
             if rec.WhichOneof("record_type") == "exit":
                 return
@@ -413,7 +418,7 @@ def read_offline_run(wandb_dir: str | os.PathLike[str], run_id: str | None = Non
     run = OfflineRun(run_id=run_id, config={}, history=[], summary={}, files=[str(p) for p in files])
     for path in files:
         for raw in _leveldb_records(path.read_bytes()):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]  # generated protobuf module
             rec.ParseFromString(raw)
             kind = rec.WhichOneof("record_type")
             if kind == "run":

@@ -11,7 +11,7 @@ across FSDP2 / DeepSpeed / resume).
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -26,7 +26,8 @@ def decays(name: str, param: torch.Tensor) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -72,7 +73,7 @@ def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float) -> torch
     max_norm <= 0 or the norm is not finite (the caller then skips the step anyway).
     """
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if p.grad is not None]  # (all are: typed for mypy)
     if not grads:
         return torch.zeros(())
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)

@@ -36,7 +36,7 @@ class PreemptionFlag:
         self.requested = True
         self.signum = signum
 
-    def install(self) -> "PreemptionFlag":
+    def install(self) -> PreemptionFlag:
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self

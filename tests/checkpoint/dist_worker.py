@@ -28,7 +28,11 @@ def _batches(n: int, rank: int, seed: int = 7) -> list[torch.Tensor]:
 
 
 def fsdp_save(out: Path, roots: list[str]) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

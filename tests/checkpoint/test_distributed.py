@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckpt_helpers import app_state, apply, assert_same, fresh, make_mlp
+
 from gpn_scale.checkpoint import CheckpointManager
 from gpn_scale.testing.s3 import free_port
 

@@ -13,9 +13,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ckpt_helpers import (
+    Evil,
+    app_state,
+    apply,
+    assert_same,
+    assert_same_training_state,
+    fresh,
+    rewrite_manifest_entry,
+    trained,
+)
 
-from ckpt_helpers import Evil, app_state, apply, assert_same, assert_same_training_state, fresh, rewrite_manifest_entry, trained
-from gpn_scale.checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state, step_dir_name
+from gpn_scale.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    restore_rng_state,
+    step_dir_name,
+)
 from gpn_scale.model.config import ConfigError
 
 META = {"step": 7, "tokens": 1234, "loader": {"epoch": 0, "sample_in_epoch": 40}, "wandb_run_id": "abc123", "config": {"lr": 0.01}}

@@ -11,15 +11,21 @@ from pathlib import Path
 
 import boto3
 import pytest
-
 from ckpt_helpers import app_state, apply, assert_same, assert_same_training_state, fresh, trained
-from gpn_scale.checkpoint import CheckpointError, CheckpointManager, S3Storage, capture_rng_state, open_storage
+
+from gpn_scale.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    S3Storage,
+    capture_rng_state,
+    open_storage,
+)
 from gpn_scale.testing.s3 import LocalS3, free_port
 
 FAST = {"s3_retries": 2, "s3_backoff_s": 0.01}
 
 
-def _client() -> "boto3.client":
+def _client() -> boto3.client:
     return boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
 
 
@@ -191,10 +197,10 @@ def test_wrong_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
         sleeps: list[float] = []
-        monkeypatch.setattr("gpn_scale.checkpoint.storage.time.sleep", sleeps.append)
+        monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleeps.append)
         msg = _one_line_error(CheckpointManager("s3://somebucket/x", staging_dir=str(tmp_path / "s"), s3_retries=5, s3_backoff_s=1.0))
         assert sleeps == []  # auth errors are not retried (no backoff sleep at all)
-        assert "refused the credentials" in msg and "InvalidAccessKeyId" in msg and "AWS_SECRET_ACCESS_KEY" in msg
+        assert "rejected the credentials" in msg and "InvalidAccessKeyId" in msg and "AWS_SECRET_ACCESS_KEY" in msg
     finally:
         server.stop()
 
@@ -220,7 +226,7 @@ def test_transient_errors_are_retried_with_backoff(s3_endpoint, monkeypatch: pyt
     attempts: list[int] = []
     sleeps: list[float] = []
     # The backoff is checked on the delays asked for, not on wall time (load makes that noisy).
-    monkeypatch.setattr("gpn_scale.checkpoint.storage.time.sleep", sleeps.append)
+    monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleeps.append)
 
     def flaky() -> str:
         attempts.append(len(attempts))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from data_helpers import one_line
+
 from data_tools.cli import main as gpn_data
 from data_tools.default_corpus import build_default_dataset, default_corpus_documents
 from gpn_scale.data import DataError, read_metadata

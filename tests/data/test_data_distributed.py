@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-
 from data_helpers import build_counter_dataset, rank_main
+
 from gpn_scale.data import DataConfig, build_loader
 
 pytestmark = pytest.mark.slow

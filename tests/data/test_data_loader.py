@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import (
+    build_counter_dataset,
+    counter_corpus,
+    expected_window_keys,
+    one_line,
+    row_keys,
+)
 
-from data_helpers import (build_counter_dataset, counter_corpus, expected_window_keys,
-                          one_line, row_keys)
-from gpn_scale.data import (DataConfig, DataError, build_loader, check_compatible,
-                            read_metadata)
+from gpn_scale.data import DataConfig, DataError, build_loader, check_compatible, read_metadata
 
 N_WINDOWS, N_VAL, SEQ = 104, 8, 32   # 96 train windows
 BATCH = 8

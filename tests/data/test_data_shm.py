@@ -14,8 +14,8 @@ from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
-
 from data_helpers import build_counter_dataset, row_keys
+
 from gpn_scale.data import DataConfig, build_loader
 from gpn_scale.data.shm import MIN_AGE_S, clean_stale_streaming_shm
 

@@ -8,8 +8,12 @@ import torch
 
 from gpn_scale.model import GPN, ConfigError, GPNConfig, load_model_config
 from gpn_scale.model.config import CONFIG_DIR
-from gpn_scale.model.counts import (count_parameters, estimate_training_memory,
-                                    flops_per_token, forward_flops_per_token)
+from gpn_scale.model.counts import (
+    count_parameters,
+    estimate_training_memory,
+    flops_per_token,
+    forward_flops_per_token,
+)
 
 BASE = dict(vocab_size=100, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6)
 

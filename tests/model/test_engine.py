@@ -6,7 +6,6 @@ import torch
 from gpn_scale.model import GPNState
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops.step_kernels import ENV_VAR
-
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 CASES = {
@@ -43,7 +42,7 @@ def _compare(cfg, dtype, T=12, B=3, rtol=1e-9, grad_atol=0.0, grad_rtol=1e-9, lo
     for name, got, want in zip(names, g_out, g_ref):
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=grad_rtol, atol=grad_atol + grad_rtol * scale,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("steps", ["cpp", "python"])

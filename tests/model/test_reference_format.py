@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from gpn_scale.model import GPN, ConfigError
-from gpn_scale.model.reference_format import (export_reference, import_reference,
-                                              load_reference_params)
-
+from gpn_scale.model.reference_format import (
+    export_reference,
+    import_reference,
+    load_reference_params,
+)
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 

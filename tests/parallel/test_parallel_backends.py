@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from train_helpers import (grad_norms, initial_weights, read_metrics, run_train, train_losses,
-                           weight_distance)
+from train_helpers import (
+    grad_norms,
+    initial_weights,
+    read_metrics,
+    run_train,
+    train_losses,
+    weight_distance,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -139,6 +144,6 @@ def test_fsdp2_sigusr1_on_one_rank_stops_both_and_resumes(corpus, single, tmp_pa
     if first.returncode != 0:
         import warnings
         warnings.warn(f"2-rank resume failed once (exit {first.returncode}); see "
-                      f"{run_dir.parent / 'run.resume.log'}; retrying")
+                      f"{run_dir.parent / 'run.resume.log'}; retrying", stacklevel=1)
         run_train(corpus, run_dir, *COMMON, "parallel.backend=fsdp2", nproc=2, resume="auto")
     _compare(single, run_dir)

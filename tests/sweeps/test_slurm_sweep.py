@@ -22,10 +22,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from sweep_helpers import REPO, events, job_env, losses, wait_for, write_sweep
 
 from gpn_scale.train.metrics import read_offline_run
-
-from sweep_helpers import REPO, events, job_env, losses, wait_for, write_sweep
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sweep_helpers import REPO, job_env, losses, wait_for, write_sweep
 
 pytestmark = pytest.mark.slow

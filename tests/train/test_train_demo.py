@@ -7,7 +7,6 @@ import json
 import subprocess
 
 import pytest
-
 from train_helpers import PY, REPO, child_env
 
 pytestmark = pytest.mark.slow

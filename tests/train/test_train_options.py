@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from train_helpers import grad_norms, initial_weights, train_args, train_losses, weight_distance
 
 from gpn_scale.cli import main

@@ -9,9 +9,15 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from train_helpers import (child_env, kill9, read_metrics, run_train, start_train,
-                           train_losses, wait_for_step)
+from train_helpers import (
+    child_env,
+    kill9,
+    read_metrics,
+    run_train,
+    start_train,
+    train_losses,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from train_helpers import read_metrics, run_train, train_args, train_losses
 
 from gpn_scale.cli import main

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from train_helpers import train_args, train_losses
 
 from gpn_scale.cli import main
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_s3_dies_mid_save_then_resume_uses_previous_latest(corpus, tmp_path, monkeypatch, capsys):
-    from gpn_scale.checkpoint.storage import S3Storage
+    from gpn_scale.io.storage import S3Storage
     from gpn_scale.testing.s3 import LocalS3, free_port
 
     port = free_port()

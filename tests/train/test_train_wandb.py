@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from train_helpers import train_args
 
 from gpn_scale.cli import main
