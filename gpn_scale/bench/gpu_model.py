@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model import engine
 from gpn_scale.model.counts import flops_per_token
-from gpn_scale.ops.gpn_step import cuda as cuda_backend
+from gpn_scale.ops import launch as launches_
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 
 
@@ -117,7 +117,7 @@ class Accounting:
         kind = "forward step" if phase == "sequential forward" else "reverse step"
 
         def count(ops: list[Op], _t: int) -> int:
-            if any(op.triton for op in ops):
+            if any(op.triton for op in ops if op.phase in SEQUENTIAL):
                 return sum(1 for op in ops if op.triton and op.name.startswith(kind))
             return sum(1 for op in ops if op.phase == phase)
         return self.at_seq_len(count) / self.seq_len
@@ -152,16 +152,23 @@ def _probe(cfg: GPNConfig, batch: int, T: int, backend: str) -> list[Op]:
     recorder = _AtenRecorder(sequential=backend != "cuda")
     previous = os.environ.pop(ENV_VAR, None)
     try:
-        with cuda_backend.recording(dry=True) as launches, engine.phase_timer(), recorder, \
+        with launches_.recording(dry=True) as launches, engine.phase_timer(), recorder, \
                 engine.matmul_dtype(torch.bfloat16):
             model(tokens).loss.backward()
     finally:
         if previous is not None:
             os.environ[ENV_VAR] = previous
-    ops = [Op(f"{launch.phase}: {launch.name}",
-              "sequential forward" if launch.phase.startswith("forward") else
-              "sequential backward", launch.bytes, launch.flops, True) for launch in launches]
+    ops = [Op(f"{launch.phase}: {launch.name}", _engine_phase(launch.phase), launch.bytes,
+              launch.flops, True) for launch in launches]
     return ops + recorder.ops
+
+
+def _engine_phase(launch_phase: str) -> str:
+    if launch_phase.startswith("forward"):
+        return "sequential forward"
+    if launch_phase.startswith("reverse"):
+        return "sequential backward"
+    return launch_phase          # a Triton kernel of the chunk-wide work (e.g. "decode")
 
 
 def _in_widths(cfg: GPNConfig) -> list[int]:
@@ -241,7 +248,9 @@ def predict(acc: Accounting, gpu: Gpu, graphs: bool = True, eff_bw: float = EFF_
     def op_time(op: Op) -> float:
         t = max(op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
                 op.flops / (eff_flops * gpu.bf16_flops_per_s))
-        return t + GRAPH_GAP_S if op.triton and graphs else max(t, HOST_LAUNCH_S)
+        # Only the sequential phases replay as graphs; everything else launches eagerly.
+        graphed = graphs and op.triton and op.phase in SEQUENTIAL
+        return t + GRAPH_GAP_S if graphed else max(t, HOST_LAUNCH_S)
 
     per_phase = {ph: acc.at_seq_len(lambda ops, _t, ph=ph: sum(op_time(op) for op in ops
                                                                if op.phase == ph))

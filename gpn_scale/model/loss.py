@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
+
 
 class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -41,19 +43,26 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             h = nw @ Wm.t()
             if b_dec is not None:
                 h = h + b_dec.to(mm)
-            logits = (h @ Em.t()).to(acc)
             tgt = targets[start:start + rows]
-            picked = logits.gather(1, tgt[:, None])
-            top = logits.amax(dim=-1, keepdim=True)
-            # In place, so that one (rows x V) block serves logits, exp and the gradient.
-            probs = logits.sub_(top).exp_()
-            denom = probs.sum(dim=-1, keepdim=True)
-            total += (top + denom.log() - picked).sum()
-            if not need_grad:
-                continue
-            grad = probs.div_(denom)                              # softmax - onehot
-            grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
-            gm = grad.to(mm)
+            logits = h @ Em.t()
+            if use_triton(logits):   # one kernel, the block read twice (ops/cross_entropy.py)
+                total += softmax_xent_(logits, tgt, need_grad).sum()
+                if not need_grad:
+                    continue
+                gm = logits                                       # softmax - onehot, in mm
+            else:
+                logits = logits.to(acc)
+                picked = logits.gather(1, tgt[:, None])
+                top = logits.amax(dim=-1, keepdim=True)
+                # In place, so that one (rows x V) block serves logits, exp and the gradient.
+                probs = logits.sub_(top).exp_()
+                denom = probs.sum(dim=-1, keepdim=True)
+                total += (top + denom.log() - picked).sum()
+                if not need_grad:
+                    continue
+                grad = probs.div_(denom)                          # softmax - onehot
+                grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
+                gm = grad.to(mm)
             dh = gm @ Em
             dE += (gm.t() @ h).to(acc)
             dW += (dh.t() @ nw).to(acc)

@@ -20,68 +20,17 @@ tensors at the real sizes to count launches, bytes and FLOPs per step.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import triton_kernels as tk
+from gpn_scale.ops.launch import Launch, is_dry, recording  # noqa: F401  (re-exported)
+from gpn_scale.ops.launch import launch as _launch
+from gpn_scale.ops.launch import nbytes as _nbytes
+from gpn_scale.ops.launch import record_aten as _aten
 from gpn_scale.ops.gpn_step.graphs import ChunkGraphs
 from gpn_scale.ops.gpn_step.interface import (ChunkForward, ChunkForwardResult, LoopWeights,
                                               ReverseSweep, ReverseSweepResult, StepPlan)
-
-
-# ------------------------------------------------------------------ launch recording
-@dataclass
-class Launch:
-    """One kernel launch of the code path: what the accounting reads."""
-
-    name: str
-    phase: str          # "forward step" | "forward chunk" | "reverse step" | "reverse chunk"
-    grid: tuple[int, ...]
-    bytes: int          # HBM bytes it must move at least (its operands read, outputs written)
-    flops: int
-
-
-_RECORD: list[Launch] | None = None
-_DRY = False
-
-
-@contextlib.contextmanager
-def recording(dry: bool = False) -> Iterator[list[Launch]]:
-    """Record every launch of the CUDA backend within the block; `dry`: record only, run no
-    kernel (for meta tensors: the accounting runs the real code path at the real sizes)."""
-    global _RECORD, _DRY
-    previous = (_RECORD, _DRY)
-    _RECORD, _DRY = [], dry
-    try:
-        yield _RECORD
-    finally:
-        _RECORD, _DRY = previous
-
-
-def is_dry() -> bool:
-    return _DRY
-
-
-def _nbytes(*tensors: Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _launch(kernel, grid: tuple[int, ...], name: str, phase: str, nbytes: int, flops: int,
-            *args, **meta) -> None:
-    if _RECORD is not None:
-        _RECORD.append(Launch(name, phase, grid, nbytes, flops))
-    if not _DRY:
-        kernel[grid](*args, **meta)
-
-
-def _aten(name: str, phase: str, nbytes: int) -> None:
-    """Record a launch the driver makes through ATen (a copy, a fill)."""
-    if _RECORD is not None:
-        _RECORD.append(Launch(name, phase, (1,), nbytes, 0))
 
 
 # --------------------------------------------------------------------------- blocks

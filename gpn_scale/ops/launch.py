@@ -1,0 +1,66 @@
+"""Kernel launches that can be recorded instead of (or besides) run.
+
+Every Triton launch of the GPU code paths (the CUDA step backend, the fused cross-entropy)
+goes through `_launch`; within `recording()` each is recorded with the bytes it must move
+and its FLOPs, and with `dry=True` nothing runs: `gpn_scale.bench.gpu_model` runs the real
+code on meta tensors at the real sizes that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class Launch:
+    """One kernel launch of the code path: what the accounting reads."""
+
+    name: str
+    phase: str          # "forward step" | "forward chunk" | "reverse step" | "reverse chunk",
+                        # or the engine phase it runs in (e.g. "decode")
+    grid: tuple[int, ...]
+    bytes: int          # HBM bytes it must move at least (its operands read, outputs written)
+    flops: int
+
+
+_RECORD: list[Launch] | None = None
+_DRY = False
+
+
+@contextlib.contextmanager
+def recording(dry: bool = False) -> Iterator[list[Launch]]:
+    """Record every launch of the GPU code paths within the block; `dry`: record only, run no
+    kernel (for meta tensors: the accounting runs the real code path at the real sizes)."""
+    global _RECORD, _DRY
+    previous = (_RECORD, _DRY)
+    _RECORD, _DRY = [], dry
+    try:
+        yield _RECORD
+    finally:
+        _RECORD, _DRY = previous
+
+
+def is_dry() -> bool:
+    return _DRY
+
+
+def nbytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def launch(kernel, grid: tuple[int, ...], name: str, phase: str, nbytes: int, flops: int,
+            *args, **meta) -> None:
+    if _RECORD is not None:
+        _RECORD.append(Launch(name, phase, grid, nbytes, flops))
+    if not _DRY:
+        kernel[grid](*args, **meta)
+
+
+def record_aten(name: str, phase: str, nbytes: int) -> None:
+    """Record a launch the driver makes through ATen (a copy, a fill)."""
+    if _RECORD is not None:
+        _RECORD.append(Launch(name, phase, (1,), nbytes, 0))

@@ -1,0 +1,57 @@
+"""The fused softmax cross-entropy kernel (gpn_scale/ops/cross_entropy.py, Triton, run by the
+interpreter on CPU tensors here) equals the PyTorch form it replaces on CUDA, alone and
+inside the chunked decode loss (loss and every gradient)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpn_scale.model.loss import chunked_decode_cross_entropy
+from gpn_scale.ops.cross_entropy import force_triton, softmax_xent_, use_triton
+
+
+@pytest.mark.parametrize("V", [7, 16, 50])
+def test_rows_loss_and_gradient_equal_torch(V):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, V, generator=g) * 3
+    targets = torch.randint(0, V, (5,), generator=g)
+    want = F.cross_entropy(logits, targets, reduction="none")
+    want_grad = torch.softmax(logits, -1) - F.one_hot(targets, V).float()
+    with force_triton():
+        assert use_triton(logits)
+        work = logits.clone()
+        got = softmax_xent_(work, targets, need_grad=True)
+        only = softmax_xent_(logits.clone(), targets, need_grad=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(only, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(work, want_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_and_float64_keep_the_pytorch_form():
+    assert not use_triton(torch.zeros(2, 3))
+    with force_triton():
+        assert not use_triton(torch.zeros(2, 3, dtype=torch.float64))
+
+
+def test_decode_loss_with_the_kernel_equals_the_pytorch_form():
+    g = torch.Generator().manual_seed(1)
+    N, D, E_DIM, V = 40, 16, 12, 50
+    P = torch.randn(N, D, generator=g, requires_grad=True)
+    norm_w = (1 + 0.1 * torch.randn(D, generator=g)).requires_grad_()
+    W = (0.3 * torch.randn(E_DIM, D, generator=g)).requires_grad_()
+    E = (0.3 * torch.randn(V, E_DIM, generator=g)).requires_grad_()
+    y = torch.randint(0, V, (N,), generator=g)
+    inputs = (P, norm_w, W, E)
+
+    def run():
+        loss = chunked_decode_cross_entropy(P, norm_w, W, None, E, y, rows=16, scale=1 / N)
+        return loss, torch.autograd.grad(loss, inputs)
+
+    want, g_want = run()
+    with force_triton():
+        got, g_got = run()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
