@@ -280,19 +280,29 @@ class Trainer:
             raise ConfigError("parallel.backend: none cannot run on several processes; use "
                               "fsdp2 or deepspeed")
         self.backend_name = backend
-        if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
+        if backend in ("fsdp2", "deepspeed") and not env.distributed \
+                and "MASTER_PORT" not in os.environ:
             import dataclasses
 
+            from gpn_scale.parallel.topology import free_port
+
+            env = dataclasses.replace(env, master_port=free_port())  # a 1-rank group's rendezvous
+        # fully_shard needs a process group (without one it dies asking for RANK): one process
+        # runs FSDP2 as a 1-rank group, so its checkpoints are those of any other world size.
+        fsdp2_alone = backend == "fsdp2" and not env.distributed
+        if fsdp2_alone:
+            print("parallel.backend=fsdp2 in one process: running FSDP2 as a 1-rank group "
+                  "(launch with torchrun for data parallelism)", file=sys.stderr, flush=True)
+        if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
             from gpn_scale.parallel import deepspeed as ds
-            from gpn_scale.parallel.topology import free_port, pick_device
+            from gpn_scale.parallel.topology import pick_device
             from gpn_scale.train.env import export_for_torch
 
-            if not env.distributed and "MASTER_PORT" not in os.environ:
-                env = dataclasses.replace(env, master_port=free_port())
             export_for_torch(env)
             device = pick_device(cfg.train.device, env.local_rank)
             ds.init_distributed("nccl" if device.type == "cuda" else "gloo")
-        self.topo = init_topology(env, cfg.train.device, tp=cfg.parallel.tp)
+        self.topo = init_topology(env, cfg.train.device, tp=cfg.parallel.tp,
+                                  group_for_one=fsdp2_alone)
 
     def _model_config(self):
         from gpn_scale.model import load_model_config

@@ -68,6 +68,17 @@ def test_fsdp2_two_ranks_equals_single_and_resumes_on_one(corpus, single, tmp_pa
     _compare(single, one, steps=(5, 6))
 
 
+def test_fsdp2_in_one_process_runs_as_a_one_rank_group(corpus, single, tmp_path):
+    """`parallel.backend=fsdp2` without torchrun (as configs/train/paper_130m.yaml sets it):
+    one line on stderr, then the same run as the plain single process."""
+    run_dir = tmp_path / "fsdp2_one"
+    proc = run_train(corpus, run_dir, *COMMON, "parallel.backend=fsdp2")
+    assert "backend fsdp2, world 1, micro 4" in proc.stdout
+    said = [line for line in proc.stderr.splitlines() if "1-rank group" in line]
+    assert len(said) == 1 and said[0].startswith("parallel.backend=fsdp2 in one process")
+    _compare(single, run_dir)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_two_ranks_equals_single(corpus, single, tmp_path, stage):
     run_dir = tmp_path / f"zero{stage}"
