@@ -19,9 +19,11 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None, E: Tensor,
                 targets: Tensor, rows: int, eps: float, mm_dtype: torch.dtype | None,
-                scale: float) -> Tensor:  # type: ignore[override]
+                scale: float, grad_enabled: bool) -> Tensor:  # type: ignore[override]
         acc = torch.float64 if P.dtype == torch.float64 else torch.float32
-        need_grad = any(ctx.needs_input_grad[:5])
+        # needs_input_grad stays True under torch.no_grad() (held-out eval): the caller's grad
+        # mode, read before apply() (forward itself always runs with grad off), decides.
+        need_grad = grad_enabled and any(ctx.needs_input_grad[:5])
         mm = mm_dtype or P.dtype
         Em, Wm = E.to(mm), W_dec.to(mm)
         total = torch.zeros((), dtype=acc, device=P.device)
@@ -77,7 +79,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
         scaled = dP if d_total.item() == 1.0 else dP * d_total.to(dP.dtype)
         return (scaled, (dw * d_total).to(w_dt), (dW * d_total).to(W_dt),
                 (db * d_total).to(W_dt) if ctx.has_bias else None, (dE * d_total).to(E_dt),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunked_decode_cross_entropy(P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None,
@@ -92,4 +94,4 @@ def chunked_decode_cross_entropy(P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec
     if rows < 1:
         raise ValueError(f"rows: must be >= 1, got {rows}")
     return _ChunkedDecodeCrossEntropy.apply(P, norm_w, W_dec, b_dec, E, targets, rows, eps,
-                                            mm_dtype, scale)
+                                            mm_dtype, scale, torch.is_grad_enabled())
