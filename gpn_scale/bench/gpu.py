@@ -32,7 +32,7 @@ from gpn_scale.model.counts import count_parameters, flops_per_token
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops.step_kernels import kernels_for
 from gpn_scale.testing.models import perturbed_model, tiny_config
-from gpn_scale.train.loop import peak_flops
+from gpn_scale.train.hardware import device_peak_flops as peak_flops
 
 TINY = tiny_config(n_layers=2)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}

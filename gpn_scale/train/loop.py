@@ -36,13 +36,9 @@ from gpn_scale.parallel.topology import Topology, init_topology
 from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
 from gpn_scale.train.env import detect
+from gpn_scale.train.hardware import device_peak_flops as peak_flops  # MFU's denominator
 from gpn_scale.train.signals import (EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag,
                                      request_slurm_requeue)
-
-# Peak dense bf16 FLOP/s per device for MFU (vendor figures, no sparsity).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-              "L4": 121e12}
-
 
 # Written to the checkpoint root when a run finishes; sweeps skip runs that have it.
 DONE_MARKER = "DONE"
@@ -50,16 +46,6 @@ DONE_MARKER = "DONE"
 
 class TrainingError(RuntimeError):
     """The run cannot continue; the message is one line and says what to do."""
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None  # no meaningful peak for a shared CPU: MFU is reported as null
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None
 
 
 def training_flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
