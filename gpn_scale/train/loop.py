@@ -57,15 +57,23 @@ def training_flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
     return float(flops_per_token(model_cfg, seq_len))
 
 
-def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+def resolve_deterministic(value: bool | str, device: torch.device) -> bool:
+    """train.deterministic: "auto" = on CPU only (see TrainSection), true/false as given."""
+    return device.type == "cpu" if value == "auto" else bool(value)
+
+
+def set_determinism(cfg: TrainConfig, device: torch.device) -> bool:
+    """Threads and deterministic algorithms; returns whether the latter are on."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    if cfg.train.deterministic:
+    deterministic = resolve_deterministic(cfg.train.deterministic, device)
+    if deterministic:
         # warn_only: a few CUDA kernels have no deterministic variant; on CPU all of ours do.
         torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
+    return deterministic
 
 
 def seed_everything(seed: int) -> None:
@@ -389,7 +397,12 @@ class Trainer:
         device = topo.device
         precision = cfg.train.precision
         self.bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-        set_determinism(cfg, device)
+        deterministic = set_determinism(cfg, device)
+        if cfg.train.deterministic == "auto":
+            self.log(f"train.deterministic=auto: deterministic algorithms "
+                     + ("on (CPU: exact resume)" if deterministic else
+                        f"off on {device.type} (faster kernels, no NaN-filled torch.empty; "
+                        "train.deterministic=true forces them on)"))
         micro, accum = batch_layout(cfg, topo.dp_size)
         model_cfg = self._model_config()
         seq_len = cfg.data.seq_len
