@@ -39,9 +39,10 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,11 +76,11 @@ def driver_version() -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
                                   "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=15).stdout.split()
+                                 timeout=15, check=False).stdout.split()
             if out:
                 return out[0]
     with contextlib.suppress(Exception):
-        v = int(torch._C._cuda_getDriverVersion())
+        v = int(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
         if v > 0:
             return f"CUDA driver API {v // 1000}.{v % 1000 // 10}"
     return "unknown"
@@ -227,6 +228,7 @@ class Candidate:
     name: str
     family: str                        # "gpn+m" / "gpn" / "transformer++"
     params: int
+    vocab_size: int
     build: Callable[[], nn.Module]     # a fresh model (on the CPU)
     flops_per_token: float             # training FLOPs per token at the run's seq_len
     profile_seq_len: int               # window of the profiled step
@@ -236,7 +238,7 @@ def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
     def build() -> nn.Module:
         return GPN(cfg)
 
-    return Candidate(cfg.name or "gpn", cfg.family, count_parameters(cfg), build,
+    return Candidate(cfg.name or "gpn", cfg.family, count_parameters(cfg), cfg.vocab_size, build,
                      flops_per_token(cfg, seq_len), min(seq_len, PROFILE_SEQ_LEN))
 
 
@@ -244,7 +246,8 @@ def transformer_candidate(like: GPNConfig, seq_len: int) -> Candidate:
     tcfg = matching_config(like.vocab_size, like.d_emb, count_parameters(like), seq_len)
     name = f"transformer++ L{tcfg.n_layers} d{tcfg.d_model} f{tcfg.d_ffn}"
     # Attention makes its cost per token depend on T: profiled on the full window.
-    return Candidate(name, "transformer++", tcfg.num_parameters(), lambda: TransformerPP(tcfg),
+    return Candidate(name, "transformer++", tcfg.num_parameters(), tcfg.vocab_size,
+                     lambda: TransformerPP(tcfg),
                      tcfg.flops_per_token(seq_len), seq_len)
 
 
@@ -264,8 +267,7 @@ def measure(cand: Candidate, batch: int, seq_len: int, device: torch.device, ste
     model = cand.build().to(device)
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-    vocab = model.config.vocab_size
-    tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
+    tokens = torch.randint(0, cand.vocab_size, (batch, seq_len), device=device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -390,18 +392,18 @@ def _fmt(value: Any, spec: str) -> str:
 
 def markdown(blob: dict) -> str:
     meta = blob["meta"]
-    lines = [f"# Device check: {meta['device_name']}", "",
-             f"torch {meta['torch']} (CUDA {meta['torch_cuda']}), driver {meta['driver']}; "
+    setup = (f"torch {meta['torch']} (CUDA {meta['torch_cuda']}), driver {meta['driver']}; "
              f"T={meta['seq_len']}, {'bf16 autocast' if meta['bf16'] else 'fp32'}; "
              f"step kernels: {meta['step_form']}; {meta.get('elapsed_s', 0)} s of "
-             f"{meta['max_seconds']:g} s", "",
+             f"{meta['max_seconds']:g} s")
+    lines = [f"# Device check: {meta['device_name']}", "", setup, "",
              "| check | result | ok |", "|---|---|---|"]
     for c in blob["checks"]:
         detail = {k: v for k, v in c.items() if k not in ("check", "ok")}
         lines.append(f"| {c['check']} | {detail} | {'yes' if c['ok'] else '**NO**'} |")
-    lines += ["", "| model | params | batch | tokens/s | MFU | peak alloc GB | peak reserved GB "
-              "| GPU busy | kernels / time step | launch calls / time step | step s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| model | params | batch | tokens/s | MFU | peak alloc GB | peak reserved GB "
+              "| GPU busy | kernels / time step | launch calls / time step | step s |")
+    lines += ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     params = meta.get("params", {})
     for r in blob["runs"]:
         head = f"| {r['model']} | {params.get(r['model'], 0):,} | {r['batch']} |"
@@ -440,7 +442,7 @@ def load_config(name: str) -> GPNConfig:
     try:
         import omegaconf  # noqa: F401
     except ImportError:
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         from gpn_scale.model.config import resolve_model_config_path
 

@@ -121,6 +121,9 @@ class Block(nn.Module):
 class TransformerPP(nn.Module):
     """`forward(tokens)` -> mean next-token cross-entropy over B x (T - 1) positions."""
 
+    cos: Tensor    # rotary tables (max_seq_len, head_dim), buffers
+    sin: Tensor
+
     def __init__(self, cfg: TransformerPPConfig) -> None:
         super().__init__()
         self.config = cfg

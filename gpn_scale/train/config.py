@@ -61,7 +61,7 @@ class TrainSection:
     precision: str = "auto"            # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # torch.use_deterministic_algorithms: auto = on on CPU (exact resume, the tests), off on
     # GPU (it fills every torch.empty with NaN and picks slower kernels); true/false force it.
-    deterministic: Union[bool, str] = "auto"
+    deterministic: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     num_threads: Optional[int] = None  # torch.set_num_threads on CPU (None = leave as is)
     tbptt: Optional[int] = None        # overrides the model's truncated-BPTT length when set
     stateful_windows: bool = False     # carry the (detached) state from one batch to the next

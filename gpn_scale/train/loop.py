@@ -399,7 +399,7 @@ class Trainer:
         self.bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
         deterministic = set_determinism(cfg, device)
         if cfg.train.deterministic == "auto":
-            self.log(f"train.deterministic=auto: deterministic algorithms "
+            self.log("train.deterministic=auto: deterministic algorithms "
                      + ("on (CPU: exact resume)" if deterministic else
                         f"off on {device.type} (faster kernels, no NaN-filled torch.empty; "
                         "train.deterministic=true forces them on)"))
