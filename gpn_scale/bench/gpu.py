@@ -1,49 +1,140 @@
 """The device check: one script for a session that is lent a GPU (results under --out).
 
-    python -m gpn_scale.bench.gpu --out "$OUT"              # on the GPU machine (~5 min)
-    python -m gpn_scale.bench.gpu --device cpu --config tiny --seq-len 64 \\
-        --batches 2,4 --steps 2 --out /tmp/gpu-smoke          # the same code, as a smoke test
+    python -m gpn_scale.bench.gpu --out "$OUT"              # on the GPU machine (<= 8 min)
+    python -m gpn_scale.bench.gpu --device cpu --config tiny,tiny_2l --seq-len 32 \\
+        --batches 2,4 --steps 1 --warmup 0 --out /tmp/gpu-smoke   # the same code, as a smoke test
 
-1. Exactness on the device: the engine against the step-by-step reference path on a tiny
-   config (loss and every gradient) in float64 and float32, and one bf16-autocast step
+0. CUDA usable? With --device cuda and no usable CUDA it stops at once with one line
+   (torch's CUDA version and the driver's), before anything else.
+1. Exactness on the device: the engine against the step-by-step reference on a tiny
+   2-layer config (loss and every gradient) in float64, and in float32 with and without
+   CUDA graphs (where the engine has the `cuda_graphs` option); one bf16-autocast step
    (finite loss; state and memory stay float32).
-2. Throughput: `--config` (default the paper's 130M 1-layer GPN+M) at `--seq-len` (2048),
-   bf16 autocast with float32 state and memory, AdamW; every batch size in `--batches` in
-   turn until one does not fit; for each: tokens/s, MFU (against the device's dense bf16
-   peak; none on CPU), peak memory.
+2. Throughput: each `--config` (default the paper's 130M 1-layer and 2-layer GPN+M) and a
+   Transformer++ with the first config's parameter count (gpn_scale/bench/transformer_pp.py),
+   at `--seq-len` (2048), bf16 autocast, AdamW, batch sizes doubling from `--min-batch` up
+   to the first that does not fit (or an explicit `--batches` list). Per batch: tokens/s,
+   MFU (against the device's dense bf16 peak), peak memory allocated and reserved, and from
+   one torch.profiler step: kernels per training step and per time step, host launch calls,
+   and the fraction of the step's wall time the GPU is busy. Then the ratio of GPN+M to
+   Transformer++ tokens/s, each at its best batch.
+3. `--max-seconds` (default 450) bounds the whole run: each model gets an equal share of
+   what is left when it starts, and a batch is not started when twice the previous one's
+   cost would overrun that share.
 
-Writes results.json and results.md to --out and prints the table. Nothing is asserted
-here; the exactness tolerances are those of tests/model/test_engine.py and the verdict is
-printed next to each error.
+results.json and results.md are rewritten after every step, so a run cut short leaves
+what it measured. Nothing is asserted here; the exactness tolerances are those of
+tests/model/test_engine.py and the verdict is printed next to each error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from gpn_scale.model import GPN, GPNConfig, load_model_config
+from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
+from gpn_scale.model import GPN, GPNConfig
 from gpn_scale.model.counts import count_parameters, flops_per_token
 from gpn_scale.model.reference import reference_forward
-from gpn_scale.ops.step_kernels import kernels_for
 from gpn_scale.testing.models import perturbed_model, tiny_config
-from gpn_scale.train.loop import peak_flops
+from gpn_scale.train.hardware import device_peak_flops
 
 TINY = tiny_config(n_layers=2)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+# The GPN's launch count is measured on a window this long: at today's ~450 kernels per time
+# step a full 2048-step window is ~1M kernel records, more than the profiler's activity
+# buffers hold. Kernels per time step do not depend on T (chunk work recurs every chunk);
+# the window-level work (embedding, decode, optimizer) is then spread over fewer steps.
+PROFILE_SEQ_LEN = 256
+EXIT_NO_CUDA = 2
 
 
-def check_exactness(device: torch.device) -> list[dict]:
-    rows = []
+def _clock() -> float:
+    """The budget's clock (a seam for tests)."""
+    return time.perf_counter()
+
+
+# --------------------------------------------------------------------------- 0. CUDA usable
+def driver_version() -> str:
+    """The NVIDIA driver's version (nvidia-smi), else the CUDA driver API's, else 'unknown'."""
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=15, check=False).stdout.split()
+            if out:
+                return out[0]
+    with contextlib.suppress(Exception):
+        v = int(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
+        if v > 0:
+            return f"CUDA driver API {v // 1000}.{v % 1000 // 10}"
+    return "unknown"
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot be used here (one line), or None when a tiny kernel runs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    if not available:
+        said = next((str(w.message).splitlines()[0] for w in caught), "")
+        return "torch.cuda.is_available() is False" + (f": {said}" if said else "")
+    try:
+        (torch.ones(1, device="cuda") + 1).item()
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable", said in one line
+        return f"a first kernel failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    return None
+
+
+# --------------------------------------------------------------------------- results file
+class Results:
+    """meta, checks, runs, summary; both files rewritten (atomically) after every step."""
+
+    def __init__(self, out: Path, meta: dict) -> None:
+        self.out, self.meta = out, meta
+        self.checks: list[dict] = []
+        self.runs: list[dict] = []
+        self.summary: dict[str, Any] = {}
+
+    def save(self) -> None:
+        self.meta["elapsed_s"] = round(_clock() - self.meta["_t0"], 1)
+        blob = dict(meta={k: v for k, v in self.meta.items() if not k.startswith("_")},
+                    checks=self.checks, runs=self.runs, summary=self.summary)
+        for name, text in (("results.json", json.dumps(blob, indent=2)),
+                           ("results.md", markdown(blob))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.out / name)
+
+
+# --------------------------------------------------------------------------- 1. exactness
+def graph_settings() -> list[bool | None]:
+    """[True, False] where the engine has the `cuda_graphs` option, else [None]."""
+    return [True, False] if "cuda_graphs" in GPNConfig.field_names() else [None]
+
+
+def check_exactness(device: torch.device) -> Iterator[dict]:
     tokens = torch.randint(0, TINY.vocab_size, (3, 12), generator=torch.Generator().manual_seed(3))
     tokens = tokens.to(device)
-    for dtype in (torch.float64, torch.float32):
-        model = perturbed_model(TINY, dtype).to(device)
+    cases = [(torch.float64, None)] + [(torch.float32, g) for g in graph_settings()]
+    for dtype, graphs in cases:
+        cfg = TINY if graphs is None else TINY.replace(cuda_graphs=graphs)
+        model = perturbed_model(cfg, dtype).to(device)
         params = list(model.parameters())
         out = model(tokens)
         ref = reference_forward(model, tokens)
@@ -53,19 +144,116 @@ def check_exactness(device: torch.device) -> list[dict]:
         grad_err = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
                        for a, b in zip(g_out, g_ref))
         tol = TOLERANCE[dtype]
-        rows.append(dict(check=f"engine == reference, {str(dtype).replace('torch.', '')}",
-                         loss_rel_err=loss_err, grad_rel_err=grad_err, tolerance=tol,
-                         ok=loss_err <= tol and grad_err <= tol))
+        name = f"engine == reference, {str(dtype).replace('torch.', '')}"
+        if graphs is not None:
+            name += ", CUDA graphs " + ("on" if graphs else "off")
+        yield dict(check=name, loss_rel_err=loss_err, grad_rel_err=grad_err, tolerance=tol,
+                   ok=loss_err <= tol and grad_err <= tol)
     model = perturbed_model(TINY, torch.float32).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(tokens, return_state=True)
     out.loss.backward()
-    finite = bool(torch.isfinite(out.loss)) and all(torch.isfinite(p.grad).all()
+    finite = bool(torch.isfinite(out.loss)) and all(bool(torch.isfinite(p.grad).all())
                                                     for p in model.parameters())
     fp32 = out.state.s.dtype == torch.float32 and out.state.memory.dtype == torch.float32
-    rows.append(dict(check="bf16 autocast step", loss=out.loss.item(), finite=finite,
-                     state_and_memory_fp32=fp32, ok=finite and fp32))
-    return rows
+    yield dict(check="bf16 autocast step", loss=out.loss.item(), finite=finite,
+               state_and_memory_fp32=fp32, ok=finite and fp32)
+
+
+# --------------------------------------------------------------------------- 2. profiler
+# Host calls that put work on the GPU one launch at a time (runtime and driver API; Triton
+# launches through the driver), and the graph launches that replay many kernels at once.
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+                 "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
+_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+_DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
+    """Counts and busy time from profiler events given as (kind, name, start_ns, end_ns).
+
+    kind is the profiler's activity type ("kernel", "gpu_memcpy", "gpu_memset",
+    "cuda_runtime", "cuda_driver", "cpu_op", ...). Busy time is the union of the device
+    intervals, so kernels overlapping on several streams count once.
+    """
+    kernels = copies = launches = graphs = cpu_ops = 0
+    intervals: list[tuple[int, int]] = []
+    for kind, name, start, end in events:
+        if kind in _DEVICE_KINDS:
+            intervals.append((start, end))
+            if kind == "kernel":
+                kernels += 1
+            else:
+                copies += 1
+        elif kind in ("cuda_runtime", "cuda_driver"):
+            launches += name in _LAUNCH_CALLS
+            graphs += name in _GRAPH_LAUNCHES
+        elif kind == "cpu_op":
+            cpu_ops += 1
+    busy, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return dict(kernels=kernels, copies=copies, launch_calls=launches, graph_launches=graphs,
+                cpu_ops=cpu_ops, device_busy_s=busy / 1e9)
+
+
+def profile(fn: Callable[[], None], device: torch.device) -> dict:
+    """device_activity of one call of `fn` (CUDA activity only on a GPU: recording every
+    CPU op of a GPN window would cost more than the step), plus its wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with torch_profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - start
+    events = ((e.activity_type(), e.name(), e.start_ns(), e.end_ns())
+              for e in prof.profiler.kineto_results.events())
+    return dict(device_activity(events), profiled_wall_s=wall)
+
+
+# --------------------------------------------------------------------------- 3. throughput
+@dataclass
+class Candidate:
+    """One model measured over batch sizes."""
+
+    name: str
+    family: str                        # "gpn+m" / "gpn" / "transformer++"
+    params: int
+    vocab_size: int
+    build: Callable[[], nn.Module]     # a fresh model (on the CPU)
+    flops_per_token: float             # training FLOPs per token at the run's seq_len
+    profile_seq_len: int               # window of the profiled step
+
+
+def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
+    def build() -> nn.Module:
+        return GPN(cfg)
+
+    return Candidate(cfg.name or "gpn", cfg.family, count_parameters(cfg), cfg.vocab_size, build,
+                     flops_per_token(cfg, seq_len), min(seq_len, PROFILE_SEQ_LEN))
+
+
+def transformer_candidate(like: GPNConfig, seq_len: int) -> Candidate:
+    tcfg = matching_config(like.vocab_size, like.d_emb, count_parameters(like), seq_len)
+    name = f"transformer++ L{tcfg.n_layers} d{tcfg.d_model} f{tcfg.d_ffn}"
+    # Attention makes its cost per token depend on T: profiled on the full window.
+    return Candidate(name, "transformer++", tcfg.num_parameters(), tcfg.vocab_size,
+                     lambda: TransformerPP(tcfg),
+                     tcfg.flops_per_token(seq_len), seq_len)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.loss
 
 
 def _sync(device: torch.device) -> None:
@@ -73,20 +261,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_throughput(cfg: GPNConfig, batch: int, seq_len: int, device: torch.device,
-                       steps: int, warmup: int, bf16: bool) -> dict:
+def measure(cand: Candidate, batch: int, seq_len: int, device: torch.device, steps: int,
+            warmup: int, bf16: bool) -> dict:
     torch.manual_seed(0)
-    model = GPN(cfg).to(device)
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
-    if device.type == "cuda":
+    model = cand.build().to(device)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    tokens = torch.randint(0, cand.vocab_size, (batch, seq_len), device=device)
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step() -> None:
+    def step(x: torch.Tensor = tokens) -> None:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(tokens).loss
+            loss = _loss(model, x)
         loss.backward()
         opt.step()
 
@@ -99,99 +287,246 @@ def measure_throughput(cfg: GPNConfig, batch: int, seq_len: int, device: torch.d
     _sync(device)
     seconds = (time.perf_counter() - start) / steps
     tokens_per_s = batch * seq_len / seconds
-    peak = peak_flops(device)
-    return dict(batch=batch, seq_len=seq_len, step_s=seconds, tokens_per_s=tokens_per_s,
-                mfu=flops_per_token(cfg) * tokens_per_s / peak if peak else None,
-                peak_memory_gb=(torch.cuda.max_memory_allocated(device) / 2**30
-                                if device.type == "cuda" else None))
+    peak = device_peak_flops(device)
+    row = dict(model=cand.name, family=cand.family, batch=batch, seq_len=seq_len,
+               step_s=seconds, tokens_per_s=tokens_per_s,
+               mfu=cand.flops_per_token * tokens_per_s / peak if peak else None,
+               peak_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+               peak_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None)
+    # One profiled step (after one unprofiled step at that window: a first step at a new
+    # shape may compile or capture graphs).
+    short = tokens[:, :cand.profile_seq_len]
+    if cand.profile_seq_len != seq_len:
+        step(short)
+    prof = profile(lambda: step(short), device)
+    T = cand.profile_seq_len
+    # Busy fraction of the timed (unprofiled) step: device time of the profiled window
+    # scaled to the full window (per-step work dominates the GPN; T++ is profiled in full).
+    busy = prof["device_busy_s"] * seq_len / T
+    row.update(profiled_seq_len=T, kernels_per_step=prof["kernels"],
+               kernels_per_time_step=prof["kernels"] / T,
+               launch_calls_per_time_step=prof["launch_calls"] / T,
+               graph_launches_per_step=prof["graph_launches"], copies_per_step=prof["copies"],
+               gpu_busy_fraction=min(1.0, busy / seconds) if cuda else None)
+    return row
 
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def sweep_batches(cfg: GPNConfig, batches: list[int], seq_len: int, device: torch.device,
-                  steps: int, warmup: int, bf16: bool, max_seconds: float) -> list[dict]:
-    """Every batch size in turn until one does not fit (or the time budget is spent)."""
-    rows: list[dict] = []
-    start = time.perf_counter()
-    for batch in sorted(batches):
-        if time.perf_counter() - start > max_seconds:
-            rows.append(dict(batch=batch, skipped="time budget spent"))
-            break
+def batch_sizes(batches: str, min_batch: int, max_batch: int) -> Iterator[int]:
+    """An explicit comma list in increasing order, or "auto": doubling from min_batch (up
+    to max_batch, a guard for devices that never report out of memory, like a CPU)."""
+    if batches != "auto":
+        yield from sorted(int(b) for b in batches.split(","))
+        return
+    batch = min_batch
+    while batch <= max_batch:
+        yield batch
+        batch *= 2
+
+
+def sweep(cand: Candidate, sizes: Iterable[int], seq_len: int, device: torch.device,
+          steps: int, warmup: int, bf16: bool, deadline: float,
+          record: Callable[[dict], None]) -> None:
+    """Every batch size in turn until one does not fit or the next would overrun `deadline`.
+    The next batch's predicted cost is twice the previous one's steady steps (warmup, timed
+    and two profiled), not its wall time, which may hold a one-time compile or capture.
+    Each row goes to `record` at once."""
+    predicted = 0.0
+    for batch in sizes:
+        now = _clock()
+        if now >= deadline or now + predicted > deadline:
+            record(dict(model=cand.name, family=cand.family, batch=batch,
+                        skipped="time budget (--max-seconds)"))
+            return
+        oom = False
         try:
-            rows.append(measure_throughput(cfg, batch, seq_len, device, steps, warmup, bf16))
-        except Exception as exc:   # OOM ends the search; anything else is a real failure
+            row = measure(cand, batch, seq_len, device, steps, warmup, bf16)
+        except Exception as exc:   # out of memory ends the search; anything else is a failure
             if not _is_oom(exc):
                 raise
-            rows.append(dict(batch=batch, oom=True))
-            break
+            oom = True
         finally:
+            gc.collect()           # the failed step's tensors, then the allocator's cache
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print(f"  batch {batch}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
-    return rows
+        if oom:
+            record(dict(model=cand.name, family=cand.family, batch=batch, oom=True))
+            return
+        predicted = 2 * row["step_s"] * (warmup + steps + 2)
+        record(row)
+        print(f"  {cand.name} batch {batch}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
 
 
-def _markdown(meta: dict, checks: list[dict], runs: list[dict]) -> str:
-    lines = [f"# Device check: {meta['device_name']}", "",
-             f"torch {meta['torch']}, {meta['config']} ({meta['params']:,} parameters), "
-             f"T={meta['seq_len']}, {'bf16 autocast' if meta['bf16'] else 'fp32'}, "
-             f"step kernels: {meta['step_form']}", "",
+def best_rows(runs: list[dict]) -> dict[str, dict]:
+    best: dict[str, dict] = {}
+    for r in runs:
+        if "tokens_per_s" in r and r["tokens_per_s"] > best.get(r["model"], {}).get(
+                "tokens_per_s", 0):
+            best[r["model"]] = r
+    return best
+
+
+def ratios(runs: list[dict], candidates: list[Candidate]) -> dict[str, Any]:
+    """GPN / Transformer++ tokens/s, each at its best batch."""
+    best = best_rows(runs)
+    tpp = next((c.name for c in candidates if c.family == "transformer++"), None)
+    if tpp not in best:
+        return {}
+    out = {}
+    for c in candidates:
+        if c.family != "transformer++" and c.name in best:
+            g, t = best[c.name], best[tpp]
+            out[c.name] = dict(ratio=g["tokens_per_s"] / t["tokens_per_s"], batch=g["batch"],
+                               tokens_per_s=g["tokens_per_s"], transformer_batch=t["batch"],
+                               transformer_tokens_per_s=t["tokens_per_s"])
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(blob: dict) -> str:
+    meta = blob["meta"]
+    setup = (f"torch {meta['torch']} (CUDA {meta['torch_cuda']}), driver {meta['driver']}; "
+             f"T={meta['seq_len']}, {'bf16 autocast' if meta['bf16'] else 'fp32'}; "
+             f"step kernels: {meta['step_form']}; {meta.get('elapsed_s', 0)} s of "
+             f"{meta['max_seconds']:g} s")
+    lines = [f"# Device check: {meta['device_name']}", "", setup, "",
              "| check | result | ok |", "|---|---|---|"]
-    for c in checks:
+    for c in blob["checks"]:
         detail = {k: v for k, v in c.items() if k not in ("check", "ok")}
         lines.append(f"| {c['check']} | {detail} | {'yes' if c['ok'] else '**NO**'} |")
-    lines += ["", "| batch | tokens/s | MFU | peak memory GB | step s |", "|---|---|---|---|---|"]
-    for r in runs:
+    header = ("| model | params | batch | tokens/s | MFU | peak alloc GB | peak reserved GB "
+              "| GPU busy | kernels / time step | launch calls / time step | step s |")
+    lines += ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    params = meta.get("params", {})
+    for r in blob["runs"]:
+        head = f"| {r['model']} | {params.get(r['model'], 0):,} | {r['batch']} |"
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['batch']} | {'out of memory' if r.get('oom') else r.get('skipped')}"
-                         " | | | |")
+            lines.append(head + f" {'out of memory' if r.get('oom') else r.get('skipped')}"
+                         " | | | | | | | |")
             continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        lines.append(f"| {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
+        lines.append(head + f" {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} | "
+                     f"{_fmt(r['peak_allocated_gb'], '.1f')} | {_fmt(r['peak_reserved_gb'], '.1f')}"
+                     f" | {_fmt(r['gpu_busy_fraction'], '.0%')} | "
+                     f"{r['kernels_per_time_step']:.1f} | {r['launch_calls_per_time_step']:.1f} | "
                      f"{r['step_s']:.3f} |")
+    ratio = blob["summary"].get("ratio_to_transformer_pp", {})
+    if ratio:
+        lines += ["", "GPN / Transformer++ tokens/s, each at its best batch:"]
+        for name, x in ratio.items():
+            lines.append(f"- {name}: **{x['ratio']:.2f}x** ({x['tokens_per_s']:,.0f} at B="
+                         f"{x['batch']} vs {x['transformer_tokens_per_s']:,.0f} at B="
+                         f"{x['transformer_batch']})")
     return "\n".join(lines) + "\n"
+
+
+def _step_form(device: torch.device) -> str:
+    try:
+        from gpn_scale.ops.step_kernels import kernels_for
+    except ImportError:      # the step-backend seam may have moved it; record the option
+        return (f"step_backend={GPNConfig.__dataclass_fields__['step_backend'].default}"
+                if "step_backend" in GPNConfig.field_names() else "unknown")
+    return "fused CPU kernels" if kernels_for(device) is not None else "PyTorch ops"
+
+
+def load_config(name: str) -> GPNConfig:
+    """load_model_config, or PyYAML where OmegaConf is not installed (the GPU image)."""
+    from gpn_scale.model import load_model_config
+
+    try:
+        import omegaconf  # noqa: F401
+    except ImportError:
+        import yaml  # type: ignore[import-untyped]
+
+        from gpn_scale.model.config import resolve_model_config_path
+
+        path = resolve_model_config_path(name)
+        raw = yaml.safe_load(path.read_text())
+        raw = raw.get("model", raw)
+        raw.setdefault("name", path.stem)
+        return GPNConfig.from_dict(raw)
+    return load_model_config(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for results.json / results.md")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--config", default="gpn_m_130m", help="model config name or path")
+    parser.add_argument("--config", default="gpn_m_130m,gpn_m_130m_2l",
+                        help="comma-separated model configs (names or paths); the "
+                             "Transformer++ matches the first one's parameter count")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batches", default="8,16,24,32,48,64,96,128",
-                        help="comma-separated batch sizes, tried in increasing order")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
+    parser.add_argument("--batches", default="auto",
+                        help="'auto' (doubling from --min-batch up to the first that does not "
+                             "fit) or a comma-separated list")
+    parser.add_argument("--min-batch", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
-    parser.add_argument("--max-seconds", type=float, default=300.0,
-                        help="stop trying larger batches after this long")
+    parser.add_argument("--no-transformer", action="store_true",
+                        help="skip the Transformer++ baseline")
+    parser.add_argument("--max-seconds", type=float, default=450.0,
+                        help="time budget for the whole check (default fits 8 min on an H200)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace results already in --out")
     args = parser.parse_args(argv)
+    t0 = _clock()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        problem = cuda_problem()
+        if problem:
+            print(f"device check: CUDA is not usable on --device {args.device} ({problem}); "
+                  f"torch {torch.__version__} built for CUDA {torch.version.cuda}, driver "
+                  f"{driver_version()}; nothing measured (--device cpu runs the smoke mode)",
+                  file=sys.stderr, flush=True)
+            return EXIT_NO_CUDA
     out = Path(args.out)
+    if (out / "results.json").exists() and not args.overwrite:
+        print(f"device check: {out / 'results.json'} exists; pick another --out or pass "
+              "--overwrite", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_model_config(args.config)
-    meta = dict(torch=torch.__version__, device=str(device),
+    configs = [load_config(name) for name in args.config.split(",")]
+    candidates = [gpn_candidate(cfg, args.seq_len) for cfg in configs]
+    if not args.no_transformer:
+        candidates.append(transformer_candidate(configs[0], args.seq_len))
+    meta = dict(torch=torch.__version__, torch_cuda=torch.version.cuda,
+                driver=driver_version() if device.type == "cuda" else "-", device=str(device),
                 device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
                              else "CPU"),
-                config=args.config, params=count_parameters(cfg), seq_len=args.seq_len,
-                bf16=not args.fp32,
-                step_form=("fused CPU kernels" if kernels_for(device) is not None
-                           else "PyTorch ops"))
-    print(f"device check on {meta['device_name']} ({meta['torch']})", flush=True)
-    checks = check_exactness(device)
-    for c in checks:
-        print(f"  {c['check']}: {'ok' if c['ok'] else 'FAILED'} {c}", flush=True)
-    runs = sweep_batches(cfg, [int(b) for b in args.batches.split(",")], args.seq_len, device,
-                         args.steps, args.warmup, not args.fp32, args.max_seconds)
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, checks=checks, runs=runs),
-                                                 indent=2))
-    report = _markdown(meta, checks, runs)
-    (out / "results.md").write_text(report)
+                seq_len=args.seq_len, bf16=not args.fp32, step_form=_step_form(device),
+                max_seconds=args.max_seconds, params={c.name: c.params for c in candidates},
+                _t0=t0)
+    results = Results(out, meta)
+    results.save()
+    print(f"device check on {meta['device_name']} (torch {meta['torch']})", flush=True)
+    for row in check_exactness(device):
+        results.checks.append(row)
+        results.save()
+        print(f"  {row['check']}: {'ok' if row['ok'] else 'FAILED'} {row}", flush=True)
+
+    def record(row: dict) -> None:
+        results.runs.append(row)
+        results.summary["ratio_to_transformer_pp"] = ratios(results.runs, candidates)
+        results.save()
+
+    deadline = t0 + args.max_seconds
+    for i, cand in enumerate(candidates):
+        now = _clock()
+        share = now + (deadline - now) / (len(candidates) - i)
+        sweep(cand, batch_sizes(args.batches, args.min_batch, args.max_batch), args.seq_len, device,
+              args.steps, args.warmup, not args.fp32, share, record)
+    results.save()
+    report = markdown(json.loads((out / "results.json").read_text()))
     print(report)
-    return 0 if all(c["ok"] for c in checks) else 1
+    return 0 if all(c["ok"] for c in results.checks) else 1
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 numpy's state tuple holds an ndarray (not on the weights_only allow-list), so it is stored as a
 tensor plus plain python values.
+
+CUDA: only the current device's generator is saved (one process drives one GPU). Saving
+every visible GPU's (get_rng_state_all) made a resume with fewer visible GPUs per process
+fail with IndexError; checkpoints written that way (a list) are still read.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -43,4 +47,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda, device = state["cuda"], torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible GPU's state
+            cuda = cuda[device] if device < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, device)

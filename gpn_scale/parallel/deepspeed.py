@@ -4,7 +4,11 @@ What maps where:
   train.global_batch_size / micro batch / accumulation -> train_batch_size,
       train_micro_batch_size_per_gpu, gradient_accumulation_steps
   optim.grad_clip     -> gradient_clipping (DeepSpeed clips on the global norm)
-  precision bf16      -> bf16.enabled (fp32 master weights in the ZeRO optimizer)
+  precision bf16      -> torch_autocast (bf16 matmuls), NOT bf16.enabled: DeepSpeed's bf16
+      mode casts every parameter to bf16 (A_log, dt_bias, the norms and biases too),
+      accumulates gradients in bf16 and switches off the loop's autocast inside its forward. With torch_autocast the parameters, gradients (grad_accum_dtype fp32) and
+      their reduction stay fp32 (no module is "lower-precision safe", so no bf16 comm), which
+      is the FSDP2 backend's recipe: both backends train the same model.
   parallel.zero_stage -> zero_optimization.stage
 The optimizer is OUR AdamW (same parameter groups, `optim.build_adamw`), handed to
 DeepSpeed as a client optimizer, and the learning rate is set on its param groups by the
@@ -56,8 +60,11 @@ def ds_config(*, global_batch: int, micro_batch: int, accum: int, grad_clip: flo
         "gradient_accumulation_steps": accum,
         "gradient_clipping": float(grad_clip) if grad_clip > 0 else 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": bool(bf16)},
+        "bf16": {"enabled": False},   # see the module docstring: bf16 is torch_autocast here
         "fp16": {"enabled": False},
+        "torch_autocast": {"enabled": bool(bf16), "dtype": "bfloat16",
+                           "lower_precision_safe_modules": []},
+        "data_types": {"grad_accum_dtype": "fp32"},
         # Our AdamW (torch) as the client optimizer: DeepSpeed calls it "untested" for ZeRO.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,

@@ -97,14 +97,17 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
-                  init_pg: bool = True, timeout_s: float = 600.0) -> Topology:
+                  init_pg: bool = True, timeout_s: float = 600.0,
+                  group_for_one: bool = False) -> Topology:
     """Start the default process group (if several processes) and the device mesh.
 
     `init_pg=False` lets DeepSpeed start the group itself (deepspeed.init_distributed), after
-    which the mesh is built over the same group.
+    which the mesh is built over the same group. `group_for_one=True` builds a 1-rank group
+    and mesh for a single process (FSDP2 / DeepSpeed cannot run without one); the
+    collectives of the Topology stay no-ops there (world size 1).
     """
     device = pick_device(device_request, dist_env.local_rank)
-    if not dist_env.distributed:
+    if not dist_env.distributed and not group_for_one:
         return Topology(env=dist_env, device=device, backend=None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     export_for_torch(dist_env)

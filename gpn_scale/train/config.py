@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
 
@@ -59,7 +59,9 @@ class TrainSection:
     micro_batch_size: int | None = None  # per rank per forward; None = global / world (no accumulation)
     device: str = "auto"               # auto | cpu | cuda
     precision: str = "auto"            # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    deterministic: bool = True         # torch.use_deterministic_algorithms (CPU exact resume)
+    # torch.use_deterministic_algorithms: auto = on on CPU (exact resume, the tests), off on
+    # GPU (it fills every torch.empty with NaN and picks slower kernels); true/false force it.
+    deterministic: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     num_threads: int | None = None  # torch.set_num_threads on CPU (None = leave as is)
     tbptt: int | None = None        # overrides the model's truncated-BPTT length when set
     stateful_windows: bool = False     # carry the (detached) state from one batch to the next
@@ -267,6 +269,9 @@ def validate(cfg: TrainConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}"
                               f"{closest_key_hint(str(value), allowed)}")
+    if cfg.train.deterministic not in (True, False, "auto"):
+        raise ConfigError(f"train.deterministic: expected auto, true or false, got "
+                          f"{cfg.train.deterministic!r}")
     positive = {"data.seq_len": cfg.data.seq_len, "train.global_batch_size": cfg.train.global_batch_size,
                 "schedule.total_steps": cfg.schedule.total_steps, "train.log_every": cfg.train.log_every,
                 "eval.batches": cfg.eval.batches, "checkpoint.keep_last": cfg.checkpoint.keep_last,

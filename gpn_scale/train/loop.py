@@ -37,6 +37,7 @@ from gpn_scale.parallel.topology import Topology, init_topology
 from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
 from gpn_scale.train.env import detect
+from gpn_scale.train.hardware import device_peak_flops as peak_flops  # MFU's denominator
 from gpn_scale.train.signals import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
@@ -44,27 +45,12 @@ from gpn_scale.train.signals import (
     request_slurm_requeue,
 )
 
-# Peak dense bf16 FLOP/s per device for MFU (vendor figures, no sparsity).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-              "L4": 121e12}
-
-
 # Written to the checkpoint root when a run finishes; sweeps skip runs that have it.
 DONE_MARKER = "DONE"
 
 
 class TrainingError(RuntimeError):
     """The run cannot continue; the message is one line and says what to do."""
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None  # no meaningful peak for a shared CPU: MFU is reported as null
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None
 
 
 def training_flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
@@ -76,15 +62,23 @@ def training_flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
     return float(flops_per_token(model_cfg, seq_len))
 
 
-def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+def resolve_deterministic(value: bool | str, device: torch.device) -> bool:
+    """train.deterministic: "auto" = on CPU only (see TrainSection), true/false as given."""
+    return device.type == "cpu" if value == "auto" else bool(value)
+
+
+def set_determinism(cfg: TrainConfig, device: torch.device) -> bool:
+    """Threads and deterministic algorithms; returns whether the latter are on."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    if cfg.train.deterministic:
+    deterministic = resolve_deterministic(cfg.train.deterministic, device)
+    if deterministic:
         # warn_only: a few CUDA kernels have no deterministic variant; on CPU all of ours do.
         torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
+    return deterministic
 
 
 def seed_everything(seed: int) -> None:
@@ -285,19 +279,29 @@ class Trainer:
             raise ConfigError("parallel.backend: none cannot run on several processes; use "
                               "fsdp2 or deepspeed")
         self.backend_name = backend
-        if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
+        if backend in ("fsdp2", "deepspeed") and not env.distributed \
+                and "MASTER_PORT" not in os.environ:
             import dataclasses
 
+            from gpn_scale.parallel.topology import free_port
+
+            env = dataclasses.replace(env, master_port=free_port())  # a 1-rank group's rendezvous
+        # fully_shard needs a process group (without one it dies asking for RANK): one process
+        # runs FSDP2 as a 1-rank group, so its checkpoints are those of any other world size.
+        fsdp2_alone = backend == "fsdp2" and not env.distributed
+        if fsdp2_alone:
+            print("parallel.backend=fsdp2 in one process: running FSDP2 as a 1-rank group "
+                  "(launch with torchrun for data parallelism)", file=sys.stderr, flush=True)
+        if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
             from gpn_scale.parallel import deepspeed as ds
-            from gpn_scale.parallel.topology import free_port, pick_device
+            from gpn_scale.parallel.topology import pick_device
             from gpn_scale.train.env import export_for_torch
 
-            if not env.distributed and "MASTER_PORT" not in os.environ:
-                env = dataclasses.replace(env, master_port=free_port())
             export_for_torch(env)
             device = pick_device(cfg.train.device, env.local_rank)
             ds.init_distributed("nccl" if device.type == "cuda" else "gloo")
-        self.topo = init_topology(env, cfg.train.device, tp=cfg.parallel.tp)
+        self.topo = init_topology(env, cfg.train.device, tp=cfg.parallel.tp,
+                                  group_for_one=fsdp2_alone)
 
     def _model_config(self):
         from gpn_scale.model import load_model_config
@@ -398,7 +402,12 @@ class Trainer:
         device = topo.device
         precision = cfg.train.precision
         self.bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-        set_determinism(cfg, device)
+        deterministic = set_determinism(cfg, device)
+        if cfg.train.deterministic == "auto":
+            self.log("train.deterministic=auto: deterministic algorithms "
+                     + ("on (CPU: exact resume)" if deterministic else
+                        f"off on {device.type} (faster kernels, no NaN-filled torch.empty; "
+                        "train.deterministic=true forces them on)"))
         micro, accum = batch_layout(cfg, topo.dp_size)
         model_cfg = self._model_config()
         seq_len = cfg.data.seq_len

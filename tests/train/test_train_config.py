@@ -41,6 +41,7 @@ def test_sweep_keys_are_in_the_schema():
     ("parallel.backend=fsdp", "did you mean 'fsdp2'?"),
     ("train.precision=fp16", "train.precision: expected one of auto, fp32, bf16"),
     ("schedule.warmup_steps=100", "schedule.warmup_steps: must be in [0, schedule.total_steps=8]"),
+    ("train.deterministic=sometimes", "train.deterministic: expected auto, true or false"),
 ])
 def test_bad_keys_and_values_fail_in_one_line(override, expected):
     with pytest.raises(ConfigError) as err:
@@ -135,3 +136,23 @@ def test_train_config_positional_is_optional_for_override_only_runs():
     assert _config_and_overrides(named) == ("ci_tiny", ["seed=3"])
     cfg = load_train_config(*_config_and_overrides(only))
     assert cfg.model == "tiny" and cfg.seed == 3
+
+
+@pytest.mark.parametrize("value, cpu, cuda", [("auto", True, False), (True, True, True),
+                                              (False, False, False)])
+def test_deterministic_auto_is_on_for_cpu_off_for_cuda(value, cpu, cuda, monkeypatch):
+    """The default: deterministic on CPU (exact resume), not on GPU (NaN-filled torch.empty,
+    slow kernels); explicit true/false honoured. No GPU needed: nothing touches the device."""
+    from gpn_scale.train import loop
+
+    assert load_train_config(None).train.deterministic == "auto"
+    cfg = load_train_config(None, [f"train.deterministic={str(value).lower()}"])
+    assert cfg.train.deterministic == value
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms",
+                        lambda on, warn_only=False: calls.append(on))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert loop.set_determinism(cfg, torch.device("cpu")) is cpu
+    assert loop.set_determinism(cfg, torch.device("cuda", 0)) is cuda
+    assert calls == [True] * (cpu + cuda)
