@@ -684,7 +684,8 @@ class Trainer:
                                     "params": n_params})
             sink = WandbSink(project=wb.project, group=wb.group, job_type=wb.job_type,
                              name=self.cfg.run_name, config=config, mode=wb.mode,
-                             dir=wb.dir or str(run_dir), resume_id=wandb_id)
+                             dir=wb.dir or str(run_dir), resume_id=wandb_id,
+                             init_timeout=wb.init_timeout, log=self.log)
             self._wandb_id = sink.run_id
             self._sinks.append(sink)
 
