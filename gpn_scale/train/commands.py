@@ -98,6 +98,19 @@ def _fail(err: BaseException) -> int:
     return 2
 
 
+# The checkpoint and trainer messages are written for `train`; `eval` names its own flags.
+_EVAL_HINTS = (("use --resume auto", "use --checkpoint auto"), ("--resume", "--checkpoint"),
+               ("or a fresh checkpoint.root", "or another --checkpoint"),
+               ("cannot resume from", "cannot evaluate"))
+
+
+def _for_eval(err: BaseException) -> str:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    for train_words, eval_words in _EVAL_HINTS:
+        msg = msg.replace(train_words, eval_words)
+    return msg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.config import load_train_config
 
@@ -139,7 +152,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         result = Trainer(cfg, resume=args.checkpoint, eval_only=True).run().final_eval
     except errors as err:
-        return _fail(err)
+        return _fail(_for_eval(err))
     print(f"eval: loss {result['eval/loss']:.4f}, ppl "
           f"{result['eval/ppl']:.2f} over {result['eval/tokens']:,} tokens")
     return 0
