@@ -262,9 +262,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     paths = write_outputs(args.out, fits, notes, collection, settings)
     for f in fits:
         ci = f.ci
-        vals = ", ".join(f"{k}={v:.4g} [{ci[k][0]:.4g}, {ci[k][1]:.4g}]"
+        vals = ", ".join(f"{k}={v:.4g}" + ("" if f.interpolates else
+                                           f" [{ci[k][0]:.4g}, {ci[k][1]:.4g}]")
                          for k, v in f.params.items())
-        print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points): {vals}")
+        how = " = parameters: interpolates, no interval" if f.interpolates else ""
+        print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points{how}): {vals}")
     for n in notes:
         print(f"note: {n}")
     if missing:
