@@ -47,9 +47,10 @@ def sweep_path(tmp_path):
     return path
 
 
-def finish_runs(sweep_path, noise=0.003, skip=()):
-    """Write what finished training runs leave: DONE in the checkpoint root, metrics.jsonl and
-    config.yaml in the run dir; losses follow LAW with seed noise."""
+def finish_runs(sweep_path, noise=0.003, skip=(), default_layout=False):
+    """Write what finished training runs leave: DONE in the checkpoint root (with
+    default_layout, where the trainer puts it without checkpoint.root: <run_dir>/checkpoints),
+    metrics.jsonl and config.yaml in the run dir; losses follow LAW with seed noise."""
     rng = np.random.default_rng(0)
     runs = load_sweep(sweep_path).runs
     for r in runs:
@@ -64,7 +65,8 @@ def finish_runs(sweep_path, noise=0.003, skip=()):
         (run_dir / "config.yaml").write_text(f"model: {r.model}\nseed: {r.seed}\n")
         if r.name in skip:
             continue
-        ck = __import__("pathlib").Path(r.checkpoint_root)
+        ck = run_dir / "checkpoints" if default_layout else \
+            __import__("pathlib").Path(r.checkpoint_root)
         ck.mkdir(parents=True, exist_ok=True)
         (ck / "DONE").write_text(json.dumps({
             "step": r.total_steps, "tokens": r.tokens, "final_eval_loss": loss, "params": r.params,
@@ -255,3 +257,14 @@ def test_collect_wandb_reads_finished_runs_from_the_api():
     (a,) = col.usable
     assert (a.family, a.seed, a.loss, a.N) == ("gpn+m", 1, 3.2, 1e6)
     assert col.missing[0].detail == "W&B state running"
+
+
+def test_fit_runs_reads_done_where_the_trainer_puts_it(sweep_path, tmp_path):
+    """`fit RUNS...` on run dirs of the trainer's default layout (<run_dir>/checkpoints/DONE):
+    the runs are finished, not 'unfinished: no DONE marker'; a run dir given alone too."""
+    runs = finish_runs(sweep_path, default_layout=True)
+    col = C.collect_roots([str(tmp_path / "runs")])
+    assert len(col.records) == 12 and not col.missing, [r.detail for r in col.missing]
+    assert all(r.status == "done" for r in col.records)
+    one = C.collect_roots([runs[0].run_dir])
+    assert [(r.name, r.status) for r in one.records] == [(runs[0].name, "done")]
