@@ -183,3 +183,28 @@ def test_plan_command_errors_are_one_line(sweep_dir, capsys):
     assert err.startswith("gpn-scale: error: seeds: 1 seed(s)") and "\n" not in err
     assert main(["sweep", "plan", str(path), "--allow-few-seeds"]) == 0
     assert "NOTE: only 1 seed(s)" in capsys.readouterr().out
+
+
+def test_relative_paths_are_taken_from_the_sweep_file_and_planned_absolute(sweep_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """Relative local paths mean 'beside the sweep file', wherever `plan`, `sweep.sh` or a job
+    runs from; `sweep plan` prints them absolute."""
+    from gpn_scale.cli import main
+
+    path = write_sweep(sweep_dir, **{"remote: s3://bucket/mds": "remote: data/mds",
+                                     "checkpoint_root: s3://bucket/ckpt/t":
+                                     "checkpoint_root: out/ckpt\nrun_root: out/runs"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = load_sweep(path).runs[0]
+    assert r.data_remote == str(sweep_dir / "data" / "mds")
+    assert r.checkpoint_root == str(sweep_dir / "out" / "ckpt" / r.name)
+    assert r.run_dir == str(sweep_dir / "out" / "runs" / r.name)
+    assert f"data.remote={sweep_dir / 'data' / 'mds'}" in r.train_overrides()
+    assert main(["sweep", "plan", "../sweep.yaml"]) == 0   # given relative to the cwd
+    out = capsys.readouterr().out
+    assert f"sweep t ({path})" in out
+    assert f"data {sweep_dir / 'data' / 'mds'} " in out
+    assert f"checkpoints {sweep_dir / 'out' / 'ckpt'}/<run>" in out
+    assert f"run dirs {sweep_dir / 'out' / 'runs'}/<run>" in out
