@@ -58,6 +58,10 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
                         "schema's defaults, e.g. for sweep runs given entirely as overrides)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
     p.add_argument("--resume", default="none", help=RESUME_HELP)
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve and check the config, model, data and checkpoint locations "
+                        "(read-only), print the resolved config and what the run would use; "
+                        "train nothing, write nothing")
     p.set_defaults(func=cmd_train)
 
     d = subparsers.add_parser(
@@ -119,6 +123,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     errors = _errors()
     try:
         cfg = load_train_config(*_config_and_overrides(args))
+        if args.dry_run:
+            from gpn_scale.train.preflight import dry_run
+
+            print(dry_run(cfg, args.resume))
+            return 0
         result = Trainer(cfg, resume=args.resume).run()
     except errors as err:
         return _fail(err)

@@ -40,17 +40,24 @@ def model_config(cfg: TrainConfig) -> Any:
 
 def check_run_dir(run_dir: str) -> None:
     """One line naming `run_dir` when it cannot be created or written (nothing is created)."""
-    path = Path(run_dir).absolute()
+    check_local_dir(run_dir, "run_dir")
+
+
+def check_local_dir(path_str: str, key: str) -> bool:
+    """One line naming `key` when the directory cannot be created or written; returns
+    whether it exists already. Nothing is created (the first existing ancestor decides)."""
+    path = Path(path_str).absolute()
     probe = path
-    while not probe.exists():  # the first ancestor that exists decides
+    while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"run_dir {run_dir}: {probe} is a file, not a directory; choose "
-                          "another run_dir")
+        raise ConfigError(f"{key} {path_str}: {probe} is a file, not a directory; choose "
+                          f"another {key}")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run_dir {run_dir}: {probe} is not writable; choose another run_dir")
+        raise ConfigError(f"{key} {path_str}: {probe} is not writable; choose another {key}")
+    return probe == path
 
 
 def check_data(cfg: TrainConfig, remote: str, vocab_size: int, micro_batch: int,
@@ -84,3 +91,74 @@ def check_data(cfg: TrainConfig, remote: str, vocab_size: int, micro_batch: int,
                             f"fewer than one batch needs ({need}); lower {key} or build "
                             "more data")
     return meta
+
+
+def dry_run(cfg: TrainConfig, resume: str) -> str:
+    """`gpn-scale train --dry-run`: everything a start would check, read-only, as a report
+    (the resolved config, then what the run would use). Trains nothing, writes nothing:
+    local locations are checked for writability without being created, an S3 checkpoint
+    root is listed (credentials, bucket) but not written to."""
+    import copy
+
+    from gpn_scale.checkpoint import CheckpointManager
+    from gpn_scale.model import counts
+    from gpn_scale.train.config import DEFAULT_CORPUS, batch_layout, to_yaml
+    from gpn_scale.train.env import detect
+
+    model_cfg = model_config(cfg)
+    world = detect().world_size
+    micro, accum = batch_layout(cfg, world)
+    run_dir, ckpt_root = cfg.resolved_run_dir, cfg.resolved_checkpoint_root
+    run_dir_exists = check_local_dir(run_dir, "run_dir")
+    lines = []
+    if "://" in ckpt_root:
+        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
+        found = len(mgr.storage.list_dirs())  # credentials and bucket, read-only
+        where = f"{ckpt_root} (listed: {found} entries; write access not probed)"
+    else:
+        exists = check_local_dir(ckpt_root, "checkpoint.root")
+        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
+        where = f"{ckpt_root}{'' if exists else ' (would be created)'}"
+    resume_uri = mgr.resolve_resume(resume) if resume != "none" else None
+    if resume_uri:  # the shape check a start makes before loading
+        from gpn_scale.train.loop import check_model_compatible
+
+        check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg,
+                               resume_uri)
+    if cfg.data.remote == DEFAULT_CORPUS:
+        built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
+        if (built / "gpn_dataset.json").is_file():
+            meta = check_data(cfg, str(built), model_cfg.vocab_size, micro, world)
+            data = _data_line(str(built), meta)
+        else:
+            data = f"the embedded default corpus, built on first use under {built}"
+    else:
+        data = _data_line(cfg.data.remote, check_data(cfg, cfg.data.remote,
+                                                     model_cfg.vocab_size, micro, world))
+
+    resolved = copy.deepcopy(cfg)
+    resolved.run_dir, resolved.checkpoint.root = run_dir, ckpt_root
+    tokens = cfg.schedule.total_steps * cfg.train.global_batch_size * cfg.data.seq_len
+    lines += [
+        f"model: {model_cfg.name or cfg.model} ({model_cfg.family}), "
+        f"{counts.count_parameters(model_cfg):,} parameters",
+        f"data: {data}",
+        f"batch: {cfg.train.global_batch_size} sequences = micro {micro} x accum {accum} x "
+        f"world {world}; {cfg.schedule.total_steps} steps, {tokens:,} tokens",
+        f"run_dir: {run_dir}{'' if run_dir_exists else ' (would be created)'}",
+        f"checkpoints: {where}",
+        "resume: " + (f"{resume} -> {resume_uri}" if resume_uri else
+                      f"{resume}: no complete checkpoint, would start fresh" if resume == "auto"
+                      else "none: would start fresh"),
+        f"W&B: {cfg.logging.wandb.mode}" + (" (not contacted by --dry-run)"
+                                            if cfg.logging.wandb.mode == "online" else ""),
+        "dry run: config, model, data and checkpoint locations are valid; nothing was "
+        "trained or written",
+    ]
+    return to_yaml(resolved).rstrip() + "\n---\n" + "\n".join(lines)
+
+
+def _data_line(remote: str, meta: Any) -> str:
+    return (f"{remote} (seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
+            + ", ".join(f"{name} {info.samples:,} windows" for name, info in
+                        sorted(meta.splits.items())) + ")")
