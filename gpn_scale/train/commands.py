@@ -80,6 +80,9 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("overrides", nargs="*", metavar="key=value")
     e.add_argument("--checkpoint", default="auto", help=RESUME_HELP.replace("start fresh", "untrained"))
     e.add_argument("--batches", type=int, default=None, help="override eval.batches")
+    e.add_argument("--json", action="store_true",
+                   help="print one JSON object (eval/loss, eval/ppl, eval/tokens, checkpoint, "
+                        "step, tokens) on stdout; log lines go to stderr")
     e.set_defaults(func=cmd_eval)
 
 
@@ -159,9 +162,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
             cfg.eval.batches = args.batches
         from gpn_scale.train.loop import Trainer
 
-        result = Trainer(cfg, resume=args.checkpoint, eval_only=True).run().final_eval
+        log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else None
+        run = Trainer(cfg, resume=args.checkpoint, log=log, eval_only=True).run()
+        result = run.final_eval
     except errors as err:
         return _fail(_for_eval(err))
+    if args.json:  # stdout holds the JSON alone, for scripts
+        import json
+
+        print(json.dumps({**result, "checkpoint": run.checkpoint, "step": run.step,
+                          "tokens": run.tokens}))
+        return 0
     print(f"eval: loss {result['eval/loss']:.4f}, ppl "
           f"{result['eval/ppl']:.2f} over {result['eval/tokens']:,} tokens")
     return 0
