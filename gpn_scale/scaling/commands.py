@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from gpn_scale.model.config import ConfigError
@@ -72,9 +73,13 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("-p", "--partition", default=os.environ.get("SWEEP_PARTITION"))
     submit.add_argument("-A", "--account", default=os.environ.get("SWEEP_ACCOUNT"))
     submit.add_argument("-q", "--qos", default=os.environ.get("SWEEP_QOS"))
-    submit.add_argument("-t", "--time-min", type=int,
-                        default=int(os.environ.get("SWEEP_TIME_MIN", 24 * 60)),
-                        help="time limit per job in minutes [1440]")
+    submit.add_argument("-t", "--time", "--time-min", dest="time_min", type=slurm_minutes,
+                        metavar="TIME",
+                        default=os.environ.get("SWEEP_TIME") or os.environ.get("SWEEP_TIME_MIN")
+                        or "1440",
+                        help="time limit per job, as for sbatch and slurm/sweep.sh -t: minutes "
+                             "(90) or [D-]HH:MM:SS (1-00:00:00, 24:00:00) [$SWEEP_TIME or "
+                             "$SWEEP_TIME_MIN, else 1440 = 24 h]")
     submit.add_argument("--nodes", type=int, default=int(os.environ.get("SWEEP_NODES", 1)))
     submit.add_argument("--gpus", type=int, default=int(os.environ.get("SWEEP_GPUS", 0)),
                         help="GPUs per node = tasks per node (0: CPU, one task) [0]")
@@ -95,6 +100,29 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--no-scheduler", action="store_true", help="do not ask squeue")
     status.set_defaults(func=cmd_sweep_status)
+
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def slurm_minutes(text: str) -> int:
+    """A time limit in sbatch's formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) as whole minutes
+    (seconds round up), so that `sweep submit -t` reads what `sweep.sh -t` passes to sbatch."""
+    m = _SLURM_TIME.match(str(text).strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not minutes or [D-]HH:MM:SS")
+    days, a, b, c = m.groups()
+    if days is not None:   # D-H[:M[:S]]
+        seconds = ((int(days) * 24 + int(a)) * 60 + int(b or 0)) * 60 + int(c or 0)
+    elif c is not None:    # H:M:S
+        seconds = (int(a) * 60 + int(b)) * 60 + int(c)
+    elif b is not None:    # M:S
+        seconds = int(a) * 60 + int(b)
+    else:                  # M
+        seconds = int(a) * 60
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the time limit must be > 0")
+    return -(-seconds // 60)
 
 
 def cmd_sweep_plan(args: argparse.Namespace) -> int:
