@@ -12,7 +12,7 @@ import argparse
 import sys
 
 RESUME_HELP = ("'auto' = newest complete checkpoint under checkpoint.root (local or S3), "
-               "'none' = start fresh, or a checkpoint URI")
+               "'none' = start fresh, or a checkpoint URI (default: %(default)s)")
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -56,7 +56,9 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help="training config name or YAML path (omit it to start from the "
                         "schema's defaults, e.g. for sweep runs given entirely as overrides)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotlist overrides of the config, e.g. optim.lr=1e-3 run_dir=runs/x "
+                        "(keys: docs/training.md)")
     p.add_argument("--resume", default="none", help=RESUME_HELP)
     p.add_argument("--dry-run", action="store_true",
                    help="resolve and check the config, model, data and checkpoint locations "
@@ -70,16 +72,23 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
                     "(a minute or two). Leaves a checkpoint, metrics.jsonl and loss_curve.png.")
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     d.add_argument("--steps", type=int, default=None, help="override schedule.total_steps")
-    d.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
+    d.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotlist overrides of configs/train/demo.yaml, e.g. train.device=cpu")
     d.set_defaults(func=cmd_demo)
 
     e = subparsers.add_parser(
         "eval", help="held-out loss / perplexity of a checkpoint",
-        description="Evaluate a checkpoint on the validation split (fixed windows).")
+        description="Evaluate a checkpoint on the validation split (fixed windows: the "
+                    "first eval.batches batches). Writes nothing. Exit codes: 0 done, 2 bad "
+                    "input (one line on stderr).")
     e.add_argument("config", help="the training config the checkpoint was trained with")
-    e.add_argument("overrides", nargs="*", metavar="key=value")
+    e.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="the same dotlist overrides as the training run (run_dir, "
+                        "checkpoint.root, data.remote, model_overrides, ...), plus eval.* "
+                        "(e.g. eval.batch_size=8)")
     e.add_argument("--checkpoint", default="auto", help=RESUME_HELP.replace("start fresh", "untrained"))
-    e.add_argument("--batches", type=int, default=None, help="override eval.batches")
+    e.add_argument("--batches", type=int, default=None,
+                   help="number of validation batches (default: eval.batches of the config)")
     e.add_argument("--json", action="store_true",
                    help="print one JSON object (eval/loss, eval/ppl, eval/tokens, checkpoint, "
                         "step, tokens) on stdout; log lines go to stderr")
