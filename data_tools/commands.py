@@ -29,7 +29,8 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
                    help="input format (default: from the file extension)")
     p.add_argument("--field", default="text",
                    help="JSONL field / Parquet column / HF column with the text (default: text)")
-    p.add_argument("--hf-split", default="train", help="split of a Hugging Face dataset")
+    p.add_argument("--hf-split", default="train",
+                   help="split of a Hugging Face dataset (default: train)")
     p.add_argument("--tokenizer", default="byte",
                    help="'byte' (built-in, vocab 257), a tokenizer.json or its directory, or "
                         "a Hugging Face Hub name (default: byte)")
@@ -43,7 +44,8 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
                    help="hold out exactly this many windows (overrides --val-fraction)")
     p.add_argument("--workers", type=int, default=1, help="tokeniser processes (default 1)")
     p.add_argument("--shard-size", default="64mb", help="raw bytes per shard (default 64mb)")
-    p.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    p.add_argument("--max-docs", type=int, default=None,
+                   help="stop after this many documents (default: all)")
     p.add_argument("--scratch-dir", default=None,
                    help="where the token scratch file goes (needs ~2 bytes/token)")
     p.add_argument("--overwrite", action="store_true",
@@ -56,7 +58,8 @@ def register(subparsers: Any) -> None:
     """Add the `data` command (with its sub-commands) to the `gpn-scale` CLI."""
     data = subparsers.add_parser(
         "data", help="build, inspect and verify MDS token datasets (local or s3://)",
-        description="Text -> tokens -> packed windows -> MDS shards (+ metadata, verify).")
+        description="Text -> tokens -> packed windows -> MDS shards (+ metadata, verify). "
+                    "Exit status: 0 done, 2 bad input or bad data (one line on stderr).")
     add_data_commands(data)
 
 
@@ -70,17 +73,26 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
                        description="Train a byte-level BPE tokenizer (Hugging Face `tokenizers`)"
                                    " on the inputs and save tokenizer.json for `build "
                                    "--tokenizer`.")
-    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text/JSONL/Parquet files or directories; hf:NAME[:CONFIG] for a "
+                        "Hugging Face dataset (as for `build`)")
     p.add_argument("--out", "-o", required=True,
                    help="tokenizer.json path (or a directory to put it in)")
-    p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--eod-token", default="<|endoftext|>")
-    p.add_argument("--min-frequency", type=int, default=2)
-    p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet", "hf"))
-    p.add_argument("--field", default="text")
-    p.add_argument("--hf-split", default="train")
-    p.add_argument("--max-docs", type=int, default=None)
-    p.add_argument("--quiet", "-q", action="store_true")
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="vocabulary size, special tokens included (required)")
+    p.add_argument("--eod-token", default="<|endoftext|>",
+                   help="end-of-document special token (default: <|endoftext|>)")
+    p.add_argument("--min-frequency", type=int, default=2,
+                   help="merges need a pair seen at least this often (default 2)")
+    p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet", "hf"),
+                   help="input format (default: from the file extension)")
+    p.add_argument("--field", default="text",
+                   help="JSONL field / Parquet column / HF column with the text (default: text)")
+    p.add_argument("--hf-split", default="train",
+                   help="split of a Hugging Face dataset (default: train)")
+    p.add_argument("--max-docs", type=int, default=None,
+                   help="train on the first this many documents (default: all)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_tokenizer)
 
     p = sub.add_parser("inspect", help="print a dataset's metadata",
@@ -94,8 +106,8 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
                        description="Download every shard, check size and hashes against the "
                                    "split's index.json and the sample counts against the "
                                    "metadata. Exit 0 when all is well, 2 otherwise.")
-    p.add_argument("root")
-    p.add_argument("--quiet", "-q", action="store_true")
+    p.add_argument("root", help="dataset root: directory or s3://bucket/prefix")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("default-corpus",
@@ -103,10 +115,13 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
                        description="Build the default dataset from documentation text shipped "
                                    "with Python (reference topics + stdlib docstrings), "
                                    "byte-level tokens. Reuses an identical existing build.")
-    p.add_argument("--out", "-o", required=True)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--out", "-o", required=True,
+                   help="dataset root to write: directory or s3://bucket/prefix")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="window shuffle seed (default 0)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different dataset already at --out (an identical build "
+                        "is reused either way)")
     p.add_argument("--print-text", action="store_true",
                    help="print the corpus text instead of building")
     p.set_defaults(func=cmd_default_corpus)

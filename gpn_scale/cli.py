@@ -25,7 +25,11 @@ COMMAND_MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpn-scale",
-        description="Train GPN / GPN+M at scale: models, data, training, sweeps, scaling fits.")
+        description="Train GPN / GPN+M at scale: models, data, training, sweeps, scaling fits. "
+                    "`gpn-scale COMMAND --help` describes each command, its options and "
+                    "defaults. Exit status: 0 done, 2 bad input (one line on stderr naming "
+                    "the setting); `train` also 3 (non-finite stop) and 75 (preempted, "
+                    "checkpoint saved).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:

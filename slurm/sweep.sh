@@ -15,7 +15,9 @@
 #   -p|--partition P   SWEEP_PARTITION   [the driver job's partition under sbatch, else default]
 #   -A|--account A     SWEEP_ACCOUNT     [the driver job's account under sbatch]
 #   -q|--qos Q         SWEEP_QOS
-#   -t|--time T        SWEEP_TIME        time limit per run task, e.g. 24:00:00 [partition default]
+#   -t|--time T        SWEEP_TIME        time limit per run task, as sbatch --time and
+#                                        `gpn-scale sweep submit -t`: minutes (1440) or
+#                                        [D-]HH:MM:SS (24:00:00, 1-00:00:00) [partition default]
 #   -N|--nodes N       SWEEP_NODES       nodes per run [1]
 #   -g|--gpus G        SWEEP_GPUS        GPUs per node (0: CPU, GPN_NPROC_PER_NODE procs) [8]
 #   -c|--cpus C        SWEEP_CPUS        CPUs per task (the node's torchrun) [unset]
@@ -26,6 +28,7 @@
 #   --dry-run                            print the sbatch command, submit nothing
 #   -- ARGS                              further sbatch arguments, verbatim
 # Prints "ARRAY_JOB_ID=<id>" after submitting, or "nothing to submit" when all runs are done.
+# Exit status: 0 submitted (or nothing to submit), 2 bad input, an invalid sweep or a failed sbatch.
 #
 # ---- what a user edits: the #SBATCH lines of the driver job (tiny: it only submits) ---------
 #SBATCH --job-name=gpn-sweep-driver
@@ -81,7 +84,7 @@ while [[ $# -gt 0 ]]; do
     --logs) LOGS="${2:?}"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) die "unknown flag $1; see the header of slurm/sweep.sh (--help)" ;;
     *) [[ -z "$SWEEP" ]] || die "one sweep file only (got '$SWEEP' and '$1')"; SWEEP="$1"; shift ;;
   esac
@@ -91,6 +94,8 @@ done
 [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes: a positive number, got '$NODES'"
 [[ "$CONCURRENCY" =~ ^[1-9][0-9]*$ ]] || die "--concurrency: a positive number, got '$CONCURRENCY'"
 [[ "$GRACE" =~ ^[0-9]+$ ]] || die "--grace: seconds, got '$GRACE'"
+[[ -z "$TIME" || "$TIME" =~ ^([0-9]+-)?[0-9]+(:[0-9]+){0,2}$ ]] \
+  || die "--time: minutes or [D-]HH:MM:SS (as sbatch --time), got '$TIME'"
 # a sweep path is taken relative to where sweep.sh was started (the submit dir under sbatch)
 case "$SWEEP" in
   /*) ;;

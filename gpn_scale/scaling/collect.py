@@ -3,7 +3,8 @@ of external results (baselines trained elsewhere), or the W&B API.
 
 Where a run leaves what (see gpn_scale.train.loop):
     <checkpoint root>/DONE            {"step", "tokens", "final_eval_loss", "params", "flops",
-                                       "run_dir", ...} written when the run finished
+                                       "run_dir", ...} written when the run finished; the
+                                      default checkpoint root is <run_dir>/checkpoints
     <run_dir>/metrics.jsonl           one JSON per line; eval lines carry "eval/loss", "tokens"
     <run_dir>/config.yaml             the resolved training config (model name, seed, ...)
 
@@ -30,6 +31,8 @@ from gpn_scale.scaling.fit import FitError, Observation
 DONE = "DONE"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
+# The trainer's default checkpoint root inside a run dir (TrainConfig.resolved_checkpoint_root).
+CHECKPOINTS = "checkpoints"
 LOSS_KEY = "eval/loss"
 
 
@@ -279,9 +282,13 @@ def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Co
     """Runs found as sub-directories of each root (a sweep's checkpoint root or run root), or
     the root itself when it is a run directory."""
     records, sources = [], []
+
+    def places(loc: str) -> list[str]:  # a checkpoint root itself, or a run dir holding one
+        return [loc, f"{loc.rstrip('/')}/{CHECKPOINTS}"]
+
     for root in roots:
         sources.append(root)
-        if any(_read(root, key) is not None for key in (DONE, METRICS)):
+        if any(_read(loc, key) is not None for loc in places(root) for key in (DONE, METRICS)):
             names = [""]
         else:
             names = _list_dirs(root)
@@ -292,7 +299,7 @@ def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Co
             loc = f"{root.rstrip('/')}/{sub}" if sub else root
             name = sub or Path(root.rstrip("/")).name
             if not sub or any(_read(loc, key) is not None for key in (DONE, METRICS, CONFIG)):
-                records.append(read_run(name, [loc], allow_unfinished=allow_unfinished))
+                records.append(read_run(name, places(loc), allow_unfinished=allow_unfinished))
     return Collection(records, sources)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from gpn_scale.model.config import ConfigError
@@ -24,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     sweep = subparsers.add_parser(
         "sweep", help="plan, submit and track a sweep of runs from configs/sweeps/*.yaml",
-        description="Sweeps: a grid of model sizes x seeds with per-size rules.")
+        description="Sweeps: a grid of model sizes x seeds with per-size rules. Exit "
+                    "codes: 0 done, 2 bad sweep file or input (one line on stderr).")
     sweep.set_defaults(func=lambda args: (sweep.print_help(), 0)[1])
     sub = sweep.add_subparsers(dest="sweep_command", metavar="SUBCOMMAND")
     plan = sub.add_parser(
@@ -69,17 +71,27 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("--executor", default="auto", choices=("auto", "slurm", "local"),
                         help="auto: slurm when sbatch is on PATH, else local [auto]")
     submit.add_argument("--folder", help="submitit logs/pickles [<run_root>/submitit]")
-    submit.add_argument("-p", "--partition", default=os.environ.get("SWEEP_PARTITION"))
-    submit.add_argument("-A", "--account", default=os.environ.get("SWEEP_ACCOUNT"))
-    submit.add_argument("-q", "--qos", default=os.environ.get("SWEEP_QOS"))
-    submit.add_argument("-t", "--time-min", type=int,
-                        default=int(os.environ.get("SWEEP_TIME_MIN", 24 * 60)),
-                        help="time limit per job in minutes [1440]")
-    submit.add_argument("--nodes", type=int, default=int(os.environ.get("SWEEP_NODES", 1)))
+    submit.add_argument("-p", "--partition", default=os.environ.get("SWEEP_PARTITION"),
+                        help="SLURM partition (default: $SWEEP_PARTITION, else the cluster's)")
+    submit.add_argument("-A", "--account", default=os.environ.get("SWEEP_ACCOUNT"),
+                        help="SLURM account (default: $SWEEP_ACCOUNT, else the user's)")
+    submit.add_argument("-q", "--qos", default=os.environ.get("SWEEP_QOS"),
+                        help="SLURM QOS (default: $SWEEP_QOS, else none)")
+    submit.add_argument("-t", "--time", "--time-min", dest="time_min", type=slurm_minutes,
+                        metavar="TIME",
+                        default=os.environ.get("SWEEP_TIME") or os.environ.get("SWEEP_TIME_MIN")
+                        or "1440",
+                        help="time limit per job, as for sbatch and slurm/sweep.sh -t: minutes "
+                             "(90) or [D-]HH:MM:SS (1-00:00:00, 24:00:00) (default: "
+                             "$SWEEP_TIME, else $SWEEP_TIME_MIN, else 1440 = 24 h)")
+    submit.add_argument("--nodes", type=int, default=int(os.environ.get("SWEEP_NODES", 1)),
+                        help="nodes per run (default: $SWEEP_NODES, else 1)")
     submit.add_argument("--gpus", type=int, default=int(os.environ.get("SWEEP_GPUS", 0)),
                         help="GPUs per node = tasks per node (0: CPU, one task) [0]")
-    submit.add_argument("--cpus-per-task", type=int, default=None)
-    submit.add_argument("--mem-gb", type=float, default=None)
+    submit.add_argument("--cpus-per-task", type=int, default=None,
+                        help="CPUs per task (default: submitit's / the partition's)")
+    submit.add_argument("--mem-gb", type=float, default=None,
+                        help="memory per node in GB (default: the partition's)")
     submit.add_argument("--signal-delay-s", type=int, default=300,
                         help="seconds before the time limit to save and requeue [300]")
     submit.add_argument("--only", type=int, nargs="+", metavar="INDEX",
@@ -95,6 +107,29 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--no-scheduler", action="store_true", help="do not ask squeue")
     status.set_defaults(func=cmd_sweep_status)
+
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def slurm_minutes(text: str) -> int:
+    """A time limit in sbatch's formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) as whole minutes
+    (seconds round up), so that `sweep submit -t` reads what `sweep.sh -t` passes to sbatch."""
+    m = _SLURM_TIME.match(str(text).strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not minutes or [D-]HH:MM:SS")
+    days, a, b, c = m.groups()
+    if days is not None:   # D-H[:M[:S]]
+        seconds = ((int(days) * 24 + int(a)) * 60 + int(b or 0)) * 60 + int(c or 0)
+    elif c is not None:    # H:M:S
+        seconds = (int(a) * 60 + int(b)) * 60 + int(c)
+    elif b is not None:    # M:S
+        seconds = int(a) * 60 + int(b)
+    else:                  # M
+        seconds = int(a) * 60
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the time limit must be > 0")
+    return -(-seconds // 60)
 
 
 def cmd_sweep_plan(args: argparse.Namespace) -> int:
@@ -204,7 +239,9 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
         description="Collect the runs' final held-out losses, aggregate seeds, fit "
                     "L(N)=E+A·N^-alpha and L(C) per family (and L(N,D)=E+A/N^alpha+B/D^beta "
                     "where tokens per parameter vary) with the Epoch AI protocol, and write "
-                    "report.md, fit.json and PNG plots.")
+                    "report.md, fit.json and PNG plots. A law the data cannot determine is "
+                    "skipped with a note. Exit codes: 0 written, 2 bad input or nothing "
+                    "fittable (one line on stderr).")
     fit.add_argument("roots", nargs="*", metavar="RUNS",
                      help="run directories or roots holding them (local or s3://)")
     fit.add_argument("--sweep", action="append", default=[], metavar="SWEEP",
@@ -218,7 +255,8 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--laws", nargs="+", default=["L(N)", "L(C)", "L(N,D)"],
                      help="laws to fit [L(N) L(C) L(N,D)]")
     fit.add_argument("--families", nargs="+", help="only these families")
-    fit.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (>= 1000)")
+    fit.add_argument("--resamples", type=int, default=1000,
+                     help="bootstrap resamples, >= 1000 [1000]")
     fit.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed [0]")
     fit.add_argument("--ci", type=float, default=0.95, help="interval level [0.95]")
     fit.add_argument("--allow-missing", action="store_true",
@@ -262,9 +300,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     paths = write_outputs(args.out, fits, notes, collection, settings)
     for f in fits:
         ci = f.ci
-        vals = ", ".join(f"{k}={v:.4g} [{ci[k][0]:.4g}, {ci[k][1]:.4g}]"
+        vals = ", ".join(f"{k}={v:.4g}" + ("" if f.interpolates else
+                                           f" [{ci[k][0]:.4g}, {ci[k][1]:.4g}]")
                          for k, v in f.params.items())
-        print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points): {vals}")
+        how = " = parameters: interpolates, no interval" if f.interpolates else ""
+        print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points{how}): {vals}")
     for n in notes:
         print(f"note: {n}")
     if missing:

@@ -355,6 +355,12 @@ class FitResult:
         return {k: float(v[0]) for k, v in self._natural(self.form, self.theta).items()}
 
     @property
+    def interpolates(self) -> bool:
+        """As many points as parameters: the curve passes through every point, whatever the
+        noise, so the resample refits move with the noise and their spread is no interval."""
+        return self.n_points <= self.form.n_params
+
+    @property
     def boot_params(self) -> dict[str, np.ndarray]:
         return self._natural(self.form, self.boot_thetas)
 
@@ -401,10 +407,13 @@ class FitResult:
             "law": self.form.key,
             "formula": self.form.formula(),
             "family": self.family,
-            "params": {k: {"value": v, "ci_low": ci[k][0], "ci_high": ci[k][1]}
+            # no interval where the fit interpolates (see `interpolates`)
+            "params": {k: {"value": v, "ci_low": None if self.interpolates else ci[k][0],
+                           "ci_high": None if self.interpolates else ci[k][1]}
                        for k, v in self.params.items()},
             "ci_level": self.ci_level,
             "n_points": self.n_points,
+            "interpolates": self.interpolates,
             "huber_objective": self.objective * self.delta,
             "rms_log_residual": float(np.sqrt(np.mean(self.residuals() ** 2))),
             "bootstrap": {"resamples": self.n_resamples, "failed": self.n_failed},
@@ -420,11 +429,28 @@ class FitResult:
 # ----------------------------------------------------------------------------- fitting
 
 def _check_points(form: Form, family: str, cells: Sequence[Cell]) -> None:
+    why = unidentifiable(form, cells)
+    if why:
+        raise FitError(f"{form.key} fit for family '{family}' {why}")
+
+
+def unidentifiable(form: Form, cells: Sequence[Cell]) -> str | None:
+    """Why the cells cannot determine every parameter of `form` ("has ...; fix"), or None."""
+    if form.key == "L(N,D)":
+        if len({c.N for c in cells}) < 2:
+            return ("has one model size N for all runs, so A and alpha are not identifiable; "
+                    "add sizes to the sweep or drop this law")
+        if len({c.D for c in cells}) < 2:
+            return ("has one token budget D for all runs, so B and beta are not identifiable; "
+                    "vary the token budget in the sweep or drop this law")
+        if not d_varies(cells):
+            return ("has the same tokens per parameter for all runs (D ∝ N), so B and beta "
+                    "are not identifiable; vary tokens_per_param in the sweep or drop this law")
     if len(cells) < form.n_params:
         what = "distinct sizes" if form.key != "L(N,D)" else "(N, D) cells"
-        raise FitError(f"{form.key} fit for family '{family}' has {len(cells)} {what} but "
-                       f"{form.n_params} parameters; add sizes/token budgets to the sweep or "
-                       "drop this family or law from the fit")
+        return (f"has {len(cells)} {what} but {form.n_params} parameters; add sizes/token "
+                "budgets to the sweep or drop this family or law from the fit")
+    return None
 
 
 def resample_means(cells: Sequence[Cell], resamples: int,
@@ -571,6 +597,10 @@ def fit_cells(cells: Sequence[Cell], form: Form | str, family: str = "", *,
         boot = _bootstrap(warm, logx, np.log(means), delta, boot_method)
     ok = np.all(np.isfinite(boot), axis=1)
     notes = []
+    if len(cells) == form.n_params:
+        notes.append(f"{len(cells)} points for {form.n_params} parameters: the law interpolates "
+                     "them (zero residual), so it says nothing about fit quality and no "
+                     "interval is reported; add sizes/token budgets for a real fit")
     few = [c for c in cells if c.n < 2]
     if few:
         notes.append(f"{len(few)} of {len(cells)} cells have a single seed: the bootstrap cannot "
@@ -588,8 +618,9 @@ def fit_observations(observations: Iterable[Observation], *,
                      laws: Sequence[str] = ("L(N)", "L(C)", "L(N,D)"),
                      families: Sequence[str] | None = None, **kwargs: Any
                      ) -> tuple[list[FitResult], list[str]]:
-    """Fit every requested law for every family. L(N,D) is fitted only where tokens per
-    parameter vary (it is skipped, with a note, where D ∝ N). Returns (fits, notes)."""
+    """Fit every requested law for every family. A law the family's cells cannot determine
+    (too few cells; for L(N,D) one N, one D, or D ∝ N) is skipped with a note and the others
+    are fitted; only when none can be is it an error. Returns (fits, notes)."""
     cells = aggregate(observations)
     if not cells:
         raise FitError("no finished runs to fit; check the run directories (DONE markers or "
@@ -602,13 +633,18 @@ def fit_observations(observations: Iterable[Observation], *,
         if unknown:
             raise FitError(f"family '{unknown[0]}' has no runs; known: {', '.join(by_family)}")
         by_family = {f: by_family[f] for f in families}
-    fits, notes = [], []
+    fits, notes, reasons = [], [], []
+    forms = [get_form(law) for law in laws]
     for family, fam_cells in by_family.items():
-        for law in laws:
-            form = get_form(law)
-            if form.key == "L(N,D)" and not d_varies(fam_cells):
-                notes.append(f"{family}: L(N,D) skipped: every run has the same tokens per "
-                             "parameter (D ∝ N), so B and beta are not identifiable")
+        for form in forms:
+            law_cells = cells_for_form(fam_cells, form)
+            why = unidentifiable(form, law_cells)
+            if why:  # one law the data cannot determine must not stop the others
+                reasons.append(f"{form.key} fit for family '{family}' {why}")
+                notes.append(f"{family}: {form.key} skipped: it {why}")
                 continue
-            fits.append(fit_cells(cells_for_form(fam_cells, form), form, family, **kwargs))
+            fits.append(fit_cells(law_cells, form, family, **kwargs))
+    if not fits:
+        raise FitError(reasons[0] if len(reasons) == 1 else
+                       f"none of the laws can be fitted: {'; '.join(reasons)}")
     return fits, notes

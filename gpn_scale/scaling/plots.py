@@ -57,8 +57,9 @@ def plot_loss_vs(var: str, fits: Sequence[FitResult], cells: Sequence[Cell], pat
         p = fit.params
         ax.plot(grid, fit.predict(**{var: grid}), color=col, lw=1.6,
                 label=f"{family}: E={p['E']:.3g}, A={p['A']:.3g}, α={p['alpha']:.3f}")
-        ax.fill_between(grid, lo, hi, color=col, alpha=0.18, lw=0,
-                        label=f"{family}: {fit.ci_level:.0%} bootstrap band")
+        if not fit.interpolates:  # a band from an interpolating fit means nothing
+            ax.fill_between(grid, lo, hi, color=col, alpha=0.18, lw=0,
+                            label=f"{family}: {fit.ci_level:.0%} bootstrap band")
     return _finish_loglog(plt, fig, ax, AXIS_LABEL[var],
                           f"loss vs {AXIS_LABEL[var]}: {law} = E + A·{var}^-α", path)
 
@@ -78,7 +79,8 @@ def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
         grid = np.geomspace(d.min() / 1.5, d.max() * 1.5, 100)
         lo, hi = fit.band(N=n, D=grid)
         ax.plot(grid, fit.predict(N=n, D=grid), color=col, lw=1.4, label=f"N={n:.3g}")
-        ax.fill_between(grid, lo, hi, color=col, alpha=0.15, lw=0)
+        if not fit.interpolates:
+            ax.fill_between(grid, lo, hi, color=col, alpha=0.15, lw=0)
     p = fit.params
     return _finish_loglog(
         plt, fig, ax, AXIS_LABEL["D"],

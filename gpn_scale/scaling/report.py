@@ -66,9 +66,11 @@ def build_markdown(fits: Sequence[FitResult], cells: Sequence[Cell], notes: Sequ
         lines.append("|---" * (len(names) + 3) + "|")
         for f in lf:
             ci = f.ci
-            vals = [f"{_g(v)} [{_g(ci[k][0])}, {_g(ci[k][1])}]" for k, v in f.params.items()]
+            vals = [_g(v) if f.interpolates else f"{_g(v)} [{_g(ci[k][0])}, {_g(ci[k][1])}]"
+                    for k, v in f.params.items()]
             rms = math.sqrt(float((f.residuals() ** 2).mean()))
-            lines.append(f"| {f.family} | {f.n_points} | " + " | ".join(vals) + f" | {rms:.2g} |")
+            points = f"{f.n_points} (interpolates)" if f.interpolates else f"{f.n_points}"
+            lines.append(f"| {f.family} | {points} | " + " | ".join(vals) + f" | {rms:.2g} |")
         lines.append("")
         if law == "L(N,D)":
             lines += ["a_opt = β/(α+β) and b_opt = α/(α+β): compute-optimal N ∝ C^a_opt, "

@@ -9,6 +9,8 @@ A sweep file (`configs/sweeps/*.yaml`, OmegaConf YAML) looks like
     data: {remote: s3://bucket/mds, seq_len: 2048}
     checkpoint_root: s3://bucket/ckpt/gpn-ladder   # run r checkpoints (and DONE) in <root>/<r>
     run_root: null                   # local run dirs (metrics.jsonl) in <run_root>/<r>
+    # relative local paths (data.remote, checkpoint_root, run_root, model .yaml paths) are
+    # taken from the sweep file's directory
     wandb: {project: gpn-scale, group: null, job_type: scaling}
     hardware: {gpu: H100-SXM, peak_tflops: 989, mfu: predicted, sequences_per_gpu: 16}
                                    # GPU-hours: mfu a measured fraction (docs/perf.md), or
@@ -205,6 +207,14 @@ def _storage(where: str, value: Any, allow_default: bool = False) -> str:
     return value.rstrip("/") or value
 
 
+def _beside(sweep_path: Path, value: str) -> str:
+    """A relative local path is taken from the sweep file's directory (as model config paths
+    are), never from wherever a job happens to start; s3:// and `default` stay as they are."""
+    if value == "default" or "://" in value or Path(value).is_absolute():
+        return value
+    return str((sweep_path.resolve().parent / value).resolve())
+
+
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
@@ -232,7 +242,7 @@ def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False,
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    path = resolve_sweep_path(name_or_path)
+    path = resolve_sweep_path(name_or_path).resolve()  # plans and jobs print it absolute
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     except (OmegaConfBaseException, ValueError) as err:  # YAML or interpolation errors
@@ -310,14 +320,14 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
 
     data = _mapping("data", raw.get("data"))
     _check_keys("data.", data, DATA_KEYS)
-    data_remote = _storage("data.remote", data.get("remote"), allow_default=True)
+    data_remote = _beside(path, _storage("data.remote", data.get("remote"), allow_default=True))
     seq_len = _positive_int("data.seq_len", data.get("seq_len", 2048))
-    ckpt_root = _storage("checkpoint_root", raw.get("checkpoint_root"))
+    ckpt_root = _beside(path, _storage("checkpoint_root", raw.get("checkpoint_root")))
     run_root = raw.get("run_root")
     if run_root is not None:
         if not isinstance(run_root, str) or "://" in run_root:
             raise SweepError(f"run_root: expected a local directory, got {run_root!r}")
-        run_root = run_root.rstrip("/")
+        run_root = _beside(path, run_root.rstrip("/") or "/")
 
     wandb = _mapping("wandb", raw.get("wandb"))
     _check_keys("wandb.", wandb, WANDB_KEYS)
@@ -513,8 +523,9 @@ def format_plan(sweep: Sweep) -> str:
         f"(at {_mfu_text(hw)} of {float(hw['peak_tflops']):g} TFLOP/s per "
         f"{hw['gpu']}; FLOPs = 3 x forward per token)",
         f"data {r0.data_remote} (seq_len {r0.seq_len}); checkpoints "
-        f"{r0.checkpoint_root.rsplit('/', 1)[0]}/<run>; W&B {r0.wandb_project}/"
-        f"{r0.wandb_group} ({r0.wandb_job_type})",
+        f"{r0.checkpoint_root.rsplit('/', 1)[0]}/<run>; run dirs "
+        f"{r0.run_dir.rsplit('/', 1)[0] + '/<run>' if r0.run_dir else 'runs/<run> (trainer default)'}"
+        f"; W&B {r0.wandb_project}/{r0.wandb_group} ({r0.wandb_job_type})",
     ]
     lines += [f"NOTE: {n}" for n in sweep.notes]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 RESUME_HELP = ("'auto' = newest complete checkpoint under checkpoint.root (local or S3), "
-               "'none' = start fresh, or a checkpoint URI")
+               "'none' = start fresh, or a checkpoint URI (default: %(default)s)")
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -56,8 +56,14 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help="training config name or YAML path (omit it to start from the "
                         "schema's defaults, e.g. for sweep runs given entirely as overrides)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotlist overrides of the config, e.g. optim.lr=1e-3 run_dir=runs/x "
+                        "(keys: docs/training.md)")
     p.add_argument("--resume", default="none", help=RESUME_HELP)
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve and check the config, model, data and checkpoint locations "
+                        "(read-only), print the resolved config and what the run would use; "
+                        "train nothing, write nothing")
     p.set_defaults(func=cmd_train)
 
     d = subparsers.add_parser(
@@ -66,16 +72,26 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
                     "(a minute or two). Leaves a checkpoint, metrics.jsonl and loss_curve.png.")
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     d.add_argument("--steps", type=int, default=None, help="override schedule.total_steps")
-    d.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
+    d.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotlist overrides of configs/train/demo.yaml, e.g. train.device=cpu")
     d.set_defaults(func=cmd_demo)
 
     e = subparsers.add_parser(
         "eval", help="held-out loss / perplexity of a checkpoint",
-        description="Evaluate a checkpoint on the validation split (fixed windows).")
+        description="Evaluate a checkpoint on the validation split (fixed windows: the "
+                    "first eval.batches batches). Writes nothing. Exit codes: 0 done, 2 bad "
+                    "input (one line on stderr).")
     e.add_argument("config", help="the training config the checkpoint was trained with")
-    e.add_argument("overrides", nargs="*", metavar="key=value")
+    e.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="the same dotlist overrides as the training run (run_dir, "
+                        "checkpoint.root, data.remote, model_overrides, ...), plus eval.* "
+                        "(e.g. eval.batch_size=8)")
     e.add_argument("--checkpoint", default="auto", help=RESUME_HELP.replace("start fresh", "untrained"))
-    e.add_argument("--batches", type=int, default=None, help="override eval.batches")
+    e.add_argument("--batches", type=int, default=None,
+                   help="number of validation batches (default: eval.batches of the config)")
+    e.add_argument("--json", action="store_true",
+                   help="print one JSON object (eval/loss, eval/ppl, eval/tokens, checkpoint, "
+                        "step, tokens) on stdout; log lines go to stderr")
     e.set_defaults(func=cmd_eval)
 
 
@@ -98,6 +114,19 @@ def _fail(err: BaseException) -> int:
     return 2
 
 
+# The checkpoint and trainer messages are written for `train`; `eval` names its own flags.
+_EVAL_HINTS = (("use --resume auto", "use --checkpoint auto"), ("--resume", "--checkpoint"),
+               ("or a fresh checkpoint.root", "or another --checkpoint"),
+               ("cannot resume from", "cannot evaluate"))
+
+
+def _for_eval(err: BaseException) -> str:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    for train_words, eval_words in _EVAL_HINTS:
+        msg = msg.replace(train_words, eval_words)
+    return msg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.config import load_train_config
     from gpn_scale.train.loop import Trainer, TrainingError
@@ -105,6 +134,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     errors = _errors()
     try:
         cfg = load_train_config(*_config_and_overrides(args))
+        if args.dry_run:
+            from gpn_scale.train.preflight import dry_run
+
+            print(dry_run(cfg, args.resume))
+            return 0
         result = Trainer(cfg, resume=args.resume).run()
     except errors as err:
         return _fail(err)
@@ -136,9 +170,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
             cfg.eval.batches = args.batches
         from gpn_scale.train.loop import Trainer
 
-        result = Trainer(cfg, resume=args.checkpoint, eval_only=True).run().final_eval
+        log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else None
+        run = Trainer(cfg, resume=args.checkpoint, log=log, eval_only=True).run()
+        result = run.final_eval
     except errors as err:
-        return _fail(err)
+        return _fail(_for_eval(err))
+    if args.json:  # stdout holds the JSON alone, for scripts
+        import json
+
+        print(json.dumps({**result, "checkpoint": run.checkpoint, "step": run.step,
+                          "tokens": run.tokens}))
+        return 0
     print(f"eval: loss {result['eval/loss']:.4f}, ppl "
           f"{result['eval/ppl']:.2f} over {result['eval/tokens']:,} tokens")
     return 0

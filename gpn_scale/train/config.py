@@ -101,6 +101,7 @@ class WandbSection:
     group: str | None = None
     job_type: str = "train"
     dir: str | None = None          # default <run_dir>
+    init_timeout: float = 60.0         # online: seconds to reach the server before failing
 
 
 @dataclass
@@ -284,6 +285,9 @@ def validate(cfg: TrainConfig) -> None:
                           f"{cfg.schedule.total_steps}], got {cfg.schedule.warmup_steps}")
     if not 0.0 <= cfg.schedule.min_lr_ratio <= 1.0:
         raise ConfigError(f"schedule.min_lr_ratio: must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
+    if cfg.logging.wandb.init_timeout <= 0:
+        raise ConfigError(f"logging.wandb.init_timeout: seconds, must be > 0, got "
+                          f"{cfg.logging.wandb.init_timeout}")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
     if cfg.parallel.zero_stage not in (1, 2, 3):

@@ -304,12 +304,9 @@ class Trainer:
                                   group_for_one=fsdp2_alone)
 
     def _model_config(self):
-        from gpn_scale.model import load_model_config
+        from gpn_scale.train.preflight import model_config
 
-        overrides = dict(self.cfg.model_overrides)
-        if self.cfg.train.tbptt is not None:
-            overrides["tbptt"] = self.cfg.train.tbptt
-        return load_model_config(self.cfg.model, overrides=overrides or None)
+        return model_config(self.cfg)  # errors name model_overrides.<key> / train.tbptt
 
     def _data_remote(self) -> str:
         cfg = self.cfg
@@ -413,6 +410,10 @@ class Trainer:
         seq_len = cfg.data.seq_len
 
         # Checkpoint storage first: a bad path or missing credentials fails before any work.
+        if not self.eval_only:
+            from gpn_scale.train.preflight import check_run_dir
+
+            check_run_dir(self.run_dir)  # names run_dir, not the checkpoint root under it
         mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
         mgr.preflight()
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
@@ -421,6 +422,10 @@ class Trainer:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         topo.barrier()
         remote = self._data_remote()
+        from gpn_scale.train.preflight import check_data
+
+        check_data(cfg, remote, model_cfg.vocab_size, micro, topo.dp_size,
+                   evaluates=self.eval_only or cfg.eval.at_end or cfg.eval.every_steps > 0)
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -599,9 +604,11 @@ class Trainer:
             for batch in loader:
                 got = True
                 yield batch
-            if not got:
-                raise TrainingError("the training split yielded no batch; lower "
-                                    "train.global_batch_size or use more data")
+            if not got:  # a data error (exit 2) like the others, not a training failure
+                from gpn_scale.data import DataError
+
+                raise DataError("the training split yielded no batch; lower "
+                                "train.global_batch_size or use more data")
 
     def _progress(self, step: int, total: int):
         if not (self.topo.is_main and self.cfg.train.progress_bar):
@@ -698,7 +705,8 @@ class Trainer:
                                     "params": n_params})
             sink = WandbSink(project=wb.project, group=wb.group, job_type=wb.job_type,
                              name=self.cfg.run_name, config=config, mode=wb.mode,
-                             dir=wb.dir or str(run_dir), resume_id=wandb_id)
+                             dir=wb.dir or str(run_dir), resume_id=wandb_id,
+                             init_timeout=wb.init_timeout, log=self.log)
             self._wandb_id = sink.run_id
             self._sinks.append(sink)
 

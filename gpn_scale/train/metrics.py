@@ -16,7 +16,8 @@ API (the training loop creates these on rank 0 only)::
   Non-finite floats are written as the strings "NaN" / "Infinity" / "-Infinity" so every JSON
   reader accepts the file.
 - `WandbSink(project, group, job_type, name, config, mode, dir, resume_id=None)`: `.run_id`;
-  config is scrubbed again on the way in; mode "offline" | "online" | "disabled".
+  config is scrubbed again on the way in; mode "offline" | "online" | "disabled". Online, it
+  says where it connects and gives up after `init_timeout` s (one ConfigError line).
 - `scrub_secrets(config) -> dict`: a copy with credential-looking keys/values replaced.
 - `read_offline_run(wandb_dir, run_id=None) -> OfflineRun(run_id, config, history, summary, ...)`:
   reads what an offline run wrote (its `.wandb` files), merging a run resumed in later processes.
@@ -29,11 +30,13 @@ import math
 import os
 import re
 import struct
+import sys
 import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from gpn_scale.model.config import ConfigError
@@ -226,6 +229,8 @@ def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
 # -- Weights & Biases ---------------------------------------------------------------------------
 
 _WANDB_MODES = ("offline", "online", "disabled")
+# Seconds wandb.init may wait for the server (W&B's own default is 90, with retries).
+DEFAULT_INIT_TIMEOUT_S = 60.0
 
 
 class WandbSink:
@@ -244,12 +249,21 @@ class WandbSink:
         *,
         tags: list[str] | None = None,
         settings: dict[str, Any] | None = None,
+        init_timeout: float = DEFAULT_INIT_TIMEOUT_S,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         if mode not in _WANDB_MODES:
             raise ConfigError(f"logging.wandb.mode={mode!r} is not one of {'/'.join(_WANDB_MODES)}; pick one")
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
+        # W&B's own default waits 90 s (and retries) for an unreachable server, silently:
+        # say where it connects, and bound the wait with its init_timeout.
+        base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+        if mode == "online":
+            (log or _stderr)(f"W&B: connecting to {base_url} (gives up after "
+                             f"logging.wandb.init_timeout={init_timeout:g} s; "
+                             "logging.wandb.mode=offline logs without a server)")
         try:
             self._run = wandb.init(
                 project=project,
@@ -264,15 +278,11 @@ class WandbSink:
                 resume="allow" if resume_id else None,
                 reinit="create_new",  # several sinks (tests, eval after train) in one process
                 # console="off": W&B must not wrap stdout/stderr (progress bars, one-line errors).
-                settings=wandb.Settings(console="off", silent=True, **(settings or {})),
+                settings=wandb.Settings(console="off", silent=True, init_timeout=init_timeout,
+                                        **(settings or {})),
             )
         except Exception as exc:  # noqa: BLE001 - surface as one line before training starts
-            msg = " ".join(str(exc).split())[:300]
-            raise ConfigError(
-                f"W&B init failed in mode {mode!r} ({type(exc).__name__}: {msg}); set "
-                "WANDB_API_KEY or use "
-                "logging.wandb.mode=offline"
-            ) from exc
+            raise ConfigError(_init_failure(exc, mode, base_url, init_timeout)) from exc
         self._warned = False
 
     @property
@@ -303,6 +313,25 @@ class WandbSink:
             # finish() returns before W&B's core process has flushed the run file; wait for the
             # exit record so that "closed" means "on disk" (a resumed job or a reader follows).
             _wait_for_exit_record(Path(sync_file))
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _init_failure(exc: BaseException, mode: str, base_url: str, timeout: float) -> str:
+    """One line for a failed wandb.init that names the setting to change."""
+    # W&B's own hint names its Python API (wandb.Settings(init_timeout=...)), not our key.
+    msg = " ".join(str(exc).split()).split(" Consider increasing the init_timeout")[0][:300]
+    what = f"{type(exc).__name__}: {msg}"
+    if "api key" in msg.lower():
+        return (f"W&B init failed in mode {mode!r} ({what}); set WANDB_API_KEY (or run `wandb "
+                "login`) or use logging.wandb.mode=offline")
+    if mode == "online" and ("timed out" in msg.lower() or "connect" in msg.lower()):
+        return (f"W&B server {base_url} not reachable within logging.wandb.init_timeout="
+                f"{timeout:g} s ({what}); use logging.wandb.mode=offline (upload later with "
+                "`wandb sync`) or fix WANDB_BASE_URL / the network")
+    return f"W&B init failed in mode {mode!r} ({what}); use logging.wandb.mode=offline"
 
 
 def _wait_for_exit_record(path: Path, timeout_s: float = 20.0) -> None:

@@ -47,9 +47,10 @@ def sweep_path(tmp_path):
     return path
 
 
-def finish_runs(sweep_path, noise=0.003, skip=()):
-    """Write what finished training runs leave: DONE in the checkpoint root, metrics.jsonl and
-    config.yaml in the run dir; losses follow LAW with seed noise."""
+def finish_runs(sweep_path, noise=0.003, skip=(), default_layout=False):
+    """Write what finished training runs leave: DONE in the checkpoint root (with
+    default_layout, where the trainer puts it without checkpoint.root: <run_dir>/checkpoints),
+    metrics.jsonl and config.yaml in the run dir; losses follow LAW with seed noise."""
     rng = np.random.default_rng(0)
     runs = load_sweep(sweep_path).runs
     for r in runs:
@@ -64,7 +65,8 @@ def finish_runs(sweep_path, noise=0.003, skip=()):
         (run_dir / "config.yaml").write_text(f"model: {r.model}\nseed: {r.seed}\n")
         if r.name in skip:
             continue
-        ck = __import__("pathlib").Path(r.checkpoint_root)
+        ck = run_dir / "checkpoints" if default_layout else \
+            __import__("pathlib").Path(r.checkpoint_root)
         ck.mkdir(parents=True, exist_ok=True)
         (ck / "DONE").write_text(json.dumps({
             "step": r.total_steps, "tokens": r.tokens, "final_eval_loss": loss, "params": r.params,
@@ -157,9 +159,44 @@ def test_fit_with_too_few_sizes_is_a_one_line_cli_error(sweep_path, tmp_path, ca
             shutil.rmtree(d)
     assert main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err.strip()
+    assert err.startswith("gpn-scale: error: none of the laws can be fitted: L(N) fit for "
+                          "family 'gpn+m' has 2 distinct sizes but 3 parameters; add sizes/"
+                          "token budgets to the sweep or drop this family or law from the fit; "
+                          "L(C) fit") and "\n" not in err
+    assert main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f"),
+                 "--laws", "L(N)"]) == 2
+    err = capsys.readouterr().err.strip()
     assert err == ("gpn-scale: error: L(N) fit for family 'gpn+m' has 2 distinct sizes but 3 "
                    "parameters; add sizes/token budgets to the sweep or drop this family or law "
                    "from the fit")
+
+
+def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, tmp_path,
+                                                                   capsys):
+    """The sweep gives every size the same `tokens:`; the default laws include L(N,D),
+    which that cannot identify: it is skipped with a note, L(N) and L(C) are written. With
+    three sizes left, L(N) has as many points as parameters: no interval is printed."""
+    text = sweep_path.read_text().replace("tokens_per_param: 2", "tokens: 4096")
+    sweep_path.write_text(text)
+    finish_runs(sweep_path)
+    out = tmp_path / "fit"
+    assert main(["fit", "--sweep", str(sweep_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "note: gpn+m: L(N,D) skipped: it has one token budget D for all runs" in printed
+    data = json.loads((out / "fit.json").read_text())
+    assert {f["law"] for f in data["fits"]} == {"L(N)", "L(C)"}
+    assert all(not f["interpolates"] for f in data["fits"])
+    assert "L(N,D) skipped" in (out / "report.md").read_text()
+
+    import shutil
+    for d in (tmp_path / "ckpt").iterdir():
+        if "-m3-" in d.name:
+            shutil.rmtree(d)
+    assert main(["fit", str(tmp_path / "ckpt"), "--out", str(out), "--laws", "L(N)"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "L(N)" in ln)
+    assert "3 points = parameters: interpolates, no interval" in line and "[" not in line
+    report = (out / "report.md").read_text()
+    assert "| gpn+m | 3 (interpolates) |" in report and "interval is reported" in report
 
 
 def test_collect_roots_reads_runs_from_s3(s3_bucket, s3_endpoint):
@@ -220,3 +257,14 @@ def test_collect_wandb_reads_finished_runs_from_the_api():
     (a,) = col.usable
     assert (a.family, a.seed, a.loss, a.N) == ("gpn+m", 1, 3.2, 1e6)
     assert col.missing[0].detail == "W&B state running"
+
+
+def test_fit_runs_reads_done_where_the_trainer_puts_it(sweep_path, tmp_path):
+    """`fit RUNS...` on run dirs of the trainer's default layout (<run_dir>/checkpoints/DONE):
+    the runs are finished, not 'unfinished: no DONE marker'; a run dir given alone too."""
+    runs = finish_runs(sweep_path, default_layout=True)
+    col = C.collect_roots([str(tmp_path / "runs")])
+    assert len(col.records) == 12 and not col.missing, [r.detail for r in col.missing]
+    assert all(r.status == "done" for r in col.records)
+    one = C.collect_roots([runs[0].run_dir])
+    assert [(r.name, r.status) for r in one.records] == [(runs[0].name, "done")]

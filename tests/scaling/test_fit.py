@@ -188,3 +188,39 @@ def test_vectorised_bootstrap_refits_reach_the_lbfgs_optima(law):
     boot = F._bootstrap(point.theta[None], logx, log_means, F.HUBER_DELTA, "batched")
     f_boot = np.array([F.objective(x, logx, y)[0] for x, y in zip(boot, log_means)])
     assert np.all(f_boot <= f_ref * (1 + 1e-6))
+
+
+def test_a_law_the_data_cannot_identify_is_skipped_and_the_others_fitted():
+    """One token budget for every size (a sweep with `tokens:`): D is constant, so L(N,D)
+    cannot be fitted, but L(N) and L(C) can and are."""
+    rng = np.random.default_rng(3)
+    obs = [F.Observation("gpn+m", N, 2e10, 6 * N * 2e10,
+                         float(chinchilla(N, 2e10) * np.exp(rng.normal(0, 0.01))), s, f"r{i}-{s}")
+           for i, N in enumerate(SIZES[:3]) for s in range(3)]
+    fits, notes = F.fit_observations(obs, resamples=1000)       # the default laws
+    assert [f.form.key for f in fits] == ["L(N)", "L(C)"]
+    (note,) = [n for n in notes if "L(N,D)" in n]
+    assert note.startswith("gpn+m: L(N,D) skipped: it has one token budget D for all runs")
+    with pytest.raises(F.FitError) as err:                      # asked alone: nothing to fit
+        F.fit_observations(obs, laws=["L(N,D)"], resamples=1000)
+    assert "L(N,D) fit for family 'gpn+m' has one token budget D" in one_line(err)
+
+
+def test_a_fit_with_as_many_points_as_parameters_reports_no_interval():
+    from gpn_scale.scaling.collect import Collection
+    from gpn_scale.scaling.report import build_markdown
+
+    obs = [o for o in synth(chinchilla, seeds=3) if o.N in SIZES[:3]]
+    (fit,), notes = F.fit_observations(obs, laws=["L(N)"], resamples=1000)
+    assert fit.n_points == 3 and fit.interpolates
+    assert any("interpolates" in n for n in fit.notes)
+    d = fit.to_dict()
+    assert d["interpolates"] is True
+    assert all(p["ci_low"] is None and p["ci_high"] is None for p in d["params"].values())
+    md = build_markdown([fit], F.aggregate(obs), notes, Collection(records=[], sources=["x"]),
+                        {"resamples": 1000, "seed": 0}, [])
+    row = next(line for line in md.splitlines() if line.startswith("| gpn+m |"))
+    assert "3 (interpolates)" in row and "[" not in row
+    more = [o for o in synth(chinchilla, seeds=3) if o.N in SIZES[:4]]
+    (fit4,), _ = F.fit_observations(more, laws=["L(N)"], resamples=1000)
+    assert not fit4.interpolates and fit4.to_dict()["params"]["E"]["ci_low"] is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,63 @@ def test_plan_command_errors_are_one_line(sweep_dir, capsys):
     assert err.startswith("gpn-scale: error: seeds: 1 seed(s)") and "\n" not in err
     assert main(["sweep", "plan", str(path), "--allow-few-seeds"]) == 0
     assert "NOTE: only 1 seed(s)" in capsys.readouterr().out
+
+
+def test_relative_paths_are_taken_from_the_sweep_file_and_planned_absolute(sweep_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """Relative local paths mean 'beside the sweep file', wherever `plan`, `sweep.sh` or a job
+    runs from; `sweep plan` prints them absolute."""
+    from gpn_scale.cli import main
+
+    path = write_sweep(sweep_dir, **{"remote: s3://bucket/mds": "remote: data/mds",
+                                     "checkpoint_root: s3://bucket/ckpt/t":
+                                     "checkpoint_root: out/ckpt\nrun_root: out/runs"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = load_sweep(path).runs[0]
+    assert r.data_remote == str(sweep_dir / "data" / "mds")
+    assert r.checkpoint_root == str(sweep_dir / "out" / "ckpt" / r.name)
+    assert r.run_dir == str(sweep_dir / "out" / "runs" / r.name)
+    assert f"data.remote={sweep_dir / 'data' / 'mds'}" in r.train_overrides()
+    assert main(["sweep", "plan", "../sweep.yaml"]) == 0   # given relative to the cwd
+    out = capsys.readouterr().out
+    assert f"sweep t ({path})" in out
+    assert f"data {sweep_dir / 'data' / 'mds'} " in out
+    assert f"checkpoints {sweep_dir / 'out' / 'ckpt'}/<run>" in out
+    assert f"run dirs {sweep_dir / 'out' / 'runs'}/<run>" in out
+
+
+@pytest.mark.parametrize("text,minutes", [("90", 90), ("24:00:00", 1440), ("1-00:00:00", 1440),
+                                          ("10:30", 11), ("2-3", 3060), ("1-2:30", 1590)])
+def test_sweep_submit_time_reads_sbatch_formats_like_sweep_sh(text, minutes):
+    """`sweep submit -t` and `slurm/sweep.sh -t` take the same values (sbatch --time's)."""
+    from gpn_scale.cli import build_parser
+
+    for flag in ("-t", "--time", "--time-min"):
+        assert build_parser().parse_args(["sweep", "submit", "s.yaml", flag, text]
+                                         ).time_min == minutes
+
+
+def test_sweep_sh_time_is_checked_and_passed_to_sbatch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GPN_SCALE_PYTHON": sys.executable, "PYTHONPATH": str(repo),
+           "SWEEP_LOG_DIR": str(tmp_path / "logs")}
+    env.pop("SLURM_JOB_ID", None)
+
+    def sweep_sh(*args):
+        return subprocess.run(["bash", str(repo / "slurm" / "sweep.sh"), "configs/sweeps/ci.yaml",
+                               "--dry-run", *args], cwd=repo, env=env, text=True,
+                              capture_output=True, timeout=120)
+
+    bad = sweep_sh("-t", "24h")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("sweep.sh: error: --time: minutes or [D-]HH:MM:SS (as sbatch "
+                                  "--time), got '24h'")
+    ok = sweep_sh("-t", "90")
+    assert ok.returncode == 0, ok.stderr
+    assert " --time=90 " in ok.stdout

@@ -234,3 +234,46 @@ def test_scrub_is_a_copy_and_handles_urls() -> None:
     out = scrub_secrets(cfg)
     assert out == {"a": {"password": REDACTED, "url": f"https://me:{REDACTED}@host/x", "plain": "https://host/x"}}
     assert cfg["a"]["password"] == "p"  # the input is untouched
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_wandb_online_without_server_says_so_and_gives_up(wandb_env: Path, monkeypatch,
+                                                          capsys) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    lines: list[str] = []
+    with pytest.raises(ConfigError) as err:
+        WandbSink(project="p", group=None, job_type=None, name=None, config={}, mode="online",
+                  dir=str(wandb_env), init_timeout=2, log=lines.append)
+    assert len(lines) == 1 and f"connecting to {url}" in lines[0]
+    assert "logging.wandb.init_timeout=2" in lines[0]
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert f"{url} not reachable within logging.wandb.init_timeout=2 s" in msg
+    assert "logging.wandb.mode=offline" in msg and "WANDB_API_KEY" not in msg
+
+
+def test_wandb_online_without_server_fails_train_in_one_line(corpus, tmp_path: Path,
+                                                             wandb_env: Path, monkeypatch,
+                                                             capsys) -> None:
+    from train_helpers import train_args
+
+    from gpn_scale.cli import main
+
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    rc = main(train_args(corpus, tmp_path / "run", "logging.wandb.mode=online",
+                         "logging.wandb.init_timeout=2"))
+    out = capsys.readouterr()
+    assert rc == 2
+    assert "W&B: connecting to" in out.out + out.err
+    errors = [ln for ln in out.err.splitlines() if ln.startswith("gpn-scale: error:")]
+    assert len(errors) == 1 and "logging.wandb.mode=offline" in errors[0], out.err

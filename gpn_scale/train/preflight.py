@@ -1,0 +1,164 @@
+"""Checks a run makes before it writes anything, worded in the run's own config keys.
+
+The model and data layers know nothing of the training schema, so their messages say
+`d_state` or `seq_len`; here the same problems are named by the key the user set
+(`model_overrides.d_state`, `data.seq_len`, `run_dir`, `train.global_batch_size`).
+Nothing in this module creates a file or a directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gpn_scale.model.config import ConfigError
+from gpn_scale.train.config import TrainConfig
+
+
+def model_config(cfg: TrainConfig) -> Any:
+    """The run's GPNConfig: `cfg.model` + `model_overrides` (+ `train.tbptt` when set, which
+    the schema already checked); an invalid value fails naming the key it came from."""
+    from gpn_scale.model import load_model_config
+
+    overrides = dict(cfg.model_overrides)
+    if cfg.train.tbptt is not None:
+        overrides["tbptt"] = cfg.train.tbptt
+    try:
+        return load_model_config(cfg.model, overrides=overrides or None)
+    except ConfigError as err:
+        msg = str(err)
+        field, sep, rest = msg.partition(": ")
+        field = field.removeprefix("model.")
+        if sep and field in cfg.model_overrides:
+            raise ConfigError(f"model_overrides.{field}: {rest}") from None
+        if cfg.model_overrides:  # a field of the model file that the overrides made invalid
+            raise ConfigError(f"model={cfg.model} with model_overrides "
+                              f"{dict(cfg.model_overrides)}: {msg}") from None
+        raise
+
+
+def check_run_dir(run_dir: str) -> None:
+    """One line naming `run_dir` when it cannot be created or written (nothing is created)."""
+    check_local_dir(run_dir, "run_dir")
+
+
+def check_local_dir(path_str: str, key: str) -> bool:
+    """One line naming `key` when the directory cannot be created or written; returns
+    whether it exists already. Nothing is created (the first existing ancestor decides)."""
+    path = Path(path_str).absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"{key} {path_str}: {probe} is a file, not a directory; choose "
+                          f"another {key}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} {path_str}: {probe} is not writable; choose another {key}")
+    return probe == path
+
+
+def check_data(cfg: TrainConfig, remote: str, vocab_size: int, micro_batch: int,
+               dp_size: int, evaluates: bool = True) -> Any:
+    """The dataset's metadata, after checking that this run can use it: `data.seq_len`, the
+    model's vocabulary, and enough windows for one training step and (when the run
+    evaluates) one eval batch."""
+    from gpn_scale.data import DataError
+    from gpn_scale.data.metadata import read_metadata
+
+    meta = read_metadata(remote)
+    if cfg.data.seq_len != meta.seq_len:
+        raise DataError(f"data.seq_len={cfg.data.seq_len} does not match the dataset {remote} "
+                        f"(windows of {meta.seq_len} tokens); set data.seq_len={meta.seq_len} "
+                        f"or rebuild the data with --seq-len {cfg.data.seq_len}")
+    if vocab_size < meta.vocab_size:
+        raise DataError(f"the model's vocab_size {vocab_size} (model={cfg.model}) is below "
+                        f"the dataset's {meta.vocab_size} ({remote}); set "
+                        f"model_overrides.vocab_size={meta.vocab_size} or use other data")
+    for split, need, key in (
+            ("train", cfg.train.global_batch_size, "train.global_batch_size"),
+            ("val", (cfg.eval.batch_size or micro_batch) * dp_size,
+             "eval.batch_size" if cfg.eval.batch_size else "train.global_batch_size "
+             "(or set eval.batch_size)")):
+        if split == "val" and not evaluates:
+            continue
+        info = meta.splits.get(split)
+        have = info.samples if info is not None else 0
+        if have < need:
+            raise DataError(f"data.remote {remote}: the {split} split has {have} windows, "
+                            f"fewer than one batch needs ({need}); lower {key} or build "
+                            "more data")
+    return meta
+
+
+def dry_run(cfg: TrainConfig, resume: str) -> str:
+    """`gpn-scale train --dry-run`: everything a start would check, read-only, as a report
+    (the resolved config, then what the run would use). Trains nothing, writes nothing:
+    local locations are checked for writability without being created, an S3 checkpoint
+    root is listed (credentials, bucket) but not written to."""
+    import copy
+
+    from gpn_scale.checkpoint import CheckpointManager
+    from gpn_scale.model import counts
+    from gpn_scale.train.config import DEFAULT_CORPUS, batch_layout, to_yaml
+    from gpn_scale.train.env import detect
+
+    model_cfg = model_config(cfg)
+    world = detect().world_size
+    micro, accum = batch_layout(cfg, world)
+    run_dir, ckpt_root = cfg.resolved_run_dir, cfg.resolved_checkpoint_root
+    run_dir_exists = check_local_dir(run_dir, "run_dir")
+    lines = []
+    if "://" in ckpt_root:
+        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
+        found = len(mgr.storage.list_dirs())  # credentials and bucket, read-only
+        where = f"{ckpt_root} (listed: {found} entries; write access not probed)"
+    else:
+        exists = check_local_dir(ckpt_root, "checkpoint.root")
+        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
+        where = f"{ckpt_root}{'' if exists else ' (would be created)'}"
+    resume_uri = mgr.resolve_resume(resume) if resume != "none" else None
+    if resume_uri:  # the shape check a start makes before loading
+        from gpn_scale.train.loop import check_model_compatible
+
+        check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg,
+                               resume_uri)
+    if cfg.data.remote == DEFAULT_CORPUS:
+        built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
+        if (built / "gpn_dataset.json").is_file():
+            meta = check_data(cfg, str(built), model_cfg.vocab_size, micro, world)
+            data = _data_line(str(built), meta)
+        else:
+            data = f"the embedded default corpus, built on first use under {built}"
+    else:
+        data = _data_line(cfg.data.remote, check_data(cfg, cfg.data.remote,
+                                                     model_cfg.vocab_size, micro, world))
+
+    resolved = copy.deepcopy(cfg)
+    resolved.run_dir, resolved.checkpoint.root = run_dir, ckpt_root
+    tokens = cfg.schedule.total_steps * cfg.train.global_batch_size * cfg.data.seq_len
+    lines += [
+        f"model: {model_cfg.name or cfg.model} ({model_cfg.family}), "
+        f"{counts.count_parameters(model_cfg):,} parameters",
+        f"data: {data}",
+        f"batch: {cfg.train.global_batch_size} sequences = micro {micro} x accum {accum} x "
+        f"world {world}; {cfg.schedule.total_steps} steps, {tokens:,} tokens",
+        f"run_dir: {run_dir}{'' if run_dir_exists else ' (would be created)'}",
+        f"checkpoints: {where}",
+        "resume: " + (f"{resume} -> {resume_uri}" if resume_uri else
+                      f"{resume}: no complete checkpoint, would start fresh" if resume == "auto"
+                      else "none: would start fresh"),
+        f"W&B: {cfg.logging.wandb.mode}" + (" (not contacted by --dry-run)"
+                                            if cfg.logging.wandb.mode == "online" else ""),
+        "dry run: config, model, data and checkpoint locations are valid; nothing was "
+        "trained or written",
+    ]
+    return to_yaml(resolved).rstrip() + "\n---\n" + "\n".join(lines)
+
+
+def _data_line(remote: str, meta: Any) -> str:
+    return (f"{remote} (seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
+            + ", ".join(f"{name} {info.samples:,} windows" for name, info in
+                        sorted(meta.splits.items())) + ")")
