@@ -33,10 +33,9 @@ import struct
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from gpn_scale.model.config import ConfigError
