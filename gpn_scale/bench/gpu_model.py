@@ -11,10 +11,10 @@ runs two chunks' worth of steps (every per-step and per-chunk cost is linear in 
 multiple of the chunk size) and scales to --seq-len.
 
 The prediction per launch is max(bytes / (eff_bw * HBM bandwidth), FLOPs / (eff_flops *
-dense bf16 peak)), plus, per launch, the GPU-side gap between kernels when the sequential
-phases replay as CUDA graphs (~1.3 us on H100: Hazy Research, "no bubbles"), or the host's
-launch cost when they run eagerly (~5 us; a phase is then host-bound where its kernels are
-shorter). The floor beside it is what any implementation of this algorithm must pay: each
+dense bf16 peak)) plus the GPU-side gap between kernels (~1.3 us on H100 even under graphs:
+Hazy Research, "no bubbles"); launched eagerly, at least the host's launch cost (~5 us: a
+phase is host-bound where its kernels are shorter). With graphs the sequential phases also
+pay their replays' copies of each chunk's inputs and outputs into the static buffers. The floor beside it is what any implementation of this algorithm must pay: each
 sequential step streams the loop weights (bf16) and every sequence's float32 M0 once in the
 forward and once in the reverse sweep (or its GEMM FLOPs, if larger), and the chunk-wide
 FLOPs run at peak.
@@ -35,6 +35,7 @@ from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model import engine
 from gpn_scale.model.counts import flops_per_token
 from gpn_scale.ops import launch as launches_
+from gpn_scale.ops.gpn_step.cuda import GRAPH_COPIES
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 
 
@@ -246,11 +247,14 @@ EFF_FLOPS = 0.7
 def predict(acc: Accounting, gpu: Gpu, graphs: bool = True, eff_bw: float = EFF_BW,
             eff_flops: float = EFF_FLOPS, cfg: GPNConfig | None = None) -> Prediction:
     def op_time(op: Op) -> float:
+        if op.name.endswith(GRAPH_COPIES) and not graphs:
+            return 0.0
         t = max(op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
-                op.flops / (eff_flops * gpu.bf16_flops_per_s))
-        # Only the sequential phases replay as graphs; everything else launches eagerly.
+                op.flops / (eff_flops * gpu.bf16_flops_per_s)) + GRAPH_GAP_S
+        # Only the sequential phases replay as graphs; everything else launches eagerly and
+        # is host-bound where its kernels are shorter than their launch.
         graphed = graphs and op.triton and op.phase in SEQUENTIAL
-        return t + GRAPH_GAP_S if graphed else max(t, HOST_LAUNCH_S)
+        return t if graphed else max(t, HOST_LAUNCH_S)
 
     per_phase = {ph: acc.at_seq_len(lambda ops, _t, ph=ph: sum(op_time(op) for op in ops
                                                                if op.phase == ph))

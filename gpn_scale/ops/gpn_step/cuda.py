@@ -28,7 +28,7 @@ from gpn_scale.ops.launch import Launch, is_dry, recording  # noqa: F401  (re-ex
 from gpn_scale.ops.launch import launch as _launch
 from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_aten as _aten
-from gpn_scale.ops.gpn_step.graphs import ChunkGraphs
+from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
 from gpn_scale.ops.gpn_step.interface import (ChunkForward, ChunkForwardResult, LoopWeights,
                                               ReverseSweep, ReverseSweepResult, StepPlan)
 
@@ -109,6 +109,9 @@ def _ffn_programs(plan: StepPlan, block_f: int) -> int:
 
 
 # --------------------------------------------------------------------------- backend
+GRAPH_COPIES = "graph copies in/out"   # recorded (dry runs) where a replay copies its buffers
+
+
 class CudaBackend:
     """Triton kernels for the steps; chunks captured as CUDA graphs when the plan asks."""
 
@@ -120,12 +123,16 @@ class CudaBackend:
     # -------------------------------------------------------------------- forward
     def forward_chunk(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
                       ) -> ChunkForwardResult:
+        if is_dry() and plan.cuda_graphs:   # what a replay costs besides its kernels
+            _aten(GRAPH_COPIES, "forward chunk", 2 * _nbytes(*_leaves(chunk)))
         if self.graphs.wanted(plan, chunk.fuse):
             return self.graphs.forward(plan, W, chunk, forward_chunk_eager)
         return forward_chunk_eager(plan, W, chunk)
 
     def reverse_sweep(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
                       ) -> ReverseSweepResult:
+        if is_dry() and plan.cuda_graphs:
+            _aten(GRAPH_COPIES, "reverse chunk", 2 * _nbytes(*_leaves(sweep)))
         if self.graphs.wanted(plan, sweep.dP):
             return self.graphs.reverse(plan, Wt, sweep, reverse_sweep_eager)
         return reverse_sweep_eager(plan, Wt, sweep)
