@@ -34,7 +34,7 @@ import torch
 
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
-from gpn_scale.data.shm import clean_stale_streaming_shm, registration_lock
+from gpn_scale.data.shm import clean_stale_streaming_shm, record_owner, registration_lock
 from gpn_scale.data.storage import Location, join
 
 STATE_VERSION = 1
@@ -348,6 +348,8 @@ def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_
                 predownload=cfg.predownload, validate_hash=cfg.validate_hash,
                 download_timeout=cfg.download_timeout, cache_limit=cfg.cache_limit,
                 download_retry=1)
+            if local_leader:  # the leader registered the prefix: a dead run is known by it
+                record_owner(dataset._shm_prefix_int)
     except ValueError as err:
         if "Reused local directory" in str(err):
             raise DataError(f"local cache {cache_dir} is in use by another running loader; "
