@@ -144,6 +144,11 @@ class CheckpointManager:
                 raise CheckpointError(f"{what}{where}: {err}")
         return errors
 
+    @property
+    def staging_root(self) -> Path:
+        """Where the ranks stage their files (a local directory; see the class docstring)."""
+        return self._staging_root
+
     def _stage(self) -> Path:
         return self._staging_root / f"rank_{self.rank:05d}"
 
@@ -226,10 +231,20 @@ class CheckpointManager:
             out.append((int(name[len("step_") :]), self.storage.child_uri(name), complete))
         return out
 
+    def delete_all(self) -> list[str]:
+        """Delete every step directory (manifest first) and the `latest` pointer; returns the
+        names deleted. Not collective: call it on rank 0 (the trainer's --fresh)."""
+        names = self._candidates()
+        for name in names:
+            self.storage.delete_prefix(f"{name}/{MANIFEST}")
+            self.storage.delete_prefix(f"{name}/")
+        self.storage.delete(LATEST)
+        return names
+
     def resolve_resume(self, resume: str | None) -> str | None:
         """'auto' -> latest() (None when there is none); 'none'/'' -> None; a URI -> that URI if complete."""
         value = (resume or "none").strip()
-        if value.lower() in ("none", "no", "false", "off", ""):
+        if value.lower() in ("none", "never", "no", "false", "off", ""):
             return None
         if value.lower() == "auto":
             return self.latest()

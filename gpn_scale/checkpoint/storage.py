@@ -71,6 +71,10 @@ class Storage(ABC):
         """Delete every file under `prefix` ('step_000000100/'); missing is fine."""
 
     @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one file (e.g. 'DONE'); missing is fine."""
+
+    @abstractmethod
     def preflight(self) -> None:
         """Cheaply prove that the root can be written; CheckpointError naming the fix if not."""
 
@@ -180,6 +184,9 @@ class LocalStorage(Storage):
 
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix.rstrip("/")), ignore_errors=True)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def preflight(self) -> None:
         probe = self.root / f".preflight-{uuid.uuid4().hex[:12]}"
@@ -468,6 +475,9 @@ class S3Storage(Storage):
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             self._call(f"delete {prefix}", lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b))
+
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
 
     def preflight(self) -> None:
         probe = self._key(f".preflight-{uuid.uuid4().hex[:12]}")

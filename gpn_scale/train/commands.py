@@ -57,7 +57,14 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
                    help="training config name or YAML path (omit it to start from the "
                         "schema's defaults, e.g. for sweep runs given entirely as overrides)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides")
-    p.add_argument("--resume", default="none", help=RESUME_HELP)
+    p.add_argument("--resume", default=None,
+                   help=RESUME_HELP.replace("'none' = start fresh", "'none' (or 'never') = "
+                                            "start fresh, refused over existing checkpoints")
+                   + " (default: auto; a finished run is left as it is)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over at step 0: deletes the checkpoints, DONE and metrics "
+                        "history already under checkpoint.root / run_dir (after the setup "
+                        "succeeds); implies --resume none")
     p.set_defaults(func=cmd_train)
 
     d = subparsers.add_parser(
@@ -104,9 +111,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.loop import Trainer, TrainingError
 
     errors = _errors()
+    if args.fresh and args.resume not in (None, "none", "never"):
+        return _fail(ValueError(f"--fresh starts over; it cannot be combined with --resume "
+                                f"{args.resume} (drop one of them)"))
+    resume = args.resume or ("none" if args.fresh else "auto")
     try:
         cfg = load_train_config(*_config_and_overrides(args))
-        result = Trainer(cfg, resume=args.resume).run()
+        result = Trainer(cfg, resume=resume, fresh=args.fresh).run()
     except errors as err:
         return _fail(err)
     except TrainingError as err:

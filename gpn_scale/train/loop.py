@@ -251,11 +251,17 @@ class RunResult:
 
 
 class Trainer:
+    """resume: 'auto' | 'none' | a checkpoint URI. 'none' refuses a checkpoint root that
+    already holds checkpoints or DONE unless fresh=True, which deletes them (and the run's
+    metrics history) once the setup has succeeded, then starts at step 0."""
+
     def __init__(self, cfg: TrainConfig, resume: str = "none",
-                 log: Callable[[str], None] | None = None, eval_only: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, eval_only: bool = False,
+                 fresh: bool = False) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
+        self.fresh = fresh
         self._log = log or (lambda msg: print(msg, flush=True))
         self._log_is_print = log is None
 
@@ -373,10 +379,21 @@ class Trainer:
     def run(self) -> RunResult:
         cfg = self.cfg
         self.run_dir = cfg.resolved_run_dir
+        # What a failed start must not leave behind: the directories it would create.
+        self._new_dirs = _missing_tops([self.run_dir, cfg.resolved_checkpoint_root,
+                                        cfg.data.local_cache])
+        self._started = False
         self._setup_topology()
         topo = self.topo
         try:
-            return self._run()
+            result = self._run()
+            if self.eval_only:
+                self._remove_new_dirs()
+            return result
+        except ConfigError:
+            if not self._started:  # exit 2: leave nothing that was not there before
+                self._remove_new_dirs()
+            raise
         finally:
             if hasattr(self, "_pbar") and self._pbar is not None:
                 self._pbar.close()
@@ -400,8 +417,13 @@ class Trainer:
 
         # Checkpoint storage first: a bad path or missing credentials fails before any work.
         mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
+        self._new_dirs += _missing_tops([mgr.staging_root])
         mgr.preflight()
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
+        if not self.eval_only:
+            finished = self._check_existing_run(mgr, resume_uri)
+            if finished is not None:
+                return finished
 
         if topo.is_main and not self.eval_only:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -432,7 +454,12 @@ class Trainer:
                 self.log("eval: no checkpoint found; evaluating the untrained model")
             result = self._evaluate(backend, val_loader, val_start, step, tokens)
             return RunResult(0, step, tokens, self.run_dir, resume_uri, result)
-        self._open_sinks(step if resume_uri else None, wandb_id, model_cfg, n_params)
+        if self.fresh:  # the explicit choice, acted on only now that the setup has worked
+            self._discard_previous_run(mgr)
+        # A fresh start (step 0) drops the history of an earlier attempt that left no
+        # checkpoint, as a resume drops the steps after its checkpoint: one history per run.
+        self._open_sinks(step, wandb_id, model_cfg, n_params)
+        self._started = True
         tokens_per_step = cfg.train.global_batch_size * seq_len
         total = cfg.schedule.total_steps
         peak = peak_flops(device)
@@ -561,6 +588,60 @@ class Trainer:
         return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
 
     # ------------------------------------------------------------------ pieces
+    def _check_existing_run(self, mgr, resume_uri: str | None) -> RunResult | None:
+        """Refuse to start over existing checkpoints without --fresh; a finished run is
+        left as it is (a RunResult: nothing to do). None: go on."""
+        raw = mgr.storage.get_bytes(DONE_MARKER)
+        try:
+            done = json.loads(raw) if raw else None
+        except ValueError:
+            done = {}
+        if self.resume.strip().lower() in ("none", "never", "no", "false", "off", ""):
+            if self.fresh:
+                return None
+            ckpts = mgr.list_checkpoints()
+            if ckpts or done is not None:
+                what = (f"checkpoints (newest step {ckpts[0][0]})" if ckpts
+                        else "a DONE marker (a finished run)")
+                raise ConfigError(f"checkpoint.root {mgr.root} already holds {what}; "
+                                  "--resume auto continues that run, --fresh deletes it and "
+                                  "starts over, or choose another run_dir / checkpoint.root")
+            return None
+        if done is None:
+            return None
+        done_step = int(done.get("step", 0) or 0)
+        ckpt_step = last_ckpt_step(resume_uri)
+        total = self.cfg.schedule.total_steps
+        if done_step >= total and (ckpt_step is None or ckpt_step <= done_step):
+            msg = (f"run already finished at step {done_step} ({mgr.storage.child_uri(DONE_MARKER)}); "
+                   "nothing to do: raise schedule.total_steps to train further, or --fresh "
+                   "to start over")
+            self.log(msg)
+            return RunResult(0, done_step, int(done.get("tokens", 0) or 0), self.run_dir,
+                             done.get("checkpoint") or resume_uri, message=msg)
+        if resume_uri is None:
+            raise ConfigError(f"{mgr.storage.child_uri(DONE_MARKER)} says the run finished at "
+                              f"step {done_step} but no checkpoint is left to continue it to "
+                              f"schedule.total_steps={total}; --fresh starts over")
+        return None
+
+    def _discard_previous_run(self, mgr) -> None:
+        """--fresh: delete the earlier run's checkpoints and DONE (rank 0), then agree."""
+        if self.topo.is_main:
+            gone = mgr.delete_all()
+            mgr.storage.delete(DONE_MARKER)
+            if gone:
+                self.log(f"--fresh: deleted {len(gone)} checkpoint(s) and DONE under {mgr.root}")
+        self.topo.barrier()
+
+    def _remove_new_dirs(self) -> None:
+        if self.topo is not None and not self.topo.is_main:
+            return
+        import shutil
+
+        for path in self._new_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
     def _breakdown(self, dt: float, t_data: float, t_update: float, backend: _Backend
                    ) -> dict[str, float]:
         """Where a step's time went (CPU only: without a device sync GPU times would lie).
@@ -691,6 +772,22 @@ class Trainer:
     def _emit(self, metrics: dict[str, Any], step: int, tokens: int) -> None:
         for sink in self._sinks:
             sink.log({"tokens": tokens, **metrics}, step=step)
+
+
+def _missing_tops(paths: list[str | None]) -> list[Path]:
+    """For each local path, its topmost ancestor that does not exist yet (what creating it
+    would add); nothing for paths that exist, S3 URIs and None."""
+    out: list[Path] = []
+    for path in paths:
+        if not path or "://" in str(path):
+            continue
+        p = Path(os.path.abspath(os.path.expanduser(str(path))))
+        top = None
+        while not p.exists() and p != p.parent:
+            top, p = p, p.parent
+        if top is not None and top not in out:
+            out.append(top)
+    return out
 
 
 def last_ckpt_step(uri: str | None) -> int | None:
