@@ -120,7 +120,13 @@ def translate_stream_error(err: BaseException, remote: str, split: str,
         return DataError(f"corrupted shard {root}/{split}/{shard}: its hash does not match "
                          f"the index; run `gpn-data verify {root}` and rebuild the dataset "
                          "with --overwrite")
-    if "zstd" in text.lower() or "decompress" in text.lower():
+    if isinstance(cause, FileNotFoundError) and cause.filename:
+        shard = os.path.basename(str(cause.filename))
+        return DataError(f"shard {root}/{split}/{shard} is missing (listed in the index but "
+                         f"not found); run `gpn-data verify {root}` and rebuild the dataset "
+                         "with --overwrite")
+    if ("zstd" in text.lower() or "decompress" in text.lower()) and not isinstance(
+            cause, FileNotFoundError):
         return DataError(f"a shard of {root}/{split} does not decompress ({text}); run "
                          f"`gpn-data verify {root}` and rebuild with --overwrite")
     try:
@@ -145,10 +151,14 @@ def _token_dataset_class() -> type:
         _background_error: BaseException | None = None
 
         def on_exception(self, future: Any) -> None:
+            # streaming's own version re-raises inside the future's done-callback, where
+            # concurrent.futures can only log it: a 30-90 line traceback on stderr before
+            # our one-line error. Keep its effect (stop the other threads), record the error
+            # for __iter__ to raise in the main thread, and raise nothing here.
             error = future.exception()
             if error is not None:
                 self._background_error = error
-            super().on_exception(future)
+                self._event.set()
 
         def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
             try:

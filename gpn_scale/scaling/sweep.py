@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
+from gpn_scale.model.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_DIR = REPO_ROOT / "configs" / "sweeps"
@@ -221,15 +221,11 @@ def _short(x: float) -> str:
 
 def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> Sweep:
     """Read, validate and expand a sweep file (by path or by name in configs/sweeps/)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     path = resolve_sweep_path(name_or_path)
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OmegaConfBaseException, ValueError) as err:  # YAML or interpolation errors
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SweepError(f"{path}: cannot read the sweep: {first}") from None
+        raw = read_yaml(path, what="sweep")
+    except ConfigError as err:  # YAML syntax (file and line) or interpolation errors
+        raise SweepError(str(err)) from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: expected a mapping at the top level")
     return _expand(raw, path, allow_few_seeds=allow_few_seeds)

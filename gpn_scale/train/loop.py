@@ -723,7 +723,8 @@ class Trainer:
     def _restore(self, mgr, uri: str, backend: _Backend, loader, model_cfg
                  ) -> tuple[int, int, int, str | None]:
         # Check the model shape from the manifest before DCP tries (and fails less clearly).
-        check_model_compatible(read_manifest_meta(mgr, uri).get("model_config"), model_cfg, uri)
+        # From the manifest wherever it is (an explicit --resume URI may be another run's).
+        check_model_compatible(mgr.read_meta(uri).get("model_config"), model_cfg, uri)
         ck = backend.load(mgr, uri)
         meta = ck.meta
         check_model_compatible(meta.get("model_config"), model_cfg, uri)
@@ -811,15 +812,3 @@ def check_model_compatible(saved: dict | None, current, uri: str) -> None:
     if diff:
         raise ConfigError(f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
                           "use the model config it was trained with, or a fresh checkpoint.root")
-
-
-def read_manifest_meta(mgr, uri: str) -> dict:
-    """The `meta` a checkpoint was saved with (manifest.json, documented layout), or {}."""
-    name = uri.rstrip("/").rsplit("/", 1)[-1]
-    try:
-        if mgr.storage.child_uri(name).rstrip("/") != uri.rstrip("/"):
-            return {}  # an explicit URI outside this root: DCP's own check applies
-        raw = mgr.storage.get_bytes(f"{name}/manifest.json")
-        return dict(json.loads(raw).get("meta", {})) if raw else {}
-    except (ValueError, AttributeError):
-        return {}
