@@ -144,7 +144,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     errors = _errors()
     try:
         cfg = load_train_config(args.config, args.overrides)
-        if args.batches:
+        if args.batches is not None:
+            if args.batches < 1:
+                return _fail(ValueError(f"--batches {args.batches}: must be >= 1 (omit it "
+                                        f"for eval.batches={cfg.eval.batches})"))
             cfg.eval.batches = args.batches
         from gpn_scale.train.loop import Trainer
 

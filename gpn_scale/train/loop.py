@@ -420,6 +420,12 @@ class Trainer:
         self._new_dirs += _missing_tops([mgr.staging_root])
         mgr.preflight()
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
+        for uri, reason in mgr.skipped if self.resume == "auto" else ():
+            self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
+        if self.eval_only and resume_uri is None and not _no_resume(self.resume):
+            raise ConfigError(f"eval: no complete checkpoint under {mgr.root} to evaluate; "
+                              "pass --checkpoint URI, the run's run_dir / checkpoint.root, or "
+                              "--checkpoint none for the untrained model")
         if not self.eval_only:
             finished = self._check_existing_run(mgr, resume_uri)
             if finished is not None:
@@ -451,7 +457,7 @@ class Trainer:
 
         if self.eval_only:
             if resume_uri is None:
-                self.log("eval: no checkpoint found; evaluating the untrained model")
+                self.log("eval: --checkpoint none: evaluating the untrained model")
             result = self._evaluate(backend, val_loader, val_start, step, tokens)
             return RunResult(0, step, tokens, self.run_dir, resume_uri, result)
         if self.fresh:  # the explicit choice, acted on only now that the setup has worked
@@ -596,7 +602,7 @@ class Trainer:
             done = json.loads(raw) if raw else None
         except ValueError:
             done = {}
-        if self.resume.strip().lower() in ("none", "never", "no", "false", "off", ""):
+        if _no_resume(self.resume):
             if self.fresh:
                 return None
             ckpts = mgr.list_checkpoints()
@@ -735,6 +741,9 @@ class Trainer:
         else:  # another world size: streaming's global position is valid for any world
             loader.load_state_dict(meta["loader"])
         self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
+        if not self.eval_only:
+            for line in changed_settings(meta.get("config"), self.cfg.to_dict()):
+                self.log(f"warning: resuming with a changed setting: {line}")
         return int(meta["step"]), int(meta["tokens"]), int(meta.get("skipped_steps", 0)), \
             meta.get("wandb_run_id")
 
@@ -775,6 +784,11 @@ class Trainer:
             sink.log({"tokens": tokens, **metrics}, step=step)
 
 
+def _no_resume(resume: str) -> bool:
+    """The spellings of --resume none (CheckpointManager.resolve_resume accepts the same)."""
+    return resume.strip().lower() in ("none", "never", "no", "false", "off", "")
+
+
 def _missing_tops(paths: list[str | None]) -> list[Path]:
     """For each local path, its topmost ancestor that does not exist yet (what creating it
     would add); nothing for paths that exist, S3 URIs and None."""
@@ -799,6 +813,24 @@ def last_ckpt_step(uri: str | None) -> int | None:
 
     m = re.search(r"step[_-]?0*(\d+)/?$", uri)
     return int(m.group(1)) if m else None
+
+
+# Settings whose change on resume alters the run that was checkpointed (the schedule or
+# the optimiser); allowed (e.g. extending total_steps), but never silently.
+RESUME_WATCHED = ("schedule", "optim")
+
+
+def changed_settings(saved: dict | None, current: dict) -> list[str]:
+    """'key old -> new' for each watched setting a resume changes ([] without a saved config)."""
+    if not isinstance(saved, dict):
+        return []
+    out = []
+    for section in RESUME_WATCHED:
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                out.append(f"{section}.{key} {old.get(key)!r} -> {new.get(key)!r}")
+    return out
 
 
 def check_model_compatible(saved: dict | None, current, uri: str) -> None:
