@@ -2,8 +2,9 @@
 
 Heavy imports (torch, deepspeed, streaming) happen inside the handlers so `--help` is fast.
 Exit codes: 0 done; 2 bad config / checkpoint / credentials / data (one line on stderr,
-nothing written); 3 stopped after too many non-finite steps; 75 preempted after a
-successful save (resume with `--resume auto`).
+nothing written); 3 stopped after too many non-finite steps; 75 preempted (or a first
+Ctrl-C) after a successful save (rerun: `--resume auto` is the default); 130 aborted by a
+second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         description="Train from a YAML config (configs/train/<name>.yaml or a path) with "
                     "key=value overrides, e.g. `gpn-scale train ci_tiny optim.lr=1e-3 "
                     "--resume auto`. Exit codes: 0 done, 2 bad input, 3 non-finite stop, "
-                    "75 preempted (checkpoint saved).")
+                    "75 preempted or Ctrl-C (checkpoint saved), 130 a second Ctrl-C.")
     p.add_argument("config", nargs="?", default=None,
                    help="training config name or YAML path (omit it to start from the "
                         "schema's defaults, e.g. for sweep runs given entirely as overrides)")
@@ -120,6 +121,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = Trainer(cfg, resume=resume, fresh=args.fresh).run()
     except errors as err:
         return _fail(err)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and exits 75)
+        from gpn_scale.train.signals import EXIT_ABORTED
+
+        print("gpn-scale: aborted by Ctrl-C: nothing saved since the last checkpoint; "
+              "continue with --resume auto", file=sys.stderr, flush=True)
+        return EXIT_ABORTED
     except TrainingError as err:
         print(f"gpn-scale: error: {err}", file=sys.stderr, flush=True)
         return 1

@@ -477,6 +477,7 @@ class Trainer:
         flag = PreemptionFlag().install() if cfg.preemption.enabled else None
         self._pbar = self._progress(step, total)
         data = self._batches(train_loader)
+        t_loop, step0 = time.perf_counter(), step  # for the ETA of the plain progress lines
         state = None
         in_a_row = 0
         last_ckpt = resume_uri
@@ -523,9 +524,12 @@ class Trainer:
                              f"{skipped} in total)")
                 if step % cfg.train.log_every == 0 or step == total or not applied:
                     tps = tokens_per_step / dt
+                    mfu = (flops_tok * tps / (peak * topo.world_size)) if peak else None
+                    if self._pbar is None:  # a log file (SLURM): plain lines, no bar
+                        self.log(progress_line(step, total, loss_val, lr, tps, mfu,
+                                               (time.perf_counter() - t_loop) / (step - step0)))
                     self._emit({"train/loss": loss_val, "lr": lr, "grad_norm": grad_norm,
-                                "tokens_per_s": tps,
-                                "mfu": (flops_tok * tps / (peak * topo.world_size)) if peak else None,
+                                "tokens_per_s": tps, "mfu": mfu,
                                 "step_time_s": dt, "mem_gb": memory_gb(device),
                                 "skipped_steps": skipped, "step_skipped": not applied,
                                 **self._breakdown(dt, t_data, t_update, backend)},
@@ -560,7 +564,7 @@ class Trainer:
                              f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
                              "with --resume auto")
                     self._emit({"event": "preempted"}, step, tokens)
-                    if cfg.preemption.requeue and topo.is_main:
+                    if cfg.preemption.requeue and topo.is_main and not flag.interrupted:
                         request_slurm_requeue(self.log)
                     return RunResult(EXIT_PREEMPTED, step, tokens, self.run_dir, last_ckpt,
                                      skipped_steps=skipped, message="preempted")
@@ -677,7 +681,9 @@ class Trainer:
                                     "train.global_batch_size or use more data")
 
     def _progress(self, step: int, total: int):
-        if not (self.topo.is_main and self.cfg.train.progress_bar):
+        # Not on a terminal (a SLURM log, a pipe): carriage-return redraws would fill the
+        # file; the loop prints a plain line every train.log_every steps instead.
+        if not (self.topo.is_main and self.cfg.train.progress_bar and sys.stderr.isatty()):
             return None
         from tqdm import tqdm
 
@@ -782,6 +788,15 @@ class Trainer:
     def _emit(self, metrics: dict[str, Any], step: int, tokens: int) -> None:
         for sink in self._sinks:
             sink.log({"tokens": tokens, **metrics}, step=step)
+
+
+def progress_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float,
+                  mfu: float | None, s_per_step: float) -> str:
+    """The plain progress line written instead of the tqdm bar when stderr is no terminal."""
+    eta = int(round(s_per_step * (total - step)))
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s"
+            f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+            f" | ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
 
 
 def _no_resume(resume: str) -> bool:
