@@ -380,8 +380,8 @@ class Trainer:
         cfg = self.cfg
         self.run_dir = cfg.resolved_run_dir
         # What a failed start must not leave behind: the directories it would create.
-        self._new_dirs = _missing_tops([self.run_dir, cfg.resolved_checkpoint_root,
-                                        cfg.data.local_cache])
+        self._new_dirs = _missing_tops([self.run_dir, str(Path(self.run_dir) / "data"),
+                                        cfg.resolved_checkpoint_root, cfg.data.local_cache])
         self._started = False
         self._setup_topology()
         topo = self.topo

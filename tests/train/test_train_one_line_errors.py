@@ -72,7 +72,10 @@ def test_explicit_resume_uri_of_another_model_shape_is_one_line(corpus, tmp_path
               "eval.at_end=false")
     ckpt = other / "checkpoints" / "step_000000001"
     assert ckpt.is_dir()
-    line = _one_line(_gpn_scale(tmp_path, *train_args(corpus, tmp_path / "run",
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    line = _one_line(_gpn_scale(tmp_path, *train_args(corpus, run_dir,
                                                       "model_overrides={d_ffn: 96}"),
                                 "--resume", str(ckpt)))
     assert "another model shape" in line and "d_ffn 320 != 96" in line
+    assert list(run_dir.iterdir()) == []  # a failed start: no checkpoints/, no data cache
