@@ -112,6 +112,7 @@ class CheckpointManager:
         self._s3_options = {"retries": s3_retries, "backoff_s": s3_backoff_s}
         self.storage: Storage = open_storage(self.root, **self._s3_options)
         self.keep_last = keep_last
+        self.skipped: list[tuple[str, str]] = []  # set by latest(): newer, incomplete ones
         if staging_dir is not None:
             self._staging_root = Path(staging_dir).expanduser().absolute()
         elif isinstance(self.storage, LocalStorage):
@@ -153,6 +154,11 @@ class CheckpointManager:
                 where = f" on rank {r}" if self.world_size > 1 else ""
                 raise CheckpointError(f"{what}{where}: {err}")
         return errors
+
+    @property
+    def staging_root(self) -> Path:
+        """Where the ranks stage their files (a local directory; see the class docstring)."""
+        return self._staging_root
 
     def _stage(self) -> Path:
         return self._staging_root / f"rank_{self.rank:05d}"
@@ -212,22 +218,42 @@ class CheckpointManager:
 
     def latest(self) -> str | None:
         """URI of the newest complete checkpoint (the `latest` pointer if it verifies, else the
-        highest complete step directory), or None when there is none."""
-        tried: set[str] = set()
+        highest complete step directory), or None when there is none.
+
+        `self.skipped` is then [(uri, reason)] for the step directories newer than the one
+        returned that are not complete (damaged, or a save that did not finish), newest first.
+        """
+        self.skipped = []
+        tried: dict[str, str] = {}
         raw = self.storage.get_bytes(LATEST)
+        candidates = self._candidates()
+
+        def step(n: str) -> int:
+            return int(n[len("step_") :])
+
         if raw is not None:
             try:
                 name = str(json.loads(raw)["name"])
             except (ValueError, KeyError, TypeError):
                 name = ""
             if _STEP_RE.match(name):
-                tried.add(name)
-                if self._check(self.storage, name)[0] is not None:
+                reason = self._check(self.storage, name)[1]
+                if not reason:
+                    self._note_skipped([n for n in candidates if step(n) > step(name)])
                     return self.storage.child_uri(name)
-        for name in self._candidates():
-            if name not in tried and self._check(self.storage, name)[0] is not None:
+                tried[name] = reason
+        for name in candidates:
+            reason = tried[name] if name in tried else self._check(self.storage, name)[1]
+            if not reason:
                 return self.storage.child_uri(name)
+            self.skipped.append((self.storage.child_uri(name), reason))
         return None
+
+    def _note_skipped(self, names: list[str]) -> None:
+        for name in names:
+            reason = self._check(self.storage, name)[1]
+            if reason:
+                self.skipped.append((self.storage.child_uri(name), reason))
 
     def list_checkpoints(self) -> list[tuple[int, str, bool]]:
         """(step, uri, complete) for every step directory, newest first (for status displays)."""
@@ -237,11 +263,21 @@ class CheckpointManager:
             out.append((int(name[len("step_") :]), self.storage.child_uri(name), complete))
         return out
 
+    def delete_all(self) -> list[str]:
+        """Delete every step directory (manifest first) and the `latest` pointer; returns the
+        names deleted. Not collective: call it on rank 0 (the trainer's --fresh)."""
+        names = self._candidates()
+        for name in names:
+            self.storage.delete_prefix(f"{name}/{MANIFEST}")
+            self.storage.delete_prefix(f"{name}/")
+        self.storage.delete(LATEST)
+        return names
+
     def resolve_resume(self, resume: str | None) -> str | None:
         """'auto' -> latest() (None when there is none); 'none'/'' -> None; a URI -> that URI
         if complete."""
         value = (resume or "none").strip()
-        if value.lower() in ("none", "no", "false", "off", ""):
+        if value.lower() in ("none", "never", "no", "false", "off", ""):
             return None
         if value.lower() == "auto":
             return self.latest()

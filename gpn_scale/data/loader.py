@@ -35,7 +35,7 @@ import torch
 
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
-from gpn_scale.data.shm import clean_stale_streaming_shm, registration_lock
+from gpn_scale.data.shm import clean_stale_streaming_shm, record_owner, registration_lock
 from gpn_scale.data.storage import Location, join
 
 STATE_VERSION = 1
@@ -121,7 +121,13 @@ def translate_stream_error(err: BaseException, remote: str, split: str,
         return DataError(f"corrupted shard {root}/{split}/{shard}: its hash does not match "
                          f"the index; run `gpn-data verify {root}` and rebuild the dataset "
                          "with --overwrite")
-    if "zstd" in text.lower() or "decompress" in text.lower():
+    if isinstance(cause, FileNotFoundError) and cause.filename:
+        shard = os.path.basename(str(cause.filename))
+        return DataError(f"shard {root}/{split}/{shard} is missing (listed in the index but "
+                         f"not found); run `gpn-data verify {root}` and rebuild the dataset "
+                         "with --overwrite")
+    if ("zstd" in text.lower() or "decompress" in text.lower()) and not isinstance(
+            cause, FileNotFoundError):
         return DataError(f"a shard of {root}/{split} does not decompress ({text}); run "
                          f"`gpn-data verify {root}` and rebuild with --overwrite")
     try:
@@ -148,10 +154,14 @@ def _token_dataset_class() -> type:
         _gpn_split: str = ""
 
         def on_exception(self, future: Any) -> None:
+            # streaming's own version re-raises inside the future's done-callback, where
+            # concurrent.futures can only log it: a 30-90 line traceback on stderr before
+            # our one-line error. Keep its effect (stop the other threads), record the error
+            # for __iter__ to raise in the main thread, and raise nothing here.
             error = future.exception()
             if error is not None:
                 self._background_error = error
-            super().on_exception(future)
+                self._event.set()
 
         def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
             try:
@@ -351,6 +361,8 @@ def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_
                 predownload=cfg.predownload, validate_hash=cfg.validate_hash,
                 download_timeout=cfg.download_timeout, cache_limit=cfg.cache_limit,
                 download_retry=1)
+            if local_leader:  # the leader registered the prefix: a dead run is known by it
+                record_owner(dataset._shm_prefix_int)
     except ValueError as err:
         if "Reused local directory" in str(err):
             raise DataError(f"local cache {cache_dir} is in use by another running loader; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -78,6 +79,10 @@ def read_metadata(remote: str) -> DatasetMetadata:
     """Read `gpn_dataset.json` from a dataset root (local directory or s3://bucket/prefix)."""
     location = Location(str(remote))
     url = location.url(METADATA_FILE)
+    if not location.remote and not os.path.isdir(location.url()):
+        what = "is a file, not a directory" if os.path.exists(location.url()) else "is missing"
+        raise DataError(f"dataset directory {location.url()} {what}; point data.remote (or "
+                        "the dataset path given) at a root written by `gpn-data build`")
     if not location.exists(METADATA_FILE):
         raise DataError(f"{url}: no dataset metadata; point at a dataset root written by "
                         "`gpn-data build` (an interrupted build leaves none: rebuild with "

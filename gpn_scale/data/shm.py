@@ -7,11 +7,16 @@ cache directory but another temp directory then fails with "Reused local directo
 
 streaming's own `clean_stale_shared_memory()` is not usable here: it unlinks segments
 whether or not a live job still uses them, and stops at the first free prefix. So this is
-hand-written: a prefix is stale when no live process maps any of its segments (read from
-/proc/*/maps, Linux only) and either its segments are older than `MIN_AGE_S` or its
-`_locals` segment registers one of *our* cache directories (then it is certainly a dead
-run of ours, and waiting would only make the restart fail). Stale segments and their
-filelocks are removed.
+hand-written. Every prefix our loaders register gets an owner record
+(`/dev/shm/gpn_scale_owner_NNNNNN`: the registering process's PID, its start time and PID
+namespace). A prefix whose recorded owner is gone is stale at once, whatever its age and
+whoever maps it: streaming's prefix scan maps the segments of every prefix it walks past
+(and keeps them mapped), so a restarted job maps its dead predecessor's segments itself,
+and "mapped by a live process" alone cannot tell a dead run from a live one. Prefixes
+without a record (another tool's streaming job, or one killed while registering) are stale
+when no other live process maps any of their segments (read from /proc/*/maps, Linux only)
+and either their segments are older than `MIN_AGE_S` or their `_locals` segment registers
+one of *our* cache directories. Stale segments, their filelocks and records are removed.
 
 It also serialises streaming's prefix registration among the jobs of one machine
 (`registration_lock`).
@@ -19,8 +24,10 @@ It also serialises streaming's prefix registration among the jobs of one machine
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import json
 import os
 import re
 import tempfile
@@ -34,6 +41,95 @@ _MAPPED = re.compile(r"/dev/shm/(\d{6})_([a-z_]+)")
 # Segments of other jobs younger than this are left alone: a job may be between creating
 # and mapping them, and a just-killed job's owner may want to look at them.
 MIN_AGE_S = 30.0
+
+
+# Owner records, one per prefix registered by our loaders (beside the segments; the name
+# does not match _SEGMENT, so streaming and the cleaner's segment walk ignore it).
+OWNER_RECORD = "gpn_scale_owner_"
+# Prefixes registered by this process: alive by definition.
+_OWN_PREFIXES: set[str] = set()
+
+
+def _process_identity(pid: int) -> tuple[str, str] | None:
+    """(start time in clock ticks since boot, PID namespace) of a live process, else None.
+    The start time tells a reused PID from the original process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # Field 22 (starttime); split after the command name, which may hold spaces.
+        start = stat.rsplit(")", 1)[1].split()[19]
+        ns = os.readlink(f"/proc/{pid}/ns/pid")
+    except (OSError, IndexError):
+        return None
+    return start, ns
+
+
+def record_owner(prefix_int: int) -> None:
+    """Write the owner record of a prefix this process just registered (best effort: without
+    it the prefix is judged by maps and age, as before)."""
+    prefix = f"{int(prefix_int):06d}"
+    _OWN_PREFIXES.add(prefix)
+    ident = _process_identity(os.getpid())
+    if ident is None or not SHM_DIR.is_dir():
+        return
+    path = SHM_DIR / f"{OWNER_RECORD}{prefix}"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        record = {"pid": os.getpid(), "start": ident[0], "pidns": ident[1],
+                  "locals": _locals_identity(prefix)}
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return
+    atexit.register(_drop_record, path, record)
+
+
+def _drop_record(path: Path, record: dict) -> None:
+    """At a normal exit (streaming unlinks the segments then): remove our record, if it is
+    still ours, so that no record outlives its registration."""
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text()) == record:
+            path.unlink()
+
+
+def _locals_identity(prefix: str) -> list[int] | None:
+    """(inode, ctime_ns) of a prefix's `_locals` segment: ties a record to one registration
+    (a later job reusing the prefix number creates a new segment)."""
+    try:
+        st = (SHM_DIR / f"{prefix}_locals").stat()
+    except OSError:
+        return None
+    return [st.st_ino, st.st_ctime_ns]
+
+
+def _owner_alive(prefix: str) -> bool | None:
+    """True / False when the prefix's owner record says its process lives / is gone; None
+    when there is no readable record, or it was written in another PID namespace (a
+    container sharing /dev/shm: its PIDs mean nothing here)."""
+    if prefix in _OWN_PREFIXES:
+        return True
+    try:
+        record = json.loads((SHM_DIR / f"{OWNER_RECORD}{prefix}").read_text())
+        pid, start, pidns = int(record["pid"]), str(record["start"]), str(record["pidns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    current = _locals_identity(prefix)
+    if current is not None and current != record.get("locals"):
+        return None  # the prefix number was registered again since: the record is not about it
+    mine = _process_identity(os.getpid())
+    if mine is None or mine[1] != pidns:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    ident = _process_identity(pid)
+    if ident is None:  # exited just now, or not ours to inspect: only a reuse check is lost
+        return os.path.exists(f"/proc/{pid}")
+    return ident[0] == start  # another start time: the PID was reused by a new process
 
 
 # One lock file per machine (in /dev/shm, like the segments it guards; every job of every
@@ -71,7 +167,7 @@ def _prefixes_in_use() -> set[str] | None:
     proc = Path("/proc")
     if not proc.is_dir():
         return None
-    in_use: set[str] = set()
+    in_use: set[str] = set(_OWN_PREFIXES)
     for pid_dir in proc.iterdir():
         if not pid_dir.name.isdigit():
             continue
@@ -107,9 +203,10 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
     """Remove streaming segments and filelocks that no live process uses.
 
     Safe to call while other streaming jobs run on the same machine: their segments are
-    mapped, so they are kept. `our_locals`: the caller's cache directories; unmapped
-    prefixes registering one of them are removed whatever their age. Returns the names
-    removed.
+    mapped (or their owner record names a live process), so they are kept. A prefix whose
+    owner record names a dead process is removed at once. `our_locals`: the caller's cache
+    directories; unmapped prefixes registering one of them are removed whatever their age.
+    Returns the names removed.
     """
     if not SHM_DIR.is_dir():
         return []
@@ -121,9 +218,21 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
     removed: list[str] = []
     stale_prefixes: set[str] = set()
     ours = {os.path.abspath(p) for p in our_locals or []}
+    alive: dict[str, bool | None] = {}
+    dead: set[str] = set()  # prefixes whose recorded owner is gone
+    for entry in SHM_DIR.iterdir():
+        if entry.name.startswith(OWNER_RECORD):
+            prefix = entry.name[len(OWNER_RECORD):]
+            alive[prefix] = _owner_alive(prefix)
+            if alive[prefix] is False:
+                dead.add(prefix)
     for entry in sorted(SHM_DIR.iterdir()):
         match = _SEGMENT.match(entry.name)
-        if not match or match.group(1) in in_use:
+        if not match:
+            continue
+        prefix = match.group(1)
+        owner = alive.get(prefix)
+        if owner is True or (owner is None and prefix in in_use):
             continue
         try:
             st = entry.stat()
@@ -131,8 +240,8 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
             continue
         if st.st_uid != uid:
             continue
-        prefix = match.group(1)
-        mine = prefix in stale_prefixes or bool(ours.intersection(_registered_locals(prefix)))
+        mine = (owner is False or prefix in stale_prefixes
+                or bool(ours.intersection(_registered_locals(prefix))))
         if not mine and now - st.st_mtime < min_age_s:
             continue
         try:
@@ -151,13 +260,19 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
             if not entry.name.endswith("_filelock"):
                 continue
             prefix = entry.name[:6]
-            if not prefix.isdigit() or prefix in in_use or prefix in live_segments:
+            if not prefix.isdigit() or alive.get(prefix) is True:
+                continue
+            if prefix not in dead and (prefix in in_use or prefix in live_segments):
                 continue
             try:
-                if now - entry.stat().st_mtime < min_age_s:
+                if prefix not in dead and now - entry.stat().st_mtime < min_age_s:
                     continue
                 entry.unlink()
                 removed.append(str(entry))
             except (FileNotFoundError, PermissionError):
                 continue
+    for prefix in dead:  # after the segments and locks it vouched for
+        with contextlib.suppress(OSError):
+            (SHM_DIR / f"{OWNER_RECORD}{prefix}").unlink()
+            removed.append(f"{OWNER_RECORD}{prefix}")
     return removed

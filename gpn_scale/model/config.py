@@ -135,16 +135,39 @@ def _require_int(name: str, value: Any, minimum: int, why: str = "") -> None:
         raise ConfigError(f"{name}: must be >= {minimum}, got {value}{why}")
 
 
+def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> Any:
+    """A YAML file as plain containers (OmegaConf: `${...}` interpolation when `resolve`).
+
+    A syntax error is one ConfigError line naming the file and the line (PyYAML's own error
+    is a multi-line traceback); unreadable files and bad interpolations are one line too.
+    """
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=resolve)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        problem = err.problem or err.context or type(err).__name__
+        if err.problem and err.context and err.context_mark is not None:
+            problem += f" ({err.context} at line {err.context_mark.line + 1})"
+        raise ConfigError(f"{where}: YAML syntax error in the {what}: {problem}; fix the "
+                          "file") from None
+    except (yaml.YAMLError, OmegaConfBaseException, OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path}: cannot read the {what}: {first}") from None
+
+
 def load_model_config(name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
                       ) -> GPNConfig:
     """Load `configs/model/<name>.yaml` (or any YAML path) into a validated GPNConfig.
 
     The YAML may hold the fields at top level or under a `model:` key.
     """
-    from omegaconf import OmegaConf
-
     path = resolve_model_config_path(name_or_path)
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    raw = read_yaml(path, what="model config")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of model fields")
     if "model" in raw and isinstance(raw["model"], dict):

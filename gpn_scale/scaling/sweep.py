@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
+from gpn_scale.model.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_DIR = REPO_ROOT / "configs" / "sweeps"
@@ -239,15 +239,11 @@ def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False,
     """Read, validate and expand a sweep file (by path or by name in configs/sweeps/).
     `price`: compute the GPU-hours (with `mfu: predicted`, ~1 s per model size of launch
     accounting); callers that only need the runs (array tasks, fits) pass False."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     path = resolve_sweep_path(name_or_path).resolve()  # plans and jobs print it absolute
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OmegaConfBaseException, ValueError) as err:  # YAML or interpolation errors
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SweepError(f"{path}: cannot read the sweep: {first}") from None
+        raw = read_yaml(path, what="sweep")
+    except ConfigError as err:  # YAML syntax (file and line) or interpolation errors
+        raise SweepError(str(err)) from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: expected a mapping at the top level")
     return _expand({str(k): v for k, v in raw.items()}, path, allow_few_seeds=allow_few_seeds,

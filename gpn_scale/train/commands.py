@@ -2,8 +2,9 @@
 
 Heavy imports (torch, deepspeed, streaming) happen inside the handlers so `--help` is fast.
 Exit codes: 0 done; 2 bad config / checkpoint / credentials / data (one line on stderr,
-nothing written); 3 stopped after too many non-finite steps; 75 preempted after a
-successful save (resume with `--resume auto`).
+nothing written); 3 stopped after too many non-finite steps; 75 preempted (or a first
+Ctrl-C) after a successful save (rerun: `--resume auto` is the default); 130 aborted by a
+second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -52,14 +53,21 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         description="Train from a YAML config (configs/train/<name>.yaml or a path) with "
                     "key=value overrides, e.g. `gpn-scale train ci_tiny optim.lr=1e-3 "
                     "--resume auto`. Exit codes: 0 done, 2 bad input, 3 non-finite stop, "
-                    "75 preempted (checkpoint saved).")
+                    "75 preempted or Ctrl-C (checkpoint saved), 130 a second Ctrl-C.")
     p.add_argument("config", nargs="?", default=None,
                    help="training config name or YAML path (omit it to start from the "
                         "schema's defaults, e.g. for sweep runs given entirely as overrides)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotlist overrides of the config, e.g. optim.lr=1e-3 run_dir=runs/x "
                         "(keys: docs/training.md)")
-    p.add_argument("--resume", default="none", help=RESUME_HELP)
+    p.add_argument("--resume", default=None,
+                   help=RESUME_HELP.replace("'none' = start fresh", "'none' (or 'never') = "
+                                            "start fresh, refused over existing checkpoints")
+                   + " (default: auto; a finished run is left as it is)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over at step 0: deletes the checkpoints, DONE and metrics "
+                        "history already under checkpoint.root / run_dir (after the setup "
+                        "succeeds); implies --resume none")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve and check the config, model, data and checkpoint locations "
                         "(read-only), print the resolved config and what the run would use; "
@@ -132,16 +140,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.loop import Trainer, TrainingError
 
     errors = _errors()
+    if args.fresh and args.resume not in (None, "none", "never"):
+        return _fail(ValueError(f"--fresh starts over; it cannot be combined with --resume "
+                                f"{args.resume} (drop one of them)"))
+    resume = args.resume or ("none" if args.fresh else "auto")
     try:
         cfg = load_train_config(*_config_and_overrides(args))
         if args.dry_run:
             from gpn_scale.train.preflight import dry_run
 
-            print(dry_run(cfg, args.resume))
+            print(dry_run(cfg, resume))
             return 0
-        result = Trainer(cfg, resume=args.resume).run()
+        result = Trainer(cfg, resume=resume, fresh=args.fresh).run()
     except errors as err:
         return _fail(err)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and exits 75)
+        from gpn_scale.train.signals import EXIT_ABORTED
+
+        print("gpn-scale: aborted by Ctrl-C: nothing saved since the last checkpoint; "
+              "continue with --resume auto", file=sys.stderr, flush=True)
+        return EXIT_ABORTED
     except TrainingError as err:
         print(f"gpn-scale: error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -166,7 +184,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     errors = _errors()
     try:
         cfg = load_train_config(args.config, args.overrides)
-        if args.batches:
+        if args.batches is not None:
+            if args.batches < 1:
+                return _fail(ValueError(f"--batches {args.batches}: must be >= 1 (omit it "
+                                        f"for eval.batches={cfg.eval.batches})"))
             cfg.eval.batches = args.batches
         from gpn_scale.train.loop import Trainer
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from gpn_scale.model.config import ConfigError, closest_key_hint, resolve_named_yaml
+from gpn_scale.model.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
 
@@ -230,10 +230,7 @@ def load_train_config(name_or_path: str | Path | None, overrides: list[str] | tu
     layers = []
     if name_or_path is not None:
         path = resolve_config_path(name_or_path)
-        try:
-            raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        except (OmegaConfBaseException, OSError, ValueError) as err:
-            raise ConfigError(f"{path}: cannot read YAML: {str(err).splitlines()[0]}") from None
+        raw = read_yaml(path, resolve=False, what="training config")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections")
         _check_keys(raw, TrainConfig)

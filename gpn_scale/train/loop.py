@@ -250,11 +250,17 @@ class RunResult:
 
 
 class Trainer:
+    """resume: 'auto' | 'none' | a checkpoint URI. 'none' refuses a checkpoint root that
+    already holds checkpoints or DONE unless fresh=True, which deletes them (and the run's
+    metrics history) once the setup has succeeded, then starts at step 0."""
+
     def __init__(self, cfg: TrainConfig, resume: str = "none",
-                 log: Callable[[str], None] | None = None, eval_only: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, eval_only: bool = False,
+                 fresh: bool = False) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
+        self.fresh = fresh
         self._log = log or (lambda msg: print(msg, flush=True))
         self._log_is_print = log is None
 
@@ -379,10 +385,21 @@ class Trainer:
     def run(self) -> RunResult:
         cfg = self.cfg
         self.run_dir = cfg.resolved_run_dir
+        # What a failed start must not leave behind: the directories it would create.
+        self._new_dirs = _missing_tops([self.run_dir, str(Path(self.run_dir) / "data"),
+                                        cfg.resolved_checkpoint_root, cfg.data.local_cache])
+        self._started = False
         self._setup_topology()
         topo = self.topo
         try:
-            return self._run()
+            result = self._run()
+            if self.eval_only:
+                self._remove_new_dirs()
+            return result
+        except ConfigError:
+            if not self._started:  # exit 2: leave nothing that was not there before
+                self._remove_new_dirs()
+            raise
         finally:
             if hasattr(self, "_pbar") and self._pbar is not None:
                 self._pbar.close()
@@ -415,8 +432,19 @@ class Trainer:
 
             check_run_dir(self.run_dir)  # names run_dir, not the checkpoint root under it
         mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
+        self._new_dirs += _missing_tops([mgr.staging_root])
         mgr.preflight()
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
+        for uri, reason in mgr.skipped if self.resume == "auto" else ():
+            self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
+        if self.eval_only and resume_uri is None and not _no_resume(self.resume):
+            raise ConfigError(f"eval: no complete checkpoint under {mgr.root} to evaluate; "
+                              "pass --checkpoint URI, the run's run_dir / checkpoint.root, or "
+                              "--checkpoint none for the untrained model")
+        if not self.eval_only:
+            finished = self._check_existing_run(mgr, resume_uri)
+            if finished is not None:
+                return finished
 
         if topo.is_main and not self.eval_only:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -448,10 +476,15 @@ class Trainer:
 
         if self.eval_only:
             if resume_uri is None:
-                self.log("eval: no checkpoint found; evaluating the untrained model")
+                self.log("eval: --checkpoint none: evaluating the untrained model")
             result = self._evaluate(backend, val_loader, val_start, step, tokens)
             return RunResult(0, step, tokens, self.run_dir, resume_uri, result)
-        self._open_sinks(step if resume_uri else None, wandb_id, model_cfg, n_params)
+        if self.fresh:  # the explicit choice, acted on only now that the setup has worked
+            self._discard_previous_run(mgr)
+        # A fresh start (step 0) drops the history of an earlier attempt that left no
+        # checkpoint, as a resume drops the steps after its checkpoint: one history per run.
+        self._open_sinks(step, wandb_id, model_cfg, n_params)
+        self._started = True
         tokens_per_step = cfg.train.global_batch_size * seq_len
         total = cfg.schedule.total_steps
         peak = peak_flops(device)
@@ -463,6 +496,7 @@ class Trainer:
         flag = PreemptionFlag().install() if cfg.preemption.enabled else None
         self._pbar = self._progress(step, total)
         data = self._batches(train_loader)
+        t_loop, step0 = time.perf_counter(), step  # for the ETA of the plain progress lines
         state = None
         in_a_row = 0
         last_ckpt = resume_uri
@@ -509,9 +543,12 @@ class Trainer:
                              f"{skipped} in total)")
                 if step % cfg.train.log_every == 0 or step == total or not applied:
                     tps = tokens_per_step / dt
+                    mfu = (flops_tok * tps / (peak * topo.world_size)) if peak else None
+                    if self._pbar is None:  # a log file (SLURM): plain lines, no bar
+                        self.log(progress_line(step, total, loss_val, lr, tps, mfu,
+                                               (time.perf_counter() - t_loop) / (step - step0)))
                     self._emit({"train/loss": loss_val, "lr": lr, "grad_norm": grad_norm,
-                                "tokens_per_s": tps,
-                                "mfu": (flops_tok * tps / (peak * topo.world_size)) if peak else None,
+                                "tokens_per_s": tps, "mfu": mfu,
                                 "step_time_s": dt, "mem_gb": memory_gb(device),
                                 "skipped_steps": skipped, "step_skipped": not applied,
                                 **self._breakdown(dt, t_data, t_update, backend)},
@@ -546,7 +583,7 @@ class Trainer:
                              f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
                              "with --resume auto")
                     self._emit({"event": "preempted"}, step, tokens)
-                    if cfg.preemption.requeue and topo.is_main:
+                    if cfg.preemption.requeue and topo.is_main and not flag.interrupted:
                         request_slurm_requeue(self.log)
                     return RunResult(EXIT_PREEMPTED, step, tokens, self.run_dir, last_ckpt,
                                      skipped_steps=skipped, message="preempted")
@@ -580,6 +617,60 @@ class Trainer:
         return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
 
     # ------------------------------------------------------------------ pieces
+    def _check_existing_run(self, mgr, resume_uri: str | None) -> RunResult | None:
+        """Refuse to start over existing checkpoints without --fresh; a finished run is
+        left as it is (a RunResult: nothing to do). None: go on."""
+        raw = mgr.storage.get_bytes(DONE_MARKER)
+        try:
+            done = json.loads(raw) if raw else None
+        except ValueError:
+            done = {}
+        if _no_resume(self.resume):
+            if self.fresh:
+                return None
+            ckpts = mgr.list_checkpoints()
+            if ckpts or done is not None:
+                what = (f"checkpoints (newest step {ckpts[0][0]})" if ckpts
+                        else "a DONE marker (a finished run)")
+                raise ConfigError(f"checkpoint.root {mgr.root} already holds {what}; "
+                                  "--resume auto continues that run, --fresh deletes it and "
+                                  "starts over, or choose another run_dir / checkpoint.root")
+            return None
+        if done is None:
+            return None
+        done_step = int(done.get("step", 0) or 0)
+        ckpt_step = last_ckpt_step(resume_uri)
+        total = self.cfg.schedule.total_steps
+        if done_step >= total and (ckpt_step is None or ckpt_step <= done_step):
+            msg = (f"run already finished at step {done_step} ({mgr.storage.child_uri(DONE_MARKER)}); "
+                   "nothing to do: raise schedule.total_steps to train further, or --fresh "
+                   "to start over")
+            self.log(msg)
+            return RunResult(0, done_step, int(done.get("tokens", 0) or 0), self.run_dir,
+                             done.get("checkpoint") or resume_uri, message=msg)
+        if resume_uri is None:
+            raise ConfigError(f"{mgr.storage.child_uri(DONE_MARKER)} says the run finished at "
+                              f"step {done_step} but no checkpoint is left to continue it to "
+                              f"schedule.total_steps={total}; --fresh starts over")
+        return None
+
+    def _discard_previous_run(self, mgr) -> None:
+        """--fresh: delete the earlier run's checkpoints and DONE (rank 0), then agree."""
+        if self.topo.is_main:
+            gone = mgr.delete_all()
+            mgr.storage.delete(DONE_MARKER)
+            if gone:
+                self.log(f"--fresh: deleted {len(gone)} checkpoint(s) and DONE under {mgr.root}")
+        self.topo.barrier()
+
+    def _remove_new_dirs(self) -> None:
+        if self.topo is not None and not self.topo.is_main:
+            return
+        import shutil
+
+        for path in self._new_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
     def _breakdown(self, dt: float, t_data: float, t_update: float, backend: _Backend
                    ) -> dict[str, float]:
         """Where a step's time went (CPU only: without a device sync GPU times would lie).
@@ -611,7 +702,9 @@ class Trainer:
                                 "train.global_batch_size or use more data")
 
     def _progress(self, step: int, total: int):
-        if not (self.topo.is_main and self.cfg.train.progress_bar):
+        # Not on a terminal (a SLURM log, a pipe): carriage-return redraws would fill the
+        # file; the loop prints a plain line every train.log_every steps instead.
+        if not (self.topo.is_main and self.cfg.train.progress_bar and sys.stderr.isatty()):
             return None
         from tqdm import tqdm
 
@@ -663,7 +756,8 @@ class Trainer:
     def _restore(self, mgr, uri: str, backend: _Backend, loader, model_cfg
                  ) -> tuple[int, int, int, str | None]:
         # Check the model shape from the manifest before DCP tries (and fails less clearly).
-        check_model_compatible(read_manifest_meta(mgr, uri).get("model_config"), model_cfg, uri)
+        # From the manifest wherever it is (an explicit --resume URI may be another run's).
+        check_model_compatible(mgr.read_meta(uri).get("model_config"), model_cfg, uri)
         ck = backend.load(mgr, uri)
         meta = ck.meta
         check_model_compatible(meta.get("model_config"), model_cfg, uri)
@@ -674,6 +768,9 @@ class Trainer:
         else:  # another world size: streaming's global position is valid for any world
             loader.load_state_dict(meta["loader"])
         self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
+        if not self.eval_only:
+            for line in changed_settings(meta.get("config"), self.cfg.to_dict()):
+                self.log(f"warning: resuming with a changed setting: {line}")
         return int(meta["step"]), int(meta["tokens"]), int(meta.get("skipped_steps", 0)), \
             meta.get("wandb_run_id")
 
@@ -715,6 +812,36 @@ class Trainer:
             sink.log({"tokens": tokens, **metrics}, step=step)
 
 
+def progress_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float,
+                  mfu: float | None, s_per_step: float) -> str:
+    """The plain progress line written instead of the tqdm bar when stderr is no terminal."""
+    eta = int(round(s_per_step * (total - step)))
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s"
+            f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+            f" | ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+
+
+def _no_resume(resume: str) -> bool:
+    """The spellings of --resume none (CheckpointManager.resolve_resume accepts the same)."""
+    return resume.strip().lower() in ("none", "never", "no", "false", "off", "")
+
+
+def _missing_tops(paths: list[str | None]) -> list[Path]:
+    """For each local path, its topmost ancestor that does not exist yet (what creating it
+    would add); nothing for paths that exist, S3 URIs and None."""
+    out: list[Path] = []
+    for path in paths:
+        if not path or "://" in str(path):
+            continue
+        p = Path(os.path.abspath(os.path.expanduser(str(path))))
+        top = None
+        while not p.exists() and p != p.parent:
+            top, p = p, p.parent
+        if top is not None and top not in out:
+            out.append(top)
+    return out
+
+
 def last_ckpt_step(uri: str | None) -> int | None:
     """The step encoded in a checkpoint URI (…/step_000123 or …/step-123), else None."""
     if not uri:
@@ -723,6 +850,24 @@ def last_ckpt_step(uri: str | None) -> int | None:
 
     m = re.search(r"step[_-]?0*(\d+)/?$", uri)
     return int(m.group(1)) if m else None
+
+
+# Settings whose change on resume alters the run that was checkpointed (the schedule or
+# the optimiser); allowed (e.g. extending total_steps), but never silently.
+RESUME_WATCHED = ("schedule", "optim")
+
+
+def changed_settings(saved: dict | None, current: dict) -> list[str]:
+    """'key old -> new' for each watched setting a resume changes ([] without a saved config)."""
+    if not isinstance(saved, dict):
+        return []
+    out = []
+    for section in RESUME_WATCHED:
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                out.append(f"{section}.{key} {old.get(key)!r} -> {new.get(key)!r}")
+    return out
 
 
 def check_model_compatible(saved: dict | None, current, uri: str) -> None:
@@ -736,15 +881,3 @@ def check_model_compatible(saved: dict | None, current, uri: str) -> None:
     if diff:
         raise ConfigError(f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
                           "use the model config it was trained with, or a fresh checkpoint.root")
-
-
-def read_manifest_meta(mgr, uri: str) -> dict:
-    """The `meta` a checkpoint was saved with (manifest.json, documented layout), or {}."""
-    name = uri.rstrip("/").rsplit("/", 1)[-1]
-    try:
-        if mgr.storage.child_uri(name).rstrip("/") != uri.rstrip("/"):
-            return {}  # an explicit URI outside this root: DCP's own check applies
-        raw = mgr.storage.get_bytes(f"{name}/manifest.json")
-        return dict(json.loads(raw).get("meta", {})) if raw else {}
-    except (ValueError, AttributeError):
-        return {}

@@ -5,6 +5,11 @@ SIGUSR1 (what SLURM sends with `--signal=USR1@<secs>` before the time limit) and
 At the end of every step all ranks agree on the flag (an all-reduce MAX, so one rank's signal
 stops everyone at the same step), save a checkpoint and exit with EXIT_PREEMPTED.
 Doing nothing else in the handler keeps it safe: no I/O or collectives from signal context.
+
+SIGINT (Ctrl-C; what `srun` forwards) does the same (save at the step's end, exit 75; no
+requeue: someone asked to stop), plus one line on stderr written straight to fd 2 (os.write
+is safe in a handler, print is not); a second Ctrl-C raises KeyboardInterrupt: abort at
+once, without saving.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ EXIT_PREEMPTED = 75
 EXIT_NONFINITE = 3
 # A bad config, checkpoint or credential: nothing was written (one line on stderr).
 EXIT_USAGE = 2
+# Aborted by a second Ctrl-C (128 + SIGINT, what shells report for a Ctrl-C'd command).
+EXIT_ABORTED = 130
 
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -30,15 +37,25 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.requested = False
         self.signum: int | None = None
+        self.interrupted = False  # a first Ctrl-C was seen
         self._previous: dict[int, object] = {}
 
     def _handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
         self.requested = True
         self.signum = signum
 
+    def _interrupt(self, signum: int, frame: object) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt  # the second Ctrl-C: abort without saving
+        self.interrupted = True
+        self._handler(signum, frame)
+        os.write(2, b"interrupted (Ctrl-C): saving a checkpoint at the end of this step, "
+                    b"then exiting; press Ctrl-C again to abort without saving\n")
+
     def install(self) -> PreemptionFlag:
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def uninstall(self) -> None:

@@ -17,7 +17,7 @@ import pytest
 from data_helpers import build_counter_dataset, row_keys
 
 from gpn_scale.data import DataConfig, build_loader
-from gpn_scale.data.shm import MIN_AGE_S, clean_stale_streaming_shm
+from gpn_scale.data.shm import MIN_AGE_S, OWNER_RECORD, _process_identity, clean_stale_streaming_shm
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +126,46 @@ def test_cleaner_keeps_live_and_young_segments_of_others(tmp_path):
         young_other.unlink(missing_ok=True)
         live.close()
         live.unlink()
+
+
+def _owner_record(prefix: int, pid: int, start: str, locals_seg: Path) -> Path:
+    import json
+
+    st = locals_seg.stat()
+    path = Path("/dev/shm") / f"{OWNER_RECORD}{prefix:06}"
+    path.write_text(json.dumps({"pid": pid, "start": start,
+                                "pidns": os.readlink("/proc/self/ns/pid"),
+                                "locals": [st.st_ino, st.st_ctime_ns]}))
+    return path
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+def test_cleaner_judges_recorded_prefixes_by_their_owner_pid(tmp_path):
+    """A prefix whose owner record names a dead process goes at once (young, another job's
+    cache dir, its filelocks too); one whose owner lives stays (old, mapped by nobody)."""
+    base = 900000 + int(uuid.uuid4().int % 90000)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_start = _process_identity(dead.pid)[0]
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead_locals = _fake_segment(f"{base:06}_locals", _locals_payload(["/x/a"], base), 0)
+    dead_part = _fake_segment(f"{base:06}_barrier", b"\0" * 12, 0)
+    live_locals = _fake_segment(f"{base + 1:06}_locals", _locals_payload(["/x/b"], base + 1),
+                                3600)
+    lock = tmp_path / f"{base:06}_barrier_filelock"
+    lock.write_text("")
+    records = [_owner_record(base, dead.pid, dead_start, dead_locals),
+               _owner_record(base + 1, live.pid, _process_identity(live.pid)[0], live_locals)]
+    try:
+        clean_stale_streaming_shm(str(tmp_path))
+        assert not dead_locals.exists() and not dead_part.exists() and not lock.exists()
+        assert not records[0].exists()
+        assert live_locals.exists() and records[1].exists()
+    finally:
+        live.kill()
+        live.wait()
+        for path in (live_locals, *records):
+            path.unlink(missing_ok=True)
 
 
 RACER = r"""

@@ -94,3 +94,20 @@ def test_sigusr1_saves_exits_75_and_resumes(corpus, reference, tmp_path):
     assert max(train_losses(run_dir)) == stopped
     run_train(corpus, run_dir, *COMMON, resume="auto")
     assert train_losses(run_dir) == reference
+
+
+def test_kill9_of_the_whole_job_then_immediate_restart(corpus, reference, tmp_path):
+    """SIGKILL to the trainer's whole process group (its multiprocessing resource tracker
+    too, as under SLURM or torchrun), restart at once: the dead run's shared memory is
+    still in /dev/shm, young, and mapped by the restarted job's own prefix scan. It must be
+    recognised as dead by its owner's PID (it was refused as "in use by another running
+    loader" until it was 30 s old)."""
+    run_dir = tmp_path / "run"
+    proc = start_train(corpus, run_dir, *COMMON, *SLOW, new_session=True)
+    wait_for_step(proc, run_dir, 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    left = [p.name for p in Path("/dev/shm").iterdir() if p.name[:6].isdigit()]
+    assert left, "the killed job left no shared memory behind (this test would prove nothing)"
+    run_train(corpus, run_dir, *COMMON, resume="auto")
+    assert train_losses(run_dir) == reference

@@ -73,12 +73,16 @@ def run_train(corpus: str, run_dir: Path, *overrides: str, nproc: int = 1,
 
 
 def start_train(corpus: str, run_dir: Path, *overrides: str, resume: str | None = None,
-                env: dict[str, str] | None = None) -> subprocess.Popen:
+                env: dict[str, str] | None = None, new_session: bool = False
+                ) -> subprocess.Popen:
+    """new_session: the trainer leads its own process group (kill it whole with killpg, as
+    SLURM or a container runtime does: its helper processes die with it)."""
     cmd = cli(1) + train_args(corpus, run_dir, *overrides)
     if resume:
         cmd += ["--resume", resume]
     return subprocess.Popen(cmd, cwd=REPO, env=env or child_env(run_dir.parent), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=new_session)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
