@@ -63,7 +63,8 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", default=None,
                    help=RESUME_HELP.replace("'none' = start fresh", "'none' (or 'never') = "
                                             "start fresh, refused over existing checkpoints")
-                   + " (default: auto; a finished run is left as it is)")
+                   .replace("(default: %(default)s)", "(default: auto; a finished run is left "
+                            "as it is)"))
     p.add_argument("--fresh", action="store_true",
                    help="start over at step 0: deletes the checkpoints, DONE and metrics "
                         "history already under checkpoint.root / run_dir (after the setup "
