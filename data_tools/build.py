@@ -52,6 +52,7 @@ def _progress(iterable: Iterable[Any], enabled: bool, **kwargs: Any) -> Iterable
     if not enabled:
         return iterable
     from tqdm import tqdm
+
     return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kwargs)
 
 
@@ -71,9 +72,11 @@ def prepare_output(out: str, overwrite: bool) -> Location:
         raise DataError(f"{out}: exists and is not a directory; choose another --out")
     existing = existing_dataset_files(location)  # also checks bucket/credentials/endpoint
     if existing and not overwrite:
-        raise DataError(f"{out} already holds a dataset ({len(existing)} files, e.g. "
-                        f"{existing[0]}); pass --overwrite to replace it or choose another "
-                        "--out")
+        raise DataError(
+            f"{out} already holds a dataset ({len(existing)} files, e.g. "
+            f"{existing[0]}); pass --overwrite to replace it or choose another "
+            "--out"
+        )
     if existing:
         location.delete(METADATA_FILE)
         for split in ("train", "val"):
@@ -92,9 +95,16 @@ def _batched(docs: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *,
-                     workers: int = 1, docs_per_task: int = 64,
-                     progress: bool = True, pool: Any = None) -> tuple[int, int]:
+def tokenize_to_file(
+    documents: Iterable[str],
+    spec: TokenizerSpec,
+    path: str,
+    *,
+    workers: int = 1,
+    docs_per_task: int = 64,
+    progress: bool = True,
+    pool: Any = None,
+) -> tuple[int, int]:
     """Tokenise documents (in order, EOD after each) into a flat binary file of
     `spec.dtype`. Returns (documents, tokens). `pool`: an already started pool made with
     `init_worker(spec)` (benchmarks use it to time the steady state); left running."""
@@ -127,17 +137,20 @@ def tokenize_to_file(documents: Iterable[str], spec: TokenizerSpec, path: str, *
 def start_pool(spec: TokenizerSpec, workers: int) -> Any:
     """Tokeniser worker processes; spawn, not fork: the parent may hold a multithreaded
     Rust tokenizer, which does not survive a fork."""
-    return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker,
-                                                     initargs=(spec,))
+    return multiprocessing.get_context("spawn").Pool(
+        workers, initializer=init_worker, initargs=(spec,)
+    )
 
 
-def split_windows(n_windows: int, seed: int, val_fraction: float,
-                  val_windows: int | None) -> tuple[np.ndarray, np.ndarray]:
+def split_windows(
+    n_windows: int, seed: int, val_fraction: float, val_windows: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Permute window indices with `seed`; the last bin is the held-out split.
     Returns (train_indices, val_indices), disjoint, together all windows."""
     if n_windows < 1:
-        raise DataError("the corpus is shorter than one window; give more text or a smaller "
-                        "--seq-len")
+        raise DataError(
+            "the corpus is shorter than one window; give more text or a smaller --seq-len"
+        )
     if val_windows is None:
         if not 0.0 <= val_fraction < 1.0:
             raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
@@ -145,15 +158,25 @@ def split_windows(n_windows: int, seed: int, val_fraction: float,
         if val_fraction > 0:
             val_windows = max(val_windows, 1)
     if not 0 <= val_windows < n_windows:
-        raise DataError(f"--val-windows {val_windows}: the corpus has only {n_windows} windows "
-                        f"of this seq_len; hold out fewer (at most {n_windows - 1})")
+        raise DataError(
+            f"--val-windows {val_windows}: the corpus has only {n_windows} windows "
+            f"of this seq_len; hold out fewer (at most {n_windows - 1})"
+        )
     order = np.random.default_rng(seed).permutation(n_windows)
     cut = n_windows - val_windows
     return order[:cut], order[cut:]
 
 
-def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, seq_len: int,
-                dtype: np.dtype, shard_size: str | int, progress: bool) -> SplitInfo:
+def write_split(
+    out: str,
+    split: str,
+    tokens: np.ndarray,
+    indices: np.ndarray,
+    seq_len: int,
+    dtype: np.dtype,
+    shard_size: str | int,
+    progress: bool,
+) -> SplitInfo:
     """Write windows `indices` of the flat token array as one MDS split."""
     from streaming import MDSWriter
 
@@ -161,11 +184,18 @@ def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, s
     url = join(out, split)
     shards = 0
     try:
-        with MDSWriter(out=url, columns=columns, compression="zstd", hashes=SHARD_HASHES,
-                       size_limit=shard_size, exist_ok=True, max_workers=4) as writer:
+        with MDSWriter(
+            out=url,
+            columns=columns,
+            compression="zstd",
+            hashes=SHARD_HASHES,
+            size_limit=shard_size,
+            exist_ok=True,
+            max_workers=4,
+        ) as writer:
             for index in _progress(indices, progress, desc=f"write {split}", unit=" window"):
                 start = int(index) * seq_len
-                writer.write({"tokens": np.ascontiguousarray(tokens[start:start + seq_len])})
+                writer.write({"tokens": np.ascontiguousarray(tokens[start : start + seq_len])})
         # after the `with`: finish() has flushed the last shard
         shards = len(getattr(writer, "shards", []))
     except DataError:
@@ -176,12 +206,18 @@ def write_split(out: str, split: str, tokens: np.ndarray, indices: np.ndarray, s
         raise
     if not shards:
         import json
+
         shards = len(json.loads(Location(out).read_bytes(f"{split}/index.json"))["shards"])
     return SplitInfo(samples=len(indices), tokens=len(indices) * seq_len, shards=shards)
 
 
-def build_dataset(documents: Iterable[str], out: str, spec: TokenizerSpec,
-                  options: BuildOptions, source: dict[str, Any]) -> DatasetMetadata:
+def build_dataset(
+    documents: Iterable[str],
+    out: str,
+    spec: TokenizerSpec,
+    options: BuildOptions,
+    source: dict[str, Any],
+) -> DatasetMetadata:
     """The whole build; `documents` is consumed once. Returns the metadata written."""
     if options.seq_len < 1:
         raise DataError(f"--seq-len {options.seq_len}: must be >= 1")
@@ -190,31 +226,58 @@ def build_dataset(documents: Iterable[str], out: str, spec: TokenizerSpec,
     try:
         token_file = os.path.join(scratch, "tokens.bin")
         n_docs, n_tokens = tokenize_to_file(
-            documents, spec, token_file, workers=options.workers,
-            docs_per_task=options.docs_per_task, progress=options.progress)
+            documents,
+            spec,
+            token_file,
+            workers=options.workers,
+            docs_per_task=options.docs_per_task,
+            progress=options.progress,
+        )
         if n_docs == 0:
-            raise DataError("the inputs hold no documents (empty files or wrong --field); "
-                            "check the inputs")
+            raise DataError(
+                "the inputs hold no documents (empty files or wrong --field); check the inputs"
+            )
         n_windows = n_tokens // options.seq_len
-        tokens = (np.memmap(token_file, dtype=spec.dtype, mode="r") if n_tokens
-                  else np.zeros(0, spec.dtype))
-        train_idx, val_idx = split_windows(n_windows, options.seed, options.val_fraction,
-                                           options.val_windows)
+        tokens = (
+            np.memmap(token_file, dtype=spec.dtype, mode="r")
+            if n_tokens
+            else np.zeros(0, spec.dtype)
+        )
+        train_idx, val_idx = split_windows(
+            n_windows, options.seed, options.val_fraction, options.val_windows
+        )
         splits = {}
         for split, indices in (("train", train_idx), ("val", val_idx)):
-            splits[split] = write_split(out, split, tokens, indices, options.seq_len,
-                                        spec.dtype, options.shard_size, options.progress)
+            splits[split] = write_split(
+                out,
+                split,
+                tokens,
+                indices,
+                options.seq_len,
+                spec.dtype,
+                options.shard_size,
+                options.progress,
+            )
         del tokens
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     meta = DatasetMetadata(
-        vocab_size=spec.vocab_size, seq_len=options.seq_len, tokenizer=spec.identity(),
-        eod_token_id=spec.eod_token_id, splits=splits,
-        source={**source, "documents": n_docs}, seed=options.seed,
+        vocab_size=spec.vocab_size,
+        seq_len=options.seq_len,
+        tokenizer=spec.identity(),
+        eod_token_id=spec.eod_token_id,
+        splits=splits,
+        source={**source, "documents": n_docs},
+        seed=options.seed,
         token_dtype=spec.dtype.name,
-        val_fraction=float(options.val_fraction if options.val_windows is None else
-                           len(val_idx) / max(n_windows, 1)),
-        total_tokens=n_tokens, dropped_tokens=n_tokens - n_windows * options.seq_len,
-        extra=dict(options.extra))
+        val_fraction=float(
+            options.val_fraction
+            if options.val_windows is None
+            else len(val_idx) / max(n_windows, 1)
+        ),
+        total_tokens=n_tokens,
+        dropped_tokens=n_tokens - n_windows * options.seq_len,
+        extra=dict(options.extra),
+    )
     write_metadata(out, meta)  # last: its presence marks a complete dataset
     return meta

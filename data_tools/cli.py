@@ -13,8 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpn-data",
         description="Text -> tokens -> packed windows -> MDS shards (+ metadata, verify); "
-                    "local directories or s3://bucket/prefix. Exit status: 0 done, 2 bad "
-                    "input or bad data (one line on stderr), 130 interrupted.")
+        "local directories or s3://bucket/prefix. Exit status: 0 done, 2 bad "
+        "input or bad data (one line on stderr), 130 interrupted.",
+    )
     add_data_commands(parser)
     return parser
 

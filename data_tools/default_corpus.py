@@ -18,9 +18,18 @@ from pathlib import Path
 from gpn_scale.data.errors import DataError
 
 DEFAULT_MAX_BYTES = 3_000_000
-MIN_DOC_CHARS = 200         # one-line docstrings are mostly noise
-_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-               "lib2to3", "turtledemo", "encodings"}
+MIN_DOC_CHARS = 200  # one-line docstrings are mostly noise
+_SKIP_PARTS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "lib2to3",
+    "turtledemo",
+    "encodings",
+}
 DEFAULT_VAL_FRACTION = 0.02
 
 
@@ -45,8 +54,7 @@ def _docstring_documents() -> Iterator[str]:
         except (SyntaxError, ValueError, OSError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                 ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 text = ast.get_docstring(node, clean=True)
                 if text and len(text) >= MIN_DOC_CHARS:
                     yield text
@@ -67,9 +75,11 @@ def default_corpus_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
             if total >= max_bytes:
                 return docs
     if not docs:
-        raise DataError("this Python installation ships no documentation text (no pydoc_data, "
-                        "no stdlib sources); build a dataset from your own text with "
-                        "`gpn-data build`")
+        raise DataError(
+            "this Python installation ships no documentation text (no pydoc_data, "
+            "no stdlib sources); build a dataset from your own text with "
+            "`gpn-data build`"
+        )
     return docs
 
 
@@ -81,9 +91,15 @@ def corpus_sha256(docs: list[str]) -> str:
     return digest.hexdigest()
 
 
-def build_default_dataset(out: str, *, seq_len: int = 256, seed: int = 0,
-                          overwrite: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
-                          progress: bool = False) -> str:
+def build_default_dataset(
+    out: str,
+    *,
+    seq_len: int = 256,
+    seed: int = 0,
+    overwrite: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = False,
+) -> str:
     """Build (or reuse) the default dataset at `out`; returns the dataset root.
 
     If `out` already holds the same default dataset (same corpus hash, seq_len and seed)
@@ -102,16 +118,23 @@ def build_default_dataset(out: str, *, seq_len: int = 256, seed: int = 0,
     digest = corpus_sha256(docs)
     if not overwrite and Location(out).exists(METADATA_FILE):
         meta = read_metadata(out)
-        if (meta.source.get("sha256") == digest and meta.seq_len == seq_len
-                and meta.seed == seed):
+        if meta.source.get("sha256") == digest and meta.seq_len == seq_len and meta.seed == seed:
             return out
     source = {
         "description": f"embedded default corpus: Python {platform.python_version()} "
-                       "reference topics + stdlib docstrings",
-        "kind": "default-corpus", "sha256": digest, "bytes": sum(len(d.encode()) for d in docs),
+        "reference topics + stdlib docstrings",
+        "kind": "default-corpus",
+        "sha256": digest,
+        "bytes": sum(len(d.encode()) for d in docs),
     }
-    options = BuildOptions(seq_len=seq_len, seed=seed, val_fraction=DEFAULT_VAL_FRACTION,
-                           overwrite=overwrite, progress=progress, shard_size="8mb",
-                           docs_per_task=256)
+    options = BuildOptions(
+        seq_len=seq_len,
+        seed=seed,
+        val_fraction=DEFAULT_VAL_FRACTION,
+        overwrite=overwrite,
+        progress=progress,
+        shard_size="8mb",
+        docs_per_task=256,
+    )
     build_dataset(docs, out, resolve_tokenizer("byte"), options, source)
     return out

@@ -13,8 +13,16 @@ from pathlib import Path
 from gpn_scale.data.errors import DataError
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
-_EXT = {".txt": "text", ".text": "text", ".md": "text", ".rst": "text",
-        ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+_EXT = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".rst": "text",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+}
 
 
 def _format_of(path: Path, fmt: str) -> str | None:
@@ -37,21 +45,29 @@ def expand_inputs(inputs: list[str], fmt: str = "auto") -> list[tuple[str, str]]
             continue
         path = Path(item).expanduser()
         if path.is_dir():
-            found = [(str(p), f) for p in sorted(path.rglob("*"))
-                     if p.is_file() and (f := _format_of(p, fmt))]
+            found = [
+                (str(p), f)
+                for p in sorted(path.rglob("*"))
+                if p.is_file() and (f := _format_of(p, fmt))
+            ]
             if not found:
-                raise DataError(f"{path}: no .txt/.md/.jsonl/.parquet files inside; pass "
-                                "files, or --format to read other extensions")
+                raise DataError(
+                    f"{path}: no .txt/.md/.jsonl/.parquet files inside; pass "
+                    "files, or --format to read other extensions"
+                )
             files.extend(found)
         elif path.is_file():
             kind = _format_of(path, fmt)
             if kind is None:
-                raise DataError(f"{path}: cannot tell the format from the extension; pass "
-                                "--format text|jsonl|parquet")
+                raise DataError(
+                    f"{path}: cannot tell the format from the extension; pass "
+                    "--format text|jsonl|parquet"
+                )
             files.append((str(path), kind))
         else:
-            raise DataError(f"{item}: no such file or directory (use hf:NAME for a Hugging "
-                            "Face dataset)")
+            raise DataError(
+                f"{item}: no such file or directory (use hf:NAME for a Hugging Face dataset)"
+            )
     return files
 
 
@@ -69,12 +85,15 @@ def _iter_jsonl(path: str, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix the line "
-                                "or remove it") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({err.msg}); fix the line or remove it"
+                ) from None
             if not isinstance(record, dict) or field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{path}:{lineno}: no field {field!r} (has {keys}); pass "
-                                "--field with the text field's name")
+                raise DataError(
+                    f"{path}:{lineno}: no field {field!r} (has {keys}); pass "
+                    "--field with the text field's name"
+                )
             value = record[field]
             if isinstance(value, str) and value:
                 yield value
@@ -85,8 +104,10 @@ def _iter_parquet(path: str, field: str) -> Iterator[str]:
 
     parquet = pq.ParquetFile(path)
     if field not in parquet.schema_arrow.names:
-        raise DataError(f"{path}: no column {field!r} (has {parquet.schema_arrow.names}); "
-                        "pass --field with the text column's name")
+        raise DataError(
+            f"{path}: no column {field!r} (has {parquet.schema_arrow.names}); "
+            "pass --field with the text column's name"
+        )
     for batch in parquet.iter_batches(columns=[field], batch_size=4096):
         for value in batch.column(0).to_pylist():
             if isinstance(value, str) and value:
@@ -97,26 +118,35 @@ def _iter_hf(name: str, field: str, split: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise DataError("reading a Hugging Face dataset needs the `datasets` package; "
-                        "pip install datasets (or download the Parquet files and pass "
-                        "them)") from None
+        raise DataError(
+            "reading a Hugging Face dataset needs the `datasets` package; "
+            "pip install datasets (or download the Parquet files and pass "
+            "them)"
+        ) from None
     config = None
     if ":" in name:
         name, config = name.split(":", 1)
     try:
         data = datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as err:  # noqa: BLE001 - offline, unknown name
-        raise DataError(f"Hugging Face dataset {name!r} could not be opened "
-                        f"({type(err).__name__}: {err}); check the name and the network, or "
-                        "pass local Parquet files") from None
+        raise DataError(
+            f"Hugging Face dataset {name!r} could not be opened "
+            f"({type(err).__name__}: {err}); check the name and the network, or "
+            "pass local Parquet files"
+        ) from None
     for record in data:
         value = record.get(field)
         if isinstance(value, str) and value:
             yield value
 
 
-def iter_documents(files: list[tuple[str, str]], *, field: str = "text",
-                   hf_split: str = "train", max_docs: int | None = None) -> Iterator[str]:
+def iter_documents(
+    files: list[tuple[str, str]],
+    *,
+    field: str = "text",
+    hf_split: str = "train",
+    max_docs: int | None = None,
+) -> Iterator[str]:
     """Every document of every input, in order (a text file is one document)."""
     count = 0
     for path, kind in files:

@@ -28,12 +28,12 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    kind: str                 # "byte" or "huggingface"
-    name: str                 # "byte", a path, or a Hub name
+    kind: str  # "byte" or "huggingface"
+    name: str  # "byte", a path, or a Hub name
     vocab_size: int
     eod_token: str
     eod_token_id: int
-    serialized: str = ""      # tokenizer.json content for "huggingface"
+    serialized: str = ""  # tokenizer.json content for "huggingface"
 
     @property
     def sha256(self) -> str:
@@ -46,9 +46,14 @@ class TokenizerSpec:
 
     def identity(self) -> dict[str, Any]:
         """What goes into the dataset metadata."""
-        return {"kind": self.kind, "name": self.name, "sha256": self.sha256,
-                "vocab_size": self.vocab_size, "eod_token": self.eod_token,
-                "eod_token_id": self.eod_token_id}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "eod_token": self.eod_token,
+            "eod_token_id": self.eod_token_id,
+        }
 
 
 def _load_hf(name_or_path: str) -> tuple[Any, str]:
@@ -58,23 +63,29 @@ def _load_hf(name_or_path: str) -> tuple[Any, str]:
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
             return Tokenizer.from_file(str(path / "tokenizer.json")), str(path)
-        raise DataError(f"{path}: no tokenizer.json in this directory; convert the tokenizer "
-                        "to the fast format (transformers' save_pretrained writes one) or point "
-                        "at the tokenizer.json file")
+        raise DataError(
+            f"{path}: no tokenizer.json in this directory; convert the tokenizer "
+            "to the fast format (transformers' save_pretrained writes one) or point "
+            "at the tokenizer.json file"
+        )
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path)), str(path)
         except Exception as err:  # noqa: BLE001
-            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({err}); pass a "
-                            "tokenizer.json, a directory holding one, or 'byte'") from None
+            raise DataError(
+                f"{path}: not a Hugging Face tokenizer.json ({err}); pass a "
+                "tokenizer.json, a directory holding one, or 'byte'"
+            ) from None
     if os.sep in name_or_path and not name_or_path.count("/") == 1:
         raise DataError(f"{name_or_path}: no such tokenizer file or directory; fix the path")
     try:
         return Tokenizer.from_pretrained(name_or_path), name_or_path
     except Exception as err:  # noqa: BLE001 - offline, unknown name, gated repo
-        raise DataError(f"tokenizer {name_or_path!r}: not a local path and could not be loaded "
-                        f"from the Hugging Face Hub ({type(err).__name__}); pass a local "
-                        "tokenizer.json (or its directory), or 'byte'") from None
+        raise DataError(
+            f"tokenizer {name_or_path!r}: not a local path and could not be loaded "
+            f"from the Hugging Face Hub ({type(err).__name__}); pass a local "
+            "tokenizer.json (or its directory), or 'byte'"
+        ) from None
 
 
 def resolve_tokenizer(name: str, eod_token: str | None = None) -> TokenizerSpec:
@@ -89,8 +100,10 @@ def resolve_tokenizer(name: str, eod_token: str | None = None) -> TokenizerSpec:
             eod = candidate
             break
     else:
-        raise DataError(f"tokenizer {resolved}: no end-of-document token among "
-                        f"{list(candidates)}; pass --eod-token with one of its special tokens")
+        raise DataError(
+            f"tokenizer {resolved}: no end-of-document token among "
+            f"{list(candidates)}; pass --eod-token with one of its special tokens"
+        )
     vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
     return TokenizerSpec("huggingface", resolved, vocab_size, eod, vocab[eod], tok.to_str())
 
@@ -103,6 +116,7 @@ class Encoder:
         self._tok = None
         if spec.kind == "huggingface":
             from tokenizers import Tokenizer
+
             self._tok = Tokenizer.from_str(spec.serialized)
 
     def encode_documents(self, texts: list[str]) -> np.ndarray:
@@ -120,7 +134,7 @@ class Encoder:
         out = np.empty(sum(lengths), dtype=dtype)
         pos = 0
         for enc, length in zip(encodings, lengths):
-            out[pos:pos + length - 1] = enc.ids
+            out[pos : pos + length - 1] = enc.ids
             out[pos + length - 1] = eod_id
             pos += length
         return out
@@ -142,21 +156,33 @@ def encode_in_worker(texts: list[str]) -> np.ndarray:
     return _WORKER_ENCODER.encode_documents(texts)
 
 
-def train_bpe(documents: Iterable[str], out: str, *, vocab_size: int,
-              eod_token: str = "<|endoftext|>", min_frequency: int = 2,
-              show_progress: bool = True) -> TokenizerSpec:
+def train_bpe(
+    documents: Iterable[str],
+    out: str,
+    *,
+    vocab_size: int,
+    eod_token: str = "<|endoftext|>",
+    min_frequency: int = 2,
+    show_progress: bool = True,
+) -> TokenizerSpec:
     """Train a byte-level BPE tokenizer (the `tokenizers` library) and save tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + 1:
-        raise DataError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 257 "
-                        "(256 bytes + the end-of-document token)")
+        raise DataError(
+            f"--vocab-size {vocab_size}: a byte-level BPE needs at least 257 "
+            "(256 bytes + the end-of-document token)"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eod_token],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[eod_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
     tok.train_from_iterator(documents, trainer=trainer)
     out_path = Path(out)
     if out_path.suffix != ".json":

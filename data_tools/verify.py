@@ -17,8 +17,8 @@ from gpn_scale.data.storage import Location
 class VerifyReport:
     root: str
     checked: int = 0
-    bad: list[str] = field(default_factory=list)        # "split/basename: why"
-    problems: list[str] = field(default_factory=list)   # metadata/index disagreements
+    bad: list[str] = field(default_factory=list)  # "split/basename: why"
+    problems: list[str] = field(default_factory=list)  # metadata/index disagreements
 
     @property
     def ok(self) -> bool:
@@ -28,13 +28,16 @@ class VerifyReport:
 def _read_index(location: Location, split: str) -> dict[str, Any]:
     rel = f"{split}/index.json"
     if not location.exists(rel):
-        raise DataError(f"{location.url(rel)}: missing index; the split was deleted or the "
-                        "build was interrupted: rebuild with --overwrite")
+        raise DataError(
+            f"{location.url(rel)}: missing index; the split was deleted or the "
+            "build was interrupted: rebuild with --overwrite"
+        )
     try:
         return json.loads(location.read_bytes(rel))
     except json.JSONDecodeError as err:
-        raise DataError(f"{location.url(rel)}: index is not valid JSON ({err.msg}); rebuild "
-                        "with --overwrite") from None
+        raise DataError(
+            f"{location.url(rel)}: index is not valid JSON ({err.msg}); rebuild with --overwrite"
+        ) from None
 
 
 def verify_dataset(root: str, progress: bool = True) -> VerifyReport:
@@ -49,17 +52,21 @@ def verify_dataset(root: str, progress: bool = True) -> VerifyReport:
         index = _read_index(location, split)
         samples = sum(int(s.get("samples", 0)) for s in index.get("shards", []))
         if samples != info.samples:
-            report.problems.append(f"{split}: index holds {samples} samples, metadata says "
-                                   f"{info.samples}")
+            report.problems.append(
+                f"{split}: index holds {samples} samples, metadata says {info.samples}"
+            )
         if len(index.get("shards", [])) != info.shards:
-            report.problems.append(f"{split}: index lists {len(index.get('shards', []))} "
-                                   f"shards, metadata says {info.shards}")
+            report.problems.append(
+                f"{split}: index lists {len(index.get('shards', []))} "
+                f"shards, metadata says {info.shards}"
+            )
         for shard in index.get("shards", []):
             stored = shard.get("zip_data") or shard["raw_data"]
             jobs.append((split, stored))
     iterator: Any = jobs
     if progress:
         from tqdm import tqdm
+
         iterator = tqdm(jobs, file=sys.stderr, desc="verify", unit=" shard")
     for split, stored in iterator:
         name = f"{split}/{stored['basename']}"
@@ -96,6 +103,8 @@ def describe(meta: DatasetMetadata, root: str) -> str:
         f"tokens       {meta.total_tokens:,} total, {meta.dropped_tokens:,} dropped tail",
     ]
     for split, info in meta.splits.items():
-        lines.append(f"split {split:<6} {info.samples:,} windows, {info.tokens:,} tokens, "
-                     f"{info.shards} shard(s)")
+        lines.append(
+            f"split {split:<6} {info.samples:,} windows, {info.tokens:,} tokens, "
+            f"{info.shards} shard(s)"
+        )
     return "\n".join(lines)

@@ -15,10 +15,10 @@ from gpn_scale.model.config import ConfigError
 
 # Order = order in `--help`.
 COMMAND_MODULES = (
-    "gpn_scale.model.commands",     # info, sample
-    "data_tools.commands",          # data …
-    "gpn_scale.train.commands",     # train, demo, eval
-    "gpn_scale.scaling.commands",   # sweep …, fit
+    "gpn_scale.model.commands",  # info, sample
+    "data_tools.commands",  # data …
+    "gpn_scale.train.commands",  # train, demo, eval
+    "gpn_scale.scaling.commands",  # sweep …, fit
 )
 
 
@@ -26,10 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpn-scale",
         description="Train GPN / GPN+M at scale: models, data, training, sweeps, scaling fits. "
-                    "`gpn-scale COMMAND --help` describes each command, its options and "
-                    "defaults. Exit status: 0 done, 2 bad input (one line on stderr naming "
-                    "the setting); `train` also 3 (non-finite stop) and 75 (preempted, "
-                    "checkpoint saved).")
+        "`gpn-scale COMMAND --help` describes each command, its options and "
+        "defaults. Exit status: 0 done, 2 bad input (one line on stderr naming "
+        "the setting); `train` also 3 (non-finite stop) and 75 (preempted, "
+        "checkpoint saved).",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:

@@ -42,9 +42,12 @@ if not torch.cuda.is_available():
 
 # One build cache for compiled extensions (the engine's step kernels, DeepSpeed's ops) shared
 # by this process and every child the tests start (the trainer tests pass the same path).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   ".cache", "torch_extensions"))
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions"
+    ),
+)
 
 
 @pytest.fixture(scope="session")
@@ -87,8 +90,14 @@ def private_tmpdir(tmp_path, monkeypatch: pytest.MonkeyPatch):
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         # set-then-delete so that pytest restores "absent" after the test even if the
         # code under test (build_loader) sets them
         monkeypatch.setenv(key, "0")

@@ -20,8 +20,9 @@ TREES = ["gpn_scale", "data_tools", "tests"]
 def _run(tool: str, *args: str) -> None:
     if importlib.util.find_spec(tool) is None:
         pytest.skip(f"{tool} is not installed (pip install -e '.[test]')")
-    proc = subprocess.run([sys.executable, "-m", tool, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", tool, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     report = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 0, f"{tool} {' '.join(args)} failed:\n{report[-8000:]}"
 

@@ -61,20 +61,24 @@ def _setup(config: str, B: int, T: int, seed: int = 0):
     return cfg, model, opt, tokens
 
 
-def _our_steps(model: GPN, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-               times: dict[str, list[float]]) -> Callable[[int], None]:
+def _our_steps(
+    model: GPN, opt: torch.optim.Optimizer, tokens: torch.Tensor, times: dict[str, list[float]]
+) -> Callable[[int], None]:
     """One training step of each of our paths per call, timed into `times` (step 0: warm-up,
     for allocations and first-touch, not recorded)."""
+
     def ours(step: int) -> None:
         for path in times:
             seconds = _train_step(model, opt, tokens, path)
             if step > 0:
                 times[path].append(seconds)
+
     return ours
 
 
-def bench_speed(repeats: int, reference_jax: str | None = None,
-                shapes: dict[str, tuple[str, int, int]] = SHAPES) -> list[dict]:
+def bench_speed(
+    repeats: int, reference_jax: str | None = None, shapes: dict[str, tuple[str, int, int]] = SHAPES
+) -> list[dict]:
     """Training-step tokens/s of the engine and the reference path (and, with
     `reference_jax`, of the paper's JAX trainer), best of `repeats` after one warm-up step,
     the paths alternating step by step."""
@@ -88,10 +92,11 @@ def bench_speed(repeats: int, reference_jax: str | None = None,
             from gpn_scale.bench import reference_jax as jax_bench
 
             # Its step 0 compiles (jit); ours run after each of its steps.
-            jax_times = jax_bench.train_steps(reference_jax, model, tokens.numpy(),
-                                              repeats + 1, between=ours)[1:]
+            jax_times = jax_bench.train_steps(
+                reference_jax, model, tokens.numpy(), repeats + 1, between=ours
+            )[1:]
         else:
-            for step in range(repeats + 1):      # interleaved: same noise for both
+            for step in range(repeats + 1):  # interleaved: same noise for both
                 ours(step)
         eng = B * T / min(times["engine"])
         ref = B * T / min(times["reference"])
@@ -118,8 +123,11 @@ def bench_roofline(repeats: int, shape: tuple[str, int, int] = SHAPES["SMALL"]) 
     config, B, T = shape
     cfg, model, opt, tokens = _setup(config, B, T)
     loops = _bare_matmul_loops(cfg, B, T)
-    without_matmuls = (step_kernels.benchmark_build(step_kernels.WITHOUT_STEP_MATMULS)
-                       if kernels_for(torch.device("cpu")) is not None else None)
+    without_matmuls = (
+        step_kernels.benchmark_build(step_kernels.WITHOUT_STEP_MATMULS)
+        if kernels_for(torch.device("cpu")) is not None
+        else None
+    )
     best: dict[str, float] = {}
     bare: dict[str, float] = {}
     rest: dict[str, float] = {}
@@ -141,18 +149,31 @@ def bench_roofline(repeats: int, shape: tuple[str, int, int] = SHAPES["SMALL"]) 
         for key, loop in loops.items():
             bare[key] = min(bare.get(key, float("inf")), _time(loop, 1))
     rows = []
-    for phase in ("sequential forward", "sequential backward", "parallel recompute",
-                  "memory carry backward", "weight gradients", "decode"):
-        if phase not in bare:      # a model without memory has no memory phase
+    for phase in (
+        "sequential forward",
+        "sequential backward",
+        "parallel recompute",
+        "memory carry backward",
+        "weight gradients",
+        "decode",
+    ):
+        if phase not in bare:  # a model without memory has no memory phase
             continue
         seconds = best.get(phase, float("nan"))
         with_memory = bare.get(phase + " +memory", bare[phase])
         other = rest.get(phase) if phase.startswith("sequential") else None
-        rows.append(dict(phase=phase, seconds=seconds, bare_matmuls=bare[phase],
-                         ratio=seconds / bare[phase], with_memory=with_memory,
-                         ratio_with_memory=seconds / with_memory, other_work=other,
-                         ratio_of_sum=None if other is None else
-                         (bare[phase] + other) / bare[phase]))
+        rows.append(
+            dict(
+                phase=phase,
+                seconds=seconds,
+                bare_matmuls=bare[phase],
+                ratio=seconds / bare[phase],
+                with_memory=with_memory,
+                ratio_with_memory=seconds / with_memory,
+                other_work=other,
+                ratio_of_sum=None if other is None else (bare[phase] + other) / bare[phase],
+            )
+        )
     return rows
 
 
@@ -247,14 +268,21 @@ def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[],
         def loop() -> None:
             for _ in range(n):
                 fn()
+
         return loop
 
     return {
         "sequential forward": times(seq_fwd, T),
         "sequential backward": times(seq_bwd, T),
-        **({"sequential forward +memory": times(lambda: seq_fwd(True), T),
-            "sequential backward +memory": times(lambda: seq_bwd(True), T),
-            "memory carry backward": times(memory_carry, chunks - 1)} if cfg.memory else {}),
+        **(
+            {
+                "sequential forward +memory": times(lambda: seq_fwd(True), T),
+                "sequential backward +memory": times(lambda: seq_bwd(True), T),
+                "memory carry backward": times(memory_carry, chunks - 1),
+            }
+            if cfg.memory
+            else {}
+        ),
         "parallel recompute": times(recompute, chunks),
         "weight gradients": times(wgrad, chunks),
         "decode": decode,
@@ -264,12 +292,15 @@ def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[],
 def _child(path: str, config: str, B: int, T: int) -> None:
     """One training step in a fresh process; prints peak RSS growth and tokens/s as JSON."""
     _, model, opt, tokens = _setup(config, B, T)
-    _train_step(model, opt, tokens[:, :8], path)       # creates grads and AdamW state
+    _train_step(model, opt, tokens[:, :8], path)  # creates grads and AdamW state
     base = _proc_status_bytes("VmRSS")
     seconds = _train_step(model, opt, tokens, path)
     peak = _proc_status_bytes("VmHWM")
-    print(json.dumps(dict(peak=peak, base=base, activation_peak=peak - base,
-                          tokens_per_s=B * T / seconds)))
+    print(
+        json.dumps(
+            dict(peak=peak, base=base, activation_peak=peak - base, tokens_per_s=B * T / seconds)
+        )
+    )
 
 
 def _proc_status_bytes(field: str) -> int:
@@ -286,9 +317,13 @@ def _run_child(path: str, config: str, B: int, T: int) -> dict:
     # Large blocks straight from mmap, so freed memory leaves the RSS at once and the peak
     # RSS is the peak of live memory (glibc's adaptive threshold would keep freed blocks).
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, "-m", "gpn_scale.bench.engine", "--child", path,
-                          config, str(B), str(T)], capture_output=True, text=True, check=True,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpn_scale.bench.engine", "--child", path, config, str(B), str(T)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -323,18 +358,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="--reference-jax needs a checkout of the paper's code: git clone "
-               "https://github.com/steve-z-wang/grounded-prediction-network (any directory), "
-               "and jax, flax, optax: pip install -e '.[jax]' (CPU wheels suffice).")
-    parser.add_argument("--only", default="speed,roofline,memory,budget",
-                        help="comma-separated tables to run (speed, roofline, memory, budget)")
+        "https://github.com/steve-z-wang/grounded-prediction-network (any directory), "
+        "and jax, flax, optax: pip install -e '.[jax]' (CPU wheels suffice).",
+    )
+    parser.add_argument(
+        "--only",
+        default="speed,roofline,memory,budget",
+        help="comma-separated tables to run (speed, roofline, memory, budget)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-gb", type=float, default=4.0)
-    parser.add_argument("--reference-jax", metavar="PATH", default=None,
-                        help="also time the paper's JAX implementation (its own trainer, from "
-                             "our model's weights) in the speed table, alternating with ours; "
-                             "PATH: a checkout of its repository (see below). Default: off")
-    parser.add_argument("--child", nargs=4, metavar=("PATH", "CONFIG", "B", "T"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--reference-jax",
+        metavar="PATH",
+        default=None,
+        help="also time the paper's JAX implementation (its own trainer, from "
+        "our model's weights) in the speed table, alternating with ours; "
+        "PATH: a checkout of its repository (see below). Default: off",
+    )
+    parser.add_argument(
+        "--child", nargs=4, metavar=("PATH", "CONFIG", "B", "T"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.child:
         path, config, B, T = args.child
@@ -351,36 +395,54 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpn_scale.bench.engine: error: {err}", file=sys.stderr)
             return 2
         if "speed" not in tables:
-            print("gpn_scale.bench.engine: error: --reference-jax adds to the speed table; "
-                  "include speed in --only", file=sys.stderr)
+            print(
+                "gpn_scale.bench.engine: error: --reference-jax adds to the speed table; "
+                "include speed in --only",
+                file=sys.stderr,
+            )
             return 2
     kernels = kernels_for(torch.device("cpu")) is not None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
-          f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={requested()})")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
+        f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={requested()})"
+    )
     if "speed" in tables:
-        print("\n## Training step tokens/s (forward + backward + AdamW), best of "
-              f"{args.repeats}, interleaved")
+        print(
+            "\n## Training step tokens/s (forward + backward + AdamW), best of "
+            f"{args.repeats}, interleaved"
+        )
         jax_cols = f" {'JAX (paper)':>11} {'vs JAX':>7}" if args.reference_jax else ""
         print(f"{'shape':<18} {'engine':>10} {'reference':>10} {'ratio':>7}" + jax_cols)
         for r in bench_speed(args.repeats, args.reference_jax):
             jax = f" {r['jax']:>11.0f} {r['ratio_jax']:>6.2f}x" if "jax" in r else ""
-            print(f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
-                  f"{r['ratio']:>6.2f}x" + jax)
+            print(
+                f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
+                f"{r['ratio']:>6.2f}x" + jax
+            )
     if "roofline" in tables:
-        roofline = bench_roofline(args.repeats)   # before the header: it may build the kernels
+        roofline = bench_roofline(args.repeats)  # before the header: it may build the kernels
         print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")
-        print("(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk];\n"
-              " rest: the phase with its projection matmuls left out (a benchmark build of the\n"
-              " kernels), i.e. all its other work; sum: (matmuls + rest) / matmuls, the ratio\n"
-              " the phase would have if the two did not slow each other down)")
-        print(f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7} "
-              f"{'+memory s':>10} {'ratio':>7} {'rest s':>8} {'sum':>7}")
+        print(
+            "(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk];\n"
+            " rest: the phase with its projection matmuls left out (a benchmark build of the\n"
+            " kernels), i.e. all its other work; sum: (matmuls + rest) / matmuls, the ratio\n"
+            " the phase would have if the two did not slow each other down)"
+        )
+        print(
+            f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7} "
+            f"{'+memory s':>10} {'ratio':>7} {'rest s':>8} {'sum':>7}"
+        )
         for r in roofline:
-            split = (f" {r['other_work']:>8.3f} {r['ratio_of_sum']:>6.2f}x"
-                     if r["other_work"] is not None else f" {'-':>8} {'-':>7}")
-            print(f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
-                  f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x"
-                  + split)
+            split = (
+                f" {r['other_work']:>8.3f} {r['ratio_of_sum']:>6.2f}x"
+                if r["other_work"] is not None
+                else f" {'-':>8} {'-':>7}"
+            )
+            print(
+                f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
+                f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x"
+                + split
+            )
     if "memory" in tables:
         print("\n## Peak memory (peak RSS of a fresh process, MB), SMALL B=8, one training step")
         print(f"{'T':>6} {'engine':>10} {'reference':>10}")
@@ -388,15 +450,19 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{r['T']:>6} {r['engine'] / 1e6:>10.0f} {r['reference'] / 1e6:>10.0f}")
         growth = {p: (rows[-1][p] - rows[0][p]) / 1e6 for p in ("engine", "reference")}
-        print(f"T=2048 minus T=256: engine {growth['engine']:.0f} MB, "
-              f"reference {growth['reference']:.0f} MB")
+        print(
+            f"T=2048 minus T=256: engine {growth['engine']:.0f} MB, "
+            f"reference {growth['reference']:.0f} MB"
+        )
     if "budget" in tables:
         print(f"\n## Best tokens/s within {args.budget_gb:g} GB peak memory, SMALL at T=2048")
         print(f"{'path':<10} {'batch':>6} {'tokens/s':>10} {'peak MB':>9}")
         rows = bench_budget(args.budget_gb)
         for r in rows:
-            print(f"{r['path']:<10} {r['batch']:>6} {r['tokens_per_s']:>10.0f} "
-                  f"{r['peak'] / 1e6:>9.0f}")
+            print(
+                f"{r['path']:<10} {r['batch']:>6} {r['tokens_per_s']:>10.0f} "
+                f"{r['peak'] / 1e6:>9.0f}"
+            )
         if rows[1]["tokens_per_s"]:
             print(f"engine / reference: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x")
     return 0

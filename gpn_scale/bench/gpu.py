@@ -74,9 +74,13 @@ def driver_version() -> str:
     """The NVIDIA driver's version (nvidia-smi), else the CUDA driver API's, else 'unknown'."""
     if shutil.which("nvidia-smi"):
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=15, check=False).stdout.split()
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=15,
+                check=False,
+            ).stdout.split()
             if out:
                 return out[0]
     with contextlib.suppress(Exception):
@@ -113,10 +117,16 @@ class Results:
 
     def save(self) -> None:
         self.meta["elapsed_s"] = round(_clock() - self.meta["_t0"], 1)
-        blob = dict(meta={k: v for k, v in self.meta.items() if not k.startswith("_")},
-                    checks=self.checks, runs=self.runs, summary=self.summary)
-        for name, text in (("results.json", json.dumps(blob, indent=2)),
-                           ("results.md", markdown(blob))):
+        blob = dict(
+            meta={k: v for k, v in self.meta.items() if not k.startswith("_")},
+            checks=self.checks,
+            runs=self.runs,
+            summary=self.summary,
+        )
+        for name, text in (
+            ("results.json", json.dumps(blob, indent=2)),
+            ("results.md", markdown(blob)),
+        ):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text)
             os.replace(tmp, self.out / name)
@@ -141,30 +151,49 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
         g_out = torch.autograd.grad(out.loss, params)
         g_ref = torch.autograd.grad(ref.loss, params)
         loss_err = ((out.loss - ref.loss).abs() / ref.loss.abs()).item()
-        grad_err = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                       for a, b in zip(g_out, g_ref))
+        grad_err = max(
+            ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(g_out, g_ref)
+        )
         tol = TOLERANCE[dtype]
         name = f"engine == reference, {str(dtype).replace('torch.', '')}"
         if graphs is not None:
             name += ", CUDA graphs " + ("on" if graphs else "off")
-        yield dict(check=name, loss_rel_err=loss_err, grad_rel_err=grad_err, tolerance=tol,
-                   ok=loss_err <= tol and grad_err <= tol)
+        yield dict(
+            check=name,
+            loss_rel_err=loss_err,
+            grad_rel_err=grad_err,
+            tolerance=tol,
+            ok=loss_err <= tol and grad_err <= tol,
+        )
     model = perturbed_model(TINY, torch.float32).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(tokens, return_state=True)
     out.loss.backward()
-    finite = bool(torch.isfinite(out.loss)) and all(bool(torch.isfinite(p.grad).all())
-                                                    for p in model.parameters())
+    finite = bool(torch.isfinite(out.loss)) and all(
+        bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+    )
     fp32 = out.state.s.dtype == torch.float32 and out.state.memory.dtype == torch.float32
-    yield dict(check="bf16 autocast step", loss=out.loss.item(), finite=finite,
-               state_and_memory_fp32=fp32, ok=finite and fp32)
+    yield dict(
+        check="bf16 autocast step",
+        loss=out.loss.item(),
+        finite=finite,
+        state_and_memory_fp32=fp32,
+        ok=finite and fp32,
+    )
 
 
 # --------------------------------------------------------------------------- 2. profiler
 # Host calls that put work on the GPU one launch at a time (runtime and driver API; Triton
 # launches through the driver), and the graph launches that replay many kernels at once.
-_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
-                 "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
+_LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cudaLaunchCooperativeKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cuLaunchCooperativeKernel",
+)
 _GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 _DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -198,8 +227,14 @@ def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
         elif end > reach:
             busy += end - reach
             reach = end
-    return dict(kernels=kernels, copies=copies, launch_calls=launches, graph_launches=graphs,
-                cpu_ops=cpu_ops, device_busy_s=busy / 1e9)
+    return dict(
+        kernels=kernels,
+        copies=copies,
+        launch_calls=launches,
+        graph_launches=graphs,
+        cpu_ops=cpu_ops,
+        device_busy_s=busy / 1e9,
+    )
 
 
 def profile(fn: Callable[[], None], device: torch.device) -> dict:
@@ -215,8 +250,10 @@ def profile(fn: Callable[[], None], device: torch.device) -> dict:
         fn()
         _sync(device)
         wall = time.perf_counter() - start
-    events = ((e.activity_type(), e.name(), e.start_ns(), e.end_ns())
-              for e in prof.profiler.kineto_results.events())
+    events = (
+        (e.activity_type(), e.name(), e.start_ns(), e.end_ns())
+        for e in prof.profiler.kineto_results.events()
+    )
     return dict(device_activity(events), profiled_wall_s=wall)
 
 
@@ -226,29 +263,42 @@ class Candidate:
     """One model measured over batch sizes."""
 
     name: str
-    family: str                        # "gpn+m" / "gpn" / "transformer++"
+    family: str  # "gpn+m" / "gpn" / "transformer++"
     params: int
     vocab_size: int
-    build: Callable[[], nn.Module]     # a fresh model (on the CPU)
-    flops_per_token: float             # training FLOPs per token at the run's seq_len
-    profile_seq_len: int               # window of the profiled step
+    build: Callable[[], nn.Module]  # a fresh model (on the CPU)
+    flops_per_token: float  # training FLOPs per token at the run's seq_len
+    profile_seq_len: int  # window of the profiled step
 
 
 def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
     def build() -> nn.Module:
         return GPN(cfg)
 
-    return Candidate(cfg.name or "gpn", cfg.family, count_parameters(cfg), cfg.vocab_size, build,
-                     flops_per_token(cfg, seq_len), min(seq_len, PROFILE_SEQ_LEN))
+    return Candidate(
+        cfg.name or "gpn",
+        cfg.family,
+        count_parameters(cfg),
+        cfg.vocab_size,
+        build,
+        flops_per_token(cfg, seq_len),
+        min(seq_len, PROFILE_SEQ_LEN),
+    )
 
 
 def transformer_candidate(like: GPNConfig, seq_len: int) -> Candidate:
     tcfg = matching_config(like.vocab_size, like.d_emb, count_parameters(like), seq_len)
     name = f"transformer++ L{tcfg.n_layers} d{tcfg.d_model} f{tcfg.d_ffn}"
     # Attention makes its cost per token depend on T: profiled on the full window.
-    return Candidate(name, "transformer++", tcfg.num_parameters(), tcfg.vocab_size,
-                     lambda: TransformerPP(tcfg),
-                     tcfg.flops_per_token(seq_len), seq_len)
+    return Candidate(
+        name,
+        "transformer++",
+        tcfg.num_parameters(),
+        tcfg.vocab_size,
+        lambda: TransformerPP(tcfg),
+        tcfg.flops_per_token(seq_len),
+        seq_len,
+    )
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -261,8 +311,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(cand: Candidate, batch: int, seq_len: int, device: torch.device, steps: int,
-            warmup: int, bf16: bool) -> dict:
+def measure(
+    cand: Candidate,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    bf16: bool,
+) -> dict:
     torch.manual_seed(0)
     model = cand.build().to(device)
     cuda = device.type == "cuda"
@@ -288,14 +345,20 @@ def measure(cand: Candidate, batch: int, seq_len: int, device: torch.device, ste
     seconds = (time.perf_counter() - start) / steps
     tokens_per_s = batch * seq_len / seconds
     peak = device_peak_flops(device)
-    row = dict(model=cand.name, family=cand.family, batch=batch, seq_len=seq_len,
-               step_s=seconds, tokens_per_s=tokens_per_s,
-               mfu=cand.flops_per_token * tokens_per_s / peak if peak else None,
-               peak_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-               peak_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None)
+    row = dict(
+        model=cand.name,
+        family=cand.family,
+        batch=batch,
+        seq_len=seq_len,
+        step_s=seconds,
+        tokens_per_s=tokens_per_s,
+        mfu=cand.flops_per_token * tokens_per_s / peak if peak else None,
+        peak_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        peak_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+    )
     # One profiled step (after one unprofiled step at that window: a first step at a new
     # shape may compile or capture graphs).
-    short = tokens[:, :cand.profile_seq_len]
+    short = tokens[:, : cand.profile_seq_len]
     if cand.profile_seq_len != seq_len:
         step(short)
     prof = profile(lambda: step(short), device)
@@ -303,11 +366,15 @@ def measure(cand: Candidate, batch: int, seq_len: int, device: torch.device, ste
     # Busy fraction of the timed (unprofiled) step: device time of the profiled window
     # scaled to the full window (per-step work dominates the GPN; T++ is profiled in full).
     busy = prof["device_busy_s"] * seq_len / T
-    row.update(profiled_seq_len=T, kernels_per_step=prof["kernels"],
-               kernels_per_time_step=prof["kernels"] / T,
-               launch_calls_per_time_step=prof["launch_calls"] / T,
-               graph_launches_per_step=prof["graph_launches"], copies_per_step=prof["copies"],
-               gpu_busy_fraction=min(1.0, busy / seconds) if cuda else None)
+    row.update(
+        profiled_seq_len=T,
+        kernels_per_step=prof["kernels"],
+        kernels_per_time_step=prof["kernels"] / T,
+        launch_calls_per_time_step=prof["launch_calls"] / T,
+        graph_launches_per_step=prof["graph_launches"],
+        copies_per_step=prof["copies"],
+        gpu_busy_fraction=min(1.0, busy / seconds) if cuda else None,
+    )
     return row
 
 
@@ -327,9 +394,17 @@ def batch_sizes(batches: str, min_batch: int, max_batch: int) -> Iterator[int]:
         batch *= 2
 
 
-def sweep(cand: Candidate, sizes: Iterable[int], seq_len: int, device: torch.device,
-          steps: int, warmup: int, bf16: bool, deadline: float,
-          record: Callable[[dict], None]) -> None:
+def sweep(
+    cand: Candidate,
+    sizes: Iterable[int],
+    seq_len: int,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    bf16: bool,
+    deadline: float,
+    record: Callable[[dict], None],
+) -> None:
     """Every batch size in turn until one does not fit or the next would overrun `deadline`.
     The next batch's predicted cost is twice the previous one's steady steps (warmup, timed
     and two profiled), not its wall time, which may hold a one-time compile or capture.
@@ -338,18 +413,24 @@ def sweep(cand: Candidate, sizes: Iterable[int], seq_len: int, device: torch.dev
     for batch in sizes:
         now = _clock()
         if now >= deadline or now + predicted > deadline:
-            record(dict(model=cand.name, family=cand.family, batch=batch,
-                        skipped="time budget (--max-seconds)"))
+            record(
+                dict(
+                    model=cand.name,
+                    family=cand.family,
+                    batch=batch,
+                    skipped="time budget (--max-seconds)",
+                )
+            )
             return
         oom = False
         try:
             row = measure(cand, batch, seq_len, device, steps, warmup, bf16)
-        except Exception as exc:   # out of memory ends the search; anything else is a failure
+        except Exception as exc:  # out of memory ends the search; anything else is a failure
             if not _is_oom(exc):
                 raise
             oom = True
         finally:
-            gc.collect()           # the failed step's tensors, then the allocator's cache
+            gc.collect()  # the failed step's tensors, then the allocator's cache
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if oom:
@@ -364,7 +445,8 @@ def best_rows(runs: list[dict]) -> dict[str, dict]:
     best: dict[str, dict] = {}
     for r in runs:
         if "tokens_per_s" in r and r["tokens_per_s"] > best.get(r["model"], {}).get(
-                "tokens_per_s", 0):
+            "tokens_per_s", 0
+        ):
             best[r["model"]] = r
     return best
 
@@ -379,9 +461,13 @@ def ratios(runs: list[dict], candidates: list[Candidate]) -> dict[str, Any]:
     for c in candidates:
         if c.family != "transformer++" and c.name in best:
             g, t = best[c.name], best[tpp]
-            out[c.name] = dict(ratio=g["tokens_per_s"] / t["tokens_per_s"], batch=g["batch"],
-                               tokens_per_s=g["tokens_per_s"], transformer_batch=t["batch"],
-                               transformer_tokens_per_s=t["tokens_per_s"])
+            out[c.name] = dict(
+                ratio=g["tokens_per_s"] / t["tokens_per_s"],
+                batch=g["batch"],
+                tokens_per_s=g["tokens_per_s"],
+                transformer_batch=t["batch"],
+                transformer_tokens_per_s=t["tokens_per_s"],
+            )
     return out
 
 
@@ -392,46 +478,64 @@ def _fmt(value: Any, spec: str) -> str:
 
 def markdown(blob: dict) -> str:
     meta = blob["meta"]
-    setup = (f"torch {meta['torch']} (CUDA {meta['torch_cuda']}), driver {meta['driver']}; "
-             f"T={meta['seq_len']}, {'bf16 autocast' if meta['bf16'] else 'fp32'}; "
-             f"step kernels: {meta['step_form']}; {meta.get('elapsed_s', 0)} s of "
-             f"{meta['max_seconds']:g} s")
-    lines = [f"# Device check: {meta['device_name']}", "", setup, "",
-             "| check | result | ok |", "|---|---|---|"]
+    setup = (
+        f"torch {meta['torch']} (CUDA {meta['torch_cuda']}), driver {meta['driver']}; "
+        f"T={meta['seq_len']}, {'bf16 autocast' if meta['bf16'] else 'fp32'}; "
+        f"step kernels: {meta['step_form']}; {meta.get('elapsed_s', 0)} s of "
+        f"{meta['max_seconds']:g} s"
+    )
+    lines = [
+        f"# Device check: {meta['device_name']}",
+        "",
+        setup,
+        "",
+        "| check | result | ok |",
+        "|---|---|---|",
+    ]
     for c in blob["checks"]:
         detail = {k: v for k, v in c.items() if k not in ("check", "ok")}
         lines.append(f"| {c['check']} | {detail} | {'yes' if c['ok'] else '**NO**'} |")
-    header = ("| model | params | batch | tokens/s | MFU | peak alloc GB | peak reserved GB "
-              "| GPU busy | kernels / time step | launch calls / time step | step s |")
+    header = (
+        "| model | params | batch | tokens/s | MFU | peak alloc GB | peak reserved GB "
+        "| GPU busy | kernels / time step | launch calls / time step | step s |"
+    )
     lines += ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     params = meta.get("params", {})
     for r in blob["runs"]:
         head = f"| {r['model']} | {params.get(r['model'], 0):,} | {r['batch']} |"
         if "tokens_per_s" not in r:
-            lines.append(head + f" {'out of memory' if r.get('oom') else r.get('skipped')}"
-                         " | | | | | | | |")
+            lines.append(
+                head + f" {'out of memory' if r.get('oom') else r.get('skipped')} | | | | | | | |"
+            )
             continue
-        lines.append(head + f" {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} | "
-                     f"{_fmt(r['peak_allocated_gb'], '.1f')} | {_fmt(r['peak_reserved_gb'], '.1f')}"
-                     f" | {_fmt(r['gpu_busy_fraction'], '.0%')} | "
-                     f"{r['kernels_per_time_step']:.1f} | {r['launch_calls_per_time_step']:.1f} | "
-                     f"{r['step_s']:.3f} |")
+        lines.append(
+            head + f" {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} | "
+            f"{_fmt(r['peak_allocated_gb'], '.1f')} | {_fmt(r['peak_reserved_gb'], '.1f')}"
+            f" | {_fmt(r['gpu_busy_fraction'], '.0%')} | "
+            f"{r['kernels_per_time_step']:.1f} | {r['launch_calls_per_time_step']:.1f} | "
+            f"{r['step_s']:.3f} |"
+        )
     ratio = blob["summary"].get("ratio_to_transformer_pp", {})
     if ratio:
         lines += ["", "GPN / Transformer++ tokens/s, each at its best batch:"]
         for name, x in ratio.items():
-            lines.append(f"- {name}: **{x['ratio']:.2f}x** ({x['tokens_per_s']:,.0f} at B="
-                         f"{x['batch']} vs {x['transformer_tokens_per_s']:,.0f} at B="
-                         f"{x['transformer_batch']})")
+            lines.append(
+                f"- {name}: **{x['ratio']:.2f}x** ({x['tokens_per_s']:,.0f} at B="
+                f"{x['batch']} vs {x['transformer_tokens_per_s']:,.0f} at B="
+                f"{x['transformer_batch']})"
+            )
     return "\n".join(lines) + "\n"
 
 
 def _step_form(device: torch.device) -> str:
     try:
         from gpn_scale.ops.step_kernels import kernels_for
-    except ImportError:      # the step-backend seam may have moved it; record the option
-        return (f"step_backend={GPNConfig.__dataclass_fields__['step_backend'].default}"
-                if "step_backend" in GPNConfig.field_names() else "unknown")
+    except ImportError:  # the step-backend seam may have moved it; record the option
+        return (
+            f"step_backend={GPNConfig.__dataclass_fields__['step_backend'].default}"
+            if "step_backend" in GPNConfig.field_names()
+            else "unknown"
+        )
     return "fused CPU kernels" if kernels_for(device) is not None else "PyTorch ops"
 
 
@@ -442,7 +546,7 @@ def load_config(name: str) -> GPNConfig:
     try:
         import omegaconf  # noqa: F401
     except ImportError:
-        import yaml  # type: ignore[import-untyped]
+        import yaml
 
         from gpn_scale.model.config import resolve_model_config_path
 
@@ -458,52 +562,73 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for results.json / results.md")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--config", default="gpn_m_130m,gpn_m_130m_2l",
-                        help="comma-separated model configs (names or paths); the "
-                             "Transformer++ matches the first one's parameter count")
+    parser.add_argument(
+        "--config",
+        default="gpn_m_130m,gpn_m_130m_2l",
+        help="comma-separated model configs (names or paths); the "
+        "Transformer++ matches the first one's parameter count",
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batches", default="auto",
-                        help="'auto' (doubling from --min-batch up to the first that does not "
-                             "fit) or a comma-separated list")
+    parser.add_argument(
+        "--batches",
+        default="auto",
+        help="'auto' (doubling from --min-batch up to the first that does not "
+        "fit) or a comma-separated list",
+    )
     parser.add_argument("--min-batch", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
-    parser.add_argument("--no-transformer", action="store_true",
-                        help="skip the Transformer++ baseline")
-    parser.add_argument("--max-seconds", type=float, default=450.0,
-                        help="time budget for the whole check (default fits 8 min on an H200)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace results already in --out")
+    parser.add_argument(
+        "--no-transformer", action="store_true", help="skip the Transformer++ baseline"
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=450.0,
+        help="time budget for the whole check (default fits 8 min on an H200)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     args = parser.parse_args(argv)
     t0 = _clock()
     device = torch.device(args.device)
     if device.type == "cuda":
         problem = cuda_problem()
         if problem:
-            print(f"device check: CUDA is not usable on --device {args.device} ({problem}); "
-                  f"torch {torch.__version__} built for CUDA {torch.version.cuda}, driver "
-                  f"{driver_version()}; nothing measured (--device cpu runs the smoke mode)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"device check: CUDA is not usable on --device {args.device} ({problem}); "
+                f"torch {torch.__version__} built for CUDA {torch.version.cuda}, driver "
+                f"{driver_version()}; nothing measured (--device cpu runs the smoke mode)",
+                file=sys.stderr,
+                flush=True,
+            )
             return EXIT_NO_CUDA
     out = Path(args.out)
     if (out / "results.json").exists() and not args.overwrite:
-        print(f"device check: {out / 'results.json'} exists; pick another --out or pass "
-              "--overwrite", file=sys.stderr)
+        print(
+            f"device check: {out / 'results.json'} exists; pick another --out or pass --overwrite",
+            file=sys.stderr,
+        )
         return 2
     out.mkdir(parents=True, exist_ok=True)
     configs = [load_config(name) for name in args.config.split(",")]
     candidates = [gpn_candidate(cfg, args.seq_len) for cfg in configs]
     if not args.no_transformer:
         candidates.append(transformer_candidate(configs[0], args.seq_len))
-    meta = dict(torch=torch.__version__, torch_cuda=torch.version.cuda,
-                driver=driver_version() if device.type == "cuda" else "-", device=str(device),
-                device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                             else "CPU"),
-                seq_len=args.seq_len, bf16=not args.fp32, step_form=_step_form(device),
-                max_seconds=args.max_seconds, params={c.name: c.params for c in candidates},
-                _t0=t0)
+    meta = dict(
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        driver=driver_version() if device.type == "cuda" else "-",
+        device=str(device),
+        device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"),
+        seq_len=args.seq_len,
+        bf16=not args.fp32,
+        step_form=_step_form(device),
+        max_seconds=args.max_seconds,
+        params={c.name: c.params for c in candidates},
+        _t0=t0,
+    )
     results = Results(out, meta)
     results.save()
     print(f"device check on {meta['device_name']} (torch {meta['torch']})", flush=True)
@@ -521,8 +646,17 @@ def main(argv: list[str] | None = None) -> int:
     for i, cand in enumerate(candidates):
         now = _clock()
         share = now + (deadline - now) / (len(candidates) - i)
-        sweep(cand, batch_sizes(args.batches, args.min_batch, args.max_batch), args.seq_len, device,
-              args.steps, args.warmup, not args.fp32, share, record)
+        sweep(
+            cand,
+            batch_sizes(args.batches, args.min_batch, args.max_batch),
+            args.seq_len,
+            device,
+            args.steps,
+            args.warmup,
+            not args.fp32,
+            share,
+            record,
+        )
     results.save()
     report = markdown(json.loads((out / "results.json").read_text()))
     print(report)

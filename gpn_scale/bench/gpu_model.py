@@ -14,8 +14,10 @@ The prediction per launch is max(bytes / (eff_bw * HBM bandwidth), FLOPs / (eff_
 dense bf16 peak)) plus the GPU-side gap between kernels (~1.3 us on H100 even under graphs:
 Hazy Research, "no bubbles"); launched eagerly, at least the host's launch cost (~5 us: a
 phase is host-bound where its kernels are shorter). With graphs the sequential phases also
-pay their replays' copies of each chunk's inputs and outputs into the static buffers. The floor beside it is what any implementation of this algorithm must pay: each
-sequential step streams the loop weights (bf16) and every sequence's float32 M0 once in the
+pay their replays' copies of each chunk's inputs and outputs into the static buffers.
+
+The floor beside it is what any implementation of this algorithm must pay: each sequential
+step streams the loop weights (bf16) and every sequence's float32 M0 once in the
 forward and once in the reverse sweep (or its GEMM FLOPs, if larger), and the chunk-wide
 FLOPs run at peak.
 """
@@ -31,8 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpn_scale.model import GPN, GPNConfig, load_model_config
-from gpn_scale.model import engine
+from gpn_scale.model import GPN, GPNConfig, engine, load_model_config
 from gpn_scale.model.counts import flops_per_token
 from gpn_scale.ops import launch as launches_
 from gpn_scale.ops.gpn_step.cuda import GRAPH_COPIES
@@ -43,19 +44,32 @@ from gpn_scale.ops.gpn_step.registry import ENV_VAR
 class Gpu:
     name: str
     hbm_bytes_per_s: float
-    bf16_flops_per_s: float      # dense
+    bf16_flops_per_s: float  # dense
 
 
 GPUS = {
     "h100": Gpu("H100 SXM", 3.35e12, 989e12),
     "h200": Gpu("H200", 4.8e12, 989e12),
 }
-GRAPH_GAP_S = 1.3e-6        # between two kernels of a replayed graph, on the GPU
-HOST_LAUNCH_S = 5e-6        # host time to issue one eager launch (dispatch included)
+GRAPH_GAP_S = 1.3e-6  # between two kernels of a replayed graph, on the GPU
+HOST_LAUNCH_S = 5e-6  # host time to issue one eager launch (dispatch included)
 SEQUENTIAL = ("sequential forward", "sequential backward")
-_NO_LAUNCH = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
-              "detach", "alias", "lift_fresh", "_local_scalar_dense", "set_", "resize_",
-              "_unsafe_view", "view", "_reshape_alias"}
+_NO_LAUNCH = {
+    "empty",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "empty_like",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "set_",
+    "resize_",
+    "_unsafe_view",
+    "view",
+    "_reshape_alias",
+}
 
 
 @dataclass
@@ -79,9 +93,9 @@ class Accounting:
     seq_len: int
     chunk: int
     n_layers: int
-    probes: dict[int, list[Op]] = field(default_factory=dict)   # probe T -> its ops
+    probes: dict[int, list[Op]] = field(default_factory=dict)  # probe T -> its ops
     loop_weight_bytes: int = 0  # bf16
-    m0_bytes: int = 0           # per sequence, float32
+    m0_bytes: int = 0  # per sequence, float32
     loop_params: int = 0
 
     def at_seq_len(self, measure) -> float:
@@ -103,14 +117,16 @@ class Accounting:
         return sorted({op.phase for op in self.ops})
 
     def per_phase(self) -> dict[str, dict[str, float]]:
-        out = {}
-        for phase in self.phases():
-            sel = lambda ops, ph=phase: [op for op in ops if op.phase == ph]   # noqa: E731
-            out[phase] = dict(
-                launches=self.at_seq_len(lambda ops, _t: len(sel(ops))),
-                bytes=self.at_seq_len(lambda ops, _t: sum(op.bytes for op in sel(ops))),
-                flops=self.at_seq_len(lambda ops, _t: sum(op.flops for op in sel(ops))))
-        return out
+        def total(phase: str, what: str) -> float:
+            def measure(ops: list[Op], _t: int) -> float:
+                mine = [op for op in ops if op.phase == phase]
+                return len(mine) if what == "launches" else sum(getattr(op, what) for op in mine)
+
+            return self.at_seq_len(measure)
+
+        return {
+            ph: {w: total(ph, w) for w in ("launches", "bytes", "flops")} for ph in self.phases()
+        }
 
     def launches_per_step(self, phase: str) -> float:
         """Launches of one time step of `phase`: the CUDA backend's per-step kind, or (the
@@ -121,14 +137,16 @@ class Accounting:
             if any(op.triton for op in ops if op.phase in SEQUENTIAL):
                 return sum(1 for op in ops if op.triton and op.name.startswith(kind))
             return sum(1 for op in ops if op.phase == phase)
+
         return self.at_seq_len(count) / self.seq_len
 
 
 _STEP_TAG = "\x00"
 
 
-def account(cfg: GPNConfig, batch: int, seq_len: int, name: str = "",
-            backend: str = "cuda") -> Accounting:
+def account(
+    cfg: GPNConfig, batch: int, seq_len: int, name: str = "", backend: str = "cuda"
+) -> Accounting:
     """Run one training step's code path on meta tensors; record its launches. `backend`:
     "cuda" (the Triton step kernels) or "reference" (the PyTorch steps, what CUDA ran before
     the CUDA backend existed: every ATen op a launch)."""
@@ -153,14 +171,26 @@ def _probe(cfg: GPNConfig, batch: int, T: int, backend: str) -> list[Op]:
     recorder = _AtenRecorder(sequential=backend != "cuda")
     previous = os.environ.pop(ENV_VAR, None)
     try:
-        with launches_.recording(dry=True) as launches, engine.phase_timer(), recorder, \
-                engine.matmul_dtype(torch.bfloat16):
+        with (
+            launches_.recording(dry=True) as launches,
+            engine.phase_timer(),
+            recorder,
+            engine.matmul_dtype(torch.bfloat16),
+        ):
             model(tokens).loss.backward()
     finally:
         if previous is not None:
             os.environ[ENV_VAR] = previous
-    ops = [Op(f"{launch.phase}: {launch.name}", _engine_phase(launch.phase), launch.bytes,
-              launch.flops, True) for launch in launches]
+    ops = [
+        Op(
+            f"{launch.phase}: {launch.name}",
+            _engine_phase(launch.phase),
+            launch.bytes,
+            launch.flops,
+            True,
+        )
+        for launch in launches
+    ]
     return ops + recorder.ops
 
 
@@ -169,7 +199,7 @@ def _engine_phase(launch_phase: str) -> str:
         return "sequential forward"
     if launch_phase.startswith("reverse"):
         return "sequential backward"
-    return launch_phase          # a Triton kernel of the chunk-wide work (e.g. "decode")
+    return launch_phase  # a Triton kernel of the chunk-wide work (e.g. "decode")
 
 
 def _in_widths(cfg: GPNConfig) -> list[int]:
@@ -183,7 +213,7 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __init__(self, sequential: bool) -> None:
         super().__init__()
-        self.sequential = sequential     # also record the sequential phases' ATen ops
+        self.sequential = sequential  # also record the sequential phases' ATen ops
         self.ops: list[Op] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -193,8 +223,9 @@ class _AtenRecorder(TorchDispatchMode):
         phase = engine.current_phase() or "outside the loop"
         if func.is_view or name in _NO_LAUNCH or (phase in SEQUENTIAL and not self.sequential):
             return out
-        tensors = [t for t in _flat(args) + _flat(kwargs) + _flat(out)
-                   if isinstance(t, torch.Tensor)]
+        tensors = [
+            t for t in _flat(args) + _flat(kwargs) + _flat(out) if isinstance(t, torch.Tensor)
+        ]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.ops.append(Op(name, phase, nbytes, _matmul_flops(name, args), False))
         return out
@@ -209,7 +240,7 @@ def _flat(x) -> list:
 
 
 def _matmul_flops(name: str, args) -> int:
-    name = name.rstrip("_")      # addmm_ (in-place accumulation) costs what addmm does
+    name = name.rstrip("_")  # addmm_ (in-place accumulation) costs what addmm does
     shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
     if name in ("mm",) and len(shapes) >= 2:
         (m, k), (_, n) = shapes[0], shapes[1]
@@ -244,74 +275,113 @@ EFF_BW = 0.8
 EFF_FLOPS = 0.7
 
 
-def predict(acc: Accounting, gpu: Gpu, graphs: bool = True, eff_bw: float = EFF_BW,
-            eff_flops: float = EFF_FLOPS, cfg: GPNConfig | None = None) -> Prediction:
+def predict(
+    acc: Accounting,
+    gpu: Gpu,
+    graphs: bool = True,
+    eff_bw: float = EFF_BW,
+    eff_flops: float = EFF_FLOPS,
+    cfg: GPNConfig | None = None,
+) -> Prediction:
     def op_time(op: Op) -> float:
         if op.name.endswith(GRAPH_COPIES) and not graphs:
             return 0.0
-        t = max(op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
-                op.flops / (eff_flops * gpu.bf16_flops_per_s)) + GRAPH_GAP_S
+        t = (
+            max(
+                op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
+                op.flops / (eff_flops * gpu.bf16_flops_per_s),
+            )
+            + GRAPH_GAP_S
+        )
         # Only the sequential phases replay as graphs; everything else launches eagerly and
         # is host-bound where its kernels are shorter than their launch.
         graphed = graphs and op.triton and op.phase in SEQUENTIAL
         return t if graphed else max(t, HOST_LAUNCH_S)
 
-    per_phase = {ph: acc.at_seq_len(lambda ops, _t, ph=ph: sum(op_time(op) for op in ops
-                                                               if op.phase == ph))
-                 for ph in acc.phases()}
+    per_phase = {
+        ph: acc.at_seq_len(lambda ops, _t, ph=ph: sum(op_time(op) for op in ops if op.phase == ph))
+        for ph in acc.phases()
+    }
     seconds = sum(per_phase.values())
     B, T = acc.batch, acc.seq_len
     step_stream = (acc.loop_weight_bytes + B * acc.m0_bytes) / gpu.hbm_bytes_per_s
     step_flops = 2 * B * acc.loop_params / gpu.bf16_flops_per_s
-    chunk_flops = acc.at_seq_len(lambda ops, _t: sum(op.flops for op in ops
-                                                     if op.phase not in SEQUENTIAL))
+    chunk_flops = acc.at_seq_len(
+        lambda ops, _t: sum(op.flops for op in ops if op.phase not in SEQUENTIAL)
+    )
     floor = 2 * T * max(step_stream, step_flops) + chunk_flops / gpu.bf16_flops_per_s
     tokens_per_s = B * T / seconds
     model_flops = flops_per_token(cfg, T) if cfg is not None else 0.0
-    return Prediction(gpu, graphs, seconds, floor, tokens_per_s,
-                      model_flops * tokens_per_s / gpu.bf16_flops_per_s, per_phase)
+    return Prediction(
+        gpu,
+        graphs,
+        seconds,
+        floor,
+        tokens_per_s,
+        model_flops * tokens_per_s / gpu.bf16_flops_per_s,
+        per_phase,
+    )
 
 
-def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str = "h100"
-                  ) -> float:
+def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str = "h100") -> float:
     """The MFU the accounting predicts (graphs on): what `gpn-scale sweep plan` prices with
     unless a sweep gives a measured `hardware.mfu`."""
     acc = account(cfg, sequences_per_gpu, seq_len)
     return predict(acc, GPUS[gpu], graphs=True, cfg=cfg).mfu
 
 
-def report(acc: Accounting, cfg: GPNConfig, gpus: list[str],
-           before: Accounting | None = None) -> str:
-    lines = [f"# GPU accounting: {acc.config}, batch {acc.batch}, T = {acc.seq_len}, chunk "
-             f"{acc.chunk}, {acc.n_layers} layer(s) (bf16 autocast; probes of "
-             f"{' and '.join(map(str, sorted(acc.probes)))} steps, extrapolated)", "",
-             f"Launches per time step (CUDA backend): forward "
-             f"{acc.launches_per_step('sequential forward'):.0f}, reverse sweep "
-             f"{acc.launches_per_step('sequential backward'):.0f}", "",
-             "| phase | launches | GB moved | GFLOP |", "|---|---|---|---|"]
+def report(
+    acc: Accounting, cfg: GPNConfig, gpus: list[str], before: Accounting | None = None
+) -> str:
+    lines = [
+        f"# GPU accounting: {acc.config}, batch {acc.batch}, T = {acc.seq_len}, chunk "
+        f"{acc.chunk}, {acc.n_layers} layer(s) (bf16 autocast; probes of "
+        f"{' and '.join(map(str, sorted(acc.probes)))} steps, extrapolated)",
+        "",
+        f"Launches per time step (CUDA backend): forward "
+        f"{acc.launches_per_step('sequential forward'):.0f}, reverse sweep "
+        f"{acc.launches_per_step('sequential backward'):.0f}",
+        "",
+        "| phase | launches | GB moved | GFLOP |",
+        "|---|---|---|---|",
+    ]
     for phase, row in sorted(acc.per_phase().items(), key=lambda kv: -kv[1]["bytes"]):
-        lines.append(f"| {phase} | {row['launches']:,.0f} | {row['bytes'] / 1e9:,.2f} | "
-                     f"{row['flops'] / 1e9:,.1f} |")
+        lines.append(
+            f"| {phase} | {row['launches']:,.0f} | {row['bytes'] / 1e9:,.2f} | "
+            f"{row['flops'] / 1e9:,.1f} |"
+        )
     rows = [(f"CUDA backend, graphs {'on' if g else 'off'}", acc, g) for g in (True, False)]
     if before is not None:
         rows.append(("PyTorch steps (eager)", before, False))
-        lines += ["", f"PyTorch steps, for comparison: {before.launches_per_step(SEQUENTIAL[0]):.0f}"
-                  f" forward / {before.launches_per_step(SEQUENTIAL[1]):.0f} reverse launches per "
-                  "step (per-chunk work included)"]
+        lines += [
+            "",
+            f"PyTorch steps, for comparison: {before.launches_per_step(SEQUENTIAL[0]):.0f}"
+            f" forward / {before.launches_per_step(SEQUENTIAL[1]):.0f} reverse launches per "
+            "step (per-chunk work included)",
+        ]
     phases = sorted(acc.per_phase(), key=lambda ph: -acc.per_phase()[ph]["bytes"])
-    lines += ["", "| GPU | path | predicted s/step | floor s/step | floor / predicted | "
-              "tokens/s | MFU | " + " | ".join(phases) + " |",
-              "|---|---|---|---|---|---|---|" + "---|" * len(phases)]
+    lines += [
+        "",
+        "| GPU | path | predicted s/step | floor s/step | floor / predicted | "
+        "tokens/s | MFU | " + " | ".join(phases) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(phases),
+    ]
     for key in gpus:
         for label, a, graphs in rows:
             p = predict(a, GPUS[key], graphs=graphs, cfg=cfg)
-            lines.append(f"| {p.gpu.name} | {label} | {p.seconds:.3f} | {p.floor_seconds:.3f} | "
-                         f"{p.floor_seconds / p.seconds:.0%} | {p.tokens_per_s:,.0f} | "
-                         f"{p.mfu:.1%} | " + " | ".join(f"{p.per_phase_seconds.get(ph, 0):.3f}"
-                                                        for ph in phases) + " |")
-    lines += ["", f"Assumptions: {EFF_BW:.0%} of HBM bandwidth and {EFF_FLOPS:.0%} of dense bf16 "
-              f"peak reached per kernel; {GRAPH_GAP_S * 1e6:.1f} us between graphed kernels; "
-              f"{HOST_LAUNCH_S * 1e6:.0f} us host time per eager launch."]
+            lines.append(
+                f"| {p.gpu.name} | {label} | {p.seconds:.3f} | {p.floor_seconds:.3f} | "
+                f"{p.floor_seconds / p.seconds:.0%} | {p.tokens_per_s:,.0f} | "
+                f"{p.mfu:.1%} | "
+                + " | ".join(f"{p.per_phase_seconds.get(ph, 0):.3f}" for ph in phases)
+                + " |"
+            )
+    lines += [
+        "",
+        f"Assumptions: {EFF_BW:.0%} of HBM bandwidth and {EFF_FLOPS:.0%} of dense bf16 "
+        f"peak reached per kernel; {GRAPH_GAP_S * 1e6:.1f} us between graphed kernels; "
+        f"{HOST_LAUNCH_S * 1e6:.0f} us host time per eager launch.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -320,16 +390,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="model config name or path (e.g. gpn_m_130m)")
     parser.add_argument("--batch", type=int, default=64, help="sequences per GPU (default 64)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
-    parser.add_argument("--chunk-size", type=int, default=None,
-                        help="override the config's chunk_size (default: the config's)")
-    parser.add_argument("--gpu", default="h100,h200",
-                        help=f"comma-separated, of {', '.join(GPUS)} (default both)")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="override the config's chunk_size (default: the config's)",
+    )
+    parser.add_argument(
+        "--gpu", default="h100,h200", help=f"comma-separated, of {', '.join(GPUS)} (default both)"
+    )
     args = parser.parse_args(argv)
     gpus = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
     unknown = [g for g in gpus if g not in GPUS]
     if unknown or args.batch < 1 or args.seq_len < 1:
-        print(f"gpu_model: {'unknown GPU ' + unknown[0] if unknown else 'batch and seq-len must be >= 1'}"
-              f" (GPUs: {', '.join(GPUS)})", file=sys.stderr)
+        problem = f"unknown GPU {unknown[0]}" if unknown else "batch and seq-len must be >= 1"
+        print(
+            f"gpu_model: {problem} (GPUs: {', '.join(GPUS)})",
+            file=sys.stderr,
+        )
         return 2
     cfg = load_model_config(args.config)
     if args.chunk_size is not None:

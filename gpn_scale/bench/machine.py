@@ -92,27 +92,38 @@ std::vector<double> stream_gbps(double megabytes, int64_t threads, int64_t passe
 def _probe() -> ModuleType:
     capability, flags = cpu_build()
     return cpp_extension_quietly().load_inline(
-        name=f"gpn_scale_machine_probe_{capability}", cpp_sources=[_SOURCE],
-        functions=["chase_ns", "stream_gbps"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-        verbose=False)
+        name=f"gpn_scale_machine_probe_{capability}",
+        cpp_sources=[_SOURCE],
+        functions=["chase_ns", "stream_gbps"],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
 
 
 def latency_curve(sizes_mb: tuple[float, ...]) -> list[dict]:
     probe = _probe()
-    return [dict(megabytes=mb, ns=min(probe.chase_ns(mb, 2_000_000) for _ in range(2)))
-            for mb in sizes_mb]
+    return [
+        dict(megabytes=mb, ns=min(probe.chase_ns(mb, 2_000_000) for _ in range(2)))
+        for mb in sizes_mb
+    ]
 
 
 def streaming(sizes_mb: tuple[float, ...], threads: int) -> list[dict]:
     probe = _probe()
-    return [dict(megabytes=mb, threads=threads, gbps=probe.stream_gbps(mb, threads, 20))
-            for mb in sizes_mb]
+    return [
+        dict(megabytes=mb, threads=threads, gbps=probe.stream_gbps(mb, threads, 20))
+        for mb in sizes_mb
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1,2,4,6,8,12,16,24,32,64",
-                        help="working-set sizes in MB for the latency curve")
+    parser.add_argument(
+        "--sizes",
+        default="1,2,4,6,8,12,16,24,32,64",
+        help="working-set sizes in MB for the latency curve",
+    )
     args = parser.parse_args(argv)
     sizes = tuple(float(s) for s in args.sizes.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -53,7 +53,8 @@ def check_checkout(path: str | os.PathLike[str]) -> Path:
     if not (root / MODEL_FILE).is_file():
         raise ReferenceJaxError(
             f"--reference-jax {path}: not a checkout of the paper's JAX code (no {MODEL_FILE}); "
-            f"get one with `git clone {REPOSITORY}` and pass its directory")
+            f"get one with `git clone {REPOSITORY}` and pass its directory"
+        )
     return root
 
 
@@ -64,8 +65,10 @@ def require_jax() -> None:
         import jax  # noqa: F401
         import optax  # noqa: F401
     except ImportError as err:
-        raise ReferenceJaxError(f"--reference-jax needs jax, flax and optax ({err}); install "
-                                "them with `pip install -e '.[jax]'`") from None
+        raise ReferenceJaxError(
+            f"--reference-jax needs jax, flax and optax ({err}); install "
+            "them with `pip install -e '.[jax]'`"
+        ) from None
 
 
 def _import(checkout: str | os.PathLike[str]) -> dict[str, Any]:
@@ -79,17 +82,27 @@ def _import(checkout: str | os.PathLike[str]) -> dict[str, Any]:
         sys.path.insert(0, str(root))
     loaded = sys.modules.get("src")
     if loaded is not None and Path(getattr(loaded, "__file__", "") or "").parent.parent != root:
-        raise ReferenceJaxError(f"another package named 'src' is already imported "
-                                f"({loaded.__file__}); run the benchmark in a fresh process")
+        raise ReferenceJaxError(
+            f"another package named 'src' is already imported "
+            f"({loaded.__file__}); run the benchmark in a fresh process"
+        )
     try:
         from src.jax.models.sot_m import SoTM, SoTMConfig
         from src.jax.models.sot_m.trainer import SoTMTrainer
         from src.jax.training import BaseTrainConfig
     except ImportError as err:
-        raise ReferenceJaxError(f"--reference-jax {checkout}: cannot import its JAX model "
-                                f"({err}); is it a complete checkout of {REPOSITORY}?") from None
-    return dict(jax=jax, jnp=jnp, SoTM=SoTM, SoTMConfig=SoTMConfig, SoTMTrainer=SoTMTrainer,
-                BaseTrainConfig=BaseTrainConfig)
+        raise ReferenceJaxError(
+            f"--reference-jax {checkout}: cannot import its JAX model "
+            f"({err}); is it a complete checkout of {REPOSITORY}?"
+        ) from None
+    return dict(
+        jax=jax,
+        jnp=jnp,
+        SoTM=SoTM,
+        SoTMConfig=SoTMConfig,
+        SoTMTrainer=SoTMTrainer,
+        BaseTrainConfig=BaseTrainConfig,
+    )
 
 
 def _model_and_params(mods: dict[str, Any], model: GPN, B: int, T: int) -> tuple[Any, Any]:
@@ -97,15 +110,23 @@ def _model_and_params(mods: dict[str, Any], model: GPN, B: int, T: int) -> tuple
     cfg = model.config
     if not cfg.memory:
         raise ReferenceJaxError("--reference-jax compares GPN+M (memory: true) configurations")
-    jcfg = mods["SoTMConfig"](vocab_size=cfg.vocab_size, d_state=cfg.d_state, d_emb=cfg.d_emb,
-                              d_ffn=cfg.d_ffn, n_heads=cfg.n_heads, d_key=cfg.d_key,
-                              d_val=cfg.d_value, n_layers=cfg.n_layers,
-                              use_decoder_bias=cfg.decoder_bias)
+    jcfg = mods["SoTMConfig"](
+        vocab_size=cfg.vocab_size,
+        d_state=cfg.d_state,
+        d_emb=cfg.d_emb,
+        d_ffn=cfg.d_ffn,
+        n_heads=cfg.n_heads,
+        d_key=cfg.d_key,
+        d_val=cfg.d_value,
+        n_layers=cfg.n_layers,
+        use_decoder_bias=cfg.decoder_bias,
+    )
     jmodel = mods["SoTM"](cfg=jcfg)
     jax, jnp = mods["jax"], mods["jnp"]
     # Its own init, traced only, says which parameters it has and their shapes.
-    shapes = jax.eval_shape(jmodel.init, jax.random.PRNGKey(0),
-                            jnp.zeros((B, T), dtype=jnp.int32))["params"]
+    shapes = jax.eval_shape(jmodel.init, jax.random.PRNGKey(0), jnp.zeros((B, T), dtype=jnp.int32))[
+        "params"
+    ]
     ours = export_reference(model)
     want = {k: tuple(v.shape) for k, v in shapes.items()}
     have = {k: tuple(v.shape) for k, v in ours.items()}
@@ -147,9 +168,14 @@ class _Batches:
         yield self.batch
 
 
-def train_steps(checkout: str | os.PathLike[str], model: GPN, tokens: Any, steps: int,
-                between: Callable[[int], None] = lambda step: None,
-                lr: float = 1e-4) -> list[float]:
+def train_steps(
+    checkout: str | os.PathLike[str],
+    model: GPN,
+    tokens: Any,
+    steps: int,
+    between: Callable[[int], None] = lambda step: None,
+    lr: float = 1e-4,
+) -> list[float]:
     """Run `steps` training steps of the JAX implementation's own trainer on `tokens` (B, T),
     starting from `model`'s weights; `between(step)` runs after each. Returns the seconds of
     each step (the first includes jit compilation)."""
@@ -160,13 +186,31 @@ def train_steps(checkout: str | os.PathLike[str], model: GPN, tokens: Any, steps
     data = _Batches(batch, steps, between)
     with tempfile.TemporaryDirectory(prefix="gpn-jax-bench-") as tmp:
         cfg = mods["BaseTrainConfig"](
-            name="bench", data_dir=tmp, checkpoint_dir=os.path.join(tmp, "ckpt"),
-            log_dir=os.path.join(tmp, "log"), model=jmodel.cfg, batch_size=B, seq_len=T,
-            grad_accum=1, total_steps=max(steps + 1, 1000), run_steps=steps + 1, seed=0, resume="",
-            learning_rate=lr, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1,
-            warmup_steps=10, min_lr_ratio=0.1, grad_clip_norm=1.0,
+            name="bench",
+            data_dir=tmp,
+            checkpoint_dir=os.path.join(tmp, "ckpt"),
+            log_dir=os.path.join(tmp, "log"),
+            model=jmodel.cfg,
+            batch_size=B,
+            seq_len=T,
+            grad_accum=1,
+            total_steps=max(steps + 1, 1000),
+            run_steps=steps + 1,
+            seed=0,
+            resume="",
+            learning_rate=lr,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            weight_decay=0.1,
+            warmup_steps=10,
+            min_lr_ratio=0.1,
+            grad_clip_norm=1.0,
             # no logging or saving inside the timed steps (it saves once after the loop)
-            log_every=10**9, save_every=10**9, checkpoint_every=0, bf16=False)
+            log_every=10**9,
+            save_every=10**9,
+            checkpoint_every=0,
+            bf16=False,
+        )
         trainer = mods["SoTMTrainer"]()
         trainer.setup(jmodel, params, data, cfg)
         # its summary and progress bar would interleave with our tables

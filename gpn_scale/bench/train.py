@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 
-def _engine_tokens_per_s(model_cfg, batch: int, seq_len: int, steps: int, with_optim: bool,
-                         warmup: int = 2) -> float:
+def _engine_tokens_per_s(
+    model_cfg, batch: int, seq_len: int, steps: int, with_optim: bool, warmup: int = 2
+) -> float:
     from gpn_scale.model import GPN
     from gpn_scale.train.optim import build_adamw
 
@@ -54,23 +55,35 @@ def _engine_tokens_per_s(model_cfg, batch: int, seq_len: int, steps: int, with_o
     return batch * seq_len / statistics.median(times)
 
 
-def _trainer_tokens_per_s(config: str, steps: int, run_dir: Path, warmup: int = 2,
-                          extra: list[str] | None = None) -> tuple[float, dict[str, float]]:
+def _trainer_tokens_per_s(
+    config: str, steps: int, run_dir: Path, warmup: int = 2, extra: list[str] | None = None
+) -> tuple[float, dict[str, float]]:
     from gpn_scale.train.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
-    cfg = load_train_config(config, [f"run_dir={run_dir}", f"schedule.total_steps={warmup + steps}",
-                                     "schedule.warmup_steps=1", "eval.at_end=false",
-                                     "checkpoint.save_final=false", "checkpoint.every_steps=0",
-                                     "train.progress_bar=false", "logging.wandb.mode=disabled",
-                                     *(extra or [])])
+    cfg = load_train_config(
+        config,
+        [
+            f"run_dir={run_dir}",
+            f"schedule.total_steps={warmup + steps}",
+            "schedule.warmup_steps=1",
+            "eval.at_end=false",
+            "checkpoint.save_final=false",
+            "checkpoint.every_steps=0",
+            "train.progress_bar=false",
+            "logging.wandb.mode=disabled",
+            *(extra or []),
+        ],
+    )
     Trainer(cfg, log=lambda _msg: None).run()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
     # Means (not medians) so that the parts add up to the whole step.
-    parts = {k: statistics.fmean(r[k] for r in rows) for k in
-             ("step_time_s", "time/data_s", "time/model_s", "time/update_s", "time/optim_s")
-             if rows and k in rows[0]}
+    parts = {
+        k: statistics.fmean(r[k] for r in rows)
+        for k in ("step_time_s", "time/data_s", "time/model_s", "time/update_s", "time/optim_s")
+        if rows and k in rows[0]
+    }
     return statistics.median(r["tokens_per_s"] for r in rows), parts
 
 
@@ -98,21 +111,31 @@ def main(argv: list[str] | None = None) -> int:
         engs, eng_opts, trainers = [], [], []
         for r in range(args.rounds):
             engs.append(_engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=False))
-            eng_opts.append(_engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=True))
-            trainers.append(_trainer_tokens_per_s(args.config, args.steps,
-                                                  Path(tmp) / f"run{r}", extra=data))
+            eng_opts.append(
+                _engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=True)
+            )
+            trainers.append(
+                _trainer_tokens_per_s(args.config, args.steps, Path(tmp) / f"run{r}", extra=data)
+            )
     best = max(trainers, key=lambda t: t[0])
     trainer_rates = [t[0] for t in trainers]
     fwd_bwd, engine, trainer = max(engs), max(eng_opts), max(trainer_rates)
-    print(f"\nTrainer overhead: {args.config} ({model_cfg.name}, batch {batch} x {seq} tokens, "
-          f"{torch.get_num_threads()} threads, {args.steps} measured steps, medians)\n")
+    print(
+        f"\nTrainer overhead: {args.config} ({model_cfg.name}, batch {batch} x {seq} tokens, "
+        f"{torch.get_num_threads()} threads, {args.steps} measured steps, medians)\n"
+    )
     print(f"| {'path':<27} | {'tokens/s':>10} | {'vs engine':>9} |")
     print(f"|{'-' * 29}|{'-' * 12}|{'-' * 11}|")
-    for name, value in (("engine step (fwd+bwd+AdamW)", engine), ("engine fwd+bwd", fwd_bwd),
-                        ("gpn-scale train", trainer)):
+    for name, value in (
+        ("engine step (fwd+bwd+AdamW)", engine),
+        ("engine fwd+bwd", fwd_bwd),
+        ("gpn-scale train", trainer),
+    ):
         print(f"| {name:<27} | {value:>10.0f} | {value / engine:>8.1%} |")
-    print(f"\nper round: engine step {[round(x) for x in eng_opts]}, fwd+bwd "
-          f"{[round(x) for x in engs]}, trainer {[round(x) for x in trainer_rates]} tokens/s")
+    print(
+        f"\nper round: engine step {[round(x) for x in eng_opts]}, fwd+bwd "
+        f"{[round(x) for x in engs]}, trainer {[round(x) for x in trainer_rates]} tokens/s"
+    )
     parts = best[1]
     if parts:
         # Within the trainer's own steps (same load for every part): the engine's share of the
@@ -123,14 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\nWhere the trainer's step goes (best round, mean over the measured steps):\n")
         print(f"| {'part':<40} | {'ms/step':>9} | {'share':>6} |")
         print(f"|{'-' * 42}|{'-' * 11}|{'-' * 8}|")
-        for name, value in (("batch from the loader", parts["time/data_s"]),
-                            ("forward + backward (engine)", parts["time/model_s"]),
-                            ("grad norm + clip + finite checks", clip),
-                            ("AdamW step (engine)", parts["time/optim_s"]),
-                            ("whole step", total)):
+        for name, value in (
+            ("batch from the loader", parts["time/data_s"]),
+            ("forward + backward (engine)", parts["time/model_s"]),
+            ("grad norm + clip + finite checks", clip),
+            ("AdamW step (engine)", parts["time/optim_s"]),
+            ("whole step", total),
+        ):
             print(f"| {name:<40} | {value * 1e3:>9.1f} | {value / total:>6.1%} |")
-        print(f"\nengine share of the trainer's step: {engine_part / total:.1%} "
-              "(= trainer tokens/s as a fraction of the engine's at the same load)")
+        print(
+            f"\nengine share of the trainer's step: {engine_part / total:.1%} "
+            "(= trainer tokens/s as a fraction of the engine's at the same load)"
+        )
     return 0
 
 

@@ -26,7 +26,7 @@ class TransformerPPConfig:
     d_model: int
     n_layers: int
     n_heads: int
-    d_ffn: int                 # SwiGLU hidden width
+    d_ffn: int  # SwiGLU hidden width
     max_seq_len: int = 2048
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
@@ -37,7 +37,7 @@ class TransformerPPConfig:
 
     def num_parameters(self) -> int:
         d = self.d_model
-        per_layer = 4 * d * d + 3 * d * self.d_ffn + 2 * d   # attention, MLP, two norms
+        per_layer = 4 * d * d + 3 * d * self.d_ffn + 2 * d  # attention, MLP, two norms
         return self.vocab_size * d + self.n_layers * per_layer + d
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -48,8 +48,9 @@ class TransformerPPConfig:
         return 3.0 * 2.0 * macs
 
 
-def matching_config(vocab_size: int, d_model: int, target_params: int, max_seq_len: int
-                    ) -> TransformerPPConfig:
+def matching_config(
+    vocab_size: int, d_model: int, target_params: int, max_seq_len: int
+) -> TransformerPPConfig:
     """The Transformer++ with `target_params` parameters at width `d_model` (the GPN's
     embedding width, so embedding and head are the same size): the depth whose SwiGLU width,
     solved for the parameter count, is closest to LLaMA's 8/3 d."""
@@ -67,8 +68,10 @@ def matching_config(vocab_size: int, d_model: int, target_params: int, max_seq_l
         if best is None or key < best[0]:
             best = (key, cfg)
     if best is None:
-        raise ValueError(f"no Transformer++ of width {d} has {target_params:,} parameters "
-                         f"(the embedding alone has {vocab_size * d:,})")
+        raise ValueError(
+            f"no Transformer++ of width {d} has {target_params:,} parameters "
+            f"(the embedding alone has {vocab_size * d:,})"
+        )
     return best[1]
 
 
@@ -88,9 +91,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)   # keep bf16 under autocast (flash path)
-        y = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v,
-                                           is_causal=True)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # keep bf16 under autocast (flash path)
+        y = F.scaled_dot_product_attention(
+            _rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True
+        )
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -121,7 +125,7 @@ class Block(nn.Module):
 class TransformerPP(nn.Module):
     """`forward(tokens)` -> mean next-token cross-entropy over B x (T - 1) positions."""
 
-    cos: Tensor    # rotary tables (max_seq_len, head_dim), buffers
+    cos: Tensor  # rotary tables (max_seq_len, head_dim), buffers
     sin: Tensor
 
     def __init__(self, cfg: TransformerPPConfig) -> None:
@@ -143,8 +147,11 @@ class TransformerPP(nn.Module):
             if p.ndim == 1:
                 nn.init.ones_(p)
             else:
-                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(
-                    ("out.weight", "down.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * self.config.n_layers)
+                    if name.endswith(("out.weight", "down.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens: Tensor) -> Tensor:

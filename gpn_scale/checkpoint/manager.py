@@ -57,8 +57,9 @@ def open_storage(uri: str, **s3_options: Any) -> Storage:
     failing with CheckpointErrors that speak of the checkpoint root.
 
     `s3_options` (retries, backoff_s, multipart_mb) go to S3Storage; ignored for local roots."""
-    return io_storage.open_storage(uri, error=CheckpointError, subject="checkpoint root",
-                                   **s3_options)
+    return io_storage.open_storage(
+        uri, error=CheckpointError, subject="checkpoint root", **s3_options
+    )
 
 
 def step_dir_name(step: int) -> str:
@@ -107,7 +108,9 @@ class CheckpointManager:
         s3_backoff_s: float | None = None,
     ) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
-            raise CheckpointError(f"keep_last={keep_last!r} must be an integer >= 1 (it always keeps the latest)")
+            raise CheckpointError(
+                f"keep_last={keep_last!r} must be an integer >= 1 (it always keeps the latest)"
+            )
         self.root = str(root)
         self._s3_options = {"retries": s3_retries, "backoff_s": s3_backoff_s}
         self.storage: Storage = open_storage(self.root, **self._s3_options)
@@ -119,7 +122,9 @@ class CheckpointManager:
             self._staging_root = self.storage.root / ".staging"
         else:
             safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.storage.uri.removeprefix("s3://"))
-            base = os.environ.get("GPN_CKPT_STAGING") or os.path.join(tempfile.gettempdir(), "gpn_scale_ckpt_staging")
+            base = os.environ.get("GPN_CKPT_STAGING") or os.path.join(
+                tempfile.gettempdir(), "gpn_scale_ckpt_staging"
+            )
             self._staging_root = Path(base) / safe
 
     # -- distributed helpers ------------------------------------------------------------------
@@ -176,11 +181,15 @@ class CheckpointManager:
             )
         parent = text[: -len(name)].rstrip("/") or "/"
         mine = self.storage.uri.rstrip("/")
-        if parent == mine or (isinstance(self.storage, LocalStorage) and os.path.abspath(parent) == mine):
+        if parent == mine or (
+            isinstance(self.storage, LocalStorage) and os.path.abspath(parent) == mine
+        ):
             return self.storage, name
         return open_storage(parent, **self._s3_options), name
 
-    def _check(self, storage: Storage, name: str, *, deep: bool = False) -> tuple[dict[str, Any] | None, str]:
+    def _check(
+        self, storage: Storage, name: str, *, deep: bool = False
+    ) -> tuple[dict[str, Any] | None, str]:
         """(manifest, "") when `name` is complete and its files match, else (None, reason).
 
         Cheap by default: one listing; sizes must match; a local file whose mtime changed, or an
@@ -194,7 +203,10 @@ class CheckpointManager:
             manifest = json.loads(raw)
             files: dict[str, dict[str, Any]] = manifest["files"]
             if manifest.get("format") != FORMAT or not isinstance(files, dict):
-                return None, f"manifest.json has format {manifest.get('format')!r}, expected {FORMAT!r}"
+                return (
+                    None,
+                    f"manifest.json has format {manifest.get('format')!r}, expected {FORMAT!r}",
+                )
         except (ValueError, KeyError, TypeError) as exc:
             return None, f"manifest.json is unreadable ({one_line(exc, 120)})"
         listing = storage.list(f"{name}/")
@@ -207,7 +219,9 @@ class CheckpointManager:
                 return None, f"file {rel} has {have.size} bytes, manifest says {want['size']}"
             if have.etag is not None and want.get("etag") and have.etag != want["etag"]:
                 return None, f"file {rel} was rewritten after the manifest (ETag changed)"
-            if local is not None and (deep or (want.get("mtime_ns") is not None and have.mtime_ns != want["mtime_ns"])):
+            if local is not None and (
+                deep or (want.get("mtime_ns") is not None and have.mtime_ns != want["mtime_ns"])
+            ):
                 if sha256_file(local / rel) != want["sha256"]:
                     return None, f"file {rel} does not match its sha256 in the manifest"
         return manifest, ""
@@ -296,11 +310,15 @@ class CheckpointManager:
         storage, name = self._locate(uri)
         raw = storage.get_bytes(f"{name}/{MANIFEST}")
         if raw is None:
-            raise CheckpointError(f"{storage.child_uri(name)} has no manifest.json; pick a complete checkpoint")
+            raise CheckpointError(
+                f"{storage.child_uri(name)} has no manifest.json; pick a complete checkpoint"
+            )
         try:
             return dict(json.loads(raw).get("meta", {}))
         except (ValueError, AttributeError, TypeError) as exc:
-            raise CheckpointError(f"{storage.child_uri(name)}/manifest.json is unreadable ({one_line(exc, 120)})") from exc
+            raise CheckpointError(
+                f"{storage.child_uri(name)}/manifest.json is unreadable ({one_line(exc, 120)})"
+            ) from exc
 
     def preflight(self) -> None:
         """Cheap write probe of the root and of this rank's staging directory (call before
@@ -339,8 +357,10 @@ class CheckpointManager:
         except CheckpointError as exc:
             err = str(exc)
         except OSError as exc:
-            err = (f"cannot prepare staging directory {stage} ({one_line(exc, 160)}); pass a "
-                   "writable staging_dir")
+            err = (
+                f"cannot prepare staging directory {stage} ({one_line(exc, 160)}); pass a "
+                "writable staging_dir"
+            )
         self._agree(err, f"checkpoint {name} not saved")
         return name, stage
 
@@ -353,7 +373,11 @@ class CheckpointManager:
                 # fsync before the rename/upload: a manifest must never outlive its data in a crash.
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
-                entry = {"size": path.stat().st_size, "sha256": sha256_file(path), "rank": self.rank}
+                entry = {
+                    "size": path.stat().st_size,
+                    "sha256": sha256_file(path),
+                    "rank": self.rank,
+                }
                 self.storage.put_file(path, f"{name}/{rel}")
                 entries[rel] = entry
         except CheckpointError as exc:
@@ -364,11 +388,15 @@ class CheckpointManager:
             return one_line(exc, 200)
         return entries
 
-    def _commit(self, step: int, name: str, stage: Path, kind: str, per_rank: Any, meta: dict[str, Any]) -> str:
+    def _commit(
+        self, step: int, name: str, stage: Path, kind: str, per_rank: Any, meta: dict[str, Any]
+    ) -> str:
         """Collective tail of a save: gather file lists, rank 0 verifies + writes
         manifest/latest."""
-        what = (f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous "
-                "latest is unchanged")
+        what = (
+            f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous "
+            "latest is unchanged"
+        )
         gathered = self._gather(per_rank)
         for r, item in enumerate(gathered):
             if isinstance(item, str):
@@ -389,12 +417,16 @@ class CheckpointManager:
             raise CheckpointError(f"{what}: {error}")
         return self.storage.child_uri(name)
 
-    def _write_manifest(self, step: int, name: str, kind: str, gathered: list[Any], meta: dict[str, Any]) -> None:
+    def _write_manifest(
+        self, step: int, name: str, kind: str, gathered: list[Any], meta: dict[str, Any]
+    ) -> None:
         files: dict[str, dict[str, Any]] = {}
         for entries in gathered:
             for rel, entry in entries.items():
                 if rel in files:
-                    raise CheckpointError(f"ranks {files[rel]['rank']} and {entry['rank']} both wrote {rel}")
+                    raise CheckpointError(
+                        f"ranks {files[rel]['rank']} and {entry['rank']} both wrote {rel}"
+                    )
                 files[rel] = entry
         # Verify what actually landed before anything may point at it.
         listing = self.storage.list(f"{name}/")
@@ -402,7 +434,9 @@ class CheckpointManager:
             have = listing.get(f"{name}/{rel}")
             if have is None or have.size != entry["size"]:
                 got = "missing" if have is None else f"{have.size} bytes"
-                raise CheckpointError(f"verification failed: {rel} is {got}, expected {entry['size']} bytes")
+                raise CheckpointError(
+                    f"verification failed: {rel} is {got}, expected {entry['size']} bytes"
+                )
             if have.etag:
                 entry["etag"] = have.etag
             if have.mtime_ns is not None:
@@ -422,7 +456,10 @@ class CheckpointManager:
         try:
             self._retain(name)
         except Exception as exc:  # noqa: BLE001 - the checkpoint is safe; retention can catch up next save
-            warnings.warn(f"checkpoint retention failed (will retry at the next save): {one_line(exc)}", stacklevel=3)
+            warnings.warn(
+                f"checkpoint retention failed (will retry at the next save): {one_line(exc)}",
+                stacklevel=3,
+            )
 
     def _retain(self, current: str) -> None:
         """Keep the newest `keep_last` complete checkpoints (always `current`); delete older ones
@@ -456,13 +493,17 @@ class CheckpointManager:
         name, stage = self._begin(step, meta)
         err = None
         try:
-            writer = dcp.FileSystemWriter(str(stage), single_file_per_rank=True, sync_files=True, thread_count=1)
+            writer = dcp.FileSystemWriter(
+                str(stage), single_file_per_rank=True, sync_files=True, thread_count=1
+            )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.save(app_state, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
             shutil.rmtree(stage, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {name} not saved: DCP save failed ({one_line(exc)})") from exc
+            raise CheckpointError(
+                f"checkpoint {name} not saved: DCP save failed ({one_line(exc)})"
+            ) from exc
         try:
             if rank_state is not None:
                 torch.save(rank_state, stage / _rank_file(self.rank))
@@ -486,7 +527,9 @@ class CheckpointManager:
         try:
             # Each rank saves into its own staging root, so the files it staged are exactly the
             # files it wrote (no guessing from DeepSpeed's file names).
-            ok = engine.save_checkpoint(str(stage.parent), tag=name, client_state={}, save_latest=False)
+            ok = engine.save_checkpoint(
+                str(stage.parent), tag=name, client_state={}, save_latest=False
+            )
             if ok is False:
                 err = "engine.save_checkpoint returned False"
         except Exception as exc:  # noqa: BLE001
@@ -526,14 +569,25 @@ class CheckpointManager:
                 local = self._stage() / "load" / name
                 for rel, entry in files.items():
                     dest = local / rel
-                    if not (dest.exists() and dest.stat().st_size == entry["size"] and sha256_file(dest) == entry["sha256"]):
+                    if not (
+                        dest.exists()
+                        and dest.stat().st_size == entry["size"]
+                        and sha256_file(dest) == entry["sha256"]
+                    ):
                         storage.get_file(f"{name}/{rel}", dest)
                         if sha256_file(dest) != entry["sha256"]:
-                            raise CheckpointError(f"downloaded {rel} does not match its sha256 in the manifest")
+                            raise CheckpointError(
+                                f"downloaded {rel} does not match its sha256 in the manifest"
+                            )
             else:
                 for i, (rel, entry) in enumerate(sorted(files.items())):
-                    if i % self.world_size == self.rank and sha256_file(local / rel) != entry["sha256"]:
-                        raise CheckpointError(f"file {rel} does not match its sha256 in the manifest")
+                    if (
+                        i % self.world_size == self.rank
+                        and sha256_file(local / rel) != entry["sha256"]
+                    ):
+                        raise CheckpointError(
+                            f"file {rel} does not match its sha256 in the manifest"
+                        )
         except CheckpointError as exc:
             err = str(exc)
         except Exception as exc:  # noqa: BLE001 - must reach the gather, or the other ranks hang
@@ -554,7 +608,9 @@ class CheckpointManager:
         assert manifest is not None and local is not None
         return manifest, storage, name, local, downloaded
 
-    def _loaded(self, manifest: dict[str, Any], local: Path, uri: str, kind: str) -> LoadedCheckpoint:
+    def _loaded(
+        self, manifest: dict[str, Any], local: Path, uri: str, kind: str
+    ) -> LoadedCheckpoint:
         """Collective: this rank's rank_state (when the world size matches) + the rest."""
         saved_world = int(manifest.get("world_size", 1))
         rank_state, err = None, None
@@ -586,11 +642,17 @@ class CheckpointManager:
             # own AssertionError text.
             safe_unpickle_metadata((local / ".metadata").read_bytes(), str(local / ".metadata"))
         except OSError as exc:
-            raise CheckpointError(f"cannot load {full_uri}: cannot read .metadata ({one_line(exc, 160)})") from exc
+            raise CheckpointError(
+                f"cannot load {full_uri}: cannot read .metadata ({one_line(exc, 160)})"
+            ) from exc
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(app_state, storage_reader=SafeFileSystemReader(str(local)), planner=SafeLoadPlanner())
+                dcp.load(
+                    app_state,
+                    storage_reader=SafeFileSystemReader(str(local)),
+                    planner=SafeLoadPlanner(),
+                )
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001
@@ -625,7 +687,10 @@ class CheckpointManager:
         ckpt_engine.load = lambda path, map_location=None, **_: _deepspeed_safe_load(path)
         try:
             load_path, client_state = engine.load_checkpoint(
-                str(local.parent), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True
+                str(local.parent),
+                tag=name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
             )
         except CheckpointError:
             raise
@@ -636,7 +701,9 @@ class CheckpointManager:
         finally:
             ckpt_engine.load = original
         if load_path is None:
-            raise CheckpointError(f"cannot load {full_uri}: DeepSpeed found no checkpoint in {local}")
+            raise CheckpointError(
+                f"cannot load {full_uri}: DeepSpeed found no checkpoint in {local}"
+            )
         try:
             loaded = self._loaded(manifest, local, full_uri, "deepspeed")
             loaded.extra["client_state"] = client_state

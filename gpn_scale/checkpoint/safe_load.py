@@ -45,17 +45,25 @@ def _enum_member(cls: Any, name: Any) -> enum.Enum:
     `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT` as getattr(_MEM_FORMAT_ENCODING, name);
     3.11.7 calls the class): only a member name of an enum class, which itself can only come
     from `find_class`'s allowed set, is looked up; anything else is refused."""
-    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
-            and name in cls.__members__):
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
         return cls[name]
-    raise pickle.UnpicklingError("getattr in checkpoint metadata is allowed only for an enum "
-                                 "member")
+    raise pickle.UnpicklingError(
+        "getattr in checkpoint metadata is allowed only for an enum member"
+    )
 
 
 _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "getattr"): _enum_member,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # name -> torch.layout lookup
+    (
+        "torch.serialization",
+        "_get_layout",
+    ): torch.serialization._get_layout,  # name -> torch.layout lookup
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "WindowsPath"): pathlib.PurePosixPath,  # never instantiate a concrete foreign path
@@ -71,22 +79,30 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SAFE_GLOBALS:
             return _SAFE_GLOBALS[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format)
+        ):
             return getattr(torch, name)
         if module in _DCP_MODULES:
             import importlib
 
             obj = getattr(importlib.import_module(module), name, None)
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            if isinstance(obj, type) and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
                 return obj
             if isinstance(obj, (dict, enum.Enum)):  # e.g. _MEM_FORMAT_ENCODING members
                 return obj
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+        raise pickle.UnpicklingError(
+            f"global '{module}.{name}' is not allowed in checkpoint metadata"
+        )
 
 
 def _why(exc: BaseException) -> str:
     """torch's weights_only refusal is a page of advice; keep the line that names the global."""
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc)) or re.search(r"Unsupported operand \d+", str(exc))
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc)) or re.search(
+        r"Unsupported operand \d+", str(exc)
+    )
     if m:
         return f"{type(exc).__name__}: {m.group(0)}"
     return one_line(exc, 200)
@@ -138,8 +154,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def _weights_only_load(source: Any, extra_safe_globals: Iterable[Any] = (),
-                       map_location: str | None = None) -> Any:
+def _weights_only_load(
+    source: Any, extra_safe_globals: Iterable[Any] = (), map_location: str | None = None
+) -> Any:
     """torch.load(weights_only=True), also reading enum members pickled as getattr(Enum, name)
     (Python 3.11.2 does that) through `_enum_member`, never through the real getattr."""
     allowed = [(_enum_member, "builtins.getattr"), *extra_safe_globals]

@@ -20,14 +20,24 @@ from gpn_scale.data.shm import clean_stale_streaming_shm
 _LAZY = {"DataConfig", "TokenLoader", "build_loader", "collate_tokens"}
 
 __all__ = [
-    "DataConfig", "DataError", "DatasetMetadata", "METADATA_FILE", "SplitInfo", "TokenLoader",
-    "build_loader", "check_compatible", "clean_stale_streaming_shm", "collate_tokens",
-    "read_metadata", "write_metadata",
+    "DataConfig",
+    "DataError",
+    "DatasetMetadata",
+    "METADATA_FILE",
+    "SplitInfo",
+    "TokenLoader",
+    "build_loader",
+    "check_compatible",
+    "clean_stale_streaming_shm",
+    "collate_tokens",
+    "read_metadata",
+    "write_metadata",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         from gpn_scale.data import loader
+
         return getattr(loader, name)
     raise AttributeError(f"module 'gpn_scale.data' has no attribute {name!r}")

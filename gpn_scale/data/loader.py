@@ -45,20 +45,20 @@ STATE_VERSION = 1
 class DataConfig:
     """Where the data lives and how it is streamed (one per run, shared by all ranks)."""
 
-    remote: str                          # s3://bucket/prefix or a local dataset root
-    local_cache: str | None = None       # default: a per-run temporary directory
-    shuffle: bool = True                 # training split only; val is never shuffled
+    remote: str  # s3://bucket/prefix or a local dataset root
+    local_cache: str | None = None  # default: a per-run temporary directory
+    shuffle: bool = True  # training split only; val is never shuffled
     shuffle_seed: int = 1234
     # Fix this (e.g. 8, or the largest node count you will use) to keep one sample order
     # across node counts; None lets streaming pick from the first run's node count, and
     # resumed runs then reuse the value stored in the loader state.
     num_canonical_nodes: int | None = None
     num_workers: int = 0
-    predownload: int | None = None       # samples to download ahead per worker
+    predownload: int | None = None  # samples to download ahead per worker
     drop_last: bool = True
     validate_hash: str | None = "xxh64"  # checked on every shard download
     download_timeout: float = 120.0
-    cache_limit: str | None = None       # e.g. "50gb": evict shards beyond it
+    cache_limit: str | None = None  # e.g. "50gb": evict shards beyond it
 
 
 def collate_tokens(samples: list[dict[str, Any]]) -> torch.Tensor:
@@ -72,11 +72,14 @@ def _ensure_world_env(rank: int, world_size: int) -> None:
     for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
         current = os.environ.get(name)
         if current is not None and int(current) != value:
-            raise DataError(f"build_loader got {name.lower()}={value} but the environment has "
-                            f"{name}={current}; pass the torch.distributed rank/world size")
+            raise DataError(
+                f"build_loader got {name.lower()}={value} but the environment has "
+                f"{name}={current}; pass the torch.distributed rank/world size"
+            )
     if not 0 <= rank < world_size:
-        raise DataError(f"rank {rank} is outside world_size {world_size}; pass "
-                        "0 <= rank < world_size")
+        raise DataError(
+            f"rank {rank} is outside world_size {world_size}; pass 0 <= rank < world_size"
+        )
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
@@ -92,9 +95,11 @@ def _per_run_cache(world_size: int) -> tuple[str, bool]:
     Returns (path, owned_by_this_process)."""
     if world_size > 1:
         if not _dist_ready():
-            raise DataError("world_size > 1 needs torch.distributed initialised before "
-                            "build_loader (or set DataConfig.local_cache to a directory "
-                            "shared by the ranks of a node)")
+            raise DataError(
+                "world_size > 1 needs torch.distributed initialised before "
+                "build_loader (or set DataConfig.local_cache to a directory "
+                "shared by the ranks of a node)"
+            )
         token = [uuid.uuid4().hex[:12] if torch.distributed.get_rank() == 0 else None]
         torch.distributed.broadcast_object_list(token, src=0)
         run_id = token[0]
@@ -107,8 +112,9 @@ def _per_run_cache(world_size: int) -> tuple[str, bool]:
 _CHECKSUM = re.compile(r"Checksum failure: (\S+)")
 
 
-def translate_stream_error(err: BaseException, remote: str, split: str,
-                           background: BaseException | None = None) -> BaseException:
+def translate_stream_error(
+    err: BaseException, remote: str, split: str, background: BaseException | None = None
+) -> BaseException:
     """Name the problem behind a streaming failure in one line (or return `err` as is)."""
     if isinstance(err, DataError):
         return err
@@ -118,28 +124,39 @@ def translate_stream_error(err: BaseException, remote: str, split: str,
     match = _CHECKSUM.search(text)
     if match:
         shard = os.path.basename(match.group(1))
-        return DataError(f"corrupted shard {root}/{split}/{shard}: its hash does not match "
-                         f"the index; run `gpn-data verify {root}` and rebuild the dataset "
-                         "with --overwrite")
+        return DataError(
+            f"corrupted shard {root}/{split}/{shard}: its hash does not match "
+            f"the index; run `gpn-data verify {root}` and rebuild the dataset "
+            "with --overwrite"
+        )
     if isinstance(cause, FileNotFoundError) and cause.filename:
         shard = os.path.basename(str(cause.filename))
-        return DataError(f"shard {root}/{split}/{shard} is missing (listed in the index but "
-                         f"not found); run `gpn-data verify {root}` and rebuild the dataset "
-                         "with --overwrite")
+        return DataError(
+            f"shard {root}/{split}/{shard} is missing (listed in the index but "
+            f"not found); run `gpn-data verify {root}` and rebuild the dataset "
+            "with --overwrite"
+        )
     if ("zstd" in text.lower() or "decompress" in text.lower()) and not isinstance(
-            cause, FileNotFoundError):
-        return DataError(f"a shard of {root}/{split} does not decompress ({text}); run "
-                         f"`gpn-data verify {root}` and rebuild with --overwrite")
+        cause, FileNotFoundError
+    ):
+        return DataError(
+            f"a shard of {root}/{split} does not decompress ({text}); run "
+            f"`gpn-data verify {root}` and rebuild with --overwrite"
+        )
     try:
         from botocore.exceptions import BotoCoreError, ClientError
+
         if isinstance(cause, (BotoCoreError, ClientError)):
             from gpn_scale.data.storage import translate_s3_error
+
             return translate_s3_error(cause, f"{root}/{split}")
     except ImportError:  # pragma: no cover - boto3 is a dependency
         pass
     if isinstance(cause, FileNotFoundError) or "does not exist" in text:
-        return DataError(f"a shard of {root}/{split} is missing ({text}); run "
-                         f"`gpn-data verify {root}` and rebuild with --overwrite")
+        return DataError(
+            f"a shard of {root}/{split} is missing ({text}); run "
+            f"`gpn-data verify {root}` and rebuild with --overwrite"
+        )
     return err
 
 
@@ -174,6 +191,7 @@ def _token_dataset_class() -> type:
                 # path (re-download + hash check), which fails again in *its* main thread
                 # and reports the error (or succeeds, if the failure was transient).
                 from streaming.base.dataset import _ShardState
+
                 try:
                     if self._shard_states[shard_id] == _ShardState.PREPARING:
                         self._shard_states[shard_id] = _ShardState.LOCAL
@@ -204,7 +222,8 @@ def _token_dataset_class() -> type:
                 yield from super().__iter__()
             except Exception as err:  # noqa: BLE001 - translated or re-raised as is
                 translated = translate_stream_error(
-                    err, self._gpn_remote, self._gpn_split, self._background_error)
+                    err, self._gpn_remote, self._gpn_split, self._background_error
+                )
                 if translated is err:
                     raise
                 raise translated from err
@@ -222,8 +241,18 @@ class TokenLoader:
     """Iterate to get int64 [batch_size, seq_len] batches of this rank; iterate again for
     the next epoch. `state_dict()`/`load_state_dict()` save and restore the position."""
 
-    def __init__(self, loader: Any, dataset: Any, metadata: DatasetMetadata, split: str,
-                 batch_size: int, rank: int, world_size: int, remote: str, cache_dir: str):
+    def __init__(
+        self,
+        loader: Any,
+        dataset: Any,
+        metadata: DatasetMetadata,
+        split: str,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        remote: str,
+        cache_dir: str,
+    ):
         self._loader = loader
         self.dataset = dataset
         self.metadata = metadata
@@ -272,8 +301,10 @@ class TokenLoader:
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-able position: epoch and global samples consumed in it (the same on
         every rank; save rank 0's). Valid for any world size on restore."""
-        streaming_state = {k: (int(v) if isinstance(v, (int, np.integer)) else v)
-                           for k, v in self._loader.state_dict().items()}
+        streaming_state = {
+            k: (int(v) if isinstance(v, (int, np.integer)) else v)
+            for k, v in self._loader.state_dict().items()
+        }
         if self._pass_finished:
             streaming_state["epoch"] = int(streaming_state["epoch"]) + 1
             streaming_state["sample_in_epoch"] = 0
@@ -289,16 +320,22 @@ class TokenLoader:
         Call on every rank before iterating."""
         version = state.get("version") if isinstance(state, dict) else None
         if version != STATE_VERSION:
-            raise DataError(f"loader state has version {version!r}, expected {STATE_VERSION}; "
-                            "start this run from a fresh loader state")
+            raise DataError(
+                f"loader state has version {version!r}, expected {STATE_VERSION}; "
+                "start this run from a fresh loader state"
+            )
         if state.get("dataset") != self.metadata.fingerprint:
-            raise DataError(f"loader state belongs to another dataset (fingerprint "
-                            f"{state.get('dataset')} != {self.metadata.fingerprint} of "
-                            f"{self.remote}); point remote at the original dataset or start "
-                            "a fresh loader state")
+            raise DataError(
+                f"loader state belongs to another dataset (fingerprint "
+                f"{state.get('dataset')} != {self.metadata.fingerprint} of "
+                f"{self.remote}); point remote at the original dataset or start "
+                "a fresh loader state"
+            )
         if state.get("split") != self.split:
-            raise DataError(f"loader state is for split {state.get('split')!r}, not "
-                            f"{self.split!r}; restore it into the {state.get('split')} loader")
+            raise DataError(
+                f"loader state is for split {state.get('split')!r}, not "
+                f"{self.split!r}; restore it into the {state.get('split')} loader"
+            )
         self._loader.load_state_dict(dict(state["streaming"]))
         self._pass_finished = False
 
@@ -309,9 +346,17 @@ class TokenLoader:
             iterator._shutdown_workers()
 
 
-def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_size: int,
-                 *, seq_len: int | None = None, vocab_size: int | None = None,
-                 shuffle: bool | None = None) -> TokenLoader:
+def build_loader(
+    cfg: DataConfig,
+    split: str,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    *,
+    seq_len: int | None = None,
+    vocab_size: int | None = None,
+    shuffle: bool | None = None,
+) -> TokenLoader:
     """A loader over `cfg.remote`/`split` for one rank; `batch_size` is per rank.
 
     Collective when torch.distributed is initialised: call it on every rank together.
@@ -323,15 +368,19 @@ def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_
     meta = read_metadata(cfg.remote)
     check_compatible(meta, vocab_size=vocab_size, seq_len=seq_len)
     if split not in meta.splits:
-        raise DataError(f"{cfg.remote}: no split {split!r} (has {sorted(meta.splits)}); use "
-                        "one of those")
+        raise DataError(
+            f"{cfg.remote}: no split {split!r} (has {sorted(meta.splits)}); use one of those"
+        )
     location = Location(cfg.remote)
     if not location.exists(f"{split}/index.json"):
-        raise DataError(f"{location.url(split + '/index.json')}: missing index; the split "
-                        "was deleted or the build was interrupted: rebuild with --overwrite")
+        raise DataError(
+            f"{location.url(split + '/index.json')}: missing index; the split "
+            "was deleted or the build was interrupted: rebuild with --overwrite"
+        )
     if meta.splits[split].samples == 0:
-        raise DataError(f"{cfg.remote}: split {split!r} is empty; build with more text or a "
-                        "smaller --seq-len")
+        raise DataError(
+            f"{cfg.remote}: split {split!r} is empty; build with more text or a smaller --seq-len"
+        )
 
     _ensure_world_env(rank, world_size)
     local_leader = int(os.environ["LOCAL_RANK"]) == 0
@@ -355,23 +404,37 @@ def build_loader(cfg: DataConfig, split: str, batch_size: int, rank: int, world_
     try:
         with registering:
             dataset = dataset_cls(
-                remote=join(cfg.remote, split), local=os.path.join(cache_dir, split),
-                shuffle=do_shuffle, shuffle_seed=cfg.shuffle_seed,
-                num_canonical_nodes=cfg.num_canonical_nodes, batch_size=batch_size,
-                predownload=cfg.predownload, validate_hash=cfg.validate_hash,
-                download_timeout=cfg.download_timeout, cache_limit=cfg.cache_limit,
-                download_retry=1)
+                remote=join(cfg.remote, split),
+                local=os.path.join(cache_dir, split),
+                shuffle=do_shuffle,
+                shuffle_seed=cfg.shuffle_seed,
+                num_canonical_nodes=cfg.num_canonical_nodes,
+                batch_size=batch_size,
+                predownload=cfg.predownload,
+                validate_hash=cfg.validate_hash,
+                download_timeout=cfg.download_timeout,
+                cache_limit=cfg.cache_limit,
+                download_retry=1,
+            )
             if local_leader:  # the leader registered the prefix: a dead run is known by it
                 record_owner(dataset._shm_prefix_int)
     except ValueError as err:
         if "Reused local directory" in str(err):
-            raise DataError(f"local cache {cache_dir} is in use by another running loader; "
-                            "give each concurrent run its own DataConfig.local_cache") from err
+            raise DataError(
+                f"local cache {cache_dir} is in use by another running loader; "
+                "give each concurrent run its own DataConfig.local_cache"
+            ) from err
         raise translate_stream_error(err, cfg.remote, split) from err
     dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
     loader = StreamingDataLoader(
-        dataset, batch_size=batch_size, num_workers=cfg.num_workers,
-        collate_fn=collate_tokens, drop_last=cfg.drop_last,
-        persistent_workers=False, pin_memory=False)
-    return TokenLoader(loader, dataset, meta, split, batch_size, rank, world_size,
-                       cfg.remote, cache_dir)
+        dataset,
+        batch_size=batch_size,
+        num_workers=cfg.num_workers,
+        collate_fn=collate_tokens,
+        drop_last=cfg.drop_last,
+        persistent_workers=False,
+        pin_memory=False,
+    )
+    return TokenLoader(
+        loader, dataset, meta, split, batch_size, rank, world_size, cfg.remote, cache_dir
+    )

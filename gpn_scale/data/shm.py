@@ -74,8 +74,12 @@ def record_owner(prefix_int: int) -> None:
     path = SHM_DIR / f"{OWNER_RECORD}{prefix}"
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        record = {"pid": os.getpid(), "start": ident[0], "pidns": ident[1],
-                  "locals": _locals_identity(prefix)}
+        record = {
+            "pid": os.getpid(),
+            "start": ident[0],
+            "pidns": ident[1],
+            "locals": _locals_identity(prefix),
+        }
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
     except OSError:
@@ -159,7 +163,7 @@ def registration_lock() -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)    # releases the lock
+        os.close(fd)  # releases the lock
 
 
 def _prefixes_in_use() -> set[str] | None:
@@ -197,9 +201,9 @@ def _registered_locals(prefix: str) -> list[str]:
         return []
 
 
-def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
-                              our_locals: list[str] | None = None,
-                              min_age_s: float = MIN_AGE_S) -> list[str]:
+def clean_stale_streaming_shm(
+    tmp_dir: str | None = None, *, our_locals: list[str] | None = None, min_age_s: float = MIN_AGE_S
+) -> list[str]:
     """Remove streaming segments and filelocks that no live process uses.
 
     Safe to call while other streaming jobs run on the same machine: their segments are
@@ -222,7 +226,7 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
     dead: set[str] = set()  # prefixes whose recorded owner is gone
     for entry in SHM_DIR.iterdir():
         if entry.name.startswith(OWNER_RECORD):
-            prefix = entry.name[len(OWNER_RECORD):]
+            prefix = entry.name[len(OWNER_RECORD) :]
             alive[prefix] = _owner_alive(prefix)
             if alive[prefix] is False:
                 dead.add(prefix)
@@ -240,8 +244,11 @@ def clean_stale_streaming_shm(tmp_dir: str | None = None, *,
             continue
         if st.st_uid != uid:
             continue
-        mine = (owner is False or prefix in stale_prefixes
-                or bool(ours.intersection(_registered_locals(prefix))))
+        mine = (
+            owner is False
+            or prefix in stale_prefixes
+            or bool(ours.intersection(_registered_locals(prefix)))
+        )
         if not mine and now - st.st_mtime < min_age_s:
             continue
         try:

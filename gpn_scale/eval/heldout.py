@@ -17,10 +17,14 @@ import torch
 
 
 @torch.no_grad()
-def heldout_loss(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor],
-                 max_batches: int, device: torch.device, autocast=contextlib.nullcontext,
-                 all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
-                 ) -> dict[str, float]:
+def heldout_loss(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    batches: Iterable[torch.Tensor],
+    max_batches: int,
+    device: torch.device,
+    autocast=contextlib.nullcontext,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
     """`forward(tokens) -> mean loss`; returns eval/loss, eval/ppl, eval/tokens.
 
     All ranks must call this together with the same `max_batches` (sharded models run

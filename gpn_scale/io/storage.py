@@ -142,8 +142,13 @@ class RetryPolicy:
     max_delay_s: float = 8.0
 
     @classmethod
-    def from_env(cls, attempts: int | None = None, backoff_s: float | None = None, *,
-                 error: ErrorType = StorageError) -> RetryPolicy:
+    def from_env(
+        cls,
+        attempts: int | None = None,
+        backoff_s: float | None = None,
+        *,
+        error: ErrorType = StorageError,
+    ) -> RetryPolicy:
         """Explicit values, else GPN_S3_RETRIES / GPN_S3_BACKOFF_S, else the defaults."""
         n = attempts if attempts is not None else env_number("GPN_S3_RETRIES", 5, error)
         b = backoff_s if backoff_s is not None else env_number("GPN_S3_BACKOFF_S", 0.5, error)
@@ -155,9 +160,17 @@ class RetryPolicy:
 
 
 _CREDENTIAL_VARIABLES = (
-    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-    "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
-    "AWS_EC2_METADATA_DISABLED", "GPN_S3_CONNECT_TIMEOUT_S", "GPN_S3_READ_TIMEOUT_S",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_EC2_METADATA_DISABLED",
+    "GPN_S3_CONNECT_TIMEOUT_S",
+    "GPN_S3_READ_TIMEOUT_S",
 )
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
 
@@ -183,7 +196,8 @@ def s3_client(error: ErrorType = StorageError) -> Any:
         if len(_CLIENTS) > 16:  # environments come and go in tests; keep the cache small
             _CLIENTS.clear()
         _CLIENTS[key] = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint, region_name=region, config=config)
+            "s3", endpoint_url=endpoint, region_name=region, config=config
+        )
     return _CLIENTS[key]
 
 
@@ -192,13 +206,30 @@ def s3_client(error: ErrorType = StorageError) -> Any:
 # --------------------------------------------------------------------------------------------
 
 _AUTH_CODES = {
-    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "InvalidClientTokenId",
-    "UnrecognizedClientException", "AuthFailure", "403",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AllAccessDisabled",
+    "InvalidClientTokenId",
+    "UnrecognizedClientException",
+    "AuthFailure",
+    "403",
 }
 _BUSY_CODES = {
-    "500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
-    "RequestTimeout", "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
+    "500",
+    "502",
+    "503",
+    "504",
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
 RETRIED = ("unreachable", "busy")
@@ -229,9 +260,18 @@ def classify(exc: BaseException) -> tuple[str, str]:
             if code in _BUSY_CODES or status.startswith("5"):
                 return "busy", one_line(e)
             return "fatal", one_line(e)
-        if isinstance(e, (bexc.EndpointConnectionError, bexc.ConnectionClosedError,
-                          bexc.ConnectTimeoutError, bexc.ReadTimeoutError,
-                          bexc.HTTPClientError, ConnectionError, TimeoutError)):
+        if isinstance(
+            e,
+            (
+                bexc.EndpointConnectionError,
+                bexc.ConnectionClosedError,
+                bexc.ConnectTimeoutError,
+                bexc.ReadTimeoutError,
+                bexc.HTTPClientError,
+                ConnectionError,
+                TimeoutError,
+            ),
+        ):
             return "unreachable", one_line(e)
     # boto3's S3UploadFailedError keeps only the text of the ClientError it wraps.
     text = one_line(exc)
@@ -239,39 +279,64 @@ def classify(exc: BaseException) -> tuple[str, str]:
         return "bucket", text
     if any(code in text for code in _AUTH_CODES if not code.isdigit()):
         return "auth", text
-    if any(word in text for word in ("Could not connect", "Connection was closed", "timed out",
-                                     "Max retries", "Connection refused")):
+    if any(
+        word in text
+        for word in (
+            "Could not connect",
+            "Connection was closed",
+            "timed out",
+            "Max retries",
+            "Connection refused",
+        )
+    ):
         return "unreachable", text
     if type(exc).__name__ == "RetriesExceededError":  # s3transfer download retries
         return "unreachable", text
     return "fatal", text
 
 
-def describe(kind: str, detail: str, *, url: str, what: str, attempts: int | None = None,
-             subject: str = "storage root") -> str:
+def describe(
+    kind: str,
+    detail: str,
+    *,
+    url: str,
+    what: str,
+    attempts: int | None = None,
+    subject: str = "storage root",
+) -> str:
     """The one-line message for a classified failure of `what` on `url`."""
     where = _where()
     var = _endpoint_variable()
     after = f" after {attempts} attempt{'s' if attempts != 1 else ''}" if attempts else ""
     if kind == "nocreds":
-        return (f"no S3 credentials for {url} (trying to {what}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / an instance role)")
+        return (
+            f"no S3 credentials for {url} (trying to {what}); set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / an instance role)"
+        )
     if kind == "auth":
-        return (f"S3 rejected the credentials for {url} at {where} while trying to {what} "
-                f"({detail}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's "
-                "permissions")
+        return (
+            f"S3 rejected the credentials for {url} at {where} while trying to {what} "
+            f"({detail}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's "
+            "permissions"
+        )
     if kind == "bucket":
         bucket = split_s3(url)[0] if is_s3(url) else url
-        return (f"S3 bucket '{bucket}' does not exist at {where} ({url}); create it or fix the "
-                f"{subject} (and {var})")
+        return (
+            f"S3 bucket '{bucket}' does not exist at {where} ({url}); create it or fix the "
+            f"{subject} (and {var})"
+        )
     if kind == "notfound":
         return f"{url}: no such object at {where}; check the path"
     if kind == "unreachable":
-        return (f"S3 unreachable: cannot reach the S3 endpoint ({where}) to {what} {url}{after} "
-                f"({detail}); check {var} and the network")
+        return (
+            f"S3 unreachable: cannot reach the S3 endpoint ({where}) to {what} {url}{after} "
+            f"({detail}); check {var} and the network"
+        )
     if kind == "busy":
-        return (f"S3 kept failing at {where} to {what} {url}{after} ({detail}); try again "
-                f"later, or check {var}")
+        return (
+            f"S3 kept failing at {where} to {what} {url}{after} ({detail}); try again "
+            f"later, or check {var}"
+        )
     return f"S3 error for {url} at {where} while trying to {what}: {detail}"
 
 
@@ -279,8 +344,15 @@ class NotFound(Exception):
     """The object does not exist (callers decide whether that is an error)."""
 
 
-def call(what: str, url: str, fn: Callable[[], T], *, policy: RetryPolicy,
-         error: ErrorType = StorageError, subject: str = "storage root") -> T:
+def call(
+    what: str,
+    url: str,
+    fn: Callable[[], T],
+    *,
+    policy: RetryPolicy,
+    error: ErrorType = StorageError,
+    subject: str = "storage root",
+) -> T:
     """Run one S3 request, retrying transient failures with the policy's backoff.
 
     Raises NotFound for a missing object, `error` (one line) for everything else."""
@@ -292,8 +364,16 @@ def call(what: str, url: str, fn: Callable[[], T], *, policy: RetryPolicy,
             if kind == "notfound":
                 raise NotFound(detail) from exc
             if kind not in RETRIED or attempt == policy.attempts:
-                raise error(describe(kind, detail, url=url, what=what, subject=subject,
-                                     attempts=attempt if kind in RETRIED else None)) from exc
+                raise error(
+                    describe(
+                        kind,
+                        detail,
+                        url=url,
+                        what=what,
+                        subject=subject,
+                        attempts=attempt if kind in RETRIED else None,
+                    )
+                ) from exc
             time.sleep(policy.delay(attempt))
     raise AssertionError("unreachable")
 
@@ -376,8 +456,13 @@ class Storage(ABC):
 
 
 class LocalStorage(Storage):
-    def __init__(self, root: str | os.PathLike[str], *, error: ErrorType = StorageError,
-                 subject: str = "storage root") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        error: ErrorType = StorageError,
+        subject: str = "storage root",
+    ) -> None:
         self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
         self.uri = str(self.root)
         self.error = error
@@ -387,8 +472,11 @@ class LocalStorage(Storage):
         return self.root / key if key else self.root
 
     def _fail(self, action: str, path: Path, exc: OSError) -> Exception:
-        if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM,
-                                                              errno.EROFS):
+        if isinstance(exc, PermissionError) or exc.errno in (
+            errno.EACCES,
+            errno.EPERM,
+            errno.EROFS,
+        ):
             fix = f"fix its permissions or choose a writable {self.subject}"
         elif exc.errno == errno.ENOSPC:
             fix = f"free disk space or choose another {self.subject}"
@@ -423,8 +511,10 @@ class LocalStorage(Storage):
             local_path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, local_path)
         except FileNotFoundError as exc:
-            raise self.error(f"{_noun(self.subject)} file {src} is missing; it was deleted or "
-                             "never completely written") from exc
+            raise self.error(
+                f"{_noun(self.subject)} file {src} is missing; it was deleted or "
+                "never completely written"
+            ) from exc
         except OSError as exc:
             raise self._fail("read", src, exc) from exc
 
@@ -473,7 +563,8 @@ class LocalStorage(Storage):
                 except FileNotFoundError:  # deleted while listing
                     continue
                 out[p.relative_to(self.root).as_posix()] = ObjectInfo(
-                    size=st.st_size, mtime_ns=st.st_mtime_ns)
+                    size=st.st_size, mtime_ns=st.st_mtime_ns
+                )
         return out
 
     def list_dirs(self) -> builtins.list[str]:  # (`list` is a method in here)
@@ -549,56 +640,79 @@ class S3Storage(Storage):
         self.policy = RetryPolicy.from_env(retries, backoff_s, error=error)
         self.retries = self.policy.attempts
         self.endpoint = endpoint_url()
-        mb = multipart_mb if multipart_mb is not None else env_number("GPN_S3_MULTIPART_MB", 64,
-                                                                      error)
+        mb = (
+            multipart_mb
+            if multipart_mb is not None
+            else env_number("GPN_S3_MULTIPART_MB", 64, error)
+        )
         chunk = max(5 * 1024 * 1024, int(mb * 1024 * 1024))  # S3's minimum part size is 5 MiB
         self.transfer_config = TransferConfig(
-            multipart_threshold=chunk, multipart_chunksize=chunk, max_concurrency=4,
-            num_download_attempts=1)
+            multipart_threshold=chunk,
+            multipart_chunksize=chunk,
+            max_concurrency=4,
+            num_download_attempts=1,
+        )
         self.client = s3_client(error)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return call(what, self.uri, fn, policy=self.policy, error=self.error,
-                    subject=self.subject)
+        return call(what, self.uri, fn, policy=self.policy, error=self.error, subject=self.subject)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put_file(self, local_path: Path, key: str) -> ObjectInfo:
         full = self._key(key)
-        self._call(f"upload {key}", lambda: self.client.upload_file(
-            str(local_path), self.bucket, full, Config=self.transfer_config))
+        self._call(
+            f"upload {key}",
+            lambda: self.client.upload_file(
+                str(local_path), self.bucket, full, Config=self.transfer_config
+            ),
+        )
         return ObjectInfo(size=local_path.stat().st_size)
 
     def get_file(self, key: str, local_path: Path) -> None:
         local_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = local_path.with_name(f".{local_path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            self._call(f"download {key}", lambda: self.client.download_file(
-                self.bucket, self._key(key), str(tmp), Config=self.transfer_config))
+            self._call(
+                f"download {key}",
+                lambda: self.client.download_file(
+                    self.bucket, self._key(key), str(tmp), Config=self.transfer_config
+                ),
+            )
             os.replace(tmp, local_path)
         except NotFound as exc:
-            raise self.error(f"{_noun(self.subject)} file {self.child_uri(key)} is missing; it was "
-                             "deleted or never completely written") from exc
+            raise self.error(
+                f"{_noun(self.subject)} file {self.child_uri(key)} is missing; it was "
+                "deleted or never completely written"
+            ) from exc
         finally:
             tmp.unlink(missing_ok=True)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         # A single PUT replaces an S3 object atomically.
-        self._call(f"write {key}", lambda: self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key), Body=data))
+        self._call(
+            f"write {key}",
+            lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data),
+        )
 
     def get_bytes(self, key: str) -> bytes | None:
         try:
-            return self._call(f"read {key}", lambda: self.client.get_object(
-                Bucket=self.bucket, Key=self._key(key))["Body"].read())
+            return self._call(
+                f"read {key}",
+                lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))[
+                    "Body"
+                ].read(),
+            )
         except NotFound:
             return None
 
     def exists(self, key: str) -> bool:
         try:
-            self._call(f"look up {key}", lambda: self.client.head_object(
-                Bucket=self.bucket, Key=self._key(key)))
+            self._call(
+                f"look up {key}",
+                lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)),
+            )
             return True
         except NotFound:
             pass
@@ -606,13 +720,18 @@ class S3Storage(Storage):
         try:
             self._call("look up the bucket", lambda: self.client.head_bucket(Bucket=self.bucket))
         except NotFound as exc:
-            raise self.error(describe("bucket", str(exc), url=self.uri, what=f"look up {key}",
-                                      subject=self.subject)) from exc
+            raise self.error(
+                describe(
+                    "bucket", str(exc), url=self.uri, what=f"look up {key}", subject=self.subject
+                )
+            ) from exc
         return False
 
     def delete(self, key: str) -> None:
-        self._call(f"delete {key}", lambda: self.client.delete_object(
-            Bucket=self.bucket, Key=self._key(key)))
+        self._call(
+            f"delete {key}",
+            lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)),
+        )
 
     def _list_raw(self, prefix: str, delimiter: str | None) -> list[dict[str, Any]]:
         def run() -> list[dict[str, Any]]:
@@ -633,7 +752,8 @@ class S3Storage(Storage):
         for page in self._list_raw(base, None):
             for obj in page.get("Contents", []):
                 out[obj["Key"][strip:]] = ObjectInfo(
-                    size=int(obj["Size"]), etag=str(obj.get("ETag", "")).strip('"'))
+                    size=int(obj["Size"]), etag=str(obj.get("ETag", "")).strip('"')
+                )
         return out
 
     def list_dirs(self) -> builtins.list[str]:  # (`list` is a method in here)
@@ -648,19 +768,26 @@ class S3Storage(Storage):
         keys = [self._key(k) for k in self.list(prefix.rstrip("/") + "/")]
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
-            self._call(f"delete {prefix}", functools.partial(
-                self.client.delete_objects, Bucket=self.bucket, Delete=batch))
+            self._call(
+                f"delete {prefix}",
+                functools.partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch),
+            )
 
     def preflight(self) -> None:
         probe = self._key(f".preflight-{uuid.uuid4().hex[:12]}")
-        self._call("write a probe object", lambda: self.client.put_object(
-            Bucket=self.bucket, Key=probe, Body=b"ok"))
-        self._call("delete a probe object", lambda: self.client.delete_object(
-            Bucket=self.bucket, Key=probe))
+        self._call(
+            "write a probe object",
+            lambda: self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"ok"),
+        )
+        self._call(
+            "delete a probe object",
+            lambda: self.client.delete_object(Bucket=self.bucket, Key=probe),
+        )
 
 
-def open_storage(uri: str, *, error: ErrorType = StorageError, subject: str = "storage root",
-                 **s3_options: Any) -> Storage:
+def open_storage(
+    uri: str, *, error: ErrorType = StorageError, subject: str = "storage root", **s3_options: Any
+) -> Storage:
     """LocalStorage for a path (or file://path), S3Storage for s3://bucket/prefix.
 
     `s3_options` (retries, backoff_s, multipart_mb) go to S3Storage and are ignored for local
@@ -675,6 +802,7 @@ def open_storage(uri: str, *, error: ErrorType = StorageError, subject: str = "s
         return LocalStorage(uri[len("file://") :], error=error, subject=subject)
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
-        raise error(f"{subject} {uri!r} uses unsupported scheme '{scheme}'; use a directory or "
-                    "s3://")
+        raise error(
+            f"{subject} {uri!r} uses unsupported scheme '{scheme}'; use a directory or s3://"
+        )
     return LocalStorage(uri, error=error, subject=subject)

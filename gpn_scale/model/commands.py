@@ -6,9 +6,12 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="parameters, memory cells, FLOPs/token and memory of a model config",
-                       description="Print a model config's parameter count, memory cells, FLOPs per "
-                                   "token and a training-memory estimate for a batch shape.")
+    p = sub.add_parser(
+        "info",
+        help="parameters, memory cells, FLOPs/token and memory of a model config",
+        description="Print a model config's parameter count, memory cells, FLOPs per "
+        "token and a training-memory estimate for a batch shape.",
+    )
     p.add_argument("config", help="a name under configs/model (e.g. gpn_m_130m) or a YAML path")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device (default 8)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")
@@ -29,20 +32,25 @@ def _info(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size and --seq-len must be >= 1")
     cfg = load_model_config(args.config)
     mem = estimate_training_memory(cfg, args.batch_size, args.seq_len)
-    gib = 1024 ** 3
+    gib = 1024**3
     rows = [
         ("model", f"{cfg.name or args.config} ({cfg.family}, {cfg.n_layers} layer(s))"),
-        ("shape", f"V={cfg.vocab_size} d={cfg.d_state} e={cfg.d_emb} f={cfg.d_ffn}"
-                  + (f" H={cfg.n_heads} dk={cfg.d_key} dv={cfg.d_value}" if cfg.memory else "")),
+        (
+            "shape",
+            f"V={cfg.vocab_size} d={cfg.d_state} e={cfg.d_emb} f={cfg.d_ffn}"
+            + (f" H={cfg.n_heads} dk={cfg.d_key} dv={cfg.d_value}" if cfg.memory else ""),
+        ),
         ("parameters", f"{count_parameters(cfg):,}"),
         ("non-embedding parameters", f"{non_embedding_parameters(cfg):,}"),
         ("memory cells", f"{cfg.cells:,}"),
         ("forward FLOPs/token", f"{forward_flops_per_token(cfg):.4g}"),
         ("training FLOPs/token", f"{flops_per_token(cfg, args.seq_len):.4g}"),
-        (f"training memory (B={args.batch_size}, T={args.seq_len}, fp32 + AdamW)",
-         f"{mem.total_bytes / gib:.2f} GiB = weights {mem.parameters_bytes / gib:.2f} "
-         "+ grads/AdamW "
-         f"{mem.training_state_bytes / gib:.2f} + activations {mem.activations_bytes / gib:.2f}"),
+        (
+            f"training memory (B={args.batch_size}, T={args.seq_len}, fp32 + AdamW)",
+            f"{mem.total_bytes / gib:.2f} GiB = weights {mem.parameters_bytes / gib:.2f} "
+            "+ grads/AdamW "
+            f"{mem.training_state_bytes / gib:.2f} + activations {mem.activations_bytes / gib:.2f}",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

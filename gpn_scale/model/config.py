@@ -63,35 +63,49 @@ class GPNConfig:
     norm_eps: float = field(default=1e-6, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "chunk_size",
-                     "loss_chunk_tokens"):
+        for name in (
+            "vocab_size",
+            "d_state",
+            "d_emb",
+            "d_ffn",
+            "n_layers",
+            "chunk_size",
+            "loss_chunk_tokens",
+        ):
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("tbptt", self.tbptt, minimum=0)
         if not isinstance(self.memory, bool):
             raise ConfigError(f"memory: expected true or false, got {self.memory!r}")
         if self.step_backend not in ("auto", "reference", "cpu", "cuda"):
-            raise ConfigError(f"step_backend: expected auto, reference, cpu or cuda, got "
-                              f"{self.step_backend!r}")
+            raise ConfigError(
+                f"step_backend: expected auto, reference, cpu or cuda, got {self.step_backend!r}"
+            )
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
         if not isinstance(self.decoder_bias, bool):
             raise ConfigError(f"decoder_bias: expected true or false, got {self.decoder_bias!r}")
         if self.memory:
             for name in ("n_heads", "d_key", "d_value"):
-                _require_int(name, getattr(self, name), minimum=1,
-                             why=" (GPN+M needs a memory; set memory: false for GPN)")
+                _require_int(
+                    name,
+                    getattr(self, name),
+                    minimum=1,
+                    why=" (GPN+M needs a memory; set memory: false for GPN)",
+                )
             if self.memory_cells is not None and self.memory_cells != self.cells:
                 raise ConfigError(
                     f"memory_cells: {self.memory_cells} does not match n_heads*d_key*d_value = "
                     f"{self.n_heads}*{self.d_key}*{self.d_value} = {self.cells}; fix the heads or "
-                    "widths, or drop memory_cells")
+                    "widths, or drop memory_cells"
+                )
         else:
             for name in ("n_heads", "d_key", "d_value"):
                 _require_int(name, getattr(self, name), minimum=0)
                 if getattr(self, name) != 0:
                     raise ConfigError(
                         f"{name}: must be 0 when memory is false (GPN has no memory); "
-                        "set memory: true for GPN+M")
+                        "set memory: true for GPN+M"
+                    )
             if self.memory_cells not in (None, 0):
                 raise ConfigError("memory_cells: must be 0 when memory is false")
 
@@ -121,8 +135,11 @@ class GPNConfig:
         for key in values:
             if key not in valid:
                 raise ConfigError(f"model.{key}: unknown key{closest_key_hint(key, valid)}")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in values]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in values
+        ]
         if missing:
             raise ConfigError(f"model.{missing[0]}: required key is missing")
         return cls(**dict(values))
@@ -153,15 +170,17 @@ def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> 
         problem = err.problem or err.context or type(err).__name__
         if err.problem and err.context and err.context_mark is not None:
             problem += f" ({err.context} at line {err.context_mark.line + 1})"
-        raise ConfigError(f"{where}: YAML syntax error in the {what}: {problem}; fix the "
-                          "file") from None
+        raise ConfigError(
+            f"{where}: YAML syntax error in the {what}: {problem}; fix the file"
+        ) from None
     except (yaml.YAMLError, OmegaConfBaseException, OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{path}: cannot read the {what}: {first}") from None
 
 
-def load_model_config(name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
-                      ) -> GPNConfig:
+def load_model_config(
+    name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
+) -> GPNConfig:
     """Load `configs/model/<name>.yaml` (or any YAML path) into a validated GPNConfig.
 
     The YAML may hold the fields at top level or under a `model:` key.
@@ -178,8 +197,9 @@ def load_model_config(name_or_path: str | Path, overrides: Mapping[str, Any] | N
     return GPNConfig.from_dict({str(k): v for k, v in raw.items()})
 
 
-def resolve_named_yaml(name_or_path: str | Path, directory: Path, what: str,
-                       error: type[ConfigError] = ConfigError) -> Path:
+def resolve_named_yaml(
+    name_or_path: str | Path, directory: Path, what: str, error: type[ConfigError] = ConfigError
+) -> Path:
     """A YAML path as given, or `directory/<name>.yaml`; `what` names it in the one-line
     error (with the closest shipped name when the name is unknown)."""
     path = Path(name_or_path)
@@ -194,8 +214,10 @@ def resolve_named_yaml(name_or_path: str | Path, directory: Path, what: str,
         return path
     if not candidate.is_file():
         names = sorted(p.stem for p in directory.glob("*.yaml"))
-        raise error(f"{what} '{name_or_path}' not found in {directory}"
-                    f"{closest_key_hint(str(name_or_path), names)}")
+        raise error(
+            f"{what} '{name_or_path}' not found in {directory}"
+            f"{closest_key_hint(str(name_or_path), names)}"
+        )
     return candidate
 
 

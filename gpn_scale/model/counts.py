@@ -18,16 +18,16 @@ from gpn_scale.model.config import GPNConfig
 def count_parameters(cfg: GPNConfig) -> int:
     """Every parameter, the embedding included (it is also the tied output head)."""
     V, d, e, f = cfg.vocab_size, cfg.d_state, cfg.d_emb, cfg.d_ffn
-    total = V * e                              # embedding
-    total += e + e * d                         # fuse norm + projection
-    total += d + d * d + d                     # fuse gate
-    total += d + d * e + (e if cfg.decoder_bias else 0)   # decode
+    total = V * e  # embedding
+    total += e + e * d  # fuse norm + projection
+    total += d + d * d + d  # fuse gate
+    total += d + d * e + (e if cfg.decoder_bias else 0)  # decode
     if cfg.memory:
         H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
-        total += d + d * H * dk + H * dk + d * H * dv + 2 * d * H + 2 * H   # write
-    per_layer = (d + 2 * d * f + f * d) + (d + d * d + d)                   # FFN + predict gate
+        total += d + d * H * dk + H * dk + d * H * dv + 2 * d * H + 2 * H  # write
+    per_layer = (d + 2 * d * f + f * d) + (d + d * d + d)  # FFN + predict gate
     if cfg.memory:
-        per_layer += d + d * H * dk + H * dk + d * H * dv + H * dv + H * dv * d   # read
+        per_layer += d + d * H * dk + H * dk + d * H * dv + H * dv + H * dv * d  # read
     return total + cfg.n_layers * per_layer
 
 
@@ -37,18 +37,18 @@ def non_embedding_parameters(cfg: GPNConfig) -> int:
 
 def forward_flops_per_token(cfg: GPNConfig) -> float:
     V, d, e, f = cfg.vocab_size, cfg.d_state, cfg.d_emb, cfg.d_ffn
-    macs = e * d                               # fuse projection
-    macs += d * d                              # fuse gate
-    macs += d * e + e * V                      # decode + tied head
+    macs = e * d  # fuse projection
+    macs += d * d  # fuse gate
+    macs += d * e + e * V  # decode + tied head
     if cfg.memory:
         H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
         macs += d * (H * dk + H * dv + 2 * H)  # write projections
-        macs += 2 * H * dk * dv                # write: M^T k and the rank-1 update
+        macs += 2 * H * dk * dv  # write: M^T k and the rank-1 update
     for _ in range(cfg.n_layers):
-        macs += d * 2 * f + f * d + d * d      # FFN + predict gate
+        macs += d * 2 * f + f * d + d * d  # FFN + predict gate
         if cfg.memory:
-            macs += d * (H * dk + H * dv) + H * dv * d   # read projections
-            macs += H * dk * dv                           # M^T q
+            macs += d * (H * dk + H * dv) + H * dv * d  # read projections
+            macs += H * dk * dv  # M^T q
     return 2.0 * macs
 
 
@@ -63,18 +63,19 @@ def flops_per_token(cfg: GPNConfig, seq_len: int | None = None) -> float:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    parameters_bytes: int        # weights
-    training_state_bytes: int    # gradients + AdamW moments
-    activations_bytes: int       # what the engine keeps for backward + its working set
+    parameters_bytes: int  # weights
+    training_state_bytes: int  # gradients + AdamW moments
+    activations_bytes: int  # what the engine keeps for backward + its working set
     total_bytes: int
 
 
-def estimate_training_memory(cfg: GPNConfig, batch_size: int, seq_len: int,
-                             param_bytes: int = 4) -> MemoryEstimate:
+def estimate_training_memory(
+    cfg: GPNConfig, batch_size: int, seq_len: int, param_bytes: int = 4
+) -> MemoryEstimate:
     """A planning estimate of single-device training memory for one (B, T) window."""
     n = count_parameters(cfg)
     params = n * param_bytes
-    training_state = n * (param_bytes + 8)     # grad + fp32 AdamW exp_avg, exp_avg_sq
+    training_state = n * (param_bytes + 8)  # grad + fp32 AdamW exp_avg, exp_avg_sq
     B, T, d, e = batch_size, seq_len, cfg.d_state, cfg.d_emb
     f4 = 4
     # Saved across the loop: fused inputs, outputs p, normed p, decode h and its grad, emb.
@@ -88,7 +89,9 @@ def estimate_training_memory(cfg: GPNConfig, batch_size: int, seq_len: int,
     rows = min(cfg.loss_chunk_tokens, B * T)
     loss_work = 2 * rows * cfg.vocab_size * f4
     activations = B * T * per_token + snapshots + chunk_work + loss_work
-    return MemoryEstimate(params, training_state, activations, params + training_state + activations)
+    return MemoryEstimate(
+        params, training_state, activations, params + training_state + activations
+    )
 
 
 def _in_width(cfg: GPNConfig, layer: int) -> int:

@@ -32,9 +32,9 @@ and every elementwise recurrence op stay in float32.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import time
-from typing import Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,23 +43,34 @@ from torch import Tensor
 from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_decode_cross_entropy
-from gpn_scale.ops.gpn_step.functional import (accumulate_mm, l2n as _l2n, matmul as _matmul,
-                                               mm_t as _mm_t, rms as _rms, rms_back as _rms_back)
-from gpn_scale.ops.gpn_step.interface import (ChunkActs, ChunkForward, ColumnLayout,
-                                              LoopWeights, ReverseSweep, StepBackend, StepPlan,
-                                              SweepAdjoints)
+from gpn_scale.ops.gpn_step.functional import accumulate_mm
+from gpn_scale.ops.gpn_step.functional import l2n as _l2n
+from gpn_scale.ops.gpn_step.functional import matmul as _matmul
+from gpn_scale.ops.gpn_step.functional import mm_t as _mm_t
+from gpn_scale.ops.gpn_step.functional import rms as _rms
+from gpn_scale.ops.gpn_step.functional import rms_back as _rms_back
+from gpn_scale.ops.gpn_step.interface import (
+    ChunkActs,
+    ChunkForward,
+    ColumnLayout,
+    LoopWeights,
+    ReverseSweep,
+    StepBackend,
+    StepPlan,
+    SweepAdjoints,
+)
 from gpn_scale.ops.gpn_step.registry import select_backend
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 
-_Plan = StepPlan               # the names the rest of this module (and its tests) use
+_Plan = StepPlan  # the names the rest of this module (and its tests) use
 _LoopWeights = LoopWeights
 _ChunkActs = ChunkActs
 _SweepAdjoints = SweepAdjoints
 
 
 # ------------------------------------------------------------------ phase timing
-_PHASES: dict[str, float] | None = None   # set by `phase_timer()` (benchmarks only)
-_PENDING: list[tuple[str, "torch.cuda.Event", "torch.cuda.Event"]] = []
+_PHASES: dict[str, float] | None = None  # set by `phase_timer()` (benchmarks only)
+_PENDING: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
 
 @contextlib.contextmanager
@@ -81,7 +92,7 @@ def phase_timer() -> Iterator[dict[str, float]]:
         _PHASES = previous
 
 
-_CURRENT: list[str] = []   # the phases open now, innermost last (while phase_timer is on)
+_CURRENT: list[str] = []  # the phases open now, innermost last (while phase_timer is on)
 
 
 def current_phase() -> str | None:
@@ -124,12 +135,14 @@ def _timed_phase(name: str, device: torch.device | None) -> Iterator[None]:
 # ----------------------------------------------------------------------------- plan
 def input_column_blocks(cfg: GPNConfig, layer: int) -> tuple[int, ...]:
     """Column blocks of layer `layer`'s fused input matmul, in order (`ColumnLayout`)."""
-    return ColumnLayout.build(layer, cfg.memory, cfg.n_heads, cfg.d_key, cfg.d_value,
-                              cfg.d_ffn, cfg.d_state).sizes
+    return ColumnLayout.build(
+        layer, cfg.memory, cfg.n_heads, cfg.d_key, cfg.d_value, cfg.d_ffn, cfg.d_state
+    ).sizes
 
 
-def make_spans(T: int, chunk_size: int, tbptt: int) -> tuple[tuple[tuple[int, int], ...],
-                                                           frozenset[int]]:
+def make_spans(
+    T: int, chunk_size: int, tbptt: int
+) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
     """Chunk boundaries every `chunk_size` steps, and also at every truncation point."""
     cuts = frozenset(range(tbptt, T, tbptt)) if tbptt else frozenset()
     bounds = sorted(set(range(0, T, chunk_size)) | cuts | {T})
@@ -147,17 +160,27 @@ def fold_loop_weights(model: GPN) -> LoopWeights:
         if i == 0 and model.write is not None:
             wr = model.write
             nw = wr.norm_weight[:, None]
-            cols += [nw * wr.key.weight.t(), nw * wr.value.weight.t(), nw * wr.beta.weight.t(),
-                     nw * wr.decay.weight.t()]
-            biases += [wr.key.bias, wr.key.bias.new_zeros(cfg.n_heads * cfg.d_value),
-                       wr.key.bias.new_zeros(cfg.n_heads), wr.dt_bias]
+            cols += [
+                nw * wr.key.weight.t(),
+                nw * wr.value.weight.t(),
+                nw * wr.beta.weight.t(),
+                nw * wr.decay.weight.t(),
+            ]
+            biases += [
+                wr.key.bias,
+                wr.key.bias.new_zeros(cfg.n_heads * cfg.d_value),
+                wr.key.bias.new_zeros(cfg.n_heads),
+                wr.dt_bias,
+            ]
         if layer.read is not None:
             rd = layer.read
             nr = rd.norm_weight[:, None]
             cols += [nr * rd.query.weight.t(), nr * rd.gate.weight.t()]
             biases += [rd.query.bias, rd.query.bias.new_zeros(cfg.n_heads * cfg.d_value)]
-        cols += [layer.ffn.norm_weight[:, None] * layer.ffn.w1.weight.t(),
-                 layer.gate.norm_weight[:, None] * layer.gate.proj.weight.t()]
+        cols += [
+            layer.ffn.norm_weight[:, None] * layer.ffn.w1.weight.t(),
+            layer.gate.norm_weight[:, None] * layer.gate.proj.weight.t(),
+        ]
         biases += [layer.gate.proj.bias.new_zeros(2 * cfg.d_ffn), layer.gate.proj.bias]
         w_in.append(torch.cat(cols, dim=1))
         b_in.append(torch.cat(biases))
@@ -168,14 +191,16 @@ def fold_loop_weights(model: GPN) -> LoopWeights:
         w_out.append(torch.cat(outs, dim=0))
     fg = model.fuse_gate
     A = torch.exp(model.write.A_log) if model.write is not None else None
-    return LoopWeights(w_in, b_in, w_out, fg.norm_weight[:, None] * fg.proj.weight.t(),
-                       fg.proj.bias, A)
+    return LoopWeights(
+        w_in, b_in, w_out, fg.norm_weight[:, None] * fg.proj.weight.t(), fg.proj.bias, A
+    )
 
 
 # --------------------------------------------------------------------- backward
 @torch.no_grad()
-def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
-                     M0: Tensor | None) -> _ChunkActs:
+def _recompute_chunk(
+    plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor, M0: Tensor | None
+) -> _ChunkActs:
     """Given the states S (B, C, d) entering each step, the whole chunk at once.
 
     Every projection is ONE (C*B)-row matmul and the memory is the fully parallel chunk
@@ -184,7 +209,7 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
     B, C, d = S.shape
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
     mem = plan.memory
-    c = S.transpose(0, 1).contiguous()                          # (C, B, d)
+    c = S.transpose(0, 1).contiguous()  # (C, B, d)
     acts = _ChunkActs([], [], [], [], [], [], [], [], None, None, None)
     for i in range(plan.n_layers):
         n = _rms(c, eps)
@@ -202,10 +227,10 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
             acts.k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
             acts.k = _heads(_l2n(F.relu(acts.k_pre).view(C, B, H, dk)))
             acts.v = _heads(v.reshape(C, B, H, dv))
-            log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)          # (B, H, C)
+            log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)  # (B, H, C)
             acts.beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
             U, acts.G = chunk_errors(acts.k, acts.v, log_a, acts.beta, M0, "gpn")
-            acts.U = U.contiguous()    # the solve returns it column-major; the sweep reads rows
+            acts.U = U.contiguous()  # the solve returns it column-major; the sweep reads rows
             acts.rk = _step_major(acts.k @ M0)
             acts.pred = _step_major(_prediction(acts, M0))
         elif mem:
@@ -238,7 +263,8 @@ def _recompute_chunk(plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor,
 
 
 def _prediction(acts: _ChunkActs, M0: Tensor) -> Tensor:
-    """M_{t-1}^T k_t for every step: e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
+    """M_{t-1}^T k_t for every step:
+    e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
     G = acts.G
     G_prev = torch.cat([torch.zeros_like(G[..., :1]), G[..., :-1]], dim=-1)
     C = G.shape[-1]
@@ -271,26 +297,48 @@ class _Grads:
     A: Tensor | None
 
     @staticmethod
-    def zeros_like(W: _LoopWeights, dtype: torch.dtype) -> "_Grads":
+    def zeros_like(W: _LoopWeights, dtype: torch.dtype) -> _Grads:
         z = lambda t: torch.zeros(t.shape, dtype=dtype, device=t.device)  # noqa: E731
-        return _Grads([z(w) for w in W.w_in], [z(b) for b in W.b_in], [z(w) for w in W.w_out],
-                      z(W.w_fg), z(W.b_fg), None if W.A is None else z(W.A))
+        return _Grads(
+            [z(w) for w in W.w_in],
+            [z(b) for b in W.b_in],
+            [z(w) for w in W.w_out],
+            z(W.w_fg),
+            z(W.b_fg),
+            None if W.A is None else z(W.A),
+        )
 
     def flat(self) -> list[Tensor]:
-        return [*self.w_in, *self.b_in, *self.w_out, self.w_fg, self.b_fg,
-                *([self.A] if self.A is not None else [])]
+        return [
+            *self.w_in,
+            *self.b_in,
+            *self.w_out,
+            self.w_fg,
+            self.b_fg,
+            *([self.A] if self.A is not None else []),
+        ]
 
 
-def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
-                    dP: Tensor, ds_end: Tensor | None, ds_prev_end: Tensor | None,
-                    dM_end: Tensor | None, grads: _Grads, d_fuse: Tensor,
-                    backend: StepBackend, workspace: "_Workspace"
-                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+def _chunk_backward(
+    plan: _Plan,
+    Wt: _LoopWeights,
+    acts: _ChunkActs,
+    M0: Tensor | None,
+    dP: Tensor,
+    ds_end: Tensor | None,
+    ds_prev_end: Tensor | None,
+    dM_end: Tensor | None,
+    grads: _Grads,
+    d_fuse: Tensor,
+    backend: StepBackend,
+    workspace: _Workspace,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """One chunk's backward: the hand-written reverse sweep over its steps, then the weight
     gradients.
 
     The per-step work is the inherent input-gradient matmuls (dy @ W^T, few rows) and cheap
-    elementwise/memory terms (the step backend's `reverse_sweep`); the activations come from `_recompute_chunk`, and every weight
+    elementwise/memory terms (the step backend's `reverse_sweep`); the activations come from
+    `_recompute_chunk`, and every weight
     gradient (and dM0) is formed at the end as one matmul over all steps of the chunk.
     Returns the gradients of the chunk's start carry (s, s_prev, M0).
     """
@@ -300,16 +348,24 @@ def _chunk_backward(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     with _phase("memory carry backward", device):
         adjoints, dM0 = _sweep_adjoints(plan, Wt, acts, M0, dP, dM_end, d_fuse, workspace)
     with _phase("sequential backward", device):
-        result = backend.reverse_sweep(plan, Wt, ReverseSweep(acts, M0, dP, ds_end, ds_prev_end,
-                                                              adjoints))
+        result = backend.reverse_sweep(
+            plan, Wt, ReverseSweep(acts, M0, dP, ds_end, ds_prev_end, adjoints)
+        )
         dg, dk_pre0 = result.ds_start, result.dk_pre0
     with _phase("weight gradients", device):
         return _chunk_weight_gradients(plan, Wt, acts, dg, adjoints, dk_pre0, dM0, grads)
 
 
-def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor | None,
-                    dP: Tensor, dM_end: Tensor | None, d_fuse: Tensor, workspace: "_Workspace"
-                    ) -> tuple["_SweepAdjoints", Tensor | None]:
+def _sweep_adjoints(
+    plan: _Plan,
+    Wt: _LoopWeights,
+    acts: _ChunkActs,
+    M0: Tensor | None,
+    dP: Tensor,
+    dM_end: Tensor | None,
+    d_fuse: Tensor,
+    workspace: _Workspace,
+) -> tuple[_SweepAdjoints, Tensor | None]:
     """The adjoint buffers the reverse sweep accumulates into, with the end-of-chunk
     memory's gradient already pushed onto k, u and G; and the (partial) dM0."""
     C, B, d = acts.p.shape
@@ -323,16 +379,16 @@ def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     dYfg = ws.take("dYfg", (C, B, d), 0, dt)
     if mem:
         K, U, G = acts.k, acts.U, acts.G
-        pushed = dM_end is not None   # the chunk's last one has no later memory
+        pushed = dM_end is not None  # the chunk's last one has no later memory
         # dK, dU, dG start as the end memory's share (written in place, no zero fill first).
         dK = ws.take("dK", K.shape, 2, dt, zero=not pushed)
         dU = ws.take("dU", U.shape, 2, dt, zero=not pushed)
         dG = ws.take("dG", G.shape, 2, dt, zero=not pushed)
-        step_major = (C, *U.shape[:2], U.shape[3])     # (C, B, H, dv), see _step_major
+        step_major = (C, *U.shape[:2], U.shape[3])  # (C, B, H, dv), see _step_major
         dRk = ws.take("dRk", step_major, 0, dt).permute(1, 2, 0, 3)
         dRq = [ws.take(f"dRq{i}", step_major, 0, dt).permute(1, 2, 0, 3) for i in range(L)]
         dA = torch.zeros_like(Wt.A)
-        if pushed:                                     # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
+        if pushed:  # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
             G_end = G[..., -1:]
             w = (G_end - G).exp()
             KdM = K @ dM_end
@@ -341,7 +397,7 @@ def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
             wt = w * (KdM * U).sum(-1)
             torch.neg(wt, out=dG)
             dG[..., -1] += wt.sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
-            dM0 = G_end[..., 0].exp()[..., None, None] * dM_end   # outlives the chunk
+            dM0 = G_end[..., 0].exp()[..., None, None] * dM_end  # outlives the chunk
         else:
             dM0 = torch.zeros_like(M0)
     else:
@@ -350,14 +406,21 @@ def _sweep_adjoints(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, M0: Tensor 
     return _SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
 
 
-def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg: Tensor,
-                            adj: "_SweepAdjoints", dk_pre0: Tensor | None, dM0: Tensor | None,
-                            grads: _Grads) -> tuple[Tensor, Tensor, Tensor | None]:
+def _chunk_weight_gradients(
+    plan: _Plan,
+    Wt: _LoopWeights,
+    acts: _ChunkActs,
+    dg: Tensor,
+    adj: _SweepAdjoints,
+    dk_pre0: Tensor | None,
+    dM0: Tensor | None,
+    grads: _Grads,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Every weight gradient of the chunk as one matmul over its C*B rows (never a rank-B
     update per step), and the gradients of the chunk's start carry (s, s_prev, M0)."""
     C, B, _ = acts.p.shape
     L = plan.n_layers
-    rows = lambda t: t.reshape(C * B, -1)           # noqa: E731
+    rows = lambda t: t.reshape(C * B, -1)  # noqa: E731
     # Accumulated in place (GEMM with beta = 1): a product the size of the weights, added
     # afterwards, would be written and read once more per chunk.
     # Under autocast on CUDA the operands go in bf16 with fp32 accumulation (tensor cores;
@@ -375,8 +438,9 @@ def _chunk_weight_gradients(plan: _Plan, Wt: _LoopWeights, acts: _ChunkActs, dg:
     k_cols = plan.H * plan.dk
     accumulate_mm(grads.w_in[0][:, :k_cols], acts.n_sprev.t(), dk_pre0, mm)
     grads.b_in[0][:k_cols] += dk_pre0.sum(0)
-    dsprev_start = _rms_back(acts.n_sprev, acts.s_prev, _mm_t(dk_pre0, Wt.w_in[0][:k_cols]),
-                             plan.eps)
+    dsprev_start = _rms_back(
+        acts.n_sprev, acts.s_prev, _mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan.eps
+    )
     grads.A += adj.dA
     dM0 = dM0 + acts.k.mT @ adj.dRk
     for i in range(L):
@@ -394,8 +458,14 @@ class _Workspace:
         self.device = device
         self._buffers: dict[str, Tensor] = {}
 
-    def take(self, name: str, shape: tuple[int, ...], chunk_dim: int, dtype: torch.dtype,
-             zero: bool = False) -> Tensor:
+    def take(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        chunk_dim: int,
+        dtype: torch.dtype,
+        zero: bool = False,
+    ) -> Tensor:
         """A (possibly uninitialised) tensor of `shape`, whose dim `chunk_dim` is the chunk's
         length, viewed out of a buffer sized for the longest chunk."""
         full = list(shape)
@@ -407,16 +477,34 @@ class _Workspace:
         return view.zero_() if zero else view
 
 
-def _forward_chunks(plan: _Plan, W: _LoopWeights, backend: StepBackend, fuse: Tensor,
-                    s: Tensor, s_prev: Tensor, M: Tensor | None, P: Tensor, S: Tensor | None,
-                    carries: list) -> None:
+def _forward_chunks(
+    plan: _Plan,
+    W: _LoopWeights,
+    backend: StepBackend,
+    fuse: Tensor,
+    s: Tensor,
+    s_prev: Tensor,
+    M: Tensor | None,
+    P: Tensor,
+    S: Tensor | None,
+    carries: list,
+) -> None:
     """The no-grad forward over all chunks; appends each chunk's start carry to `carries`
     (and, last, the final carry); fills P and, when given, S (the state entering each step)."""
     for start, end in plan.spans:
         carries.append((s, s_prev, M))
-        out = backend.forward_chunk(plan, W, ChunkForward(
-            fuse[:, start:end], s, s_prev, M, P[:, start:end],
-            None if S is None else S[:, start:end]))
+        out = backend.forward_chunk(
+            plan,
+            W,
+            ChunkForward(
+                fuse[:, start:end],
+                s,
+                s_prev,
+                M,
+                P[:, start:end],
+                None if S is None else S[:, start:end],
+            ),
+        )
         s, s_prev = out.s, out.s_prev
         if plan.memory:
             M = chunk_advance(out.K, out.U, out.G, M)
@@ -427,8 +515,15 @@ class _SequenceFunction(torch.autograd.Function):
     """fuse (B, T, d), initial carry, loop weights -> P (B, T, d), final carry."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, fuse: Tensor, s0: Tensor, s_prev0: Tensor,
-                M0: Tensor | None, *flat: Tensor):  # type: ignore[override]
+    def forward(
+        ctx,
+        plan: _Plan,
+        fuse: Tensor,
+        s0: Tensor,
+        s_prev0: Tensor,
+        M0: Tensor | None,
+        *flat: Tensor,
+    ):  # type: ignore[override]
         W = _LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype)
         B, T, d = fuse.shape
         P = fuse.new_empty(B, T, d)
@@ -442,7 +537,7 @@ class _SequenceFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.backend = backend
         ctx.carries = carries
-        ctx.fuse_meta = (fuse.shape, fuse.dtype, fuse.device)   # its values are not needed
+        ctx.fuse_meta = (fuse.shape, fuse.dtype, fuse.device)  # its values are not needed
         ctx.save_for_backward(S, *flat)
         if M is None:
             M = fuse.new_zeros(0)
@@ -472,12 +567,28 @@ class _SequenceFunction(torch.autograd.Function):
             _, s_prev, M = ctx.carries[idx]
             with _phase("parallel recompute", device):
                 acts = _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M)
-            d_carry = _chunk_backward(plan, Wt, acts, M, dP[:, start:end], *d_carry, grads,
-                                      d_fuse[:, start:end], ctx.backend, workspace)
+            d_carry = _chunk_backward(
+                plan,
+                Wt,
+                acts,
+                M,
+                dP[:, start:end],
+                *d_carry,
+                grads,
+                d_fuse[:, start:end],
+                ctx.backend,
+                workspace,
+            )
         weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
         ds0, ds_prev0, dM0 = d_carry
-        return (None, d_fuse, ds0, ds_prev0, dM0 if ctx.needs_input_grad[4] else None,
-                *weight_grads)
+        return (
+            None,
+            d_fuse,
+            ds0,
+            ds_prev0,
+            dM0 if ctx.needs_input_grad[4] else None,
+            *weight_grads,
+        )
 
 
 # ------------------------------------------------------------------ entry point
@@ -506,8 +617,7 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtype | None
-            ) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtype | None) -> Tensor:
     """F.linear in the matmul dtype (if any), result back in x's dtype."""
     if mm_dtype is None:
         return F.linear(x, weight, bias)
@@ -515,8 +625,14 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtyp
     return y if bias is None else y + bias
 
 
-def run_engine(model: GPN, tokens: Tensor, state: GPNState | None, *,
-               return_state: bool = False, return_logits: bool = False) -> GPNOutput:
+def run_engine(
+    model: GPN,
+    tokens: Tensor,
+    state: GPNState | None,
+    *,
+    return_state: bool = False,
+    return_logits: bool = False,
+) -> GPNOutput:
     """The model's forward: see the module docstring."""
     cfg = model.config
     if tokens.dim() != 2:
@@ -524,33 +640,66 @@ def run_engine(model: GPN, tokens: Tensor, state: GPNState | None, *,
     B, T = tokens.shape
     device = tokens.device
     mm_dtype = _autocast_dtype(device)
-    with (torch.autocast(device.type, enabled=False) if device.type != "meta"
-          else contextlib.nullcontext()):
+    with (
+        torch.autocast(device.type, enabled=False)
+        if device.type != "meta"
+        else contextlib.nullcontext()
+    ):
         if state is None:
             state = model.initial_state(B, device)
         sdt = model.state_dtype()
         eps = cfg.norm_eps
         E = model.embedding.weight
         emb = F.embedding(tokens, E)
-        fuse = _linear(_rms(emb.to(sdt), eps) * model.fuse_norm_weight, model.fuse.weight, None,
-                       mm_dtype)
+        fuse = _linear(
+            _rms(emb.to(sdt), eps) * model.fuse_norm_weight, model.fuse.weight, None, mm_dtype
+        )
         spans, cuts = make_spans(T, cfg.chunk_size, cfg.tbptt)
-        plan = StepPlan(cfg.n_layers, cfg.memory, cfg.n_heads, cfg.d_key, cfg.d_value,
-                        cfg.d_state, cfg.d_ffn, eps, spans, cuts, mm_dtype, cfg.step_backend,
-                        cfg.cuda_graphs)
+        plan = StepPlan(
+            cfg.n_layers,
+            cfg.memory,
+            cfg.n_heads,
+            cfg.d_key,
+            cfg.d_value,
+            cfg.d_state,
+            cfg.d_ffn,
+            eps,
+            spans,
+            cuts,
+            mm_dtype,
+            cfg.step_backend,
+            cfg.cuda_graphs,
+        )
         weights = fold_loop_weights(model).flat()
         P, s, s_prev, M = _SequenceFunction.apply(
-            plan, fuse, state.s.to(sdt), state.s_prev.to(sdt),
-            None if state.memory is None else state.memory.to(sdt), *weights)
+            plan,
+            fuse,
+            state.s.to(sdt),
+            state.s_prev.to(sdt),
+            None if state.memory is None else state.memory.to(sdt),
+            *weights,
+        )
         with _phase("decode", device):
             loss = chunked_decode_cross_entropy(
-                P.reshape(B * T, -1), model.decode_norm_weight, model.decode.weight,
-                model.decode.bias, E, tokens.reshape(B * T), cfg.loss_chunk_tokens, eps,
-                mm_dtype, scale=1.0 / (B * T))
+                P.reshape(B * T, -1),
+                model.decode_norm_weight,
+                model.decode.weight,
+                model.decode.bias,
+                E,
+                tokens.reshape(B * T),
+                cfg.loss_chunk_tokens,
+                eps,
+                mm_dtype,
+                scale=1.0 / (B * T),
+            )
         logits = None
-        if return_logits:   # tests and analysis only: the full (B, T, V) block
-            h = _linear(_rms(P, eps) * model.decode_norm_weight, model.decode.weight,
-                        model.decode.bias, mm_dtype)
+        if return_logits:  # tests and analysis only: the full (B, T, V) block
+            h = _linear(
+                _rms(P, eps) * model.decode_norm_weight,
+                model.decode.weight,
+                model.decode.bias,
+                mm_dtype,
+            )
             logits = _linear(h, E, None, mm_dtype)
     final = GPNState(s, s_prev, M if cfg.memory else None) if return_state else None
     return GPNOutput(loss=loss, state=final, logits=logits)

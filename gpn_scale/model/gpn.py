@@ -23,18 +23,21 @@ from gpn_scale.model.config import GPNConfig
 class GPNState(NamedTuple):
     """The carry between tokens/windows: grounded state s, the one before it, and the memory."""
 
-    s: Tensor                 # (B, d)
-    s_prev: Tensor            # (B, d)
-    memory: Tensor | None     # (B, H, dk, dv), None for GPN
+    s: Tensor  # (B, d)
+    s_prev: Tensor  # (B, d)
+    memory: Tensor | None  # (B, H, dk, dv), None for GPN
 
     def detach(self) -> GPNState:
-        return GPNState(self.s.detach(), self.s_prev.detach(),
-                        None if self.memory is None else self.memory.detach())
+        return GPNState(
+            self.s.detach(),
+            self.s_prev.detach(),
+            None if self.memory is None else self.memory.detach(),
+        )
 
 
 class GPNOutput(NamedTuple):
-    loss: Tensor                  # mean cross-entropy over all B*T positions
-    state: GPNState | None        # final carry (when asked for)
+    loss: Tensor  # mean cross-entropy over all B*T positions
+    state: GPNState | None  # final carry (when asked for)
     logits: Tensor | None = None  # (B, T, V), only when asked for (tests/analysis)
 
 
@@ -131,8 +134,9 @@ class PredictorLayer(nn.Module):
         super().__init__()
         self.ffn = SwiGLU(cfg.d_state, cfg.d_ffn)
         self.gate = Gate(cfg.d_state)
-        self.read = (MemoryRead(cfg.d_state, cfg.n_heads, cfg.d_key, cfg.d_value)
-                     if cfg.memory else None)
+        self.read = (
+            MemoryRead(cfg.d_state, cfg.n_heads, cfg.d_key, cfg.d_value) if cfg.memory else None
+        )
 
 
 class GPN(nn.Module):
@@ -148,8 +152,7 @@ class GPN(nn.Module):
         self.fuse_gate = Gate(d)
         self.decode_norm_weight = nn.Parameter(torch.ones(d))
         self.decode = nn.Linear(d, e, bias=cfg.decoder_bias)
-        self.write = (MemoryWrite(d, cfg.n_heads, cfg.d_key, cfg.d_value)
-                      if cfg.memory else None)
+        self.write = MemoryWrite(d, cfg.n_heads, cfg.d_key, cfg.d_value) if cfg.memory else None
         self.layers = nn.ModuleList(PredictorLayer(cfg) for _ in range(cfg.n_layers))
         self.reset_parameters()
 
@@ -182,13 +185,22 @@ class GPN(nn.Module):
         device = device if device is not None else self.fuse.weight.device
         dtype = self.state_dtype()
         zeros = torch.zeros(batch_size, cfg.d_state, device=device, dtype=dtype)
-        memory = (torch.zeros(batch_size, cfg.n_heads, cfg.d_key, cfg.d_value,
-                              device=device, dtype=dtype) if cfg.memory else None)
+        memory = (
+            torch.zeros(batch_size, cfg.n_heads, cfg.d_key, cfg.d_value, device=device, dtype=dtype)
+            if cfg.memory
+            else None
+        )
         return GPNState(zeros, zeros.clone(), memory)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, tokens: Tensor, state: GPNState | None = None, *,
-                return_state: bool = False, return_logits: bool = False) -> GPNOutput:
+    def forward(
+        self,
+        tokens: Tensor,
+        state: GPNState | None = None,
+        *,
+        return_state: bool = False,
+        return_logits: bool = False,
+    ) -> GPNOutput:
         """Mean CE over all B*T positions; x_t is predicted from the state before it.
 
         `state` seeds the carry (stateful windows); `return_state` returns the final carry
@@ -198,8 +210,9 @@ class GPN(nn.Module):
         """
         from gpn_scale.model.engine import run_engine
 
-        return run_engine(self, tokens, state, return_state=return_state,
-                          return_logits=return_logits)
+        return run_engine(
+            self, tokens, state, return_state=return_state, return_logits=return_logits
+        )
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

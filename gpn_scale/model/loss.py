@@ -19,9 +19,20 @@ from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
 
 class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None, E: Tensor,
-                targets: Tensor, rows: int, eps: float, mm_dtype: torch.dtype | None,
-                scale: float, grad_enabled: bool) -> Tensor:  # type: ignore[override]
+    def forward(
+        ctx,
+        P: Tensor,
+        norm_w: Tensor,
+        W_dec: Tensor,
+        b_dec: Tensor | None,
+        E: Tensor,
+        targets: Tensor,
+        rows: int,
+        eps: float,
+        mm_dtype: torch.dtype | None,
+        scale: float,
+        grad_enabled: bool,
+    ) -> Tensor:
         acc = torch.float64 if P.dtype == torch.float64 else torch.float32
         # needs_input_grad stays True under torch.no_grad() (held-out eval): the caller's grad
         # mode, read before apply() (forward itself always runs with grad off), decides.
@@ -36,20 +47,20 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             db = torch.zeros(W_dec.shape[0], dtype=acc, device=P.device)
             dE = torch.zeros(E.shape, dtype=acc, device=P.device)
         for start in range(0, P.shape[0], rows):
-            p = P[start:start + rows]
+            p = P[start : start + rows]
             r = torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + eps)
             n = p * r
             nw = (n * norm_w).to(mm)
             h = nw @ Wm.t()
             if b_dec is not None:
                 h = h + b_dec.to(mm)
-            tgt = targets[start:start + rows]
+            tgt = targets[start : start + rows]
             logits = h @ Em.t()
-            if use_triton(logits):   # one kernel, the block read twice (ops/cross_entropy.py)
+            if use_triton(logits):  # one kernel, the block read twice (ops/cross_entropy.py)
                 total += softmax_xent_(logits, tgt, need_grad).sum()
                 if not need_grad:
                     continue
-                gm = logits                                       # softmax - onehot, in mm
+                gm = logits  # softmax - onehot, in mm
             else:
                 logits = logits.to(acc)
                 picked = logits.gather(1, tgt[:, None])
@@ -60,7 +71,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
                 total += (top + denom.log() - picked).sum()
                 if not need_grad:
                     continue
-                grad = probs.div_(denom)                          # softmax - onehot
+                grad = probs.div_(denom)  # softmax - onehot
                 grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
                 gm = grad.to(mm)
             dh = gm @ Em
@@ -70,7 +81,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             dnw = (dh @ Wm).to(P.dtype)
             dw += (dnw * n).sum(0).to(acc)
             dn = dnw * norm_w
-            dP[start:start + rows] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+            dP[start : start + rows] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
         if need_grad:
             for g in (dP, dw, dW, db, dE):
                 g.mul_(scale)
@@ -80,22 +91,40 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
         return total * scale
 
     @staticmethod
-    def backward(ctx, d_total: Tensor):  # type: ignore[override]
+    def backward(ctx, d_total: Tensor):
         dP, dw, dW, db, dE = ctx.saved_tensors
         w_dt, W_dt, E_dt = ctx.dtypes
         # Always scaled on the device: testing d_total == 1 to skip the (N x d) product cost a
         # host sync every micro-batch (x * 1.0 == x exactly, so results are unchanged), and
         # the loop's loss / accum makes it != 1 whenever gradients accumulate anyway. Not in
         # place, so that repeated backwards (retain_graph) stay correct.
-        return (dP * d_total.to(dP.dtype), (dw * d_total).to(w_dt), (dW * d_total).to(W_dt),
-                (db * d_total).to(W_dt) if ctx.has_bias else None, (dE * d_total).to(E_dt),
-                None, None, None, None, None, None)
+        return (
+            dP * d_total.to(dP.dtype),
+            (dw * d_total).to(w_dt),
+            (dW * d_total).to(W_dt),
+            (db * d_total).to(W_dt) if ctx.has_bias else None,
+            (dE * d_total).to(E_dt),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_decode_cross_entropy(P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec: Tensor | None,
-                                 E: Tensor, targets: Tensor, rows: int = 1024, eps: float = 1e-6,
-                                 mm_dtype: torch.dtype | None = None, scale: float = 1.0
-                                 ) -> Tensor:
+def chunked_decode_cross_entropy(
+    P: Tensor,
+    norm_w: Tensor,
+    W_dec: Tensor,
+    b_dec: Tensor | None,
+    E: Tensor,
+    targets: Tensor,
+    rows: int = 1024,
+    eps: float = 1e-6,
+    mm_dtype: torch.dtype | None = None,
+    scale: float = 1.0,
+) -> Tensor:
     """`scale` x the sum over positions of CE(decode(P) @ E^T, targets).
 
     P: (N, d) predicted states; norm_w: (d,); W_dec: (e, d) (nn.Linear layout); b_dec: (e,)
@@ -103,5 +132,6 @@ def chunked_decode_cross_entropy(P: Tensor, norm_w: Tensor, W_dec: Tensor, b_dec
     """
     if rows < 1:
         raise ValueError(f"rows: must be >= 1, got {rows}")
-    return _ChunkedDecodeCrossEntropy.apply(P, norm_w, W_dec, b_dec, E, targets, rows, eps,
-                                            mm_dtype, scale, torch.is_grad_enabled())
+    return _ChunkedDecodeCrossEntropy.apply(
+        P, norm_w, W_dec, b_dec, E, targets, rows, eps, mm_dtype, scale, torch.is_grad_enabled()
+    )

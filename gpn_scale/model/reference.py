@@ -29,8 +29,9 @@ def l2_normalize(x: Tensor) -> Tensor:
 
 
 def _gate(gate: Gate, x: Tensor, eps: float) -> Tensor:
-    return torch.sigmoid(F.linear(rms_norm(x, gate.norm_weight, eps), gate.proj.weight,
-                                  gate.proj.bias))
+    return torch.sigmoid(
+        F.linear(rms_norm(x, gate.norm_weight, eps), gate.proj.weight, gate.proj.bias)
+    )
 
 
 def _ffn(ffn: SwiGLU, x: Tensor, eps: float) -> Tensor:
@@ -43,13 +44,21 @@ def _read(read: MemoryRead, c: Tensor, M: Tensor, eps: float) -> Tensor:
     hq = rms_norm(c, read.norm_weight, eps)
     q = l2_normalize(F.relu(F.linear(hq, read.query.weight, read.query.bias)).view(B, H, dk))
     m = torch.einsum("bhkv,bhk->bhv", M, q).reshape(B, H * dv)
-    return F.linear(F.silu(F.linear(hq, read.gate.weight)) * rms_norm(m, read.out_norm_weight, eps),
-                    read.out.weight)
+    return F.linear(
+        F.silu(F.linear(hq, read.gate.weight)) * rms_norm(m, read.out_norm_weight, eps),
+        read.out.weight,
+    )
 
 
-def reference_forward(model: GPN, tokens: Tensor, state: GPNState | None = None, *,
-                      tbptt: int | None = None, return_state: bool = False,
-                      return_logits: bool = False) -> GPNOutput:
+def reference_forward(
+    model: GPN,
+    tokens: Tensor,
+    state: GPNState | None = None,
+    *,
+    tbptt: int | None = None,
+    return_state: bool = False,
+    return_logits: bool = False,
+) -> GPNOutput:
     """Step-by-step GPN / GPN+M. `tbptt` defaults to the model config's."""
     cfg = model.config
     eps = cfg.norm_eps
@@ -73,12 +82,15 @@ def reference_forward(model: GPN, tokens: Tensor, state: GPNState | None = None,
             k = l2_normalize(F.relu(F.linear(hk, w.key.weight, w.key.bias)).view(B, H, dk))
             v = F.linear(hv, w.value.weight).view(B, H, dv)
             beta = torch.sigmoid(F.linear(hv, w.beta.weight))
-            alpha = torch.exp(-torch.exp(_at_least_fp32(w.A_log)) *
-                              F.softplus(_at_least_fp32(F.linear(hv, w.decay.weight)) + w.dt_bias))
+            alpha = torch.exp(
+                -torch.exp(_at_least_fp32(w.A_log))
+                * F.softplus(_at_least_fp32(F.linear(hv, w.decay.weight)) + w.dt_bias)
+            )
             alpha = alpha.to(M.dtype)
             err = v - torch.einsum("bhkv,bhk->bhv", M, k)
-            M = alpha[..., None, None] * M + beta[..., None, None] * torch.einsum("bhk,bhv->bhkv",
-                                                                                 k, err)
+            M = alpha[..., None, None] * M + beta[..., None, None] * torch.einsum(
+                "bhk,bhv->bhkv", k, err
+            )
         # 2. predict
         c = s
         for layer in model.layers:
@@ -88,16 +100,23 @@ def reference_forward(model: GPN, tokens: Tensor, state: GPNState | None = None,
             c = _gate(layer.gate, c, eps) * c + update
         p = c
         # 3. decode; the state that has not seen x_t predicts x_t
-        logits = F.linear(F.linear(rms_norm(p, model.decode_norm_weight, eps), model.decode.weight,
-                                   model.decode.bias), E)
+        logits = F.linear(
+            F.linear(
+                rms_norm(p, model.decode_norm_weight, eps), model.decode.weight, model.decode.bias
+            ),
+            E,
+        )
         total = total + F.cross_entropy(_at_least_fp32(logits), tokens[:, t], reduction="sum")
         if return_logits:
             all_logits.append(logits)
         # 4. ground
-        grounding = F.linear(rms_norm(E[tokens[:, t]], model.fuse_norm_weight, eps),
-                             model.fuse.weight)
+        grounding = F.linear(
+            rms_norm(E[tokens[:, t]], model.fuse_norm_weight, eps), model.fuse.weight
+        )
         g = _gate(model.fuse_gate, p, eps) * p + grounding
         s, s_prev = g, s
-    return GPNOutput(loss=total / (B * T),
-                     state=GPNState(s, s_prev, M) if return_state else None,
-                     logits=torch.stack(all_logits, dim=1) if return_logits else None)
+    return GPNOutput(
+        loss=total / (B * T),
+        state=GPNState(s, s_prev, M) if return_state else None,
+        logits=torch.stack(all_logits, dim=1) if return_logits else None,
+    )

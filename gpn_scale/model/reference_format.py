@@ -36,44 +36,52 @@ def reference_layout(model: GPN) -> dict[str, tuple[torch.Tensor, bool]]:
         out["decode_bias"] = (model.decode.bias, False)
     if model.write is not None:
         w = model.write
-        out.update({
-            "write_norm_w": (w.norm_weight, False),
-            "write_W_k_k": (w.key.weight, True),
-            "write_W_k_b": (w.key.bias, False),
-            "write_W_v_k": (w.value.weight, True),
-            "write_W_beta_k": (w.beta.weight, True),
-            "write_W_a_k": (w.decay.weight, True),
-            "write_A_log": (w.A_log, False),
-            "write_dt_bias": (w.dt_bias, False),
-        })
+        out.update(
+            {
+                "write_norm_w": (w.norm_weight, False),
+                "write_W_k_k": (w.key.weight, True),
+                "write_W_k_b": (w.key.bias, False),
+                "write_W_v_k": (w.value.weight, True),
+                "write_W_beta_k": (w.beta.weight, True),
+                "write_W_a_k": (w.decay.weight, True),
+                "write_A_log": (w.A_log, False),
+                "write_dt_bias": (w.dt_bias, False),
+            }
+        )
     for i, layer in enumerate(model.layers):
         # The memory-less reference names its single layer without the L{i}_ prefix.
         p = f"L{i}_" if cfg.memory else ""
-        out.update({
-            f"{p}ffn_norm_w": (layer.ffn.norm_weight, False),
-            f"{p}ffn_w1_k": (layer.ffn.w1.weight, True),
-            f"{p}ffn_w2_k": (layer.ffn.w2.weight, True),
-            f"{p}pg_norm_w": (layer.gate.norm_weight, False),
-            f"{p}pg_gate_k": (layer.gate.proj.weight, True),
-            f"{p}pg_gate_b": (layer.gate.proj.bias, False),
-        })
+        out.update(
+            {
+                f"{p}ffn_norm_w": (layer.ffn.norm_weight, False),
+                f"{p}ffn_w1_k": (layer.ffn.w1.weight, True),
+                f"{p}ffn_w2_k": (layer.ffn.w2.weight, True),
+                f"{p}pg_norm_w": (layer.gate.norm_weight, False),
+                f"{p}pg_gate_k": (layer.gate.proj.weight, True),
+                f"{p}pg_gate_b": (layer.gate.proj.bias, False),
+            }
+        )
         if layer.read is not None:
             r = layer.read
-            out.update({
-                f"{p}read_norm_w": (r.norm_weight, False),
-                f"{p}read_W_q_k": (r.query.weight, True),
-                f"{p}read_W_q_b": (r.query.bias, False),
-                f"{p}read_W_gate_k": (r.gate.weight, True),
-                f"{p}read_out_norm_w": (r.out_norm_weight, False),
-                f"{p}read_W_o_k": (r.out.weight, True),
-            })
+            out.update(
+                {
+                    f"{p}read_norm_w": (r.norm_weight, False),
+                    f"{p}read_W_q_k": (r.query.weight, True),
+                    f"{p}read_W_q_b": (r.query.bias, False),
+                    f"{p}read_W_gate_k": (r.gate.weight, True),
+                    f"{p}read_out_norm_w": (r.out_norm_weight, False),
+                    f"{p}read_W_o_k": (r.out.weight, True),
+                }
+            )
     return out
 
 
 def export_reference(model: GPN) -> dict[str, np.ndarray]:
     """Our model's weights in the reference's flat (in, out) layout, as float32 numpy."""
-    return {name: (t.detach().t() if transposed else t.detach()).float().cpu().numpy().copy()
-            for name, (t, transposed) in reference_layout(model).items()}
+    return {
+        name: (t.detach().t() if transposed else t.detach()).float().cpu().numpy().copy()
+        for name, (t, transposed) in reference_layout(model).items()
+    }
 
 
 def config_from_reference(params: Mapping[str, Any], **overrides: Any) -> GPNConfig:
@@ -99,8 +107,14 @@ def config_from_reference(params: Mapping[str, Any], **overrides: Any) -> GPNCon
         _require(params, "ffn_w1_k")
         f = np.shape(params["ffn_w1_k"])[1] // 2
         fields = dict(memory=False, n_layers=1)
-    values: dict[str, Any] = dict(vocab_size=int(V), d_state=int(d), d_emb=int(e), d_ffn=int(f),
-                                  decoder_bias="decode_bias" in params, **fields)
+    values: dict[str, Any] = dict(
+        vocab_size=int(V),
+        d_state=int(d),
+        d_emb=int(e),
+        d_ffn=int(f),
+        decoder_bias="decode_bias" in params,
+        **fields,
+    )
     values.update(overrides)
     return GPNConfig(**{k: (int(v) if isinstance(v, np.integer) else v) for k, v in values.items()})
 
@@ -112,8 +126,10 @@ def import_reference(params: Mapping[str, Any], **config_overrides: Any) -> GPN:
     layout = reference_layout(model)
     unknown = sorted(set(params) - set(layout))
     if unknown:
-        raise ConfigError(f"reference parameter '{unknown[0]}' has no place in a {cfg.family} "
-                          f"with {cfg.n_layers} layer(s); is this checkpoint from another model?")
+        raise ConfigError(
+            f"reference parameter '{unknown[0]}' has no place in a {cfg.family} "
+            f"with {cfg.n_layers} layer(s); is this checkpoint from another model?"
+        )
     with torch.no_grad():
         for name, (tensor, transposed) in layout.items():
             _require(params, name)
@@ -121,17 +137,21 @@ def import_reference(params: Mapping[str, Any], **config_overrides: Any) -> GPN:
             if transposed:
                 value = value.t()
             if tuple(value.shape) != tuple(tensor.shape):
-                raise ConfigError(f"reference parameter '{name}': shape "
-                                  f"{tuple(np.shape(params[name]))} does not fit the inferred "
-                                  f"architecture; the checkpoint is inconsistent")
+                raise ConfigError(
+                    f"reference parameter '{name}': shape "
+                    f"{tuple(np.shape(params[name]))} does not fit the inferred "
+                    f"architecture; the checkpoint is inconsistent"
+                )
             tensor.copy_(value)
     return model
 
 
 def _require(params: Mapping[str, Any], name: str) -> None:
     if name not in params:
-        raise ConfigError(f"reference parameter '{name}' is missing; expected a full reference "
-                          "parameter mapping (see docs/model.md)")
+        raise ConfigError(
+            f"reference parameter '{name}' is missing; expected a full reference "
+            "parameter mapping (see docs/model.md)"
+        )
 
 
 class _Opaque:
@@ -148,8 +168,11 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
     """Rebuilds numpy arrays and plain containers only; never imports or runs other code."""
 
     _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
     }
 

@@ -48,16 +48,31 @@ def use_triton(logits: Tensor) -> bool:
     return True
 
 
-def softmax_xent_(logits: Tensor, targets: Tensor, need_grad: bool, phase: str = "decode"
-                  ) -> Tensor:
+def softmax_xent_(
+    logits: Tensor, targets: Tensor, need_grad: bool, phase: str = "decode"
+) -> Tensor:
     """Per row: logsumexp(logits) - logits[target] (float32, (rows,)); with `need_grad`,
     `logits` is overwritten with softmax(logits) - onehot(target) in its own dtype."""
     from gpn_scale.ops import cross_entropy_kernels as k
+
     rows, V = logits.shape
     assert logits.stride(1) == 1
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block = 16 if logits.device.type == "cpu" else min(4096, 1 << (V - 1).bit_length())
     moved = nbytes(logits) * (3 if need_grad else 1) + nbytes(targets, loss)
-    launch(k.softmax_xent_kernel, (rows,), "softmax cross-entropy", phase, moved, 5 * rows * V,
-           logits, logits.stride(0), targets, loss, V, NEED_GRAD=need_grad, BLOCK_V=block)
+    launch(
+        k.softmax_xent_kernel,
+        (rows,),
+        "softmax cross-entropy",
+        phase,
+        moved,
+        5 * rows * V,
+        logits,
+        logits.stride(0),
+        targets,
+        loss,
+        V,
+        NEED_GRAD=need_grad,
+        BLOCK_V=block,
+    )
     return loss

@@ -20,10 +20,10 @@ class Launch:
     """One kernel launch of the code path: what the accounting reads."""
 
     name: str
-    phase: str          # "forward step" | "forward chunk" | "reverse step" | "reverse chunk",
-                        # or the engine phase it runs in (e.g. "decode")
+    phase: str  # "forward step" | "forward chunk" | "reverse step" | "reverse chunk",
+    # or the engine phase it runs in (e.g. "decode")
     grid: tuple[int, ...]
-    bytes: int          # HBM bytes it must move at least (its operands read, outputs written)
+    bytes: int  # HBM bytes it must move at least (its operands read, outputs written)
     flops: int
 
 
@@ -52,8 +52,9 @@ def nbytes(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def launch(kernel, grid: tuple[int, ...], name: str, phase: str, nbytes: int, flops: int,
-            *args, **meta) -> None:
+def launch(
+    kernel, grid: tuple[int, ...], name: str, phase: str, nbytes: int, flops: int, *args, **meta
+) -> None:
     if _RECORD is not None:
         _RECORD.append(Launch(name, phase, grid, nbytes, flops))
     if not _DRY:

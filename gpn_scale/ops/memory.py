@@ -32,8 +32,15 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"rule: expected 'gpn' or 'gdn', got {rule!r}")
 
 
-def memory_recurrent(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor,
-                     M0: Tensor | None = None, rule: Rule = "gpn") -> tuple[Tensor, Tensor]:
+def memory_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_a: Tensor,
+    b: Tensor,
+    M0: Tensor | None = None,
+    rule: Rule = "gpn",
+) -> tuple[Tensor, Tensor]:
     """Step-by-step reference: materialises M after every step."""
     _check_rule(rule)
     B, H, T, dk = k.shape
@@ -50,9 +57,16 @@ def memory_recurrent(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor,
     return torch.stack(outs, dim=2), M
 
 
-def memory_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor,
-                     M0: Tensor | None = None, rule: Rule = "gpn", chunk_size: int = 64
-                     ) -> tuple[Tensor, Tensor]:
+def memory_chunkwise(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_a: Tensor,
+    b: Tensor,
+    M0: Tensor | None = None,
+    rule: Rule = "gpn",
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
     """Chunkwise-parallel form: T/C sequential chunk steps, everything inside a chunk in GEMMs.
 
     Works for any T (the last chunk may be shorter) and any chunk_size >= 1.
@@ -66,20 +80,29 @@ def memory_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor,
     outs = []
     for start in range(0, T, chunk_size):
         end = min(start + chunk_size, T)
-        o, M = _chunk(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                      log_a[:, :, start:end], b[:, :, start:end], M, rule)
+        o, M = _chunk(
+            q[:, :, start:end],
+            k[:, :, start:end],
+            v[:, :, start:end],
+            log_a[:, :, start:end],
+            b[:, :, start:end],
+            M,
+            rule,
+        )
         outs.append(o)
     return torch.cat(outs, dim=2), M
 
 
-def _chunk(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str
-           ) -> tuple[Tensor, Tensor]:
+def _chunk(
+    q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str
+) -> tuple[Tensor, Tensor]:
     U, G = chunk_errors(k, v, log_a, b, M0, rule)
     return chunk_read(q, k, U, G, M0), chunk_advance(k, U, G, M0)
 
 
-def chunk_errors(k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str = "gpn"
-                 ) -> tuple[Tensor, Tensor]:
+def chunk_errors(
+    k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str = "gpn"
+) -> tuple[Tensor, Tensor]:
     """The chunk's write terms u_t (B, H, C, dv) and cumulative log decays G_t (B, H, C).
 
     U = (I + A)^{-1} diag(b) (V - diag(e^{G_err}) K M0), A strictly lower triangular.

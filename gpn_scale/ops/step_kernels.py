@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -53,8 +52,7 @@ def _capability() -> str:
     what the CPU reports. AVX-512 over AVX2: the sweeps measured ~4% faster (docs/perf.md)."""
     flags = _cpu_flags()
     torch_level = torch.backends.cpu.get_cpu_capability().lower()
-    if torch_level == "avx512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq",
-                                    "fma"} <= flags:
+    if torch_level == "avx512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
         return "avx512"
     return "avx2" if torch_level in ("avx2", "avx512") and {"avx2", "fma"} <= flags else "default"
 
@@ -63,9 +61,16 @@ def _build_flags(capability: str) -> list[str]:
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is silently serial
     # without it (the runtime is torch's own libgomp, already loaded, matched by soname).
     flags = ["-O3", "-fopenmp"]
-    if capability == "avx512":   # the instruction sets of torch's own AVX512 kernels
-        return flags + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                        "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if capability == "avx512":  # the instruction sets of torch's own AVX512 kernels
+        return flags + [
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mfma",
+            "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512",
+        ]
     if capability == "avx2":
         return flags + ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags + ["-DCPU_CAPABILITY=DEFAULT"]
@@ -109,10 +114,14 @@ def _build(define: str | None = None) -> ModuleType | Exception:
     try:
         cpp_extension = cpp_extension_quietly()
         _notice_first_build(cpp_extension, name)
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)],
-                                  extra_cflags=flags + ([f"-D{define}"] if define else []),
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:   # no compiler, no ninja, a failed build: reported by the caller
+        return cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=flags + ([f"-D{define}"] if define else []),
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: reported by the caller
         return exc
 
 
@@ -143,13 +152,17 @@ def kernels_override(module: ModuleType) -> Iterator[None]:
 
 def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
     """One line on stderr before a build (it takes about a minute; later loads are cached)."""
-    try:   # a private helper of torch's: without it, only the notice is lost
+    try:  # a private helper of torch's: without it, only the notice is lost
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     except Exception:
         return
     if not any(build_dir.glob(f"{name}*.so")):
-        print(f"gpn_scale: compiling the fused CPU step kernels into {build_dir} "
-              "(once; about a minute)", file=sys.stderr, flush=True)
+        print(
+            f"gpn_scale: compiling the fused CPU step kernels into {build_dir} "
+            "(once; about a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def load(required: bool) -> ModuleType | None:
@@ -157,8 +170,10 @@ def load(required: bool) -> ModuleType | None:
     cannot be built; `required`: raise StepKernelError instead."""
     module = _load()
     if isinstance(module, Exception):
-        message = (f"the fused CPU step kernels could not be built ({_first_error(module)}); "
-                   f"install g++ and ninja, or set {ENV_VAR}=reference to use the PyTorch steps")
+        message = (
+            f"the fused CPU step kernels could not be built ({_first_error(module)}); "
+            f"install g++ and ninja, or set {ENV_VAR}=reference to use the PyTorch steps"
+        )
         if required:
             raise StepKernelError(message)
         _warn_once(message + " (using the PyTorch steps: same results, slower)")
@@ -170,6 +185,7 @@ def kernels_for(device: torch.device, config_choice: str = "auto") -> ModuleType
     """The compiled kernels when the step-backend choice would run them for tensors on
     `device` (the environment override included), else None."""
     from gpn_scale.ops.gpn_step.registry import select_backend
+
     backend = select_backend(config_choice, device)
     return getattr(backend, "module", None) if backend.name == "cpu" else None
 

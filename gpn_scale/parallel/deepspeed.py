@@ -6,7 +6,8 @@ What maps where:
   optim.grad_clip     -> gradient_clipping (DeepSpeed clips on the global norm)
   precision bf16      -> torch_autocast (bf16 matmuls), NOT bf16.enabled: DeepSpeed's bf16
       mode casts every parameter to bf16 (A_log, dt_bias, the norms and biases too),
-      accumulates gradients in bf16 and switches off the loop's autocast inside its forward. With torch_autocast the parameters, gradients (grad_accum_dtype fp32) and
+      accumulates gradients in bf16 and switches off the loop's autocast inside its
+      forward. With torch_autocast the parameters, gradients (grad_accum_dtype fp32) and
       their reduction stay fp32 (no module is "lower-precision safe", so no bf16 comm), which
       is the FSDP2 backend's recipe: both backends train the same model.
   parallel.zero_stage -> zero_optimization.stage
@@ -48,9 +49,16 @@ def init_distributed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-def ds_config(*, global_batch: int, micro_batch: int, accum: int, grad_clip: float,
-              zero_stage: int, bf16: bool, persistence_threshold: int | None = None
-              ) -> dict[str, Any]:
+def ds_config(
+    *,
+    global_batch: int,
+    micro_batch: int,
+    accum: int,
+    grad_clip: float,
+    zero_stage: int,
+    bf16: bool,
+    persistence_threshold: int | None = None,
+) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage == 3 and persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = int(persistence_threshold)
@@ -60,10 +68,13 @@ def ds_config(*, global_batch: int, micro_batch: int, accum: int, grad_clip: flo
         "gradient_accumulation_steps": accum,
         "gradient_clipping": float(grad_clip) if grad_clip > 0 else 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": False},   # see the module docstring: bf16 is torch_autocast here
+        "bf16": {"enabled": False},  # see the module docstring: bf16 is torch_autocast here
         "fp16": {"enabled": False},
-        "torch_autocast": {"enabled": bool(bf16), "dtype": "bfloat16",
-                           "lower_precision_safe_modules": []},
+        "torch_autocast": {
+            "enabled": bool(bf16),
+            "dtype": "bfloat16",
+            "lower_precision_safe_modules": [],
+        },
         "data_types": {"grad_accum_dtype": "fp32"},
         # Our AdamW (torch) as the client optimizer: DeepSpeed calls it "untested" for ZeRO.
         "zero_allow_untested_optimizer": True,
@@ -89,8 +100,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, A
 
     if config["zero_optimization"]["stage"] == 3:
         register_root_externals(model)
-    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                      config=config)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config
+    )
     return engine, ds_optimizer
 
 

@@ -16,8 +16,13 @@ from torch import nn
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def apply_fsdp2(model: nn.Module, dp_mesh, param_dtype: torch.dtype | None,
-                reduce_dtype: str = "fp32", reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp2(
+    model: nn.Module,
+    dp_mesh,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: str = "fp32",
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # param_dtype None = keep fp32 compute (CPU default); on GPU the trainer passes bf16,

@@ -23,8 +23,8 @@ from gpn_scale.train.env import DistEnv, export_for_torch
 class Topology:
     env: DistEnv
     device: torch.device
-    backend: str | None            # process-group backend ("gloo" / "nccl"), None when single
-    mesh: Any = None               # torch DeviceMesh with dims ("dp",) [later ("dp", "tp")]
+    backend: str | None  # process-group backend ("gloo" / "nccl"), None when single
+    mesh: Any = None  # torch DeviceMesh with dims ("dp",) [later ("dp", "tp")]
 
     @property
     def world_size(self) -> int:
@@ -91,14 +91,22 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         from gpn_scale.model.config import ConfigError
-        raise ConfigError("train.device: cuda requested but no GPU is visible; use train.device=cpu")
+
+        raise ConfigError(
+            "train.device: cuda requested but no GPU is visible; use train.device=cpu"
+        )
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
-                  init_pg: bool = True, timeout_s: float = 600.0,
-                  group_for_one: bool = False) -> Topology:
+def init_topology(
+    dist_env: DistEnv,
+    device_request: str = "auto",
+    tp: int = 1,
+    init_pg: bool = True,
+    timeout_s: float = 600.0,
+    group_for_one: bool = False,
+) -> Topology:
     """Start the default process group (if several processes) and the device mesh.
 
     `init_pg=False` lets DeepSpeed start the group itself (deepspeed.init_distributed), after
@@ -113,8 +121,12 @@ def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
     export_for_torch(dist_env)
     if init_pg and not dist.is_initialized():
         extra: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s), **extra)
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **extra,
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     if dist_env.world_size % tp:
@@ -122,6 +134,7 @@ def init_topology(dist_env: DistEnv, device_request: str = "auto", tp: int = 1,
     if tp == 1:
         mesh = init_device_mesh(device.type, (dist_env.world_size,), mesh_dim_names=("dp",))
     else:  # the shape tensor parallelism will use; nothing applies "tp" yet
-        mesh = init_device_mesh(device.type, (dist_env.world_size // tp, tp),
-                                mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(
+            device.type, (dist_env.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+        )
     return Topology(env=dist_env, device=device, backend=backend, mesh=mesh)

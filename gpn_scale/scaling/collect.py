@@ -41,7 +41,7 @@ class RunRecord:
     """What the collector found for one run."""
 
     name: str
-    status: str                  # "done" | "metrics" (fallback) | "missing"
+    status: str  # "done" | "metrics" (fallback) | "missing"
     location: str
     family: str = ""
     seed: int | None = None
@@ -53,10 +53,18 @@ class RunRecord:
 
     def observation(self) -> Observation:
         # only called for usable records, whose N, D, C and loss are all set
-        N, D, C, loss = cast("tuple[float, float, float, float]",
-                             (self.N, self.D, self.C, self.loss))
-        return Observation(family=self.family, N=float(N), D=float(D), C=float(C),
-                           loss=float(loss), seed=self.seed, run=self.name)
+        N, D, C, loss = cast(
+            "tuple[float, float, float, float]", (self.N, self.D, self.C, self.loss)
+        )
+        return Observation(
+            family=self.family,
+            N=float(N),
+            D=float(D),
+            C=float(C),
+            loss=float(loss),
+            seed=self.seed,
+            run=self.name,
+        )
 
 
 @dataclass
@@ -105,7 +113,7 @@ def _read(uri: str, key: str) -> bytes | None:
     resolves it)."""
     try:
         if uri.startswith("s3://"):
-            bucket, _, prefix = uri[len("s3://"):].partition("/")
+            bucket, _, prefix = uri[len("s3://") :].partition("/")
             prefix = prefix.strip("/")
             return _bucket_storage(bucket).get_bytes(f"{prefix}/{key}" if prefix else key)
         return _storage(uri).get_bytes(key)
@@ -126,8 +134,10 @@ def _json(data: bytes | None, where: str) -> dict[str, Any] | None:
     try:
         value = json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FitError(f"{where}: not valid JSON ({err.msg if hasattr(err, 'msg') else err}); "
-                       "fix or delete the file") from None
+        raise FitError(
+            f"{where}: not valid JSON ({err.msg if hasattr(err, 'msg') else err}); "
+            "fix or delete the file"
+        ) from None
     if not isinstance(value, dict):
         raise FitError(f"{where}: expected a JSON object")
     return value
@@ -158,10 +168,18 @@ def _finite(x: Any) -> TypeGuard[float]:
 
 # ----------------------------------------------------------------------------- one run
 
-def read_run(name: str, locations: Sequence[str], *, family: str | None = None,
-             seed: int | None = None, params: float | None = None,
-             flops_per_token: float | None = None, planned_tokens: int | None = None,
-             allow_unfinished: bool = False) -> RunRecord:
+
+def read_run(
+    name: str,
+    locations: Sequence[str],
+    *,
+    family: str | None = None,
+    seed: int | None = None,
+    params: float | None = None,
+    flops_per_token: float | None = None,
+    planned_tokens: int | None = None,
+    allow_unfinished: bool = False,
+) -> RunRecord:
     """Look for DONE / metrics.jsonl / config.yaml in `locations` (first hit wins each)."""
     locations = [loc for loc in dict.fromkeys(locations) if loc]
     done = done_at = None
@@ -190,9 +208,13 @@ def read_run(name: str, locations: Sequence[str], *, family: str | None = None,
     if seed is None:
         m = re.search(r"-s(\d+)$", name)
         seed = int(m.group(1)) if m else None
-    rec = RunRecord(name=name, status="missing", location=done_at or (locations[0] if locations
-                                                                      else ""),
-                    family=family or "", seed=seed)
+    rec = RunRecord(
+        name=name,
+        status="missing",
+        location=done_at or (locations[0] if locations else ""),
+        family=family or "",
+        seed=seed,
+    )
 
     if done is not None and _finite(done.get("final_eval_loss")):
         rec.status, rec.loss = "done", float(done["final_eval_loss"])
@@ -200,24 +222,29 @@ def read_run(name: str, locations: Sequence[str], *, family: str | None = None,
         rec.D = done.get("tokens") if _finite(done.get("tokens")) else None
         rec.C = done.get("flops") if _finite(done.get("flops")) else None
     else:
-        metrics = last_eval(next((m for m in (_read(loc, METRICS) for loc in locations)
-                                  if m is not None), None))
+        metrics = last_eval(
+            next((m for m in (_read(loc, METRICS) for loc in locations) if m is not None), None)
+        )
         if metrics is None:
-            rec.detail = ("DONE has no final_eval_loss and " if done is not None else
-                          "no DONE marker and ") + "no eval/loss in metrics.jsonl"
+            rec.detail = (
+                "DONE has no final_eval_loss and " if done is not None else "no DONE marker and "
+            ) + "no eval/loss in metrics.jsonl"
             return rec
         tokens = metrics.get("tokens")
-        finished = done is not None or (planned_tokens is not None and _finite(tokens)
-                                        and tokens >= planned_tokens)
+        finished = done is not None or (
+            planned_tokens is not None and _finite(tokens) and tokens >= planned_tokens
+        )
         if not (finished or allow_unfinished):
-            rec.detail = (f"unfinished: no DONE marker; last eval at {tokens} tokens"
-                          + (f" of {planned_tokens}" if planned_tokens else ""))
+            rec.detail = f"unfinished: no DONE marker; last eval at {tokens} tokens" + (
+                f" of {planned_tokens}" if planned_tokens else ""
+            )
             return rec
         rec.status, rec.loss = "metrics", float(metrics[LOSS_KEY])
         rec.D = tokens if _finite(tokens) else None
         rec.N = (done or {}).get("params") if _finite((done or {}).get("params")) else params
         rec.detail = "loss from the last eval/loss in metrics.jsonl" + (
-            "" if done is not None or finished else " (run unfinished)")
+            "" if done is not None or finished else " (run unfinished)"
+        )
     if rec.C is None and rec.D is not None and flops_per_token:
         rec.C = float(flops_per_token) * float(rec.D)
     lacking = [k for k in ("N", "D", "C") if not _finite(getattr(rec, k))]
@@ -225,8 +252,10 @@ def read_run(name: str, locations: Sequence[str], *, family: str | None = None,
         lacking.append("family")
     if lacking:
         rec.status = "missing"
-        rec.detail = (f"found a loss but not {', '.join(lacking)} (no config.yaml/DONE fields); "
-                      "pass the sweep file (--sweep) so the plan supplies them")
+        rec.detail = (
+            f"found a loss but not {', '.join(lacking)} (no config.yaml/DONE fields); "
+            "pass the sweep file (--sweep) so the plan supplies them"
+        )
     return rec
 
 
@@ -257,24 +286,34 @@ def _counts_of(model: Any, seq_len: Any) -> tuple[float | None, float | None]:
         from gpn_scale.model.config import load_model_config
 
         cfg = load_model_config(model)
-        return (float(counts.count_parameters(cfg)),
-                float(counts.flops_per_token(cfg, int(seq_len or 2048))))
+        return (
+            float(counts.count_parameters(cfg)),
+            float(counts.flops_per_token(cfg, int(seq_len or 2048))),
+        )
     except (ConfigError, ImportError):
         return None, None
 
 
 # ----------------------------------------------------------------------------- sources
 
+
 def collect_sweep(sweep, *, allow_unfinished: bool = False) -> Collection:
     """Every run of an expanded sweep (gpn_scale.scaling.sweep.Sweep), planned facts from the
     plan, measured ones from the run's checkpoint root and run dir."""
     records = []
     for spec in sweep.runs:
-        records.append(read_run(
-            spec.name, [spec.checkpoint_root] + ([spec.run_dir] if spec.run_dir else []),
-            family=spec.family, seed=spec.seed, params=spec.params,
-            flops_per_token=spec.flops / spec.tokens, planned_tokens=spec.tokens,
-            allow_unfinished=allow_unfinished))
+        records.append(
+            read_run(
+                spec.name,
+                [spec.checkpoint_root] + ([spec.run_dir] if spec.run_dir else []),
+                family=spec.family,
+                seed=spec.seed,
+                params=spec.params,
+                flops_per_token=spec.flops / spec.tokens,
+                planned_tokens=spec.tokens,
+                allow_unfinished=allow_unfinished,
+            )
+        )
     return Collection(records, [str(sweep.path)])
 
 
@@ -293,8 +332,9 @@ def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Co
         else:
             names = _list_dirs(root)
             if not names:
-                raise FitError(f"{root}: no run directories (nor DONE/metrics.jsonl) found; "
-                               "check the path")
+                raise FitError(
+                    f"{root}: no run directories (nor DONE/metrics.jsonl) found; check the path"
+                )
         for sub in names:
             loc = f"{root.rstrip('/')}/{sub}" if sub else root
             name = sub or Path(root.rstrip("/")).name
@@ -322,30 +362,48 @@ def read_table(path: str | Path) -> Collection:
                 except json.JSONDecodeError as err:
                     raise FitError(f"{path}:{i}: not valid JSON ({err.msg})") from None
     else:
-        rows = list(csv.DictReader(line for line in text.splitlines()
-                                   if line.strip() and not line.lstrip().startswith("#")))
+        rows = list(
+            csv.DictReader(
+                line
+                for line in text.splitlines()
+                if line.strip() and not line.lstrip().startswith("#")
+            )
+        )
     records = []
     for i, row in enumerate(rows, 1):
         where = f"{path}: row {i}"
         unknown = [k for k in row if k not in TABLE_COLUMNS]
         if unknown:
-            raise FitError(f"{where}: unknown column '{unknown[0]}'; columns are "
-                           f"{', '.join(TABLE_COLUMNS)}")
+            raise FitError(
+                f"{where}: unknown column '{unknown[0]}'; columns are {', '.join(TABLE_COLUMNS)}"
+            )
         try:
             vals = {k: float(row[k]) for k in ("N", "D", "loss")}
             C = float(row["C"]) if row.get("C") not in (None, "") else 6.0 * vals["N"] * vals["D"]
             seed = int(float(row["seed"])) if row.get("seed") not in (None, "") else None
         except KeyError as err:
-            raise FitError(f"{where}: missing column {err.args[0]}; need family, N, D, loss"
-                           ) from None
+            raise FitError(
+                f"{where}: missing column {err.args[0]}; need family, N, D, loss"
+            ) from None
         except (TypeError, ValueError):
             raise FitError(f"{where}: N, D, C, loss and seed must be numbers") from None
         family = str(row.get("family") or "").strip()
         if not family:
             raise FitError(f"{where}: empty family")
-        records.append(RunRecord(name=str(row.get("run") or f"{path.stem}:{i}"), status="done",
-                                 location=str(path), family=family, seed=seed, N=vals["N"],
-                                 D=vals["D"], C=C, loss=vals["loss"], detail="table"))
+        records.append(
+            RunRecord(
+                name=str(row.get("run") or f"{path.stem}:{i}"),
+                status="done",
+                location=str(path),
+                family=family,
+                seed=seed,
+                N=vals["N"],
+                D=vals["D"],
+                C=C,
+                loss=vals["loss"],
+                detail="table",
+            )
+        )
     return Collection(records, [str(path)])
 
 
@@ -362,15 +420,19 @@ def collect_wandb(project: str, *, group: str | None = None, api: Any = None) ->
     for run in api.runs(project, filters=filters):
         summary = dict(getattr(run, "summary", {}) or {})
         config = dict(getattr(run, "config", {}) or {})
-        rec = RunRecord(name=getattr(run, "name", "?"), status="missing",
-                        location=f"wandb:{project}/{getattr(run, 'id', '?')}")
+        rec = RunRecord(
+            name=getattr(run, "name", "?"),
+            status="missing",
+            location=f"wandb:{project}/{getattr(run, 'id', '?')}",
+        )
         if getattr(run, "state", "finished") != "finished":
             rec.detail = f"W&B state {getattr(run, 'state', '?')}"
             records.append(rec)
             continue
         model = config.get("model")
-        rec.family = str(config.get("family") or (_family_of(model) if isinstance(model, str)
-                                                   else ""))
+        rec.family = str(
+            config.get("family") or (_family_of(model) if isinstance(model, str) else "")
+        )
         rec.seed = config.get("seed") if isinstance(config.get("seed"), int) else None
         loss = summary.get("final_eval_loss", summary.get(LOSS_KEY))
         rec.N = summary.get("params")

@@ -22,87 +22,159 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 # ----------------------------------------------------------------------------- sweep
 
+
 def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     sweep = subparsers.add_parser(
-        "sweep", help="plan, submit and track a sweep of runs from configs/sweeps/*.yaml",
+        "sweep",
+        help="plan, submit and track a sweep of runs from configs/sweeps/*.yaml",
         description="Sweeps: a grid of model sizes x seeds with per-size rules. Exit "
-                    "codes: 0 done, 2 bad sweep file or input (one line on stderr).")
+        "codes: 0 done, 2 bad sweep file or input (one line on stderr).",
+    )
     sweep.set_defaults(func=lambda args: (sweep.print_help(), 0)[1])
     sub = sweep.add_subparsers(dest="sweep_command", metavar="SUBCOMMAND")
     plan = sub.add_parser(
-        "plan", help="validate a sweep file and print its expanded runs",
+        "plan",
+        help="validate a sweep file and print its expanded runs",
         description="Validate SWEEP (every key, every model config, every run's trainer "
-                    "overrides) and print its runs: name, params, tokens, FLOPs, GPU-hours.")
+        "overrides) and print its runs: name, params, tokens, FLOPs, GPU-hours.",
+    )
     plan.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
     plan.add_argument("--json", action="store_true", help="print the runs as JSON instead")
-    plan.add_argument("--overrides", action="store_true",
-                      help="also print each run's `gpn-scale train` arguments")
-    plan.add_argument("--allow-few-seeds", action="store_true",
-                      help="accept < 3 seeds (CI/smoke sweeps only; same as allow_few_seeds: true)")
+    plan.add_argument(
+        "--overrides", action="store_true", help="also print each run's `gpn-scale train` arguments"
+    )
+    plan.add_argument(
+        "--allow-few-seeds",
+        action="store_true",
+        help="accept < 3 seeds (CI/smoke sweeps only; same as allow_few_seeds: true)",
+    )
     plan.set_defaults(func=cmd_sweep_plan)
 
     pend = sub.add_parser(
-        "pending", help="indices of the runs without a DONE marker (for slurm/sweep.sh)",
+        "pending",
+        help="indices of the runs without a DONE marker (for slurm/sweep.sh)",
         description="Print the indices of SWEEP's unfinished runs (no DONE marker in the run's "
-                    "checkpoint root, local or s3://) as one comma-separated line, e.g. "
-                    "'0,2,3' (an empty line when all are finished): the --array of sweep.sh.")
+        "checkpoint root, local or s3://) as one comma-separated line, e.g. "
+        "'0,2,3' (an empty line when all are finished): the --array of sweep.sh.",
+    )
     pend.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
     pend.add_argument("--names", action="store_true", help="print 'INDEX NAME' lines instead")
-    pend.add_argument("--shell", action="store_true",
-                      help="print SWEEP_NAME=<name> and PENDING=<indices> lines (sweep.sh)")
-    pend.add_argument("--validate", action="store_true",
-                      help="first check every run's config with the trainer (as `plan` does)")
+    pend.add_argument(
+        "--shell",
+        action="store_true",
+        help="print SWEEP_NAME=<name> and PENDING=<indices> lines (sweep.sh)",
+    )
+    pend.add_argument(
+        "--validate",
+        action="store_true",
+        help="first check every run's config with the trainer (as `plan` does)",
+    )
     pend.set_defaults(func=cmd_sweep_pending)
 
     argv = sub.add_parser(
-        "run-argv", help="the `gpn-scale train` arguments of run INDEX (for slurm/train.sbatch)",
-        description="Print the `gpn-scale train` arguments of SWEEP's run INDEX, one per line.")
+        "run-argv",
+        help="the `gpn-scale train` arguments of run INDEX (for slurm/train.sbatch)",
+        description="Print the `gpn-scale train` arguments of SWEEP's run INDEX, one per line.",
+    )
     argv.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
     argv.add_argument("index", metavar="INDEX", type=int, help="run index (SLURM_ARRAY_TASK_ID)")
-    argv.add_argument("--if-pending", action="store_true",
-                      help="print nothing (exit 0) when the run already has its DONE marker")
+    argv.add_argument(
+        "--if-pending",
+        action="store_true",
+        help="print nothing (exit 0) when the run already has its DONE marker",
+    )
     argv.set_defaults(func=cmd_sweep_run_argv)
 
     submit = sub.add_parser(
-        "submit", help="submit the unfinished runs through submitit (SLURM or local)",
+        "submit",
+        help="submit the unfinished runs through submitit (SLURM or local)",
         description="Submit one submitit job per unfinished run of SWEEP (runs with a DONE "
-                    "marker are skipped). --executor slurm on a cluster, local on a laptop.")
+        "marker are skipped). --executor slurm on a cluster, local on a laptop.",
+    )
     submit.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
-    submit.add_argument("--executor", default="auto", choices=("auto", "slurm", "local"),
-                        help="auto: slurm when sbatch is on PATH, else local [auto]")
+    submit.add_argument(
+        "--executor",
+        default="auto",
+        choices=("auto", "slurm", "local"),
+        help="auto: slurm when sbatch is on PATH, else local [auto]",
+    )
     submit.add_argument("--folder", help="submitit logs/pickles [<run_root>/submitit]")
-    submit.add_argument("-p", "--partition", default=os.environ.get("SWEEP_PARTITION"),
-                        help="SLURM partition (default: $SWEEP_PARTITION, else the cluster's)")
-    submit.add_argument("-A", "--account", default=os.environ.get("SWEEP_ACCOUNT"),
-                        help="SLURM account (default: $SWEEP_ACCOUNT, else the user's)")
-    submit.add_argument("-q", "--qos", default=os.environ.get("SWEEP_QOS"),
-                        help="SLURM QOS (default: $SWEEP_QOS, else none)")
-    submit.add_argument("-t", "--time", "--time-min", dest="time_min", type=slurm_minutes,
-                        metavar="TIME",
-                        default=os.environ.get("SWEEP_TIME") or os.environ.get("SWEEP_TIME_MIN")
-                        or "1440",
-                        help="time limit per job, as for sbatch and slurm/sweep.sh -t: minutes "
-                             "(90) or [D-]HH:MM:SS (1-00:00:00, 24:00:00) (default: "
-                             "$SWEEP_TIME, else $SWEEP_TIME_MIN, else 1440 = 24 h)")
-    submit.add_argument("--nodes", type=int, default=int(os.environ.get("SWEEP_NODES", 1)),
-                        help="nodes per run (default: $SWEEP_NODES, else 1)")
-    submit.add_argument("--gpus", type=int, default=int(os.environ.get("SWEEP_GPUS", 0)),
-                        help="GPUs per node = tasks per node (0: CPU, one task) [0]")
-    submit.add_argument("--cpus-per-task", type=int, default=None,
-                        help="CPUs per task (default: submitit's / the partition's)")
-    submit.add_argument("--mem-gb", type=float, default=None,
-                        help="memory per node in GB (default: the partition's)")
-    submit.add_argument("--signal-delay-s", type=int, default=300,
-                        help="seconds before the time limit to save and requeue [300]")
-    submit.add_argument("--only", type=int, nargs="+", metavar="INDEX",
-                        help="only these run indices (if unfinished)")
+    submit.add_argument(
+        "-p",
+        "--partition",
+        default=os.environ.get("SWEEP_PARTITION"),
+        help="SLURM partition (default: $SWEEP_PARTITION, else the cluster's)",
+    )
+    submit.add_argument(
+        "-A",
+        "--account",
+        default=os.environ.get("SWEEP_ACCOUNT"),
+        help="SLURM account (default: $SWEEP_ACCOUNT, else the user's)",
+    )
+    submit.add_argument(
+        "-q",
+        "--qos",
+        default=os.environ.get("SWEEP_QOS"),
+        help="SLURM QOS (default: $SWEEP_QOS, else none)",
+    )
+    submit.add_argument(
+        "-t",
+        "--time",
+        "--time-min",
+        dest="time_min",
+        type=slurm_minutes,
+        metavar="TIME",
+        default=os.environ.get("SWEEP_TIME") or os.environ.get("SWEEP_TIME_MIN") or "1440",
+        help="time limit per job, as for sbatch and slurm/sweep.sh -t: minutes "
+        "(90) or [D-]HH:MM:SS (1-00:00:00, 24:00:00) (default: "
+        "$SWEEP_TIME, else $SWEEP_TIME_MIN, else 1440 = 24 h)",
+    )
+    submit.add_argument(
+        "--nodes",
+        type=int,
+        default=int(os.environ.get("SWEEP_NODES", 1)),
+        help="nodes per run (default: $SWEEP_NODES, else 1)",
+    )
+    submit.add_argument(
+        "--gpus",
+        type=int,
+        default=int(os.environ.get("SWEEP_GPUS", 0)),
+        help="GPUs per node = tasks per node (0: CPU, one task) [0]",
+    )
+    submit.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="CPUs per task (default: submitit's / the partition's)",
+    )
+    submit.add_argument(
+        "--mem-gb",
+        type=float,
+        default=None,
+        help="memory per node in GB (default: the partition's)",
+    )
+    submit.add_argument(
+        "--signal-delay-s",
+        type=int,
+        default=300,
+        help="seconds before the time limit to save and requeue [300]",
+    )
+    submit.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        metavar="INDEX",
+        help="only these run indices (if unfinished)",
+    )
     submit.add_argument("--wait", action="store_true", help="wait for the jobs and report")
     submit.set_defaults(func=cmd_sweep_submit)
 
     status = sub.add_parser(
-        "status", help="table of every run: state, step, tokens, last eval loss, restarts",
+        "status",
+        help="table of every run: state, step, tokens, last eval loss, restarts",
         description="One row per run of SWEEP from its DONE marker, latest checkpoint, "
-                    "metrics.jsonl and (when squeue is on PATH) its SLURM job.")
+        "metrics.jsonl and (when squeue is on PATH) its SLURM job.",
+    )
     status.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--no-scheduler", action="store_true", help="do not ask squeue")
@@ -119,13 +191,13 @@ def slurm_minutes(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not minutes or [D-]HH:MM:SS")
     days, a, b, c = m.groups()
-    if days is not None:   # D-H[:M[:S]]
+    if days is not None:  # D-H[:M[:S]]
         seconds = ((int(days) * 24 + int(a)) * 60 + int(b or 0)) * 60 + int(c or 0)
-    elif c is not None:    # H:M:S
+    elif c is not None:  # H:M:S
         seconds = (int(a) * 60 + int(b)) * 60 + int(c)
-    elif b is not None:    # M:S
+    elif b is not None:  # M:S
         seconds = int(a) * 60 + int(b)
-    else:                  # M
+    else:  # M
         seconds = int(a) * 60
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the time limit must be > 0")
@@ -138,11 +210,21 @@ def cmd_sweep_plan(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.sweep, allow_few_seeds=args.allow_few_seeds)
     validate_with_trainer(sweep)
     if args.json:
-        print(json.dumps({"sweep": sweep.name, "path": str(sweep.path), "seeds": sweep.seeds,
-                          "hardware": sweep.hardware, "notes": sweep.notes,
-                          "total_flops": sweep.total_flops,
-                          "total_gpu_hours": sweep.total_gpu_hours,
-                          "runs": [r.to_dict() for r in sweep.runs]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "sweep": sweep.name,
+                    "path": str(sweep.path),
+                    "seeds": sweep.seeds,
+                    "hardware": sweep.hardware,
+                    "notes": sweep.notes,
+                    "total_flops": sweep.total_flops,
+                    "total_gpu_hours": sweep.total_gpu_hours,
+                    "runs": [r.to_dict() for r in sweep.runs],
+                },
+                indent=1,
+            )
+        )
         return 0
     print(format_plan(sweep))
     if args.overrides:
@@ -178,8 +260,10 @@ def cmd_sweep_run_argv(args: argparse.Namespace) -> int:
     sweep = load(args.sweep)
     run = run_at(sweep, args.index)
     if args.if_pending and is_done(run):
-        print(f"run {args.index} ({run.name}) is already finished ({run.checkpoint_root}/DONE)",
-              file=sys.stderr)
+        print(
+            f"run {args.index} ({run.name}) is already finished ({run.checkpoint_root}/DONE)",
+            file=sys.stderr,
+        )
         return 0
     print("\n".join(run.train_argv()))
     return 0
@@ -190,15 +274,26 @@ def cmd_sweep_submit(args: argparse.Namespace) -> int:
     from gpn_scale.scaling.submit import SubmitOptions, submit_sweep
 
     sweep = load(args.sweep)
-    opts = SubmitOptions(executor=args.executor, folder=args.folder, partition=args.partition,
-                         account=args.account, qos=args.qos, time_min=args.time_min,
-                         nodes=args.nodes, gpus_per_node=args.gpus,
-                         cpus_per_task=args.cpus_per_task, mem_gb=args.mem_gb,
-                         signal_delay_s=args.signal_delay_s, only=args.only)
+    opts = SubmitOptions(
+        executor=args.executor,
+        folder=args.folder,
+        partition=args.partition,
+        account=args.account,
+        qos=args.qos,
+        time_min=args.time_min,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus,
+        cpus_per_task=args.cpus_per_task,
+        mem_gb=args.mem_gb,
+        signal_delay_s=args.signal_delay_s,
+        only=args.only,
+    )
     kind, jobs = submit_sweep(sweep, opts)
     if not jobs:
-        print(f"nothing to submit: every run of sweep {sweep.name} is finished"
-              + (" (of --only)" if args.only else ""))
+        print(
+            f"nothing to submit: every run of sweep {sweep.name} is finished"
+            + (" (of --only)" if args.only else "")
+        )
         return 0
     for i, job in jobs:
         print(f"submitted {sweep.runs[i].name} (run {i}) as {kind} job {job.job_id}")
@@ -212,8 +307,10 @@ def cmd_sweep_submit(args: argparse.Namespace) -> int:
                 first = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
                 print(f"run {i} ({sweep.runs[i].name}) failed: {first}", file=sys.stderr)
         if failed:
-            raise ConfigError(f"{failed} of {len(jobs)} jobs failed; see the logs under "
-                              f"{opts.folder or 'the submitit folder'}")
+            raise ConfigError(
+                f"{failed} of {len(jobs)} jobs failed; see the logs under "
+                f"{opts.folder or 'the submitit folder'}"
+            )
         print(f"all {len(jobs)} jobs finished")
     return 0
 
@@ -233,36 +330,64 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- fit
 
+
 def _register_fit(subparsers: argparse._SubParsersAction) -> None:
     fit = subparsers.add_parser(
-        "fit", help="fit scaling laws (L(N), L(C), L(N,D)) with seed-bootstrap CIs",
+        "fit",
+        help="fit scaling laws (L(N), L(C), L(N,D)) with seed-bootstrap CIs",
         description="Collect the runs' final held-out losses, aggregate seeds, fit "
-                    "L(N)=E+A·N^-alpha and L(C) per family (and L(N,D)=E+A/N^alpha+B/D^beta "
-                    "where tokens per parameter vary) with the Epoch AI protocol, and write "
-                    "report.md, fit.json and PNG plots. A law the data cannot determine is "
-                    "skipped with a note. Exit codes: 0 written, 2 bad input or nothing "
-                    "fittable (one line on stderr).")
-    fit.add_argument("roots", nargs="*", metavar="RUNS",
-                     help="run directories or roots holding them (local or s3://)")
-    fit.add_argument("--sweep", action="append", default=[], metavar="SWEEP",
-                     help="take the runs of this sweep file (repeatable)")
-    fit.add_argument("--table", action="append", default=[], metavar="CSV",
-                     help="external results, CSV/JSONL with family,N,D,loss[,C,seed,run] "
-                          "(e.g. Transformer++ / Gated DeltaNet baselines; repeatable)")
+        "L(N)=E+A·N^-alpha and L(C) per family (and L(N,D)=E+A/N^alpha+B/D^beta "
+        "where tokens per parameter vary) with the Epoch AI protocol, and write "
+        "report.md, fit.json and PNG plots. A law the data cannot determine is "
+        "skipped with a note. Exit codes: 0 written, 2 bad input or nothing "
+        "fittable (one line on stderr).",
+    )
+    fit.add_argument(
+        "roots",
+        nargs="*",
+        metavar="RUNS",
+        help="run directories or roots holding them (local or s3://)",
+    )
+    fit.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="SWEEP",
+        help="take the runs of this sweep file (repeatable)",
+    )
+    fit.add_argument(
+        "--table",
+        action="append",
+        default=[],
+        metavar="CSV",
+        help="external results, CSV/JSONL with family,N,D,loss[,C,seed,run] "
+        "(e.g. Transformer++ / Gated DeltaNet baselines; repeatable)",
+    )
     fit.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read finished W&B runs")
     fit.add_argument("--wandb-group", metavar="GROUP", help="only this W&B group")
     fit.add_argument("--out", default="scaling_fit", help="output directory [scaling_fit]")
-    fit.add_argument("--laws", nargs="+", default=["L(N)", "L(C)", "L(N,D)"],
-                     help="laws to fit [L(N) L(C) L(N,D)]")
+    fit.add_argument(
+        "--laws",
+        nargs="+",
+        default=["L(N)", "L(C)", "L(N,D)"],
+        help="laws to fit [L(N) L(C) L(N,D)]",
+    )
     fit.add_argument("--families", nargs="+", help="only these families")
-    fit.add_argument("--resamples", type=int, default=1000,
-                     help="bootstrap resamples, >= 1000 [1000]")
+    fit.add_argument(
+        "--resamples", type=int, default=1000, help="bootstrap resamples, >= 1000 [1000]"
+    )
     fit.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed [0]")
     fit.add_argument("--ci", type=float, default=0.95, help="interval level [0.95]")
-    fit.add_argument("--allow-missing", action="store_true",
-                     help="fit even if some runs of a sweep have no final loss yet")
-    fit.add_argument("--allow-unfinished", action="store_true",
-                     help="use the last eval/loss of runs without a DONE marker")
+    fit.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="fit even if some runs of a sweep have no final loss yet",
+    )
+    fit.add_argument(
+        "--allow-unfinished",
+        action="store_true",
+        help="use the last eval/loss of runs without a DONE marker",
+    )
     fit.set_defaults(func=cmd_fit)
 
 
@@ -278,8 +403,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise FitError(f"--ci: a level in (0, 1), got {args.ci}")
     parts = []
     for s in args.sweep:
-        parts.append(C.collect_sweep(load_sweep(s, allow_few_seeds=True, price=False),
-                                     allow_unfinished=args.allow_unfinished))
+        parts.append(
+            C.collect_sweep(
+                load_sweep(s, allow_few_seeds=True, price=False),
+                allow_unfinished=args.allow_unfinished,
+            )
+        )
     if args.roots:
         parts.append(C.collect_roots(args.roots, allow_unfinished=args.allow_unfinished))
     for t in args.table:
@@ -290,27 +419,37 @@ def cmd_fit(args: argparse.Namespace) -> int:
     missing = collection.missing
     if missing and not args.allow_missing:
         first = missing[0]
-        raise FitError(f"{len(missing)} of {len(collection.records)} runs have no final loss "
-                       f"(first: {first.name}: {first.detail}); wait for them or pass "
-                       "--allow-missing")
-    fits, notes = fit_observations(collection.observations(), laws=args.laws,
-                                   families=args.families, resamples=args.resamples,
-                                   seed=args.seed, ci_level=args.ci)
+        raise FitError(
+            f"{len(missing)} of {len(collection.records)} runs have no final loss "
+            f"(first: {first.name}: {first.detail}); wait for them or pass "
+            "--allow-missing"
+        )
+    fits, notes = fit_observations(
+        collection.observations(),
+        laws=args.laws,
+        families=args.families,
+        resamples=args.resamples,
+        seed=args.seed,
+        ci_level=args.ci,
+    )
     settings = {"resamples": args.resamples, "seed": args.seed, "ci_level": args.ci}
     paths = write_outputs(args.out, fits, notes, collection, settings)
     for f in fits:
         ci = f.ci
-        vals = ", ".join(f"{k}={v:.4g}" + ("" if f.interpolates else
-                                           f" [{ci[k][0]:.4g}, {ci[k][1]:.4g}]")
-                         for k, v in f.params.items())
+        vals = ", ".join(
+            f"{k}={v:.4g}" + ("" if f.interpolates else f" [{ci[k][0]:.4g}, {ci[k][1]:.4g}]")
+            for k, v in f.params.items()
+        )
         how = " = parameters: interpolates, no interval" if f.interpolates else ""
         print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points{how}): {vals}")
     for n in notes:
         print(f"note: {n}")
     if missing:
         print(f"note: {len(missing)} runs missing (see report)", file=sys.stderr)
-    print(f"wrote {paths['report']}, {paths['json']} and "
-          f"{len([p for k, p in paths.items() if p.suffix == '.png'])} plots in {args.out}")
+    print(
+        f"wrote {paths['report']}, {paths['json']} and "
+        f"{len([p for k, p in paths.items() if p.suffix == '.png'])} plots in {args.out}"
+    )
     return 0
 
 

@@ -45,14 +45,15 @@ class FitError(ConfigError):
 
 # ----------------------------------------------------------------------------- forms
 
+
 @dataclass(frozen=True)
 class Form:
     """A law E + sum_i A_i * x_i**-alpha_i over the variables `variables` (e.g. ("N", "D"))."""
 
-    key: str                       # "L(N)", "L(C)", "L(N,D)"
+    key: str  # "L(N)", "L(C)", "L(N,D)"
     variables: tuple[str, ...]
-    coef_names: tuple[str, ...]    # names of the A_i
-    exp_names: tuple[str, ...]     # names of the alpha_i
+    coef_names: tuple[str, ...]  # names of the A_i
+    exp_names: tuple[str, ...]  # names of the alpha_i
 
     @property
     def n_params(self) -> int:
@@ -63,8 +64,9 @@ class Form:
         return ("E",) + self.coef_names + self.exp_names
 
     def formula(self) -> str:
-        terms = " + ".join(f"{c}·{v}^-{e}" for c, v, e in
-                           zip(self.coef_names, self.variables, self.exp_names))
+        terms = " + ".join(
+            f"{c}·{v}^-{e}" for c, v, e in zip(self.coef_names, self.variables, self.exp_names)
+        )
         return f"{self.key} = E + {terms}"
 
 
@@ -109,15 +111,17 @@ def grid_points(form: Form, grid: Mapping[str, Sequence[float]] | None = None) -
 
 # ----------------------------------------------------------------------------- objective
 
+
 def log_predict(theta: np.ndarray, logx: np.ndarray) -> np.ndarray:
     """log L_pred for theta (..., 1+2m) at log-variables logx (m, n); returns (..., n)."""
     theta = np.asarray(theta, dtype=float)
     m = logx.shape[0]
-    e = theta[..., :1, None]                       # (..., 1, 1)
-    a = theta[..., 1:1 + m, None]                  # (..., m, 1)
-    al = theta[..., 1 + m:, None]                  # (..., m, 1)
-    terms = np.concatenate([a - al * logx, np.broadcast_to(e, a.shape[:-2] + (1, logx.shape[1]))],
-                           axis=-2)
+    e = theta[..., :1, None]  # (..., 1, 1)
+    a = theta[..., 1 : 1 + m, None]  # (..., m, 1)
+    al = theta[..., 1 + m :, None]  # (..., m, 1)
+    terms = np.concatenate(
+        [a - al * logx, np.broadcast_to(e, a.shape[:-2] + (1, logx.shape[1]))], axis=-2
+    )
     mx = terms.max(axis=-2, keepdims=True)
     return (mx + np.log(np.exp(terms - mx).sum(axis=-2, keepdims=True)))[..., 0, :]
 
@@ -127,19 +131,20 @@ def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
     return np.where(ar <= delta, 0.5 * r * r, delta * (ar - 0.5 * delta))
 
 
-def objective(theta: np.ndarray, logx: np.ndarray, logy: np.ndarray,
-              delta: float = HUBER_DELTA) -> tuple[float, np.ndarray]:
+def objective(
+    theta: np.ndarray, logx: np.ndarray, logy: np.ndarray, delta: float = HUBER_DELTA
+) -> tuple[float, np.ndarray]:
     """Sum of Huber(log L_pred - log L_obs) divided by delta (same minimiser, gradients of
     order one so L-BFGS's tolerances mean something), and its gradient."""
     m = logx.shape[0]
-    e, a, al = theta[0], theta[1:1 + m], theta[1 + m:]
+    e, a, al = theta[0], theta[1 : 1 + m], theta[1 + m :]
     terms = np.empty((m + 1, logy.size))
     terms[:m] = a[:, None] - al[:, None] * logx
     terms[m] = e
     mx = terms.max(axis=0)
     w = np.exp(terms - mx)
     s = w.sum(axis=0)
-    p = w / s                                       # softmax weights = d lse / d term
+    p = w / s  # softmax weights = d lse / d term
     r = mx + np.log(s) - logy
     ar = np.abs(r)
     quad = ar <= delta
@@ -149,13 +154,14 @@ def objective(theta: np.ndarray, logx: np.ndarray, logy: np.ndarray,
     grad = np.empty_like(theta)
     grad[0] = (dh * p[m]).sum()
     pd = p[:m] * dh
-    grad[1:1 + m] = pd.sum(axis=1)
-    grad[1 + m:] = -(pd * logx).sum(axis=1)
+    grad[1 : 1 + m] = pd.sum(axis=1)
+    grad[1 + m :] = -(pd * logx).sum(axis=1)
     return float(h.sum() / delta), grad / delta
 
 
-def _objective_batch(thetas: np.ndarray, logx: np.ndarray, logy: np.ndarray,
-                     delta: float) -> np.ndarray:
+def _objective_batch(
+    thetas: np.ndarray, logx: np.ndarray, logy: np.ndarray, delta: float
+) -> np.ndarray:
     r = log_predict(thetas, logx) - logy
     return huber(r, delta).sum(axis=-1) / delta
 
@@ -166,8 +172,14 @@ _LBFGS_OPTIONS = {"maxiter": 5000, "ftol": 1e-14, "gtol": 1e-9}
 def _minimize(theta0: np.ndarray, logx: np.ndarray, logy: np.ndarray, delta: float):
     from scipy.optimize import minimize
 
-    return minimize(objective, np.asarray(theta0, dtype=float), args=(logx, logy, delta),
-                    jac=True, method="L-BFGS-B", options=_LBFGS_OPTIONS)
+    return minimize(
+        objective,
+        np.asarray(theta0, dtype=float),
+        args=(logx, logy, delta),
+        jac=True,
+        method="L-BFGS-B",
+        options=_LBFGS_OPTIONS,
+    )
 
 
 @dataclass
@@ -175,8 +187,8 @@ class PointFit:
     """The best of several L-BFGS runs on one data set."""
 
     theta: np.ndarray
-    objective: float               # sum of Huber terms (in units of delta)
-    optima: list[np.ndarray]       # distinct converged points, best first
+    objective: float  # sum of Huber terms (in units of delta)
+    optima: list[np.ndarray]  # distinct converged points, best first
     n_starts: int
     converged: bool
 
@@ -190,16 +202,22 @@ def one_blas_thread():
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def fit_point(logx: np.ndarray, logy: np.ndarray, starts: np.ndarray,
-              delta: float = HUBER_DELTA, max_starts: int | None = DEFAULT_MAX_STARTS) -> PointFit:
+def fit_point(
+    logx: np.ndarray,
+    logy: np.ndarray,
+    starts: np.ndarray,
+    delta: float = HUBER_DELTA,
+    max_starts: int | None = DEFAULT_MAX_STARTS,
+) -> PointFit:
     """Run L-BFGS from the rows of `starts` (the `max_starts` with the lowest initial objective
     when there are more) and return the best converged point plus the distinct optima."""
     with one_blas_thread():
         return _fit_point(logx, logy, starts, delta, max_starts)
 
 
-def _fit_point(logx: np.ndarray, logy: np.ndarray, starts: np.ndarray, delta: float,
-               max_starts: int | None) -> PointFit:
+def _fit_point(
+    logx: np.ndarray, logy: np.ndarray, starts: np.ndarray, delta: float, max_starts: int | None
+) -> PointFit:
     starts = np.atleast_2d(np.asarray(starts, dtype=float))
     if max_starts is not None and len(starts) > max_starts:
         f0 = _objective_batch(starts, logx, logy, delta)
@@ -212,8 +230,9 @@ def _fit_point(logx: np.ndarray, logy: np.ndarray, starts: np.ndarray, delta: fl
             if np.isfinite(res.fun) and np.all(np.isfinite(res.x)):
                 results.append(res)
     if not results:
-        raise FitError("every L-BFGS start failed (non-finite loss); check the losses are positive "
-                       "and finite")
+        raise FitError(
+            "every L-BFGS start failed (non-finite loss); check the losses are positive and finite"
+        )
     results.sort(key=lambda r: r.fun)
     optima: list[np.ndarray] = []
     for res in results:
@@ -222,13 +241,19 @@ def _fit_point(logx: np.ndarray, logy: np.ndarray, starts: np.ndarray, delta: fl
         if len(optima) >= 8:
             break
     best = results[0]
-    return PointFit(theta=best.x.copy(), objective=float(best.fun), optima=optima,
-                    # status 1 = iteration limit; 2 (line search could not improve at
-                    # machine precision) is the usual ending on a Huber objective
-                    n_starts=len(starts), converged=int(best.status) != 1)
+    return PointFit(
+        theta=best.x.copy(),
+        objective=float(best.fun),
+        optima=optima,
+        # status 1 = iteration limit; 2 (line search could not improve at
+        # machine precision) is the usual ending on a Huber objective
+        n_starts=len(starts),
+        converged=int(best.status) != 1,
+    )
 
 
 # ----------------------------------------------------------------------------- data
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -277,8 +302,10 @@ def aggregate(observations: Iterable[Observation]) -> list[Cell]:
         for var in ("N", "D", "C", "loss"):
             v = getattr(ob, var)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise FitError(f"run '{ob.run or '?'}': {var} must be a positive finite number, "
-                               f"got {v!r}; fix or drop that run")
+                raise FitError(
+                    f"run '{ob.run or '?'}': {var} must be a positive finite number, "
+                    f"got {v!r}; fix or drop that run"
+                )
         groups.setdefault((ob.family, float(ob.N), float(ob.D)), []).append(ob)
     cells = []
     for (family, n_, d_), obs in sorted(groups.items()):
@@ -286,11 +313,20 @@ def aggregate(observations: Iterable[Observation]) -> list[Cell]:
         if len(seeds) != len(set(seeds)):
             dup = next(s for s in seeds if seeds.count(s) > 1)
             names = [o.run for o in obs if o.seed == dup]
-            raise FitError(f"family '{family}' N={n_:.4g} D={d_:.4g}: seed {dup} appears twice "
-                           f"({', '.join(names)}); drop the duplicate run")
-        cells.append(Cell(family, n_, d_, float(np.mean([o.C for o in obs])),
-                          np.array([o.loss for o in obs], dtype=float),
-                          tuple(o.run for o in obs)))
+            raise FitError(
+                f"family '{family}' N={n_:.4g} D={d_:.4g}: seed {dup} appears twice "
+                f"({', '.join(names)}); drop the duplicate run"
+            )
+        cells.append(
+            Cell(
+                family,
+                n_,
+                d_,
+                float(np.mean([o.C for o in obs])),
+                np.array([o.loss for o in obs], dtype=float),
+                tuple(o.run for o in obs),
+            )
+        )
     return cells
 
 
@@ -315,6 +351,7 @@ def cells_for_form(cells: Sequence[Cell], form: Form) -> list[Cell]:
 
 # ----------------------------------------------------------------------------- results
 
+
 @dataclass
 class FitResult:
     form: Form
@@ -323,7 +360,7 @@ class FitResult:
     objective: float
     n_points: int
     cells: list[Cell]
-    boot_thetas: np.ndarray             # (R_ok, n_params) thetas of the successful resamples
+    boot_thetas: np.ndarray  # (R_ok, n_params) thetas of the successful resamples
     n_resamples: int
     n_failed: int
     ci_level: float
@@ -370,8 +407,11 @@ class FitResult:
         out = {}
         for k, v in self.boot_params.items():
             v = v[np.isfinite(v)]
-            out[k] = (float(np.percentile(v, lo_q)), float(np.percentile(v, hi_q))) if v.size \
+            out[k] = (
+                (float(np.percentile(v, lo_q)), float(np.percentile(v, hi_q)))
+                if v.size
                 else (float("nan"), float("nan"))
+            )
         return out
 
     # -- predictions ----------------------------------------------------------------------
@@ -379,8 +419,9 @@ class FitResult:
         missing = [v for v in self.form.variables if v not in variables]
         if missing:
             raise FitError(f"{self.form.key} needs {', '.join(missing)} to predict")
-        arrays = np.broadcast_arrays(*[np.asarray(variables[v], dtype=float)
-                                       for v in self.form.variables])
+        arrays = np.broadcast_arrays(
+            *[np.asarray(variables[v], dtype=float) for v in self.form.variables]
+        )
         return np.log(np.vstack([a.ravel() for a in arrays])), arrays[0].shape
 
     def predict(self, **variables: Any) -> np.ndarray:
@@ -392,8 +433,10 @@ class FitResult:
         logx, shape = self._logx(**variables)
         preds = np.exp(log_predict(self.boot_thetas, logx))
         lo_q, hi_q = 50 * (1 - self.ci_level), 50 * (1 + self.ci_level)
-        return (np.percentile(preds, lo_q, axis=0).reshape(shape),
-                np.percentile(preds, hi_q, axis=0).reshape(shape))
+        return (
+            np.percentile(preds, lo_q, axis=0).reshape(shape),
+            np.percentile(preds, hi_q, axis=0).reshape(shape),
+        )
 
     def residuals(self) -> np.ndarray:
         """log L_obs - log L_pred per cell (cell order)."""
@@ -408,25 +451,43 @@ class FitResult:
             "formula": self.form.formula(),
             "family": self.family,
             # no interval where the fit interpolates (see `interpolates`)
-            "params": {k: {"value": v, "ci_low": None if self.interpolates else ci[k][0],
-                           "ci_high": None if self.interpolates else ci[k][1]}
-                       for k, v in self.params.items()},
+            "params": {
+                k: {
+                    "value": v,
+                    "ci_low": None if self.interpolates else ci[k][0],
+                    "ci_high": None if self.interpolates else ci[k][1],
+                }
+                for k, v in self.params.items()
+            },
             "ci_level": self.ci_level,
             "n_points": self.n_points,
             "interpolates": self.interpolates,
             "huber_objective": self.objective * self.delta,
             "rms_log_residual": float(np.sqrt(np.mean(self.residuals() ** 2))),
             "bootstrap": {"resamples": self.n_resamples, "failed": self.n_failed},
-            "optimizer": {"method": "L-BFGS-B", "huber_delta": self.delta,
-                          "grid_size": self.grid_size, "starts": self.n_starts},
-            "points": [{"N": c.N, "D": c.D, "C": c.C, "loss_mean": c.mean,
-                        "loss_std": None if c.n < 2 else c.std, "n": c.n}
-                       for c in self.cells],
+            "optimizer": {
+                "method": "L-BFGS-B",
+                "huber_delta": self.delta,
+                "grid_size": self.grid_size,
+                "starts": self.n_starts,
+            },
+            "points": [
+                {
+                    "N": c.N,
+                    "D": c.D,
+                    "C": c.C,
+                    "loss_mean": c.mean,
+                    "loss_std": None if c.n < 2 else c.std,
+                    "n": c.n,
+                }
+                for c in self.cells
+            ],
             "notes": list(self.notes),
         }
 
 
 # ----------------------------------------------------------------------------- fitting
+
 
 def _check_points(form: Form, family: str, cells: Sequence[Cell]) -> None:
     why = unidentifiable(form, cells)
@@ -438,23 +499,30 @@ def unidentifiable(form: Form, cells: Sequence[Cell]) -> str | None:
     """Why the cells cannot determine every parameter of `form` ("has ...; fix"), or None."""
     if form.key == "L(N,D)":
         if len({c.N for c in cells}) < 2:
-            return ("has one model size N for all runs, so A and alpha are not identifiable; "
-                    "add sizes to the sweep or drop this law")
+            return (
+                "has one model size N for all runs, so A and alpha are not identifiable; "
+                "add sizes to the sweep or drop this law"
+            )
         if len({c.D for c in cells}) < 2:
-            return ("has one token budget D for all runs, so B and beta are not identifiable; "
-                    "vary the token budget in the sweep or drop this law")
+            return (
+                "has one token budget D for all runs, so B and beta are not identifiable; "
+                "vary the token budget in the sweep or drop this law"
+            )
         if not d_varies(cells):
-            return ("has the same tokens per parameter for all runs (D ∝ N), so B and beta "
-                    "are not identifiable; vary tokens_per_param in the sweep or drop this law")
+            return (
+                "has the same tokens per parameter for all runs (D ∝ N), so B and beta "
+                "are not identifiable; vary tokens_per_param in the sweep or drop this law"
+            )
     if len(cells) < form.n_params:
         what = "distinct sizes" if form.key != "L(N,D)" else "(N, D) cells"
-        return (f"has {len(cells)} {what} but {form.n_params} parameters; add sizes/token "
-                "budgets to the sweep or drop this family or law from the fit")
+        return (
+            f"has {len(cells)} {what} but {form.n_params} parameters; add sizes/token "
+            "budgets to the sweep or drop this family or law from the fit"
+        )
     return None
 
 
-def resample_means(cells: Sequence[Cell], resamples: int,
-                   rng: np.random.Generator) -> np.ndarray:
+def resample_means(cells: Sequence[Cell], resamples: int, rng: np.random.Generator) -> np.ndarray:
     """(resamples, n_cells) cell means with the seeds of each cell drawn with replacement."""
     out = np.empty((resamples, len(cells)))
     for j, c in enumerate(cells):
@@ -463,9 +531,13 @@ def resample_means(cells: Sequence[Cell], resamples: int,
     return out
 
 
-def refit_batched(theta0: np.ndarray, logx: np.ndarray, logy: np.ndarray,
-                  delta: float = HUBER_DELTA, max_iter: int = 300
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def refit_batched(
+    theta0: np.ndarray,
+    logx: np.ndarray,
+    logy: np.ndarray,
+    delta: float = HUBER_DELTA,
+    max_iter: int = 300,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Minimise the same Huber objective for many data sets at once (rows of logy, (R, n)),
     all from theta0: a vectorised Levenberg-Marquardt on the IRLS form of the Huber loss
     (gradient J^T psi(r), curvature J^T W J with W = 1 inside delta and delta/|r| outside,
@@ -478,7 +550,7 @@ def refit_batched(theta0: np.ndarray, logx: np.ndarray, logy: np.ndarray,
 
     def predict(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         terms = np.empty((t.shape[0], m + 1, n))
-        terms[:, :m] = t[:, 1:1 + m, None] - t[:, 1 + m:, None] * logx[None]
+        terms[:, :m] = t[:, 1 : 1 + m, None] - t[:, 1 + m :, None] * logx[None]
         terms[:, m] = t[:, :1]
         mx = terms.max(axis=1, keepdims=True)
         w = np.exp(terms - mx)
@@ -498,8 +570,8 @@ def refit_batched(theta0: np.ndarray, logx: np.ndarray, logy: np.ndarray,
         r = lse - logy[act]
         J = np.empty((act.size, n, p))
         J[:, :, 0] = P[:, m]
-        J[:, :, 1:1 + m] = P[:, :m].transpose(0, 2, 1)
-        J[:, :, 1 + m:] = -(P[:, :m] * logx[None]).transpose(0, 2, 1)
+        J[:, :, 1 : 1 + m] = P[:, :m].transpose(0, 2, 1)
+        J[:, :, 1 + m :] = -(P[:, :m] * logx[None]).transpose(0, 2, 1)
         ar = np.abs(r)
         inside = ar <= delta
         psi = np.where(inside, r, delta * np.sign(r)) / delta
@@ -524,8 +596,9 @@ def refit_batched(theta0: np.ndarray, logx: np.ndarray, logy: np.ndarray,
     return th, f, done
 
 
-def _bootstrap(warm: np.ndarray, logx: np.ndarray, log_means: np.ndarray, delta: float,
-               method: str) -> np.ndarray:
+def _bootstrap(
+    warm: np.ndarray, logx: np.ndarray, log_means: np.ndarray, delta: float, method: str
+) -> np.ndarray:
     """Refit every resample (rows of log_means) from each warm start; keep the best."""
     R = log_means.shape[0]
     best_f = np.full(R, np.inf)
@@ -553,8 +626,9 @@ def _bootstrap(warm: np.ndarray, logx: np.ndarray, log_means: np.ndarray, delta:
     return best_x
 
 
-def _warm_starts(point: PointFit, boot_starts: int, logx: np.ndarray, logy: np.ndarray,
-                 delta: float) -> list[np.ndarray]:
+def _warm_starts(
+    point: PointFit, boot_starts: int, logx: np.ndarray, logy: np.ndarray, delta: float
+) -> list[np.ndarray]:
     """The full-data optimum plus up to boot_starts-1 other distinct optima that compete with
     it (full-data objective within 50% of the best): basins a resample could switch to."""
     out = [point.optima[0]]
@@ -566,12 +640,21 @@ def _warm_starts(point: PointFit, boot_starts: int, logx: np.ndarray, logy: np.n
     return out
 
 
-def fit_cells(cells: Sequence[Cell], form: Form | str, family: str = "", *,
-              resamples: int = MIN_RESAMPLES, seed: int = 0, ci_level: float = 0.95,
-              grid: Mapping[str, Sequence[float]] | None = None,
-              max_starts: int | None = DEFAULT_MAX_STARTS, boot_starts: int = 3,
-              delta: float = HUBER_DELTA, allow_few_resamples: bool = False,
-              boot_method: str = "batched") -> FitResult:
+def fit_cells(
+    cells: Sequence[Cell],
+    form: Form | str,
+    family: str = "",
+    *,
+    resamples: int = MIN_RESAMPLES,
+    seed: int = 0,
+    ci_level: float = 0.95,
+    grid: Mapping[str, Sequence[float]] | None = None,
+    max_starts: int | None = DEFAULT_MAX_STARTS,
+    boot_starts: int = 3,
+    delta: float = HUBER_DELTA,
+    allow_few_resamples: bool = False,
+    boot_method: str = "batched",
+) -> FitResult:
     """Fit `form` to the cell means, then bootstrap seeds within cells for CIs.
 
     The full fit is the protocol's L-BFGS from the grid. Resample refits minimise the same
@@ -582,8 +665,10 @@ def fit_cells(cells: Sequence[Cell], form: Form | str, family: str = "", *,
     family = family or (cells[0].family if cells else "")
     _check_points(form, family, cells)
     if resamples < MIN_RESAMPLES and not allow_few_resamples:
-        raise FitError(f"resamples={resamples} is below the protocol's minimum of {MIN_RESAMPLES}; "
-                       f"use at least {MIN_RESAMPLES}")
+        raise FitError(
+            f"resamples={resamples} is below the protocol's minimum of {MIN_RESAMPLES}; "
+            f"use at least {MIN_RESAMPLES}"
+        )
     logx = np.log(np.array([[c.value(v) for c in cells] for v in form.variables]))
     logy = np.log(np.array([c.mean for c in cells]))
     starts = grid_points(form, grid)
@@ -598,33 +683,53 @@ def fit_cells(cells: Sequence[Cell], form: Form | str, family: str = "", *,
     ok = np.all(np.isfinite(boot), axis=1)
     notes = []
     if len(cells) == form.n_params:
-        notes.append(f"{len(cells)} points for {form.n_params} parameters: the law interpolates "
-                     "them (zero residual), so it says nothing about fit quality and no "
-                     "interval is reported; add sizes/token budgets for a real fit")
+        notes.append(
+            f"{len(cells)} points for {form.n_params} parameters: the law interpolates "
+            "them (zero residual), so it says nothing about fit quality and no "
+            "interval is reported; add sizes/token budgets for a real fit"
+        )
     few = [c for c in cells if c.n < 2]
     if few:
-        notes.append(f"{len(few)} of {len(cells)} cells have a single seed: the bootstrap cannot "
-                     "see seed noise there, so the intervals are too narrow")
+        notes.append(
+            f"{len(few)} of {len(cells)} cells have a single seed: the bootstrap cannot "
+            "see seed noise there, so the intervals are too narrow"
+        )
     if not point.converged:
-        notes.append("L-BFGS hit its iteration limit on the best start; the optimum may be "
-                     "inexact")
-    return FitResult(form=form, family=family, theta=point.theta, objective=point.objective,
-                     n_points=len(cells), cells=list(cells), boot_thetas=boot[ok],
-                     n_resamples=resamples, n_failed=int((~ok).sum()), ci_level=ci_level,
-                     n_starts=point.n_starts, grid_size=len(starts), delta=delta, notes=notes)
+        notes.append("L-BFGS hit its iteration limit on the best start; the optimum may be inexact")
+    return FitResult(
+        form=form,
+        family=family,
+        theta=point.theta,
+        objective=point.objective,
+        n_points=len(cells),
+        cells=list(cells),
+        boot_thetas=boot[ok],
+        n_resamples=resamples,
+        n_failed=int((~ok).sum()),
+        ci_level=ci_level,
+        n_starts=point.n_starts,
+        grid_size=len(starts),
+        delta=delta,
+        notes=notes,
+    )
 
 
-def fit_observations(observations: Iterable[Observation], *,
-                     laws: Sequence[str] = ("L(N)", "L(C)", "L(N,D)"),
-                     families: Sequence[str] | None = None, **kwargs: Any
-                     ) -> tuple[list[FitResult], list[str]]:
+def fit_observations(
+    observations: Iterable[Observation],
+    *,
+    laws: Sequence[str] = ("L(N)", "L(C)", "L(N,D)"),
+    families: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> tuple[list[FitResult], list[str]]:
     """Fit every requested law for every family. A law the family's cells cannot determine
     (too few cells; for L(N,D) one N, one D, or D ∝ N) is skipped with a note and the others
     are fitted; only when none can be is it an error. Returns (fits, notes)."""
     cells = aggregate(observations)
     if not cells:
-        raise FitError("no finished runs to fit; check the run directories (DONE markers or "
-                       "metrics.jsonl with eval/loss)")
+        raise FitError(
+            "no finished runs to fit; check the run directories (DONE markers or "
+            "metrics.jsonl with eval/loss)"
+        )
     by_family: dict[str, list[Cell]] = {}
     for c in cells:
         by_family.setdefault(c.family, []).append(c)
@@ -645,6 +750,9 @@ def fit_observations(observations: Iterable[Observation], *,
                 continue
             fits.append(fit_cells(law_cells, form, family, **kwargs))
     if not fits:
-        raise FitError(reasons[0] if len(reasons) == 1 else
-                       f"none of the laws can be fitted: {'; '.join(reasons)}")
+        raise FitError(
+            reasons[0]
+            if len(reasons) == 1
+            else f"none of the laws can be fitted: {'; '.join(reasons)}"
+        )
     return fits, notes

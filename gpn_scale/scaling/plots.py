@@ -23,13 +23,24 @@ def _pyplot():
 
 
 def family_colours(families: Sequence[str]) -> dict[str, str]:
-    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-               "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
+    palette = [
+        "tab:blue",
+        "tab:orange",
+        "tab:green",
+        "tab:red",
+        "tab:purple",
+        "tab:brown",
+        "tab:pink",
+        "tab:gray",
+        "tab:olive",
+        "tab:cyan",
+    ]
     return {f: palette[i % len(palette)] for i, f in enumerate(sorted(families))}
 
 
-def plot_loss_vs(var: str, fits: Sequence[FitResult], cells: Sequence[Cell], path: Path,
-                 colours: dict[str, str]) -> Path:
+def plot_loss_vs(
+    var: str, fits: Sequence[FitResult], cells: Sequence[Cell], path: Path, colours: dict[str, str]
+) -> Path:
     """Cell means (error bars: seed std) against N or C, with the L(var) fit and its band."""
     plt = _pyplot()
     law = f"L({var})"
@@ -43,25 +54,46 @@ def plot_loss_vs(var: str, fits: Sequence[FitResult], cells: Sequence[Cell], pat
             sel = [c for c in fam if ((c.N, c.D) in used) == in_fit]
             if not sel:
                 continue
-            ax.errorbar([c.value(var) for c in sel], [c.mean for c in sel],
-                        yerr=[0.0 if c.n < 2 else c.std for c in sel], fmt="o", color=col,
-                        ms=4, capsize=2, alpha=0.85 if in_fit else 0.35,
-                        mfc=col if in_fit else "none",
-                        label=f"{family}: runs, mean ± std over seeds" if in_fit else
-                        f"{family}: other token budgets (not in this fit)")
+            ax.errorbar(
+                [c.value(var) for c in sel],
+                [c.mean for c in sel],
+                yerr=[0.0 if c.n < 2 else c.std for c in sel],
+                fmt="o",
+                color=col,
+                ms=4,
+                capsize=2,
+                alpha=0.85 if in_fit else 0.35,
+                mfc=col if in_fit else "none",
+                label=f"{family}: runs, mean ± std over seeds"
+                if in_fit
+                else f"{family}: other token budgets (not in this fit)",
+            )
         if fit is None:
             continue
         x = np.array([c.value(var) for c in fit.cells])
         grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
         lo, hi = fit.band(**{var: grid})
         p = fit.params
-        ax.plot(grid, fit.predict(**{var: grid}), color=col, lw=1.6,
-                label=f"{family}: E={p['E']:.3g}, A={p['A']:.3g}, α={p['alpha']:.3f}")
+        ax.plot(
+            grid,
+            fit.predict(**{var: grid}),
+            color=col,
+            lw=1.6,
+            label=f"{family}: E={p['E']:.3g}, A={p['A']:.3g}, α={p['alpha']:.3f}",
+        )
         if not fit.interpolates:  # a band from an interpolating fit means nothing
-            ax.fill_between(grid, lo, hi, color=col, alpha=0.18, lw=0,
-                            label=f"{family}: {fit.ci_level:.0%} bootstrap band")
-    return _finish_loglog(plt, fig, ax, AXIS_LABEL[var],
-                          f"loss vs {AXIS_LABEL[var]}: {law} = E + A·{var}^-α", path)
+            ax.fill_between(
+                grid,
+                lo,
+                hi,
+                color=col,
+                alpha=0.18,
+                lw=0,
+                label=f"{family}: {fit.ci_level:.0%} bootstrap band",
+            )
+    return _finish_loglog(
+        plt, fig, ax, AXIS_LABEL[var], f"loss vs {AXIS_LABEL[var]}: {law} = E + A·{var}^-α", path
+    )
 
 
 def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
@@ -74,8 +106,15 @@ def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
         col = cmap(i / max(1, len(sizes) - 1))
         cs = [c for c in fit.cells if c.N == n]
         d = np.array([c.D for c in cs])
-        ax.errorbar(d, [c.mean for c in cs], yerr=[0.0 if c.n < 2 else c.std for c in cs],
-                    fmt="o", color=col, ms=4, capsize=2)
+        ax.errorbar(
+            d,
+            [c.mean for c in cs],
+            yerr=[0.0 if c.n < 2 else c.std for c in cs],
+            fmt="o",
+            color=col,
+            ms=4,
+            capsize=2,
+        )
         grid = np.geomspace(d.min() / 1.5, d.max() * 1.5, 100)
         lo, hi = fit.band(N=n, D=grid)
         ax.plot(grid, fit.predict(N=n, D=grid), color=col, lw=1.4, label=f"N={n:.3g}")
@@ -83,8 +122,13 @@ def plot_loss_vs_tokens(fit: FitResult, path: Path) -> Path:
             ax.fill_between(grid, lo, hi, color=col, alpha=0.15, lw=0)
     p = fit.params
     return _finish_loglog(
-        plt, fig, ax, AXIS_LABEL["D"],
-        f"{fit.family}: L(N,D): E={p['E']:.3g}, α={p['alpha']:.3f}, β={p['beta']:.3f}", path)
+        plt,
+        fig,
+        ax,
+        AXIS_LABEL["D"],
+        f"{fit.family}: L(N,D): E={p['E']:.3g}, α={p['alpha']:.3f}, β={p['beta']:.3f}",
+        path,
+    )
 
 
 def _finish_loglog(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:  # noqa: ANN001
@@ -106,8 +150,9 @@ def plot_residuals(fits: Sequence[FitResult], path: Path, colours: dict[str, str
     """log L_obs - log L_pred for every fit, one panel per law, against its first variable."""
     plt = _pyplot()
     laws = [law for law in ("L(N)", "L(C)", "L(N,D)") if any(f.form.key == law for f in fits)]
-    fig, axes = plt.subplots(1, max(1, len(laws)), figsize=(4.5 * max(1, len(laws)), 4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(1, len(laws)), figsize=(4.5 * max(1, len(laws)), 4), squeeze=False
+    )
     for ax, law in zip(axes[0], laws):
         for fit in (f for f in fits if f.form.key == law):
             var = fit.form.variables[0]

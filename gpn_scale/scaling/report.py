@@ -19,43 +19,73 @@ def _g(x: float | None, digits: int = 4) -> str:
     return f"{x:.{digits}g}"
 
 
-def build_json(fits: Sequence[FitResult], cells: Sequence[Cell], notes: Sequence[str],
-               collection: Collection, settings: dict[str, Any]) -> dict[str, Any]:
+def build_json(
+    fits: Sequence[FitResult],
+    cells: Sequence[Cell],
+    notes: Sequence[str],
+    collection: Collection,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "generated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "protocol": {
             "objective": "sum of Huber(delta) over log L_pred - log L_obs (log L_pred by "
-                         "logsumexp of the log-terms), L-BFGS-B from a grid of initialisations",
+            "logsumexp of the log-terms), L-BFGS-B from a grid of initialisations",
             "huber_delta": HUBER_DELTA,
             "bootstrap": "seeds resampled with replacement within each (family, N, D) cell; "
-                         "percentile intervals",
+            "percentile intervals",
             **settings,
         },
         "sources": collection.sources,
         "fits": [f.to_dict() for f in fits],
-        "cells": [{"family": c.family, "N": c.N, "D": c.D, "C": c.C, "loss_mean": c.mean,
-                   "loss_std": None if c.n < 2 else c.std, "n": c.n, "runs": list(c.runs)}
-                  for c in cells],
-        "missing_runs": [{"run": r.name, "location": r.location, "why": r.detail}
-                         for r in collection.missing],
+        "cells": [
+            {
+                "family": c.family,
+                "N": c.N,
+                "D": c.D,
+                "C": c.C,
+                "loss_mean": c.mean,
+                "loss_std": None if c.n < 2 else c.std,
+                "n": c.n,
+                "runs": list(c.runs),
+            }
+            for c in cells
+        ],
+        "missing_runs": [
+            {"run": r.name, "location": r.location, "why": r.detail} for r in collection.missing
+        ],
         "notes": list(notes),
     }
 
 
-def build_markdown(fits: Sequence[FitResult], cells: Sequence[Cell], notes: Sequence[str],
-                   collection: Collection, settings: dict[str, Any],
-                   plots: Sequence[Path]) -> str:
+def build_markdown(
+    fits: Sequence[FitResult],
+    cells: Sequence[Cell],
+    notes: Sequence[str],
+    collection: Collection,
+    settings: dict[str, Any],
+    plots: Sequence[Path],
+) -> str:
     lvl = fits[0].ci_level if fits else 0.95
     lines = ["# Scaling-law fits", ""]
-    lines += [f"Sources: {', '.join(collection.sources)}. {len(collection.usable)} runs with a "
-              f"final held-out loss in {len(cells)} (family, N, D) cells"
-              + (f"; {len(collection.missing)} runs missing (listed below)."
-                 if collection.missing else "."), ""]
-    lines += ["Protocol: log-space parameters, log L_pred = logsumexp of the log-terms, "
-              f"Huber (δ = {HUBER_DELTA:g}) on log-loss residuals, L-BFGS-B from a grid of "
-              "initialisations (best kept); seed bootstrap within cells, "
-              f"{settings.get('resamples')} resamples (seed {settings.get('seed')}), "
-              f"{lvl:.0%} percentile intervals.", ""]
+    lines += [
+        f"Sources: {', '.join(collection.sources)}. {len(collection.usable)} runs with a "
+        f"final held-out loss in {len(cells)} (family, N, D) cells"
+        + (
+            f"; {len(collection.missing)} runs missing (listed below)."
+            if collection.missing
+            else "."
+        ),
+        "",
+    ]
+    lines += [
+        "Protocol: log-space parameters, log L_pred = logsumexp of the log-terms, "
+        f"Huber (δ = {HUBER_DELTA:g}) on log-loss residuals, L-BFGS-B from a grid of "
+        "initialisations (best kept); seed bootstrap within cells, "
+        f"{settings.get('resamples')} resamples (seed {settings.get('seed')}), "
+        f"{lvl:.0%} percentile intervals.",
+        "",
+    ]
     for law in ("L(N)", "L(C)", "L(N,D)"):
         lf = [f for f in fits if f.form.key == law]
         if not lf:
@@ -66,27 +96,39 @@ def build_markdown(fits: Sequence[FitResult], cells: Sequence[Cell], notes: Sequ
         lines.append("|---" * (len(names) + 3) + "|")
         for f in lf:
             ci = f.ci
-            vals = [_g(v) if f.interpolates else f"{_g(v)} [{_g(ci[k][0])}, {_g(ci[k][1])}]"
-                    for k, v in f.params.items()]
+            vals = [
+                _g(v) if f.interpolates else f"{_g(v)} [{_g(ci[k][0])}, {_g(ci[k][1])}]"
+                for k, v in f.params.items()
+            ]
             rms = math.sqrt(float((f.residuals() ** 2).mean()))
             points = f"{f.n_points} (interpolates)" if f.interpolates else f"{f.n_points}"
             lines.append(f"| {f.family} | {points} | " + " | ".join(vals) + f" | {rms:.2g} |")
         lines.append("")
         if law == "L(N,D)":
-            lines += ["a_opt = β/(α+β) and b_opt = α/(α+β): compute-optimal N ∝ C^a_opt, "
-                      "D ∝ C^b_opt.", ""]
+            lines += [
+                "a_opt = β/(α+β) and b_opt = α/(α+β): compute-optimal N ∝ C^a_opt, D ∝ C^b_opt.",
+                "",
+            ]
         for f in lf:
             for n in f.notes:
                 lines.append(f"- {f.family}: {n}")
             if f.n_failed:
-                lines.append(f"- {f.family}: {f.n_failed} of {f.n_resamples} resamples failed "
-                             "to fit and were dropped")
+                lines.append(
+                    f"- {f.family}: {f.n_failed} of {f.n_resamples} resamples failed "
+                    "to fit and were dropped"
+                )
         lines.append("")
-    lines += ["## Data (seed-aggregated)", "",
-              "| family | N | D | C | loss mean | loss std | seeds |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Data (seed-aggregated)",
+        "",
+        "| family | N | D | C | loss mean | loss std | seeds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in cells:
-        lines.append(f"| {c.family} | {_g(c.N)} | {_g(c.D)} | {_g(c.C)} | {c.mean:.4f} | "
-                     f"{'—' if c.n < 2 else f'{c.std:.4f}'} | {c.n} |")
+        lines.append(
+            f"| {c.family} | {_g(c.N)} | {_g(c.D)} | {_g(c.C)} | {c.mean:.4f} | "
+            f"{'—' if c.n < 2 else f'{c.std:.4f}'} | {c.n} |"
+        )
     lines.append("")
     if notes or collection.missing:
         lines += ["## Notes", ""]
@@ -98,8 +140,13 @@ def build_markdown(fits: Sequence[FitResult], cells: Sequence[Cell], notes: Sequ
     return "\n".join(lines)
 
 
-def write_outputs(out_dir: str | Path, fits: Sequence[FitResult], notes: Sequence[str],
-                  collection: Collection, settings: dict[str, Any]) -> dict[str, Path]:
+def write_outputs(
+    out_dir: str | Path,
+    fits: Sequence[FitResult],
+    notes: Sequence[str],
+    collection: Collection,
+    settings: dict[str, Any],
+) -> dict[str, Path]:
     """fit.json, report.md and the PNGs into `out_dir`; returns their paths by role."""
     from gpn_scale.scaling import plots as P
 
@@ -110,8 +157,9 @@ def write_outputs(out_dir: str | Path, fits: Sequence[FitResult], notes: Sequenc
     paths: dict[str, Path] = {}
     for var in ("N", "C"):
         if any(f.form.key == f"L({var})" for f in fits):
-            paths[f"loss_vs_{var}"] = P.plot_loss_vs(var, fits, cells, out / f"loss_vs_{var}.png",
-                                                     colours)
+            paths[f"loss_vs_{var}"] = P.plot_loss_vs(
+                var, fits, cells, out / f"loss_vs_{var}.png", colours
+            )
     for f in fits:
         if f.form.key == "L(N,D)":
             safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in f.family)

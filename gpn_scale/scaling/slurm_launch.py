@@ -33,8 +33,10 @@ def pending_indices(sweep: Sweep) -> list[int]:
 def run_at(sweep: Sweep, index: int) -> RunSpec:
     n = len(sweep.runs)
     if not 0 <= index < n:
-        raise SweepError(f"run index {index} out of range: sweep '{sweep.name}' has {n} runs "
-                         f"(0-{n - 1}); see `gpn-scale sweep plan {sweep.path}`")
+        raise SweepError(
+            f"run index {index} out of range: sweep '{sweep.name}' has {n} runs "
+            f"(0-{n - 1}); see `gpn-scale sweep plan {sweep.path}`"
+        )
     return sweep.runs[index]
 
 

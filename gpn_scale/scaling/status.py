@@ -68,10 +68,15 @@ def scheduler_jobs(sweep: Sweep) -> dict[int, tuple[str, str]]:
     if not shutil.which("squeue"):
         return {}
     names = f"{array_job_name(sweep.name)}," + ",".join(
-        single_job_name(sweep.name, i) for i in range(len(sweep.runs)))
+        single_job_name(sweep.name, i) for i in range(len(sweep.runs))
+    )
     try:
-        proc = subprocess.run(["squeue", "-h", "--array", "-n", names, "-o", "%j|%K|%T|%i"],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["squeue", "-h", "--array", "-n", names, "-o", "%j|%K|%T|%i"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (subprocess.SubprocessError, OSError):
         return {}
     if proc.returncode != 0:
@@ -121,8 +126,13 @@ def run_status(index: int, run: RunSpec, job: tuple[str, str] | None = None) -> 
             st.tokens = st.step * run.global_batch_size * run.seq_len
     if job is not None:
         state, st.job = job
-        st.state = {"RUNNING": "running", "PENDING": "queued", "REQUEUED": "queued",
-                    "CONFIGURING": "queued", "COMPLETING": "running"}.get(state, state.lower())
+        st.state = {
+            "RUNNING": "running",
+            "PENDING": "queued",
+            "REQUEUED": "queued",
+            "CONFIGURING": "queued",
+            "COMPLETING": "running",
+        }.get(state, state.lower())
     elif records and records[-1].get("event") == "preempted":
         st.state = "preempted"
     elif records and records[-1].get("event") == "stopped_nonfinite":
@@ -140,21 +150,34 @@ def sweep_status(sweep: Sweep, *, scheduler: bool = True) -> list[RunStatus]:
 def format_status(sweep: Sweep, rows: list[RunStatus]) -> str:
     table = [("#", "run", "state", "step", "tokens", "eval loss", "restarts", "job")]
     for r in rows:
-        table.append((str(r.index), r.name, r.state,
-                      "-" if r.step is None else f"{r.step}/{r.total_steps}",
-                      "-" if r.tokens is None else f"{r.tokens:,}",
-                      "-" if r.eval_loss is None else f"{r.eval_loss:.4f}",
-                      str(r.restarts), r.job or "-"))
+        table.append(
+            (
+                str(r.index),
+                r.name,
+                r.state,
+                "-" if r.step is None else f"{r.step}/{r.total_steps}",
+                "-" if r.tokens is None else f"{r.tokens:,}",
+                "-" if r.eval_loss is None else f"{r.eval_loss:.4f}",
+                str(r.restarts),
+                r.job or "-",
+            )
+        )
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     lines = []
     for i, row in enumerate(table):
-        lines.append("  ".join(cell.ljust(w) if c in (1, 2) else cell.rjust(w)
-                               for c, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if c in (1, 2) else cell.rjust(w)
+                for c, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.state] = counts.get(r.state, 0) + 1
-    lines.append(f"sweep {sweep.name}: {len(rows)} runs: "
-                 + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    lines.append(
+        f"sweep {sweep.name}: {len(rows)} runs: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    )
     return "\n".join(lines)

@@ -51,8 +51,16 @@ class TrainRun:
 
     def command(self) -> list[str]:
         # the launcher requeues (submitit), never the trainer itself
-        return [self.python, "-m", "gpn_scale.cli", "train", *self.argv,
-                "preemption.requeue=false", "--resume", "auto"]
+        return [
+            self.python,
+            "-m",
+            "gpn_scale.cli",
+            "train",
+            *self.argv,
+            "preemption.requeue=false",
+            "--resume",
+            "auto",
+        ]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -71,8 +79,9 @@ class TrainRun:
         if rc == EXIT_PREEMPTED:
             # preempted without submitit's own signal (e.g. a SIGTERM): the checkpoint is
             # saved; submitting the sweep again resumes the run
-            raise RuntimeError(f"trainer was preempted (exit {rc}); checkpoint saved, "
-                               "resubmit to continue")
+            raise RuntimeError(
+                f"trainer was preempted (exit {rc}); checkpoint saved, resubmit to continue"
+            )
         if rc != 0:
             raise RuntimeError(f"`gpn-scale train` exited {rc}")
         return rc
@@ -102,18 +111,18 @@ class TrainRun:
 
 @dataclass
 class SubmitOptions:
-    executor: str = "auto"          # auto | slurm | local
+    executor: str = "auto"  # auto | slurm | local
     folder: str | None = None
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
     time_min: int = 24 * 60
     nodes: int = 1
-    gpus_per_node: int = 0          # 0: CPU (one task per node)
+    gpus_per_node: int = 0  # 0: CPU (one task per node)
     cpus_per_task: int | None = None
     mem_gb: float | None = None
     signal_delay_s: int = 300
-    only: list[int] | None = None   # submit only these run indices (if unfinished)
+    only: list[int] | None = None  # submit only these run indices (if unfinished)
 
 
 def resolve_executor(kind: str) -> str:
@@ -122,8 +131,10 @@ def resolve_executor(kind: str) -> str:
     if kind == "auto":
         return "slurm" if shutil.which("sbatch") else "local"
     if kind == "slurm" and not shutil.which("sbatch"):
-        raise SweepError("--executor slurm: no sbatch on PATH; run on a SLURM login node, set "
-                         "PATH (and SLURM_CONF), or use --executor local")
+        raise SweepError(
+            "--executor slurm: no sbatch on PATH; run on a SLURM login node, set "
+            "PATH (and SLURM_CONF), or use --executor local"
+        )
     return kind
 
 
@@ -134,8 +145,7 @@ def make_executor(sweep: Sweep, opts: SubmitOptions):
     folder = opts.folder or str(Path(sweep.runs[0].run_dir or ".").parent / "submitit")
     ex = submitit.AutoExecutor(folder=str(Path(folder) / "%j"), cluster=kind)
     tasks = max(1, opts.gpus_per_node)
-    params: dict[str, Any] = dict(timeout_min=opts.time_min, nodes=opts.nodes,
-                                  tasks_per_node=tasks)
+    params: dict[str, Any] = dict(timeout_min=opts.time_min, nodes=opts.nodes, tasks_per_node=tasks)
     if opts.cpus_per_task:
         params["cpus_per_task"] = opts.cpus_per_task
     if opts.gpus_per_node:
@@ -144,8 +154,11 @@ def make_executor(sweep: Sweep, opts: SubmitOptions):
         params["mem_gb"] = opts.mem_gb
     if kind == "slurm":
         params["slurm_signal_delay_s"] = opts.signal_delay_s
-        for key, value in (("slurm_partition", opts.partition), ("slurm_account", opts.account),
-                           ("slurm_qos", opts.qos)):
+        for key, value in (
+            ("slurm_partition", opts.partition),
+            ("slurm_account", opts.account),
+            ("slurm_qos", opts.qos),
+        ):
             if value:
                 params[key] = value
     elif opts.nodes != 1:
@@ -160,8 +173,9 @@ def submit_sweep(sweep: Sweep, opts: SubmitOptions) -> tuple[str, list[tuple[int
     n = len(sweep.runs)
     for i in opts.only or []:
         if not 0 <= i < n:
-            raise SweepError(f"--only: run index {i} out of range: sweep '{sweep.name}' has "
-                             f"{n} runs (0-{n - 1})")
+            raise SweepError(
+                f"--only: run index {i} out of range: sweep '{sweep.name}' has {n} runs (0-{n - 1})"
+            )
     todo = pending_indices(sweep)
     if opts.only is not None:
         todo = [i for i in todo if i in set(opts.only)]
@@ -171,13 +185,17 @@ def submit_sweep(sweep: Sweep, opts: SubmitOptions) -> tuple[str, list[tuple[int
     for i in todo:
         ex.update_parameters(name=single_job_name(sweep.name, i))
         try:
-            job = ex.submit(TrainRun(sweep.runs[i].train_argv(), python,
-                                     grace_s=max(30, opts.signal_delay_s - 30)))
+            job = ex.submit(
+                TrainRun(
+                    sweep.runs[i].train_argv(), python, grace_s=max(30, opts.signal_delay_s - 30)
+                )
+            )
         except Exception as err:  # noqa: BLE001 - sbatch's own message, on one line
             lines = [ln for ln in str(err).splitlines() if ln.strip()]
-            raise SweepError(f"submitting run {i} ({sweep.runs[i].name}) to {kind} failed"
-                             + (f" after {len(jobs)} submitted" if jobs else "")
-                             + f": {lines[-1].strip() if lines else type(err).__name__}"
-                             ) from None
+            raise SweepError(
+                f"submitting run {i} ({sweep.runs[i].name}) to {kind} failed"
+                + (f" after {len(jobs)} submitted" if jobs else "")
+                + f": {lines[-1].strip() if lines else type(err).__name__}"
+            ) from None
         jobs.append((i, job))
     return kind, jobs

@@ -34,7 +34,6 @@ Every error is one line naming the key and the fix (`SweepError`, a ConfigError)
 from __future__ import annotations
 
 import functools
-
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -56,13 +55,32 @@ class SweepError(ConfigError):
 
 # ----------------------------------------------------------------------------- schema
 
-TOP_KEYS = ("name", "description", "seeds", "allow_few_seeds", "base_config", "data",
-            "checkpoint_root", "run_root", "wandb", "hardware", "defaults", "models")
+TOP_KEYS = (
+    "name",
+    "description",
+    "seeds",
+    "allow_few_seeds",
+    "base_config",
+    "data",
+    "checkpoint_root",
+    "run_root",
+    "wandb",
+    "hardware",
+    "defaults",
+    "models",
+)
 DATA_KEYS = ("remote", "seq_len")
 WANDB_KEYS = ("project", "group", "job_type")
 HARDWARE_KEYS = ("gpu", "peak_tflops", "mfu", "sequences_per_gpu")
-RULE_KEYS = ("tokens_per_param", "tokens", "global_batch_size", "lr", "warmup_steps",
-             "min_lr_ratio", "overrides")
+RULE_KEYS = (
+    "tokens_per_param",
+    "tokens",
+    "global_batch_size",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "overrides",
+)
 MODEL_KEYS = ("config", "name", "family") + RULE_KEYS
 REQUIRED_RULES = ("global_batch_size", "lr", "warmup_steps")
 
@@ -74,27 +92,27 @@ class RunSpec:
     name: str
     sweep: str
     family: str
-    size: str                      # the size's label (default: model config name)
-    model: str                     # model config name (configs/model/<model>.yaml) or a path
+    size: str  # the size's label (default: model config name)
+    model: str  # model config name (configs/model/<model>.yaml) or a path
     seed: int
-    params: int                    # all parameters, embedding included
+    params: int  # all parameters, embedding included
     non_embedding_params: int
-    tokens: int                    # steps * global_batch_size * seq_len
+    tokens: int  # steps * global_batch_size * seq_len
     tokens_per_param: float
     total_steps: int
-    global_batch_size: int         # sequences per optimizer step
+    global_batch_size: int  # sequences per optimizer step
     seq_len: int
     lr: float
     warmup_steps: int
     min_lr_ratio: float | None
     data_remote: str
-    checkpoint_root: str           # this run's own checkpoint prefix: <sweep root>/<name>
-    run_dir: str | None            # this run's local dir (metrics.jsonl), when run_root is set
+    checkpoint_root: str  # this run's own checkpoint prefix: <sweep root>/<name>
+    run_dir: str | None  # this run's local dir (metrics.jsonl), when run_root is set
     wandb_project: str
     wandb_group: str
     wandb_job_type: str
-    flops: float                   # training FLOPs (3 x forward) for `tokens`
-    gpu_hours: float               # flops / (peak * mfu)
+    flops: float  # training FLOPs (3 x forward) for `tokens`
+    gpu_hours: float  # flops / (peak * mfu)
     base_config: str | None = None
     extra_overrides: tuple[str, ...] = ()
 
@@ -153,6 +171,7 @@ class Sweep:
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def resolve_sweep_path(name_or_path: str | Path) -> Path:
     return resolve_named_yaml(name_or_path, SWEEP_DIR, "sweep", SweepError)
 
@@ -180,8 +199,12 @@ def _positive_int(where: str, value: Any, minimum: int = 1) -> int:
 
 
 def _positive_float(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise SweepError(f"{where}: expected a positive number, got {value!r}")
     return float(value)
 
@@ -199,11 +222,18 @@ def _storage(where: str, value: Any, allow_default: bool = False) -> str:
         if scheme == "file":
             return rest
         if scheme != "s3":
-            raise SweepError(f"{where}: unsupported scheme '{scheme}://' in {value!r}; use s3:// "
-                             "or a local path")
-        if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
-            raise SweepError(f"{where}: {value!r} is not s3://<bucket>/<prefix> (bucket names "
-                             "are 3-63 lowercase letters, digits, dots and dashes)")
+            raise SweepError(
+                f"{where}: unsupported scheme '{scheme}://' in {value!r}; use s3:// or a local path"
+            )
+        if (
+            not rest
+            or rest.startswith("/")
+            or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest)
+        ):
+            raise SweepError(
+                f"{where}: {value!r} is not s3://<bucket>/<prefix> (bucket names "
+                "are 3-63 lowercase letters, digits, dots and dashes)"
+            )
     return value.rstrip("/") or value
 
 
@@ -234,8 +264,10 @@ def _short(x: float) -> str:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False,
-               price: bool = True) -> Sweep:
+
+def load_sweep(
+    name_or_path: str | Path, *, allow_few_seeds: bool = False, price: bool = True
+) -> Sweep:
     """Read, validate and expand a sweep file (by path or by name in configs/sweeps/).
     `price`: compute the GPU-hours (with `mfu: predicted`, ~1 s per model size of launch
     accounting); callers that only need the runs (array tasks, fits) pass False."""
@@ -246,8 +278,9 @@ def load_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False,
         raise SweepError(str(err)) from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: expected a mapping at the top level")
-    return _expand({str(k): v for k, v in raw.items()}, path, allow_few_seeds=allow_few_seeds,
-                   price=price)
+    return _expand(
+        {str(k): v for k, v in raw.items()}, path, allow_few_seeds=allow_few_seeds, price=price
+    )
 
 
 _ACCOUNTING_GPUS = {"h100": "h100", "h100-sxm": "h100", "h100 sxm": "h100", "h200": "h200"}
@@ -256,15 +289,18 @@ _ACCOUNTING_GPUS = {"h100": "h100", "h100-sxm": "h100", "h100 sxm": "h100", "h20
 def _accounting_gpu(name: str) -> str:
     key = _ACCOUNTING_GPUS.get(name.strip().lower())
     if key is None:
-        raise SweepError(f"hardware.gpu: {name!r} has no launch accounting (H100-SXM, H200); "
-                         "give a measured hardware.mfu (a fraction) for it")
+        raise SweepError(
+            f"hardware.gpu: {name!r} has no launch accounting (H100-SXM, H200); "
+            "give a measured hardware.mfu (a fraction) for it"
+        )
     return key
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _predicted_mfu(cfg: Any, sequences_per_gpu: int, seq_len: int, gpu: str) -> float:
     # The accounting runs the engine's CUDA code path on meta tensors (bench/gpu_model.py).
     from gpn_scale.bench.gpu_model import predicted_mfu
+
     return predicted_mfu(cfg, sequences_per_gpu, seq_len, gpu)
 
 
@@ -273,16 +309,16 @@ def expand_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> 
     return load_sweep(name_or_path, allow_few_seeds=allow_few_seeds).runs
 
 
-def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
-            price: bool = True) -> Sweep:
+def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bool = True) -> Sweep:
     from gpn_scale.model import counts
     from gpn_scale.model.config import load_model_config
 
     _check_keys("", raw, TOP_KEYS)
     name = raw.get("name")
     if not isinstance(name, str) or not RUN_NAME_RE.match(name):
-        raise SweepError(f"name: required, letters/digits/._- only (it prefixes run names), "
-                         f"got {name!r}")
+        raise SweepError(
+            f"name: required, letters/digits/._- only (it prefixes run names), got {name!r}"
+        )
 
     # seeds
     seeds_raw = raw.get("seeds")
@@ -301,17 +337,22 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
     notes = []
     if len(seeds) < MIN_SEEDS:
         if not (few_ok or allow_few_seeds):
-            raise SweepError(f"seeds: {len(seeds)} seed(s) but a sweep needs >= {MIN_SEEDS} for "
-                             "seed-bootstrap CIs; add seeds (or set allow_few_seeds: true for a "
-                             "CI/smoke sweep)")
-        notes.append(f"only {len(seeds)} seed(s) (< {MIN_SEEDS}): allowed by allow_few_seeds, "
-                     "for CI/smoke sweeps only; fits from it have no meaningful CIs")
+            raise SweepError(
+                f"seeds: {len(seeds)} seed(s) but a sweep needs >= {MIN_SEEDS} for "
+                "seed-bootstrap CIs; add seeds (or set allow_few_seeds: true for a "
+                "CI/smoke sweep)"
+            )
+        notes.append(
+            f"only {len(seeds)} seed(s) (< {MIN_SEEDS}): allowed by allow_few_seeds, "
+            "for CI/smoke sweeps only; fits from it have no meaningful CIs"
+        )
 
     base_config = raw.get("base_config")
     if base_config is not None:
         if not isinstance(base_config, str):
-            raise SweepError(f"base_config: expected a train config name or path, got "
-                             f"{base_config!r}")
+            raise SweepError(
+                f"base_config: expected a train config name or path, got {base_config!r}"
+            )
         base_config = _resolve_train_config(base_config, path)
 
     data = _mapping("data", raw.get("data"))
@@ -336,14 +377,19 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
         if not isinstance(val, str):
             raise SweepError(f"wandb.{key}: expected a string, got {val!r}")
 
-    hardware = {"gpu": "H100-SXM", "peak_tflops": 989.0, "mfu": "predicted",
-                "sequences_per_gpu": 16}
+    hardware = {
+        "gpu": "H100-SXM",
+        "peak_tflops": 989.0,
+        "mfu": "predicted",
+        "sequences_per_gpu": 16,
+    }
     hw = _mapping("hardware", raw.get("hardware"))
     _check_keys("hardware.", hw, HARDWARE_KEYS)
     hardware.update(hw)
     peak = _positive_float("hardware.peak_tflops", hardware["peak_tflops"])
     seqs_per_gpu = _positive_int("hardware.sequences_per_gpu", hardware["sequences_per_gpu"])
     predicted_gpu = None
+    predicted: dict[str, float] = {}  # model size -> predicted MFU
     if hardware["mfu"] == "predicted":
         predicted_gpu = _accounting_gpu(str(hardware["gpu"]))
         mfu = 0.0
@@ -390,8 +436,10 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
                 raise SweepError(f"{where}.{key}: required (set it in defaults or on the model)")
         has_tpp, has_tok = "tokens_per_param" in rules, "tokens" in rules
         if has_tpp == has_tok:
-            raise SweepError(f"{where}: give exactly one of tokens_per_param or tokens "
-                             "(in defaults or on the model)")
+            raise SweepError(
+                f"{where}: give exactly one of tokens_per_param or tokens "
+                "(in defaults or on the model)"
+            )
         budget_key = "tokens_per_param" if has_tpp else "tokens"
         budgets = rules[budget_key] if isinstance(rules[budget_key], list) else [rules[budget_key]]
         if not budgets:
@@ -402,59 +450,95 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool,
         warmup = _positive_int(f"{where}.warmup_steps", rules["warmup_steps"], minimum=0)
         min_lr = rules.get("min_lr_ratio")
         if min_lr is not None:
-            if isinstance(min_lr, bool) or not isinstance(min_lr, (int, float)) \
-                    or not 0 <= min_lr <= 1:
+            if (
+                isinstance(min_lr, bool)
+                or not isinstance(min_lr, (int, float))
+                or not 0 <= min_lr <= 1
+            ):
                 raise SweepError(f"{where}.min_lr_ratio: a fraction in [0, 1], got {min_lr!r}")
             min_lr = float(min_lr)
         extra = rules.get("overrides") or []
         if not isinstance(extra, list) or not all(isinstance(o, str) and "=" in o for o in extra):
-            raise SweepError(f"{where}.overrides: expected a list of 'key=value' strings, "
-                             f"got {extra!r}")
+            raise SweepError(
+                f"{where}.overrides: expected a list of 'key=value' strings, got {extra!r}"
+            )
         reserved = {"model", "seed", "run_name"}
         for o in extra:
             if o.split("=", 1)[0].strip() in reserved:
-                raise SweepError(f"{where}.overrides: '{o}' is set by the sweep itself; "
-                                 "remove it")
+                raise SweepError(f"{where}.overrides: '{o}' is set by the sweep itself; remove it")
 
         params = int(counts.count_parameters(cfg))
         non_emb = int(counts.non_embedding_parameters(cfg))
         per_token = float(counts.flops_per_token(cfg, seq_len))
         run_mfu = mfu
         if predicted_gpu is not None:
-            run_mfu = _predicted_mfu(cfg, seqs_per_gpu, seq_len, predicted_gpu) if price \
-                else float("nan")
-            hardware.setdefault("predicted_mfu", {})[size] = run_mfu
+            run_mfu = (
+                _predicted_mfu(cfg, seqs_per_gpu, seq_len, predicted_gpu) if price else float("nan")
+            )
+            predicted[size] = run_mfu
         tokens_per_step = gbs * seq_len
         for budget in budgets:
             target = budget * params if has_tpp else budget
             steps = max(1, math.ceil(target / tokens_per_step))
             if warmup >= steps:
-                raise SweepError(f"{where} ({size}): warmup_steps {warmup} >= total steps "
-                                 f"{steps} ({_short(target)} tokens / {tokens_per_step} per "
-                                 "step); lower warmup_steps or raise the token budget")
+                raise SweepError(
+                    f"{where} ({size}): warmup_steps {warmup} >= total steps "
+                    f"{steps} ({_short(target)} tokens / {tokens_per_step} per "
+                    "step); lower warmup_steps or raise the token budget"
+                )
             tokens = steps * tokens_per_step
             label = size + (f"-{_token_label(rules, budget)}" if len(budgets) > 1 else "")
             for seed in seeds:
                 run_name = f"{name}-{label}-s{seed}"
                 if run_name in owner:
-                    raise SweepError(f"duplicate run name '{run_name}' ({owner[run_name]} and "
-                                     f"{where}); give one of them a distinct `name`")
+                    raise SweepError(
+                        f"duplicate run name '{run_name}' ({owner[run_name]} and "
+                        f"{where}); give one of them a distinct `name`"
+                    )
                 owner[run_name] = where
                 flops = per_token * tokens
-                runs.append(RunSpec(
-                    name=run_name, sweep=name, family=family, size=size, model=model_ref,
-                    seed=seed, params=params, non_embedding_params=non_emb, tokens=tokens,
-                    tokens_per_param=tokens / params, total_steps=steps,
-                    global_batch_size=gbs, seq_len=seq_len, lr=lr, warmup_steps=warmup,
-                    min_lr_ratio=min_lr, data_remote=data_remote,
-                    checkpoint_root=_join(ckpt_root, run_name),
-                    run_dir=_join(run_root, run_name) if run_root else None,
-                    wandb_project=project, wandb_group=group, wandb_job_type=job_type,
-                    flops=flops, gpu_hours=flops / (peak * 1e12 * run_mfu) / 3600.0,
-                    base_config=base_config, extra_overrides=tuple(extra)))
+                runs.append(
+                    RunSpec(
+                        name=run_name,
+                        sweep=name,
+                        family=family,
+                        size=size,
+                        model=model_ref,
+                        seed=seed,
+                        params=params,
+                        non_embedding_params=non_emb,
+                        tokens=tokens,
+                        tokens_per_param=tokens / params,
+                        total_steps=steps,
+                        global_batch_size=gbs,
+                        seq_len=seq_len,
+                        lr=lr,
+                        warmup_steps=warmup,
+                        min_lr_ratio=min_lr,
+                        data_remote=data_remote,
+                        checkpoint_root=_join(ckpt_root, run_name),
+                        run_dir=_join(run_root, run_name) if run_root else None,
+                        wandb_project=project,
+                        wandb_group=group,
+                        wandb_job_type=job_type,
+                        flops=flops,
+                        gpu_hours=flops / (peak * 1e12 * run_mfu) / 3600.0,
+                        base_config=base_config,
+                        extra_overrides=tuple(extra),
+                    )
+                )
+    if predicted_gpu is not None:
+        hardware["predicted_mfu"] = predicted
     description = raw.get("description") or ""
-    return Sweep(name=name, path=path, runs=runs, seeds=seeds, hardware=hardware, notes=notes,
-                 description=str(description))
+    return Sweep(
+        name=name,
+        path=path,
+        runs=runs,
+        seeds=seeds,
+        hardware=hardware,
+        notes=notes,
+        description=str(description),
+    )
 
 
 def _resolve_model_ref(config: str, sweep_path: Path) -> str:
@@ -478,49 +562,87 @@ def _resolve_train_config(name: str, sweep_path: Path) -> str:
     train_dir = REPO_ROOT / "configs" / "train"
     if not (train_dir / f"{name}.yaml").is_file():
         names = sorted(q.stem for q in train_dir.glob("*.yaml"))
-        raise SweepError(f"base_config: '{name}' not found in {train_dir}"
-                         f"{closest_key_hint(name, names)}")
+        raise SweepError(
+            f"base_config: '{name}' not found in {train_dir}{closest_key_hint(name, names)}"
+        )
     return name
 
 
 # ----------------------------------------------------------------------------- plan
 
+
 def _mfu_text(hw: Mapping[str, Any]) -> str:
     if hw["mfu"] != "predicted":
         return f"{float(hw['mfu']):.0%} MFU"
     per_size = ", ".join(f"{size} {m:.1%}" for size, m in hw.get("predicted_mfu", {}).items())
-    return (f"the MFU predicted by gpn_scale.bench.gpu_model at {hw['sequences_per_gpu']} "
-            f"sequences per GPU ({per_size}; give a measured hardware.mfu to override)")
+    return (
+        f"the MFU predicted by gpn_scale.bench.gpu_model at {hw['sequences_per_gpu']} "
+        f"sequences per GPU ({per_size}; give a measured hardware.mfu to override)"
+    )
 
 
 def format_plan(sweep: Sweep) -> str:
     """The human-readable plan: one row per run, then totals and assumptions."""
     hw = sweep.hardware
-    rows = [("run", "family", "params", "tokens", "tok/param", "steps", "batch", "lr", "warmup",
-             "FLOPs", "GPU-h")]
+    rows = [
+        (
+            "run",
+            "family",
+            "params",
+            "tokens",
+            "tok/param",
+            "steps",
+            "batch",
+            "lr",
+            "warmup",
+            "FLOPs",
+            "GPU-h",
+        )
+    ]
     for r in sweep.runs:
-        rows.append((r.name, r.family, _short(r.params), _short(r.tokens),
-                     f"{r.tokens_per_param:.3g}", str(r.total_steps), str(r.global_batch_size),
-                     f"{r.lr:.3g}", str(r.warmup_steps), f"{r.flops:.3g}", f"{r.gpu_hours:.3g}"))
+        rows.append(
+            (
+                r.name,
+                r.family,
+                _short(r.params),
+                _short(r.tokens),
+                f"{r.tokens_per_param:.3g}",
+                str(r.total_steps),
+                str(r.global_batch_size),
+                f"{r.lr:.3g}",
+                str(r.warmup_steps),
+                f"{r.flops:.3g}",
+                f"{r.gpu_hours:.3g}",
+            )
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = [f"sweep {sweep.name} ({sweep.path}): {len(sweep.runs)} runs = "
-             f"{len({(r.size, r.tokens) for r in sweep.runs})} size/budget cells x "
-             f"{len(sweep.seeds)} seeds {sweep.seeds}"]
+    lines = [
+        f"sweep {sweep.name} ({sweep.path}): {len(sweep.runs)} runs = "
+        f"{len({(r.size, r.tokens) for r in sweep.runs})} size/budget cells x "
+        f"{len(sweep.seeds)} seeds {sweep.seeds}"
+    ]
     if sweep.description:
         lines.append(sweep.description.strip())
     for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) if c < 2 else cell.rjust(w)
-                               for c, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if c < 2 else cell.rjust(w)
+                for c, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     r0 = sweep.runs[0]
+    run_dirs = (
+        r0.run_dir.rsplit("/", 1)[0] + "/<run>" if r0.run_dir else "runs/<run> (trainer default)"
+    )
     lines += [
         f"total: {sweep.total_flops:.3g} FLOPs, {sweep.total_gpu_hours:,.4g} GPU-hours "
         f"(at {_mfu_text(hw)} of {float(hw['peak_tflops']):g} TFLOP/s per "
         f"{hw['gpu']}; FLOPs = 3 x forward per token)",
         f"data {r0.data_remote} (seq_len {r0.seq_len}); checkpoints "
         f"{r0.checkpoint_root.rsplit('/', 1)[0]}/<run>; run dirs "
-        f"{r0.run_dir.rsplit('/', 1)[0] + '/<run>' if r0.run_dir else 'runs/<run> (trainer default)'}"
+        f"{run_dirs}"
         f"; W&B {r0.wandb_project}/{r0.wandb_group} ({r0.wandb_job_type})",
     ]
     lines += [f"NOTE: {n}" for n in sweep.notes]

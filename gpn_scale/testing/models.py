@@ -9,8 +9,9 @@ import torch
 
 from gpn_scale.model import GPN, GPNConfig
 
-TINY = dict(vocab_size=37, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6,
-            chunk_size=4)
+TINY = dict(
+    vocab_size=37, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6, chunk_size=4
+)
 
 
 def tiny_config(**changes) -> GPNConfig:
@@ -21,8 +22,9 @@ def tiny_config(**changes) -> GPNConfig:
     return GPNConfig(**values)
 
 
-def perturbed_model(cfg: GPNConfig, dtype: torch.dtype = torch.float64, seed: int = 0,
-                    scale: float = 0.2) -> GPN:
+def perturbed_model(
+    cfg: GPNConfig, dtype: torch.dtype = torch.float64, seed: int = 0, scale: float = 0.2
+) -> GPN:
     """The reference init zeroes the gates and the FFN output; perturb every parameter so that
     every path of the model (and of its gradient) is exercised."""
     torch.manual_seed(seed)

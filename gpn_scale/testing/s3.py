@@ -54,8 +54,9 @@ def _wait_until_listening(port: int, timeout: float, proc: subprocess.Popen | No
 class LocalS3:
     """moto S3 over real HTTP on 127.0.0.1:`port` (a free port by default)."""
 
-    def __init__(self, port: int | None = None, *, process: bool = False,
-                 enforce_auth: bool = False):
+    def __init__(
+        self, port: int | None = None, *, process: bool = False, enforce_auth: bool = False
+    ):
         self.port = port or free_port()
         self.process = process or enforce_auth
         self.enforce_auth = enforce_auth
@@ -78,7 +79,10 @@ class LocalS3:
                 env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         else:
             import logging
 
@@ -87,8 +91,7 @@ class LocalS3:
             # werkzeug logs every request at INFO; tests and benchmarks do not want that
             logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port,
-                                              verbose=False)
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
             self._server.start()
         _wait_until_listening(self.port, timeout, self._proc)
         return self
@@ -111,9 +114,12 @@ class LocalS3:
 
         creds = {**DUMMY_CREDENTIALS, **credentials}
         return boto3.client(
-            "s3", endpoint_url=self.url, region_name=creds["AWS_DEFAULT_REGION"],
+            "s3",
+            endpoint_url=self.url,
+            region_name=creds["AWS_DEFAULT_REGION"],
             aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"])
+            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def create_bucket(self, name: str) -> str:
         """Create `name` (if needed) and return 's3://name'."""
@@ -134,10 +140,12 @@ class LocalS3:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gpn_scale.testing.s3",
-        description="Serve a local S3 endpoint (moto) on 127.0.0.1 until interrupted.")
+        description="Serve a local S3 endpoint (moto) on 127.0.0.1 until interrupted.",
+    )
     parser.add_argument("--port", type=int, default=9000)
-    parser.add_argument("--bucket", action="append", default=[],
-                        help="create this bucket at start (repeatable)")
+    parser.add_argument(
+        "--bucket", action="append", default=[], help="create this bucket at start (repeatable)"
+    )
     args = parser.parse_args(argv)
     with LocalS3(args.port) as s3:
         for bucket in args.bucket:

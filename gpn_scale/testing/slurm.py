@@ -35,8 +35,17 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[2] / "slurm" / "local"
 # The unix socket path of munge must stay under ~108 bytes.
 MAX_STATE_DIR_LEN = 70
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
-                "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 class SlurmStartError(RuntimeError):
@@ -66,8 +75,15 @@ def free_port_base(rng: random.Random | None = None) -> int:
 class LocalSlurm:
     """One local cluster: `start()`, `stop()`, client helpers with the right environment."""
 
-    def __init__(self, state_dir: str | Path | None = None, *, port_base: int | None = None,
-                 with_dbd: bool = True, cpus: int | None = None, timeout_s: float = 300):
+    def __init__(
+        self,
+        state_dir: str | Path | None = None,
+        *,
+        port_base: int | None = None,
+        with_dbd: bool = True,
+        cpus: int | None = None,
+        timeout_s: float = 300,
+    ):
         if state_dir is None or len(str(state_dir)) > MAX_STATE_DIR_LEN:
             state_dir = tempfile.mkdtemp(prefix="gpn-slurm-", dir="/tmp")
         self.state_dir = Path(state_dir)
@@ -93,8 +109,11 @@ class LocalSlurm:
 
     def _script_env(self) -> dict[str, str]:
         env = self.env()
-        env.update(SLURM_LOCAL_DIR=str(self.state_dir), SLURM_LOCAL_PORTBASE=str(self.port_base),
-                   SLURM_LOCAL_WITH_DBD="1" if self.with_dbd else "0")
+        env.update(
+            SLURM_LOCAL_DIR=str(self.state_dir),
+            SLURM_LOCAL_PORTBASE=str(self.port_base),
+            SLURM_LOCAL_WITH_DBD="1" if self.with_dbd else "0",
+        )
         if self.cpus:
             env["SLURM_LOCAL_CPUS"] = str(self.cpus)
         return env
@@ -105,23 +124,33 @@ class LocalSlurm:
         if not script.is_file():
             raise SlurmStartError(f"{script} not found; LocalSlurm needs a source checkout")
         try:
-            proc = subprocess.run(["bash", str(script)], env=self._script_env(), text=True,
-                                  capture_output=True, timeout=self.timeout_s)
+            proc = subprocess.run(
+                ["bash", str(script)],
+                env=self._script_env(),
+                text=True,
+                capture_output=True,
+                timeout=self.timeout_s,
+            )
         except subprocess.TimeoutExpired as err:
-            raise SlurmStartError(f"slurm/local/start.sh took over {self.timeout_s:.0f}s; logs in "
-                                  f"{self.state_dir / 'log'}") from err
+            raise SlurmStartError(
+                f"slurm/local/start.sh took over {self.timeout_s:.0f}s; logs in "
+                f"{self.state_dir / 'log'}"
+            ) from err
         self.started = True  # partially started daemons must still be stopped
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-            raise SlurmStartError(f"slurm/local/start.sh failed (exit {proc.returncode}); "
-                                  f"logs in {self.state_dir / 'log'}:\n{tail}")
+            raise SlurmStartError(
+                f"slurm/local/start.sh failed (exit {proc.returncode}); "
+                f"logs in {self.state_dir / 'log'}:\n{tail}"
+            )
         return self
 
     def stop(self, purge: bool = False) -> str:
         env = self._script_env()
         env["SLURM_LOCAL_PURGE"] = "1" if purge else "0"
-        proc = subprocess.run(["bash", str(SCRIPTS / "stop.sh")], env=env, text=True,
-                              capture_output=True, timeout=120)
+        proc = subprocess.run(
+            ["bash", str(SCRIPTS / "stop.sh")], env=env, text=True, capture_output=True, timeout=120
+        )
         self.started = False
         return proc.stdout + proc.stderr
 
@@ -145,14 +174,17 @@ class LocalSlurm:
         return out
 
     # -- clients ---------------------------------------------------------------------------
-    def run(self, args: Sequence[str], check: bool = True, timeout: float = 60
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self, args: Sequence[str], check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         """Run a SLURM client command (`["sinfo", "-h"]`) against this cluster."""
-        proc = subprocess.run(list(args), env=self.env(), text=True, capture_output=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            list(args), env=self.env(), text=True, capture_output=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed (exit {proc.returncode}): "
-                               f"{proc.stderr.strip()}")
+            raise RuntimeError(
+                f"{' '.join(args)} failed (exit {proc.returncode}): {proc.stderr.strip()}"
+            )
         return proc
 
     def sbatch(self, args: Sequence[str], output: str | Path | None = None) -> str:
@@ -198,8 +230,12 @@ class LocalSlurm:
 def probe(x: int) -> dict:
     """A job payload for executor tests (importable by the job, unlike a test module's
     functions): 2*x, the SLURM job id and rank it ran under, and the host."""
-    return {"x2": 2 * x, "job": os.environ.get("SLURM_JOB_ID"),
-            "rank": os.environ.get("SLURM_PROCID"), "host": socket.gethostname()}
+    return {
+        "x2": 2 * x,
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "rank": os.environ.get("SLURM_PROCID"),
+        "host": socket.gethostname(),
+    }
 
 
 # ----------------------------------------------------------------------------- fixtures

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-RESUME_HELP = ("'auto' = newest complete checkpoint under checkpoint.root (local or S3), "
-               "'none' = start fresh, or a checkpoint URI (default: %(default)s)")
+RESUME_HELP = (
+    "'auto' = newest complete checkpoint under checkpoint.root (local or S3), "
+    "'none' = start fresh, or a checkpoint URI (default: %(default)s)"
+)
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -49,58 +51,98 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
 
 def _register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", help="train a GPN / GPN+M (single process, torchrun or SLURM)",
+        "train",
+        help="train a GPN / GPN+M (single process, torchrun or SLURM)",
         description="Train from a YAML config (configs/train/<name>.yaml or a path) with "
-                    "key=value overrides, e.g. `gpn-scale train ci_tiny optim.lr=1e-3 "
-                    "--resume auto`. Exit codes: 0 done, 2 bad input, 3 non-finite stop, "
-                    "75 preempted or Ctrl-C (checkpoint saved), 130 a second Ctrl-C.")
-    p.add_argument("config", nargs="?", default=None,
-                   help="training config name or YAML path (omit it to start from the "
-                        "schema's defaults, e.g. for sweep runs given entirely as overrides)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotlist overrides of the config, e.g. optim.lr=1e-3 run_dir=runs/x "
-                        "(keys: docs/training.md)")
-    p.add_argument("--resume", default=None,
-                   help=RESUME_HELP.replace("'none' = start fresh", "'none' (or 'never') = "
-                                            "start fresh, refused over existing checkpoints")
-                   .replace("(default: %(default)s)", "(default: auto; a finished run is left "
-                            "as it is)"))
-    p.add_argument("--fresh", action="store_true",
-                   help="start over at step 0: deletes the checkpoints, DONE and metrics "
-                        "history already under checkpoint.root / run_dir (after the setup "
-                        "succeeds); implies --resume none")
-    p.add_argument("--dry-run", action="store_true",
-                   help="resolve and check the config, model, data and checkpoint locations "
-                        "(read-only), print the resolved config and what the run would use; "
-                        "train nothing, write nothing")
+        "key=value overrides, e.g. `gpn-scale train ci_tiny optim.lr=1e-3 "
+        "--resume auto`. Exit codes: 0 done, 2 bad input, 3 non-finite stop, "
+        "75 preempted or Ctrl-C (checkpoint saved), 130 a second Ctrl-C.",
+    )
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="training config name or YAML path (omit it to start from the "
+        "schema's defaults, e.g. for sweep runs given entirely as overrides)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotlist overrides of the config, e.g. optim.lr=1e-3 run_dir=runs/x "
+        "(keys: docs/training.md)",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        help=RESUME_HELP.replace(
+            "'none' = start fresh",
+            "'none' (or 'never') = start fresh, refused over existing checkpoints",
+        ).replace("(default: %(default)s)", "(default: auto; a finished run is left as it is)"),
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over at step 0: deletes the checkpoints, DONE and metrics "
+        "history already under checkpoint.root / run_dir (after the setup "
+        "succeeds); implies --resume none",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve and check the config, model, data and checkpoint locations "
+        "(read-only), print the resolved config and what the run would use; "
+        "train nothing, write nothing",
+    )
     p.set_defaults(func=cmd_train)
 
     d = subparsers.add_parser(
-        "demo", help="build the default corpus, train a small GPN+M on CPU, evaluate, plot",
+        "demo",
+        help="build the default corpus, train a small GPN+M on CPU, evaluate, plot",
         description="The README's main command: a fresh-install, CPU-only end-to-end run "
-                    "(a minute or two). Leaves a checkpoint, metrics.jsonl and loss_curve.png.")
+        "(a minute or two). Leaves a checkpoint, metrics.jsonl and loss_curve.png.",
+    )
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     d.add_argument("--steps", type=int, default=None, help="override schedule.total_steps")
-    d.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotlist overrides of configs/train/demo.yaml, e.g. train.device=cpu")
+    d.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotlist overrides of configs/train/demo.yaml, e.g. train.device=cpu",
+    )
     d.set_defaults(func=cmd_demo)
 
     e = subparsers.add_parser(
-        "eval", help="held-out loss / perplexity of a checkpoint",
+        "eval",
+        help="held-out loss / perplexity of a checkpoint",
         description="Evaluate a checkpoint on the validation split (fixed windows: the "
-                    "first eval.batches batches). Writes nothing. Exit codes: 0 done, 2 bad "
-                    "input (one line on stderr).")
+        "first eval.batches batches). Writes nothing. Exit codes: 0 done, 2 bad "
+        "input (one line on stderr).",
+    )
     e.add_argument("config", help="the training config the checkpoint was trained with")
-    e.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="the same dotlist overrides as the training run (run_dir, "
-                        "checkpoint.root, data.remote, model_overrides, ...), plus eval.* "
-                        "(e.g. eval.batch_size=8)")
-    e.add_argument("--checkpoint", default="auto", help=RESUME_HELP.replace("start fresh", "untrained"))
-    e.add_argument("--batches", type=int, default=None,
-                   help="number of validation batches (default: eval.batches of the config)")
-    e.add_argument("--json", action="store_true",
-                   help="print one JSON object (eval/loss, eval/ppl, eval/tokens, checkpoint, "
-                        "step, tokens) on stdout; log lines go to stderr")
+    e.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="the same dotlist overrides as the training run (run_dir, "
+        "checkpoint.root, data.remote, model_overrides, ...), plus eval.* "
+        "(e.g. eval.batch_size=8)",
+    )
+    e.add_argument(
+        "--checkpoint", default="auto", help=RESUME_HELP.replace("start fresh", "untrained")
+    )
+    e.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="number of validation batches (default: eval.batches of the config)",
+    )
+    e.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (eval/loss, eval/ppl, eval/tokens, checkpoint, "
+        "step, tokens) on stdout; log lines go to stderr",
+    )
     e.set_defaults(func=cmd_eval)
 
 
@@ -111,22 +153,26 @@ def _errors():
     types: list[type[BaseException]] = [ConfigError]
     try:
         from gpn_scale.data import DataError
+
         types.append(DataError)
     except ImportError:  # pragma: no cover - data package absent
         pass
     return tuple(types)
 
 
-def _fail(err: BaseException) -> int:
+def _fail(err: BaseException | str) -> int:
     msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     print(f"gpn-scale: error: {msg}", file=sys.stderr, flush=True)
     return 2
 
 
 # The checkpoint and trainer messages are written for `train`; `eval` names its own flags.
-_EVAL_HINTS = (("use --resume auto", "use --checkpoint auto"), ("--resume", "--checkpoint"),
-               ("or a fresh checkpoint.root", "or another --checkpoint"),
-               ("cannot resume from", "cannot evaluate"))
+_EVAL_HINTS = (
+    ("use --resume auto", "use --checkpoint auto"),
+    ("--resume", "--checkpoint"),
+    ("or a fresh checkpoint.root", "or another --checkpoint"),
+    ("cannot resume from", "cannot evaluate"),
+)
 
 
 def _for_eval(err: BaseException) -> str:
@@ -142,8 +188,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     errors = _errors()
     if args.fresh and args.resume not in (None, "none", "never"):
-        return _fail(ValueError(f"--fresh starts over; it cannot be combined with --resume "
-                                f"{args.resume} (drop one of them)"))
+        return _fail(
+            ValueError(
+                f"--fresh starts over; it cannot be combined with --resume "
+                f"{args.resume} (drop one of them)"
+            )
+        )
     resume = args.resume or ("none" if args.fresh else "auto")
     try:
         cfg = load_train_config(*_config_and_overrides(args))
@@ -158,8 +208,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and exits 75)
         from gpn_scale.train.signals import EXIT_ABORTED
 
-        print("gpn-scale: aborted by Ctrl-C: nothing saved since the last checkpoint; "
-              "continue with --resume auto", file=sys.stderr, flush=True)
+        print(
+            "gpn-scale: aborted by Ctrl-C: nothing saved since the last checkpoint; "
+            "continue with --resume auto",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_ABORTED
     except TrainingError as err:
         print(f"gpn-scale: error: {err}", file=sys.stderr, flush=True)
@@ -187,8 +241,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg = load_train_config(args.config, args.overrides)
         if args.batches is not None:
             if args.batches < 1:
-                return _fail(ValueError(f"--batches {args.batches}: must be >= 1 (omit it "
-                                        f"for eval.batches={cfg.eval.batches})"))
+                return _fail(
+                    ValueError(
+                        f"--batches {args.batches}: must be >= 1 (omit it "
+                        f"for eval.batches={cfg.eval.batches})"
+                    )
+                )
             cfg.eval.batches = args.batches
         from gpn_scale.train.loop import Trainer
 
@@ -200,9 +258,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:  # stdout holds the JSON alone, for scripts
         import json
 
-        print(json.dumps({**result, "checkpoint": run.checkpoint, "step": run.step,
-                          "tokens": run.tokens}))
+        print(
+            json.dumps(
+                {**result, "checkpoint": run.checkpoint, "step": run.step, "tokens": run.tokens}
+            )
+        )
         return 0
-    print(f"eval: loss {result['eval/loss']:.4f}, ppl "
-          f"{result['eval/ppl']:.2f} over {result['eval/tokens']:,} tokens")
+    print(
+        f"eval: loss {result['eval/loss']:.4f}, ppl "
+        f"{result['eval/ppl']:.2f} over {result['eval/tokens']:,} tokens"
+    )
     return 0

@@ -27,7 +27,7 @@ DEFAULT_CORPUS = "default"
 
 @dataclass
 class DataSection:
-    remote: str = DEFAULT_CORPUS      # MDS root: local dir, s3://bucket/prefix, or "default"
+    remote: str = DEFAULT_CORPUS  # MDS root: local dir, s3://bucket/prefix, or "default"
     local_cache: str | None = None  # streaming's local cache (default: <run_dir>/data_cache)
     seq_len: int = 256
     shuffle_seed: int = 0
@@ -41,51 +41,53 @@ class OptimSection:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1          # matrices only (ndim >= 2); never 1-D, A_log, dt_bias
-    grad_clip: float = 1.0             # global-norm clip; 0 disables
-    fused: bool = False                # torch's fused AdamW (GPU only)
+    weight_decay: float = 0.1  # matrices only (ndim >= 2); never 1-D, A_log, dt_bias
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    fused: bool = False  # torch's fused AdamW (GPU only)
 
 
 @dataclass
 class ScheduleSection:
-    warmup_steps: int = 100            # linear from 0 to lr
-    total_steps: int = 1000            # cosine ends at the last step
-    min_lr_ratio: float = 0.1          # cosine floor as a fraction of lr
+    warmup_steps: int = 100  # linear from 0 to lr
+    total_steps: int = 1000  # cosine ends at the last step
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
 
 
 @dataclass
 class TrainSection:
-    global_batch_size: int = 8         # sequences per optimizer step, all ranks together
-    micro_batch_size: int | None = None  # per rank per forward; None = global / world (no accumulation)
-    device: str = "auto"               # auto | cpu | cuda
-    precision: str = "auto"            # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    global_batch_size: int = 8  # sequences per optimizer step, all ranks together
+    micro_batch_size: int | None = (
+        None  # per rank per forward; None = global / world (no accumulation)
+    )
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # torch.use_deterministic_algorithms: auto = on on CPU (exact resume, the tests), off on
     # GPU (it fills every torch.empty with NaN and picks slower kernels); true/false force it.
     deterministic: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     num_threads: int | None = None  # torch.set_num_threads on CPU (None = leave as is)
-    tbptt: int | None = None        # overrides the model's truncated-BPTT length when set
-    stateful_windows: bool = False     # carry the (detached) state from one batch to the next
-    max_nonfinite_in_a_row: int = 5    # stop after this many consecutive skipped steps
+    tbptt: int | None = None  # overrides the model's truncated-BPTT length when set
+    stateful_windows: bool = False  # carry the (detached) state from one batch to the next
+    max_nonfinite_in_a_row: int = 5  # stop after this many consecutive skipped steps
     log_every: int = 1
     progress_bar: bool = True
 
 
 @dataclass
 class ParallelSection:
-    backend: str = "auto"              # auto | none | fsdp2 | deepspeed
-    zero_stage: int = 2                # DeepSpeed ZeRO stage (1, 2, 3)
+    backend: str = "auto"  # auto | none | fsdp2 | deepspeed
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2, 3)
     # ZeRO-3: parameters smaller than this stay whole on every rank (DeepSpeed default 1e5);
     # 0 partitions every parameter (tests use it so that tiny models are really sharded).
     zero3_persistence_threshold: int | None = None
-    reduce_dtype: str = "fp32"         # FSDP2 mixed-precision gradient reduction dtype
+    reduce_dtype: str = "fp32"  # FSDP2 mixed-precision gradient reduction dtype
     reshard_after_forward: bool = True
-    tp: int = 1                        # tensor parallel degree: reserved (mesh dim "tp")
+    tp: int = 1  # tensor parallel degree: reserved (mesh dim "tp")
 
 
 @dataclass
 class CheckpointSection:
-    root: str | None = None         # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
-    every_steps: int = 0               # 0 = only on preemption and at the end
+    root: str | None = None  # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
+    every_steps: int = 0  # 0 = only on preemption and at the end
     keep_last: int = 2
     save_final: bool = True
     # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
@@ -95,33 +97,33 @@ class CheckpointSection:
 
 @dataclass
 class WandbSection:
-    mode: str = "disabled"             # online | offline | disabled
+    mode: str = "disabled"  # online | offline | disabled
     project: str = "gpn-scale"
     entity: str | None = None
     group: str | None = None
     job_type: str = "train"
-    dir: str | None = None          # default <run_dir>
-    init_timeout: float = 60.0         # online: seconds to reach the server before failing
+    dir: str | None = None  # default <run_dir>
+    init_timeout: float = 60.0  # online: seconds to reach the server before failing
 
 
 @dataclass
 class LoggingSection:
-    jsonl: bool = True                 # always on in practice; <run_dir>/metrics.jsonl
+    jsonl: bool = True  # always on in practice; <run_dir>/metrics.jsonl
     wandb: WandbSection = field(default_factory=WandbSection)
 
 
 @dataclass
 class EvalSection:
-    every_steps: int = 0               # 0 = only at the end
-    batches: int = 4                   # fixed held-out windows: batches x batch_size
-    batch_size: int | None = None   # per rank (default: the training micro batch)
+    every_steps: int = 0  # 0 = only at the end
+    batches: int = 4  # fixed held-out windows: batches x batch_size
+    batch_size: int | None = None  # per rank (default: the training micro batch)
     at_end: bool = True
 
 
 @dataclass
 class PreemptionSection:
-    enabled: bool = True               # SIGUSR1 / SIGTERM -> save and exit 75
-    requeue: bool = False              # under SLURM also `scontrol requeue $SLURM_JOB_ID`
+    enabled: bool = True  # SIGUSR1 / SIGTERM -> save and exit 75
+    requeue: bool = False  # under SLURM also `scontrol requeue $SLURM_JOB_ID`
 
 
 @dataclass
@@ -135,11 +137,11 @@ class DebugSection:
 
 @dataclass
 class TrainConfig:
-    model: str = "tiny"                # configs/model/<name>.yaml or a path
+    model: str = "tiny"  # configs/model/<name>.yaml or a path
     model_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     run_name: str = "run"
-    run_dir: str | None = None      # default runs/<run_name>
+    run_dir: str | None = None  # default runs/<run_name>
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
@@ -190,7 +192,9 @@ def _check_keys(values: Any, schema: type, prefix: str = "") -> None:
         if dotted in _FREE_MAPPINGS:
             continue
         ftype = fields[key].type
-        sub = _SECTION_TYPES.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        sub = _SECTION_TYPES.get(
+            ftype if isinstance(ftype, str) else getattr(ftype, "__name__", "")
+        )
         if sub is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{dotted}: expected a section of keys, got {value!r}")
@@ -198,9 +202,20 @@ def _check_keys(values: Any, schema: type, prefix: str = "") -> None:
 
 
 _SECTION_TYPES: dict[str, type] = {
-    cls.__name__: cls for cls in (DataSection, OptimSection, ScheduleSection, TrainSection,
-                                  ParallelSection, CheckpointSection, WandbSection,
-                                  LoggingSection, EvalSection, PreemptionSection, DebugSection)
+    cls.__name__: cls
+    for cls in (
+        DataSection,
+        OptimSection,
+        ScheduleSection,
+        TrainSection,
+        ParallelSection,
+        CheckpointSection,
+        WandbSection,
+        LoggingSection,
+        EvalSection,
+        PreemptionSection,
+        DebugSection,
+    )
 }
 
 
@@ -221,8 +236,9 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     return resolve_named_yaml(name_or_path, CONFIG_DIR, "training config")
 
 
-def load_train_config(name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
-                      ) -> TrainConfig:
+def load_train_config(
+    name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
+) -> TrainConfig:
     """YAML file (or configs/train/<name>.yaml, or None for the defaults) + dotlist overrides."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -265,26 +281,40 @@ def validate(cfg: TrainConfig) -> None:
         for part in key.split("."):
             value = getattr(value, part)
         if value not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}"
-                              f"{closest_key_hint(str(value), allowed)}")
+            raise ConfigError(
+                f"{key}: expected one of {', '.join(allowed)}, got {value!r}"
+                f"{closest_key_hint(str(value), allowed)}"
+            )
     if cfg.train.deterministic not in (True, False, "auto"):
-        raise ConfigError(f"train.deterministic: expected auto, true or false, got "
-                          f"{cfg.train.deterministic!r}")
-    positive = {"data.seq_len": cfg.data.seq_len, "train.global_batch_size": cfg.train.global_batch_size,
-                "schedule.total_steps": cfg.schedule.total_steps, "train.log_every": cfg.train.log_every,
-                "eval.batches": cfg.eval.batches, "checkpoint.keep_last": cfg.checkpoint.keep_last,
-                "train.max_nonfinite_in_a_row": cfg.train.max_nonfinite_in_a_row}
+        raise ConfigError(
+            f"train.deterministic: expected auto, true or false, got {cfg.train.deterministic!r}"
+        )
+    positive = {
+        "data.seq_len": cfg.data.seq_len,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "schedule.total_steps": cfg.schedule.total_steps,
+        "train.log_every": cfg.train.log_every,
+        "eval.batches": cfg.eval.batches,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "train.max_nonfinite_in_a_row": cfg.train.max_nonfinite_in_a_row,
+    }
     for key, number in positive.items():
         if number < 1:
             raise ConfigError(f"{key}: must be >= 1, got {number}")
     if cfg.schedule.warmup_steps < 0 or cfg.schedule.warmup_steps > cfg.schedule.total_steps:
-        raise ConfigError(f"schedule.warmup_steps: must be in [0, schedule.total_steps="
-                          f"{cfg.schedule.total_steps}], got {cfg.schedule.warmup_steps}")
+        raise ConfigError(
+            f"schedule.warmup_steps: must be in [0, schedule.total_steps="
+            f"{cfg.schedule.total_steps}], got {cfg.schedule.warmup_steps}"
+        )
     if not 0.0 <= cfg.schedule.min_lr_ratio <= 1.0:
-        raise ConfigError(f"schedule.min_lr_ratio: must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
+        raise ConfigError(
+            f"schedule.min_lr_ratio: must be in [0, 1], got {cfg.schedule.min_lr_ratio}"
+        )
     if cfg.logging.wandb.init_timeout <= 0:
-        raise ConfigError(f"logging.wandb.init_timeout: seconds, must be > 0, got "
-                          f"{cfg.logging.wandb.init_timeout}")
+        raise ConfigError(
+            f"logging.wandb.init_timeout: seconds, must be > 0, got "
+            f"{cfg.logging.wandb.init_timeout}"
+        )
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
     if cfg.parallel.zero_stage not in (1, 2, 3):
@@ -305,13 +335,16 @@ def batch_layout(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     """
     gbs = cfg.train.global_batch_size
     if gbs % world_size:
-        raise ConfigError(f"train.global_batch_size: {gbs} is not divisible by the world size "
-                          f"{world_size}")
+        raise ConfigError(
+            f"train.global_batch_size: {gbs} is not divisible by the world size {world_size}"
+        )
     per_rank = gbs // world_size
     micro = cfg.train.micro_batch_size or per_rank
     if per_rank % micro:
-        raise ConfigError(f"train.micro_batch_size: {micro} does not divide the per-rank batch "
-                          f"{per_rank} (= global_batch_size {gbs} / world size {world_size})")
+        raise ConfigError(
+            f"train.micro_batch_size: {micro} does not divide the per-rank batch "
+            f"{per_rank} (= global_batch_size {gbs} / world size {world_size})"
+        )
     return micro, per_rank // micro
 
 

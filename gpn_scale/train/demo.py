@@ -43,8 +43,9 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
     return out_png
 
 
-def run_demo(out: str = "runs/demo", steps: int | None = None,
-             overrides: list[str] | tuple[str, ...] = ()) -> int:
+def run_demo(
+    out: str = "runs/demo", steps: int | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> int:
     from gpn_scale.train.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
@@ -52,8 +53,10 @@ def run_demo(out: str = "runs/demo", steps: int | None = None,
     extra = [f"run_dir={run_dir}"]
     if steps:  # a shorter demo keeps warmup at ~10% of the run
         base = load_train_config("demo").schedule.warmup_steps
-        extra += [f"schedule.total_steps={steps}",
-                  f"schedule.warmup_steps={min(base, max(0, steps // 10))}"]
+        extra += [
+            f"schedule.total_steps={steps}",
+            f"schedule.warmup_steps={min(base, max(0, steps // 10))}",
+        ]
     cfg = load_train_config("demo", [*extra, *overrides])
     # A demo always starts fresh: drop the previous demo's outputs (the built corpus stays).
     for stale in ("metrics.jsonl", "loss_curve.png", "config.yaml"):
@@ -65,18 +68,25 @@ def run_demo(out: str = "runs/demo", steps: int | None = None,
     if result.exit_code != 0:
         return result.exit_code
     metrics = run_dir / "metrics.jsonl"
-    png = plot_loss_curve(metrics, run_dir / "loss_curve.png",
-                          title=f"GPN+M demo ({cfg.model}, {result.step} steps on CPU)")
+    png = plot_loss_curve(
+        metrics,
+        run_dir / "loss_curve.png",
+        title=f"GPN+M demo ({cfg.model}, {result.step} steps on CPU)",
+    )
     ev = result.final_eval
     print()
     print("demo finished")
     if ev:
-        print(f"  held-out loss  {ev['eval/loss']:.4f} nats/token (ppl {ev['eval/ppl']:.2f}; "
-              f"a uniform byte model would be {__import__('math').log(256):.2f})")
+        print(
+            f"  held-out loss  {ev['eval/loss']:.4f} nats/token (ppl {ev['eval/ppl']:.2f}; "
+            f"a uniform byte model would be {__import__('math').log(256):.2f})"
+        )
     print(f"  checkpoint     {result.checkpoint}")
     print(f"  metrics        {metrics}")
     print(f"  loss curve     {png}")
     print(f"  config         {run_dir / 'config.yaml'}")
-    print(f"  resume/extend  gpn-scale train demo run_dir={run_dir} schedule.total_steps=N "
-          "--resume auto")
+    print(
+        f"  resume/extend  gpn-scale train demo run_dir={run_dir} schedule.total_steps=N "
+        "--resume auto"
+    )
     return 0

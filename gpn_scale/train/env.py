@@ -27,9 +27,9 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    source: str                     # "torchrun" | "slurm" | "single"
+    source: str  # "torchrun" | "slurm" | "single"
     slurm_job_id: str | None = None
-    local_world_size: int = 1       # processes on this node (streaming's node detection)
+    local_world_size: int = 1  # processes on this node (streaming's node detection)
 
     @property
     def distributed(self) -> bool:
@@ -44,8 +44,13 @@ def _first_host(nodelist: str) -> str:
     """First hostname of a SLURM nodelist ("node[03-05,07],gpu1" -> "node03")."""
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                                 capture_output=True, text=True, timeout=10).stdout.split()
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.split()
             if out:
                 return out[0]
         except (subprocess.SubprocessError, OSError):
@@ -61,8 +66,12 @@ def _first_host(nodelist: str) -> str:
 def _slurm_tasks_per_node(env) -> int:
     """Tasks on this node: SLURM_NTASKS_PER_NODE, else the first of SLURM_TASKS_PER_NODE
     ("8(x2)" / "8,4"); homogeneous nodes assumed (the usual one task per GPU)."""
-    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") \
-        or env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS", "1")
+    value = (
+        env.get("SLURM_NTASKS_PER_NODE")
+        or env.get("SLURM_STEP_TASKS_PER_NODE")
+        or env.get("SLURM_TASKS_PER_NODE")
+        or env.get("SLURM_NTASKS", "1")
+    )
     m = re.match(r"\d+", value)
     return int(m.group(0)) if m else 1
 
@@ -71,31 +80,50 @@ def detect(environ: dict[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID")
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                       local_rank=int(env.get("LOCAL_RANK", "0")),
-                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                       master_port=int(env.get("MASTER_PORT", "29500")),
-                       source="torchrun", slurm_job_id=job,
-                       local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            source="torchrun",
+            slurm_job_id=job,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         # A port derived from the job id: distinct per job on shared nodes, same on all ranks.
         port = int(env.get("MASTER_PORT") or 20000 + int(job or 0) % 20000)
-        return DistEnv(rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
-                       local_rank=int(env.get("SLURM_LOCALID", "0")),
-                       master_addr=env.get("MASTER_ADDR") or _first_host(nodelist),
-                       master_port=port, source="slurm", slurm_job_id=job,
-                       local_world_size=_slurm_tasks_per_node(env))
-    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                   master_port=int(env.get("MASTER_PORT", "29500")), source="single",
-                   slurm_job_id=job)
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR") or _first_host(nodelist),
+            master_port=port,
+            source="slurm",
+            slurm_job_id=job,
+            local_world_size=_slurm_tasks_per_node(env),
+        )
+    return DistEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=int(env.get("MASTER_PORT", "29500")),
+        source="single",
+        slurm_job_id=job,
+    )
 
 
 def export_for_torch(dist_env: DistEnv) -> None:
     """Make env:// initialisation see the detected values (SLURM does not set them)."""
-    os.environ.update({
-        "RANK": str(dist_env.rank), "WORLD_SIZE": str(dist_env.world_size),
-        "LOCAL_RANK": str(dist_env.local_rank), "MASTER_ADDR": dist_env.master_addr,
-        "MASTER_PORT": str(dist_env.master_port),
-        "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
-    })
+    os.environ.update(
+        {
+            "RANK": str(dist_env.rank),
+            "WORLD_SIZE": str(dist_env.world_size),
+            "LOCAL_RANK": str(dist_env.local_rank),
+            "MASTER_ADDR": dist_env.master_addr,
+            "MASTER_PORT": str(dist_env.master_port),
+            "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
+        }
+    )

@@ -19,15 +19,29 @@ from typing import Any
 # key -> dense bf16 FLOP/s. A key is the model word, plus the form factor for models whose
 # variants differ (SXM is the default form factor of those).
 PEAK_BF16_FLOPS: dict[str, float] = {
-    "H100 SXM": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
-    "H200 SXM": 989e12, "H200 NVL": 835e12, "GH200": 989e12,
-    "H800 SXM": 989e12, "H800 PCIe": 756e12,
+    "H100 SXM": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 SXM": 989e12,
+    "H200 NVL": 835e12,
+    "GH200": 989e12,
+    "H800 SXM": 989e12,
+    "H800 PCIe": 756e12,
     "H20": 148e12,
-    "A100 SXM": 312e12, "A100 PCIe": 312e12,        # 40 GB and 80 GB alike
-    "A800 SXM": 312e12, "A800 PCIe": 312e12,
-    "B200": 2250e12, "GB200": 2500e12,
-    "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12,
-    "MI300X": 1307e12, "MI325X": 1307e12, "MI300A": 981e12, "MI250X": 383e12,
+    "A100 SXM": 312e12,
+    "A100 PCIe": 312e12,  # 40 GB and 80 GB alike
+    "A800 SXM": 312e12,
+    "A800 PCIe": 312e12,
+    "B200": 2250e12,
+    "GB200": 2500e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "MI300X": 1307e12,
+    "MI325X": 1307e12,
+    "MI300A": 981e12,
+    "MI250X": 383e12,
 }
 # Models whose form factors have different peaks; for the rest the model word is the key.
 _FORM_FACTORS = {"H100", "H200", "H800", "A100", "A800"}
@@ -56,8 +70,12 @@ def peak_bf16_flops(name: str, warn: bool = True) -> float | None:
     if key is None:
         if warn and name not in _warned:
             _warned.add(name)
-            print(f"MFU not reported: no dense bf16 peak known for {name!r} (add it to "
-                  "PEAK_BF16_FLOPS in gpn_scale/train/hardware.py)", file=sys.stderr, flush=True)
+            print(
+                f"MFU not reported: no dense bf16 peak known for {name!r} (add it to "
+                "PEAK_BF16_FLOPS in gpn_scale/train/hardware.py)",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
     return PEAK_BF16_FLOPS[key]
 

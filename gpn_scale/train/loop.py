@@ -102,16 +102,16 @@ class _Backend:
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
-    def forward_loss(self, tokens: torch.Tensor, state: Any = None, want_state: bool = False
-                     ) -> tuple[torch.Tensor, Any]:
+    def forward_loss(
+        self, tokens: torch.Tensor, state: Any = None, want_state: bool = False
+    ) -> tuple[torch.Tensor, Any]:
         out = self.model(tokens, state=state, return_state=want_state)
         return out.loss, out.state
 
     def backward(self, loss: torch.Tensor, accum: int, last_micro: bool) -> None:
         (loss / accum).backward()
 
-    def clip_and_step(self, grad_clip: float, lr: float, loss_finite: bool
-                      ) -> tuple[float, bool]:
+    def clip_and_step(self, grad_clip: float, lr: float, loss_finite: bool) -> tuple[float, bool]:
         """Returns (grad norm, applied). Skips the update when the norm or loss is not finite."""
         norm = optim_lib.grad_norm_and_clip(self.model.parameters(), grad_clip)
         norm_f = float(norm)
@@ -138,8 +138,9 @@ class _Backend:
         """Collective: the unsharded weights on rank 0 (None elsewhere)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=True))
+        sd = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return None
         return {k: v.detach().cpu().clone() for k, v in sd.items()}
@@ -160,8 +161,12 @@ class _Backend:
         msd, osd = get_state_dict(self.model, self.optimizer)
         app_state = {"model": msd, "optim": osd}
         ck = mgr.load(uri, app_state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=app_state["model"],
-                       optim_state_dict=app_state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=app_state["model"],
+            optim_state_dict=app_state["optim"],
+        )
         return ck
 
 
@@ -193,8 +198,8 @@ class _DeepSpeedBackend(_Backend):
         return out.loss, out.state
 
     def backward(self, loss, accum, last_micro):
-        self.engine.backward(loss)   # DeepSpeed divides by gradient_accumulation_steps itself
-        self.engine.step()           # only steps at the accumulation boundary
+        self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        self.engine.step()  # only steps at the accumulation boundary
 
     def clip_and_step(self, grad_clip, lr, loss_finite):
         # DeepSpeed clipped and stepped (or skipped on inf/NaN) inside the last engine.step().
@@ -254,9 +259,14 @@ class Trainer:
     already holds checkpoints or DONE unless fresh=True, which deletes them (and the run's
     metrics history) once the setup has succeeded, then starts at step 0."""
 
-    def __init__(self, cfg: TrainConfig, resume: str = "none",
-                 log: Callable[[str], None] | None = None, eval_only: bool = False,
-                 fresh: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        resume: str = "none",
+        log: Callable[[str], None] | None = None,
+        eval_only: bool = False,
+        fresh: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
@@ -282,11 +292,15 @@ class Trainer:
         if backend == "auto":
             backend = "fsdp2" if env.distributed else "none"
         if backend == "none" and env.distributed:
-            raise ConfigError("parallel.backend: none cannot run on several processes; use "
-                              "fsdp2 or deepspeed")
+            raise ConfigError(
+                "parallel.backend: none cannot run on several processes; use fsdp2 or deepspeed"
+            )
         self.backend_name = backend
-        if backend in ("fsdp2", "deepspeed") and not env.distributed \
-                and "MASTER_PORT" not in os.environ:
+        if (
+            backend in ("fsdp2", "deepspeed")
+            and not env.distributed
+            and "MASTER_PORT" not in os.environ
+        ):
             import dataclasses
 
             from gpn_scale.parallel.topology import free_port
@@ -296,8 +310,12 @@ class Trainer:
         # runs FSDP2 as a 1-rank group, so its checkpoints are those of any other world size.
         fsdp2_alone = backend == "fsdp2" and not env.distributed
         if fsdp2_alone:
-            print("parallel.backend=fsdp2 in one process: running FSDP2 as a 1-rank group "
-                  "(launch with torchrun for data parallelism)", file=sys.stderr, flush=True)
+            print(
+                "parallel.backend=fsdp2 in one process: running FSDP2 as a 1-rank group "
+                "(launch with torchrun for data parallelism)",
+                file=sys.stderr,
+                flush=True,
+            )
         if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
             from gpn_scale.parallel import deepspeed as ds
             from gpn_scale.parallel.topology import pick_device
@@ -306,8 +324,9 @@ class Trainer:
             export_for_torch(env)
             device = pick_device(cfg.train.device, env.local_rank)
             ds.init_distributed("nccl" if device.type == "cuda" else "gloo")
-        self.topo = init_topology(env, cfg.train.device, tp=cfg.parallel.tp,
-                                  group_for_one=fsdp2_alone)
+        self.topo = init_topology(
+            env, cfg.train.device, tp=cfg.parallel.tp, group_for_one=fsdp2_alone
+        )
 
     def _model_config(self):
         from gpn_scale.train.preflight import model_config
@@ -332,12 +351,22 @@ class Trainer:
 
         cfg = self.cfg
         cache = cfg.data.local_cache or str(Path(self.run_dir) / "data" / "cache")
-        dcfg = DataConfig(remote=remote, local_cache=cache, shuffle_seed=cfg.data.shuffle_seed,
-                          num_canonical_nodes=cfg.data.num_canonical_nodes,
-                          num_workers=cfg.data.num_workers)
-        return build_loader(dcfg, split=split, batch_size=batch, rank=self.topo.dp_rank,
-                            world_size=self.topo.dp_size, seq_len=cfg.data.seq_len,
-                            vocab_size=vocab)
+        dcfg = DataConfig(
+            remote=remote,
+            local_cache=cache,
+            shuffle_seed=cfg.data.shuffle_seed,
+            num_canonical_nodes=cfg.data.num_canonical_nodes,
+            num_workers=cfg.data.num_workers,
+        )
+        return build_loader(
+            dcfg,
+            split=split,
+            batch_size=batch,
+            rank=self.topo.dp_rank,
+            world_size=self.topo.dp_size,
+            seq_len=cfg.data.seq_len,
+            vocab_size=vocab,
+        )
 
     def _build_backend(self, model: nn.Module, micro: int, accum: int) -> _Backend:
         cfg, topo = self.cfg, self.topo
@@ -347,18 +376,29 @@ class Trainer:
             from gpn_scale.parallel import deepspeed as ds
 
             ds.prepare_env()
-            optimizer = optim_lib.build_adamw(model, cfg.optim.lr, betas, cfg.optim.eps,
-                                              cfg.optim.weight_decay, fused=fused)
-            ds_cfg = ds.ds_config(global_batch=cfg.train.global_batch_size, micro_batch=micro,
-                                  accum=accum, grad_clip=cfg.optim.grad_clip,
-                                  zero_stage=cfg.parallel.zero_stage, bf16=self.bf16,
-                                  persistence_threshold=cfg.parallel.zero3_persistence_threshold)
+            optimizer = optim_lib.build_adamw(
+                model, cfg.optim.lr, betas, cfg.optim.eps, cfg.optim.weight_decay, fused=fused
+            )
+            ds_cfg = ds.ds_config(
+                global_batch=cfg.train.global_batch_size,
+                micro_batch=micro,
+                accum=accum,
+                grad_clip=cfg.optim.grad_clip,
+                zero_stage=cfg.parallel.zero_stage,
+                bf16=self.bf16,
+                persistence_threshold=cfg.parallel.zero3_persistence_threshold,
+            )
             engine, ds_opt = ds.wrap(model, optimizer, ds_cfg)
             if cfg.parallel.zero_stage == 3:
-                parts = sum(1 for p in engine.module.parameters()
-                            if getattr(p, "ds_tensor", p).numel() < p.ds_numel)
-                self.log(f"deepspeed: ZeRO-3 partitions {parts} of "
-                         f"{len(list(engine.module.parameters()))} parameters")
+                parts = sum(
+                    1
+                    for p in engine.module.parameters()
+                    if getattr(p, "ds_tensor", p).numel() < p.ds_numel
+                )
+                self.log(
+                    f"deepspeed: ZeRO-3 partitions {parts} of "
+                    f"{len(list(engine.module.parameters()))} parameters"
+                )
             return _DeepSpeedBackend(engine, ds_opt)
         if self.backend_name == "fsdp2":
             from gpn_scale.parallel.fsdp import apply_fsdp2
@@ -366,14 +406,20 @@ class Trainer:
             # Compute dtype comes from autocast (bf16 on GPU), not from FSDP's param_dtype:
             # fp32 weights + autocast is what the model's fp32-state rule is written for
             # (bf16 param_dtype would halve the all-gathers; a later option).
-            apply_fsdp2(model, topo.dp_mesh, param_dtype=None,
-                        reduce_dtype=cfg.parallel.reduce_dtype,
-                        reshard_after_forward=cfg.parallel.reshard_after_forward)
-            optimizer = optim_lib.build_adamw(model, cfg.optim.lr, betas, cfg.optim.eps,
-                                              cfg.optim.weight_decay, fused=fused)
+            apply_fsdp2(
+                model,
+                topo.dp_mesh,
+                param_dtype=None,
+                reduce_dtype=cfg.parallel.reduce_dtype,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            )
+            optimizer = optim_lib.build_adamw(
+                model, cfg.optim.lr, betas, cfg.optim.eps, cfg.optim.weight_decay, fused=fused
+            )
             return _FSDP2Backend(model, optimizer)
-        optimizer = optim_lib.build_adamw(model, cfg.optim.lr, betas, cfg.optim.eps,
-                                          cfg.optim.weight_decay, fused=fused)
+        optimizer = optim_lib.build_adamw(
+            model, cfg.optim.lr, betas, cfg.optim.eps, cfg.optim.weight_decay, fused=fused
+        )
         return _PlainBackend(model, optimizer)
 
     def _autocast(self):
@@ -386,8 +432,14 @@ class Trainer:
         cfg = self.cfg
         self.run_dir = cfg.resolved_run_dir
         # What a failed start must not leave behind: the directories it would create.
-        self._new_dirs = _missing_tops([self.run_dir, str(Path(self.run_dir) / "data"),
-                                        cfg.resolved_checkpoint_root, cfg.data.local_cache])
+        self._new_dirs = _missing_tops(
+            [
+                self.run_dir,
+                str(Path(self.run_dir) / "data"),
+                cfg.resolved_checkpoint_root,
+                cfg.data.local_cache,
+            ]
+        )
         self._started = False
         self._setup_topology()
         topo = self.topo
@@ -418,10 +470,15 @@ class Trainer:
         self.bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
         deterministic = set_determinism(cfg, device)
         if cfg.train.deterministic == "auto":
-            self.log("train.deterministic=auto: deterministic algorithms "
-                     + ("on (CPU: exact resume)" if deterministic else
-                        f"off on {device.type} (faster kernels, no NaN-filled torch.empty; "
-                        "train.deterministic=true forces them on)"))
+            self.log(
+                "train.deterministic=auto: deterministic algorithms "
+                + (
+                    "on (CPU: exact resume)"
+                    if deterministic
+                    else f"off on {device.type} (faster kernels, no NaN-filled torch.empty; "
+                    "train.deterministic=true forces them on)"
+                )
+            )
         micro, accum = batch_layout(cfg, topo.dp_size)
         model_cfg = self._model_config()
         seq_len = cfg.data.seq_len
@@ -438,9 +495,11 @@ class Trainer:
         for uri, reason in mgr.skipped if self.resume == "auto" else ():
             self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
         if self.eval_only and resume_uri is None and not _no_resume(self.resume):
-            raise ConfigError(f"eval: no complete checkpoint under {mgr.root} to evaluate; "
-                              "pass --checkpoint URI, the run's run_dir / checkpoint.root, or "
-                              "--checkpoint none for the untrained model")
+            raise ConfigError(
+                f"eval: no complete checkpoint under {mgr.root} to evaluate; "
+                "pass --checkpoint URI, the run's run_dir / checkpoint.root, or "
+                "--checkpoint none for the untrained model"
+            )
         if not self.eval_only:
             finished = self._check_existing_run(mgr, resume_uri)
             if finished is not None:
@@ -452,8 +511,14 @@ class Trainer:
         remote = self._data_remote()
         from gpn_scale.train.preflight import check_data
 
-        check_data(cfg, remote, model_cfg.vocab_size, micro, topo.dp_size,
-                   evaluates=self.eval_only or cfg.eval.at_end or cfg.eval.every_steps > 0)
+        check_data(
+            cfg,
+            remote,
+            model_cfg.vocab_size,
+            micro,
+            topo.dp_size,
+            evaluates=self.eval_only or cfg.eval.at_end or cfg.eval.every_steps > 0,
+        )
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -471,8 +536,9 @@ class Trainer:
         if self.resume == "auto" and resume_uri is None and not self.eval_only:
             self.log(f"resume auto: no complete checkpoint under {mgr.root}; starting fresh")
         if resume_uri:
-            step, tokens, skipped, wandb_id = self._restore(mgr, resume_uri, backend,
-                                                            train_loader, model_cfg)
+            step, tokens, skipped, wandb_id = self._restore(
+                mgr, resume_uri, backend, train_loader, model_cfg
+            )
 
         if self.eval_only:
             if resume_uri is None:
@@ -488,10 +554,12 @@ class Trainer:
         tokens_per_step = cfg.train.global_batch_size * seq_len
         total = cfg.schedule.total_steps
         peak = peak_flops(device)
-        self.log(f"train: {model_cfg.name or cfg.model} ({n_params:,} params), backend "
-                 f"{self.backend_name}, world {topo.world_size}, micro {micro} x accum {accum}, "
-                 f"{'bf16' if self.bf16 else 'fp32'} on {device.type}; steps {step}->{total}; "
-                 f"run dir {self.run_dir}; checkpoints {cfg.resolved_checkpoint_root}")
+        self.log(
+            f"train: {model_cfg.name or cfg.model} ({n_params:,} params), backend "
+            f"{self.backend_name}, world {topo.world_size}, micro {micro} x accum {accum}, "
+            f"{'bf16' if self.bf16 else 'fp32'} on {device.type}; steps {step}->{total}; "
+            f"run dir {self.run_dir}; checkpoints {cfg.resolved_checkpoint_root}"
+        )
 
         flag = PreemptionFlag().install() if cfg.preemption.enabled else None
         self._pbar = self._progress(step, total)
@@ -504,8 +572,9 @@ class Trainer:
         try:
             while step < total:
                 t0 = time.perf_counter()
-                lr = optim_lib.lr_at(step, cfg.optim.lr, cfg.schedule.warmup_steps, total,
-                                     cfg.schedule.min_lr_ratio)
+                lr = optim_lib.lr_at(
+                    step, cfg.optim.lr, cfg.schedule.warmup_steps, total, cfg.schedule.min_lr_ratio
+                )
                 if isinstance(backend, _DeepSpeedBackend):
                     backend.set_lr(lr)  # before engine.step() applies it
                 loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -516,7 +585,8 @@ class Trainer:
                     t_data += time.perf_counter() - td
                     with self._autocast():
                         loss, new_state = backend.forward_loss(
-                            tokens_b, state, want_state=cfg.train.stateful_windows)
+                            tokens_b, state, want_state=cfg.train.stateful_windows
+                        )
                     if self._inject_nan(step):
                         loss = loss * float("nan")
                     backend.backward(loss, accum, last_micro=i == accum - 1)
@@ -525,8 +595,9 @@ class Trainer:
                         state = new_state.detach()
                 loss_val = float(topo.all_reduce_mean(loss_sum / accum))
                 t_update = time.perf_counter()
-                grad_norm, applied = backend.clip_and_step(cfg.optim.grad_clip, lr,
-                                                           math.isfinite(loss_val))
+                grad_norm, applied = backend.clip_and_step(
+                    cfg.optim.grad_clip, lr, math.isfinite(loss_val)
+                )
                 t_update = time.perf_counter() - t_update
                 step += 1
                 tokens += tokens_per_step
@@ -538,21 +609,42 @@ class Trainer:
                 else:
                     skipped += 1
                     in_a_row += 1
-                    self.log(f"step {step}: non-finite loss or gradient (loss {loss_val}, grad "
-                             f"norm {grad_norm}); update skipped ({in_a_row} in a row, "
-                             f"{skipped} in total)")
+                    self.log(
+                        f"step {step}: non-finite loss or gradient (loss {loss_val}, grad "
+                        f"norm {grad_norm}); update skipped ({in_a_row} in a row, "
+                        f"{skipped} in total)"
+                    )
                 if step % cfg.train.log_every == 0 or step == total or not applied:
                     tps = tokens_per_step / dt
                     mfu = (flops_tok * tps / (peak * topo.world_size)) if peak else None
                     if self._pbar is None:  # a log file (SLURM): plain lines, no bar
-                        self.log(progress_line(step, total, loss_val, lr, tps, mfu,
-                                               (time.perf_counter() - t_loop) / (step - step0)))
-                    self._emit({"train/loss": loss_val, "lr": lr, "grad_norm": grad_norm,
-                                "tokens_per_s": tps, "mfu": mfu,
-                                "step_time_s": dt, "mem_gb": memory_gb(device),
-                                "skipped_steps": skipped, "step_skipped": not applied,
-                                **self._breakdown(dt, t_data, t_update, backend)},
-                               step, tokens)
+                        self.log(
+                            progress_line(
+                                step,
+                                total,
+                                loss_val,
+                                lr,
+                                tps,
+                                mfu,
+                                (time.perf_counter() - t_loop) / (step - step0),
+                            )
+                        )
+                    self._emit(
+                        {
+                            "train/loss": loss_val,
+                            "lr": lr,
+                            "grad_norm": grad_norm,
+                            "tokens_per_s": tps,
+                            "mfu": mfu,
+                            "step_time_s": dt,
+                            "mem_gb": memory_gb(device),
+                            "skipped_steps": skipped,
+                            "step_skipped": not applied,
+                            **self._breakdown(dt, t_data, t_update, backend),
+                        },
+                        step,
+                        tokens,
+                    )
                 if self._pbar is not None:
                     self._pbar.update(1)
                     self._pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -560,33 +652,56 @@ class Trainer:
                     time.sleep(cfg.debug.step_sleep)
 
                 if in_a_row >= cfg.train.max_nonfinite_in_a_row:
-                    msg = (f"stopping at step {step}: {in_a_row} consecutive steps had a "
-                           f"non-finite loss or gradient (train.max_nonfinite_in_a_row="
-                           f"{cfg.train.max_nonfinite_in_a_row}); the last good checkpoint is "
-                           f"{last_ckpt or 'none (no checkpoint was written)'}; lower optim.lr "
-                           "or check the data, then --resume auto")
+                    msg = (
+                        f"stopping at step {step}: {in_a_row} consecutive steps had a "
+                        f"non-finite loss or gradient (train.max_nonfinite_in_a_row="
+                        f"{cfg.train.max_nonfinite_in_a_row}); the last good checkpoint is "
+                        f"{last_ckpt or 'none (no checkpoint was written)'}; lower optim.lr "
+                        "or check the data, then --resume auto"
+                    )
                     self.log(msg)
-                    self._emit({"event": "stopped_nonfinite", "skipped_steps": skipped}, step,
-                               tokens)
-                    return RunResult(EXIT_NONFINITE, step, tokens, self.run_dir, last_ckpt,
-                                     skipped_steps=skipped, message=msg)
+                    self._emit(
+                        {"event": "stopped_nonfinite", "skipped_steps": skipped}, step, tokens
+                    )
+                    return RunResult(
+                        EXIT_NONFINITE,
+                        step,
+                        tokens,
+                        self.run_dir,
+                        last_ckpt,
+                        skipped_steps=skipped,
+                        message=msg,
+                    )
 
                 preempt = flag is not None and topo.all_reduce_max(float(flag.requested)) > 0
                 if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
                     final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
-                if preempt or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
-                               and step < total):
-                    last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader,
-                                           model_cfg)
+                if preempt or (
+                    cfg.checkpoint.every_steps
+                    and step % cfg.checkpoint.every_steps == 0
+                    and step < total
+                ):
+                    last_ckpt = self._save(
+                        mgr, backend, step, tokens, skipped, train_loader, model_cfg
+                    )
                 if preempt:
-                    self.log(f"preempted (signal {flag.signum or 'on another rank'}) at step "
-                             f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
-                             "with --resume auto")
+                    self.log(
+                        f"preempted (signal {flag.signum or 'on another rank'}) at step "
+                        f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
+                        "with --resume auto"
+                    )
                     self._emit({"event": "preempted"}, step, tokens)
                     if cfg.preemption.requeue and topo.is_main and not flag.interrupted:
                         request_slurm_requeue(self.log)
-                    return RunResult(EXIT_PREEMPTED, step, tokens, self.run_dir, last_ckpt,
-                                     skipped_steps=skipped, message="preempted")
+                    return RunResult(
+                        EXIT_PREEMPTED,
+                        step,
+                        tokens,
+                        self.run_dir,
+                        last_ckpt,
+                        skipped_steps=skipped,
+                        message="preempted",
+                    )
         finally:
             if flag is not None:
                 flag.uninstall()
@@ -603,17 +718,28 @@ class Trainer:
             sd = backend.full_state_dict()
             if sd is not None:
                 torch.save(sd, Path(self.run_dir) / "model_final.pt")
-        done = {"step": step, "tokens": tokens,
-                "final_eval_loss": final_eval.get("eval/loss"), "params": n_params,
-                "flops": flops_tok * tokens, "skipped_steps": skipped,
-                "checkpoint": last_ckpt, "run_dir": self.run_dir}
+        done = {
+            "step": step,
+            "tokens": tokens,
+            "final_eval_loss": final_eval.get("eval/loss"),
+            "params": n_params,
+            "flops": flops_tok * tokens,
+            "skipped_steps": skipped,
+            "checkpoint": last_ckpt,
+            "run_dir": self.run_dir,
+        }
         if topo.is_main:
             mgr.storage.put_bytes(DONE_MARKER, json.dumps(done, indent=1).encode())
         topo.barrier()
-        self.log(f"done: step {step}, {tokens:,} tokens"
-                 + (f", held-out loss {final_eval['eval/loss']:.4f} (ppl "
-                    f"{final_eval['eval/ppl']:.2f})" if final_eval else "")
-                 + f"; checkpoint {last_ckpt}; metrics {Path(self.run_dir) / 'metrics.jsonl'}")
+        self.log(
+            f"done: step {step}, {tokens:,} tokens"
+            + (
+                f", held-out loss {final_eval['eval/loss']:.4f} (ppl {final_eval['eval/ppl']:.2f})"
+                if final_eval
+                else ""
+            )
+            + f"; checkpoint {last_ckpt}; metrics {Path(self.run_dir) / 'metrics.jsonl'}"
+        )
         return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
 
     # ------------------------------------------------------------------ pieces
@@ -630,11 +756,16 @@ class Trainer:
                 return None
             ckpts = mgr.list_checkpoints()
             if ckpts or done is not None:
-                what = (f"checkpoints (newest step {ckpts[0][0]})" if ckpts
-                        else "a DONE marker (a finished run)")
-                raise ConfigError(f"checkpoint.root {mgr.root} already holds {what}; "
-                                  "--resume auto continues that run, --fresh deletes it and "
-                                  "starts over, or choose another run_dir / checkpoint.root")
+                what = (
+                    f"checkpoints (newest step {ckpts[0][0]})"
+                    if ckpts
+                    else "a DONE marker (a finished run)"
+                )
+                raise ConfigError(
+                    f"checkpoint.root {mgr.root} already holds {what}; "
+                    "--resume auto continues that run, --fresh deletes it and "
+                    "starts over, or choose another run_dir / checkpoint.root"
+                )
             return None
         if done is None:
             return None
@@ -642,16 +773,26 @@ class Trainer:
         ckpt_step = last_ckpt_step(resume_uri)
         total = self.cfg.schedule.total_steps
         if done_step >= total and (ckpt_step is None or ckpt_step <= done_step):
-            msg = (f"run already finished at step {done_step} ({mgr.storage.child_uri(DONE_MARKER)}); "
-                   "nothing to do: raise schedule.total_steps to train further, or --fresh "
-                   "to start over")
+            msg = (
+                f"run already finished at step {done_step} ({mgr.storage.child_uri(DONE_MARKER)}); "
+                "nothing to do: raise schedule.total_steps to train further, or --fresh "
+                "to start over"
+            )
             self.log(msg)
-            return RunResult(0, done_step, int(done.get("tokens", 0) or 0), self.run_dir,
-                             done.get("checkpoint") or resume_uri, message=msg)
+            return RunResult(
+                0,
+                done_step,
+                int(done.get("tokens", 0) or 0),
+                self.run_dir,
+                done.get("checkpoint") or resume_uri,
+                message=msg,
+            )
         if resume_uri is None:
-            raise ConfigError(f"{mgr.storage.child_uri(DONE_MARKER)} says the run finished at "
-                              f"step {done_step} but no checkpoint is left to continue it to "
-                              f"schedule.total_steps={total}; --fresh starts over")
+            raise ConfigError(
+                f"{mgr.storage.child_uri(DONE_MARKER)} says the run finished at "
+                f"step {done_step} but no checkpoint is left to continue it to "
+                f"schedule.total_steps={total}; --fresh starts over"
+            )
         return None
 
     def _discard_previous_run(self, mgr) -> None:
@@ -671,8 +812,9 @@ class Trainer:
         for path in self._new_dirs:
             shutil.rmtree(path, ignore_errors=True)
 
-    def _breakdown(self, dt: float, t_data: float, t_update: float, backend: _Backend
-                   ) -> dict[str, float]:
+    def _breakdown(
+        self, dt: float, t_data: float, t_update: float, backend: _Backend
+    ) -> dict[str, float]:
         """Where a step's time went (CPU only: without a device sync GPU times would lie).
 
         model = forward + backward (+ the loss all-reduce), update = grad norm + clip +
@@ -681,13 +823,18 @@ class Trainer:
         """
         if self.topo.device.type != "cpu":
             return {}
-        return {"time/data_s": t_data, "time/model_s": dt - t_data - t_update,
-                "time/update_s": t_update, "time/optim_s": backend.last_optim_s}
+        return {
+            "time/data_s": t_data,
+            "time/model_s": dt - t_data - t_update,
+            "time/update_s": t_update,
+            "time/optim_s": backend.last_optim_s,
+        }
 
     def _inject_nan(self, step: int) -> bool:
         d = self.cfg.debug
-        return step + 1 in d.inject_nan_steps or (d.inject_nan_from is not None
-                                                  and step + 1 >= d.inject_nan_from)
+        return step + 1 in d.inject_nan_steps or (
+            d.inject_nan_from is not None and step + 1 >= d.inject_nan_from
+        )
 
     def _batches(self, loader) -> Iterator[torch.Tensor]:
         while True:  # epochs: iterating the loader again starts the next one
@@ -698,8 +845,10 @@ class Trainer:
             if not got:  # a data error (exit 2) like the others, not a training failure
                 from gpn_scale.data import DataError
 
-                raise DataError("the training split yielded no batch; lower "
-                                "train.global_batch_size or use more data")
+                raise DataError(
+                    "the training split yielded no batch; lower "
+                    "train.global_batch_size or use more data"
+                )
 
     def _progress(self, step: int, total: int):
         # Not on a terminal (a SLURM log, a pipe): carriage-return redraws would fill the
@@ -708,24 +857,40 @@ class Trainer:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                    mininterval=1.0, file=sys.stderr)
+        return tqdm(
+            total=total,
+            initial=step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            file=sys.stderr,
+        )
 
-    def _evaluate(self, backend: _Backend, val_loader, val_start, step: int, tokens: int
-                  ) -> dict[str, float]:
+    def _evaluate(
+        self, backend: _Backend, val_loader, val_start, step: int, tokens: int
+    ) -> dict[str, float]:
         from gpn_scale.eval.heldout import heldout_loss
 
         val_loader.load_state_dict(val_start)
         backend.train(False)
         try:
-            result = heldout_loss(backend.eval_forward, val_loader, self.cfg.eval.batches,
-                                  self.topo.device, self._autocast, self._all_reduce_sum)
+            result = heldout_loss(
+                backend.eval_forward,
+                val_loader,
+                self.cfg.eval.batches,
+                self.topo.device,
+                self._autocast,
+                self._all_reduce_sum,
+            )
         finally:
             backend.train(True)
         self._emit(result, step, tokens)
         if self._pbar is not None:
-            self._pbar.write(f"step {step}: held-out loss {result['eval/loss']:.4f} "
-                             f"(ppl {result['eval/ppl']:.2f})")
+            self._pbar.write(
+                f"step {step}: held-out loss {result['eval/loss']:.4f} "
+                f"(ppl {result['eval/ppl']:.2f})"
+            )
         return result
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -737,24 +902,35 @@ class Trainer:
         dist.all_reduce(t)
         return t.cpu()
 
-    def _save(self, mgr, backend: _Backend, step: int, tokens: int, skipped: int, loader,
-              model_cfg) -> str:
+    def _save(
+        self, mgr, backend: _Backend, step: int, tokens: int, skipped: int, loader, model_cfg
+    ) -> str:
         finite = 0.0 if backend.weights_finite() else 1.0
         if self.topo.all_reduce_max(finite) > 0:
-            raise TrainingError(f"refusing to checkpoint at step {step}: the weights are not "
-                                "finite; the previous checkpoint is kept")
-        meta = {"step": step, "tokens": tokens, "skipped_steps": skipped,
-                "loader": loader.state_dict(), "wandb_run_id": self._wandb_id,
-                "world_size": self.topo.world_size, "backend": self.backend_name,
-                "model_config": model_cfg.to_dict(), "config": self.cfg.to_dict()}
+            raise TrainingError(
+                f"refusing to checkpoint at step {step}: the weights are not "
+                "finite; the previous checkpoint is kept"
+            )
+        meta = {
+            "step": step,
+            "tokens": tokens,
+            "skipped_steps": skipped,
+            "loader": loader.state_dict(),
+            "wandb_run_id": self._wandb_id,
+            "world_size": self.topo.world_size,
+            "backend": self.backend_name,
+            "model_config": model_cfg.to_dict(),
+            "config": self.cfg.to_dict(),
+        }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
         uri = backend.save(mgr, step, meta, rank_state)
         self.log(f"step {step}: checkpoint {uri}")
         self._emit({"event": "checkpoint", "checkpoint": uri}, step, tokens)
         return uri
 
-    def _restore(self, mgr, uri: str, backend: _Backend, loader, model_cfg
-                 ) -> tuple[int, int, int, str | None]:
+    def _restore(
+        self, mgr, uri: str, backend: _Backend, loader, model_cfg
+    ) -> tuple[int, int, int, str | None]:
         # Check the model shape from the manifest before DCP tries (and fails less clearly).
         # From the manifest wherever it is (an explicit --resume URI may be another run's).
         check_model_compatible(mgr.read_meta(uri).get("model_config"), model_cfg, uri)
@@ -771,14 +947,19 @@ class Trainer:
         if not self.eval_only:
             for line in changed_settings(meta.get("config"), self.cfg.to_dict()):
                 self.log(f"warning: resuming with a changed setting: {line}")
-        return int(meta["step"]), int(meta["tokens"]), int(meta.get("skipped_steps", 0)), \
-            meta.get("wandb_run_id")
+        return (
+            int(meta["step"]),
+            int(meta["tokens"]),
+            int(meta.get("skipped_steps", 0)),
+            meta.get("wandb_run_id"),
+        )
 
     _wandb_id: str | None = None
     _sinks: list = []
 
-    def _open_sinks(self, resume_step: int | None, wandb_id: str | None, model_cfg,
-                    n_params: int) -> None:
+    def _open_sinks(
+        self, resume_step: int | None, wandb_id: str | None, model_cfg, n_params: int
+    ) -> None:
         self._sinks = []
         self._wandb_id = wandb_id  # kept in later checkpoints even if W&B is off this time
         if not self.topo.is_main:
@@ -798,12 +979,21 @@ class Trainer:
         if wb.mode != "disabled":
             from gpn_scale.train.metrics import WandbSink
 
-            config = scrub_secrets({**self.cfg.to_dict(), "model_config": model_cfg.to_dict(),
-                                    "params": n_params})
-            sink = WandbSink(project=wb.project, group=wb.group, job_type=wb.job_type,
-                             name=self.cfg.run_name, config=config, mode=wb.mode,
-                             dir=wb.dir or str(run_dir), resume_id=wandb_id,
-                             init_timeout=wb.init_timeout, log=self.log)
+            config = scrub_secrets(
+                {**self.cfg.to_dict(), "model_config": model_cfg.to_dict(), "params": n_params}
+            )
+            sink = WandbSink(
+                project=wb.project,
+                group=wb.group,
+                job_type=wb.job_type,
+                name=self.cfg.run_name,
+                config=config,
+                mode=wb.mode,
+                dir=wb.dir or str(run_dir),
+                resume_id=wandb_id,
+                init_timeout=wb.init_timeout,
+                log=self.log,
+            )
             self._wandb_id = sink.run_id
             self._sinks.append(sink)
 
@@ -812,13 +1002,22 @@ class Trainer:
             sink.log({"tokens": tokens, **metrics}, step=step)
 
 
-def progress_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float,
-                  mfu: float | None, s_per_step: float) -> str:
+def progress_line(
+    step: int,
+    total: int,
+    loss: float,
+    lr: float,
+    tokens_per_s: float,
+    mfu: float | None,
+    s_per_step: float,
+) -> str:
     """The plain progress line written instead of the tqdm bar when stderr is no terminal."""
     eta = int(round(s_per_step * (total - step)))
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s"
-            f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
-            f" | ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+    return (
+        f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s"
+        f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+        f" | ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
+    )
 
 
 def _no_resume(resume: str) -> bool:
@@ -874,10 +1073,22 @@ def check_model_compatible(saved: dict | None, current, uri: str) -> None:
     """One line when a checkpoint was written for another model shape."""
     if not saved:
         return
-    shape_keys = ("vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "memory", "n_heads",
-                  "d_key", "d_value", "decoder_bias")
+    shape_keys = (
+        "vocab_size",
+        "d_state",
+        "d_emb",
+        "d_ffn",
+        "n_layers",
+        "memory",
+        "n_heads",
+        "d_key",
+        "d_value",
+        "decoder_bias",
+    )
     cur = current.to_dict()
     diff = [f"{k} {saved.get(k)} != {cur.get(k)}" for k in shape_keys if saved.get(k) != cur.get(k)]
     if diff:
-        raise ConfigError(f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
-                          "use the model config it was trained with, or a fresh checkpoint.root")
+        raise ConfigError(
+            f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
+            "use the model config it was trained with, or a fresh checkpoint.root"
+        )

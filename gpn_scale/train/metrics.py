@@ -78,8 +78,10 @@ class JsonlSink:
             self._repair(resume_step)
             self._file = open(self.path, "a", encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot write metrics file {self.path} ({exc.strerror or exc}); "
-                              "choose a writable run_dir") from exc
+            raise ConfigError(
+                f"cannot write metrics file {self.path} ({exc.strerror or exc}); "
+                "choose a writable run_dir"
+            ) from exc
 
     def _repair(self, resume_step: int | None) -> None:
         """Drop a torn last line and, on resume, lines beyond the resumed step (atomic rewrite)."""
@@ -149,11 +151,50 @@ def read_jsonl(path: str | os.PathLike[str], *, live: bool = False) -> list[dict
 
 # Key words that name a credential on their own, or after a qualifier ("api_key", "hf_token").
 # Plain "key"/"token" are not enough: model configs have d_key, vocab configs have eos_token.
-_SECRET_WORDS = {"secret", "secrets", "password", "passwd", "pwd", "passphrase", "credential", "credentials",
-                 "apikey", "privatekey", "accesskey", "secretkey", "authtoken", "accesstoken", "bearer"}
-_QUALIFIERS = {"api", "access", "secret", "private", "auth", "session", "refresh", "bearer", "ssh", "signing",
-               "encryption", "client", "wandb", "hf", "huggingface", "github", "gh", "aws", "openai", "slack",
-               "s3", "gcs", "azure", "token", "id"}
+_SECRET_WORDS = {
+    "secret",
+    "secrets",
+    "password",
+    "passwd",
+    "pwd",
+    "passphrase",
+    "credential",
+    "credentials",
+    "apikey",
+    "privatekey",
+    "accesskey",
+    "secretkey",
+    "authtoken",
+    "accesstoken",
+    "bearer",
+}
+_QUALIFIERS = {
+    "api",
+    "access",
+    "secret",
+    "private",
+    "auth",
+    "session",
+    "refresh",
+    "bearer",
+    "ssh",
+    "signing",
+    "encryption",
+    "client",
+    "wandb",
+    "hf",
+    "huggingface",
+    "github",
+    "gh",
+    "aws",
+    "openai",
+    "slack",
+    "s3",
+    "gcs",
+    "azure",
+    "token",
+    "id",
+}
 _SECRET_TAILS = {"key", "token", "keys", "tokens"}
 _VALUE_PATTERNS = [
     re.compile(r"^(AKIA|ASIA)[0-9A-Z]{16}$"),  # AWS access key id
@@ -165,8 +206,12 @@ _VALUE_PATTERNS = [
     re.compile(r"^(local-|wandb_v\d+_)?[0-9a-f]{40}$"),  # W&B API key (40 hex; see _HASHY_KEYS)
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),  # PEM private key
 ]
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s:@]+):(?P<pw>[^/\s@]+)@")
-_HASHY_KEYS = re.compile(r"(sha|commit|hash|digest|rev|revision|checksum|etag|uuid|run_id|id)$", re.I)
+_URL_CREDENTIALS = re.compile(
+    r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s:@]+):(?P<pw>[^/\s@]+)@"
+)
+_HASHY_KEYS = re.compile(
+    r"(sha|commit|hash|digest|rev|revision|checksum|etag|uuid|run_id|id)$", re.I
+)
 
 
 def _words(key: str) -> list[str]:
@@ -194,7 +239,9 @@ def looks_like_secret(value: str, key: str = "") -> bool:
     text = value.strip()
     for pattern in _VALUE_PATTERNS:
         if pattern.search(text):
-            if pattern.pattern.startswith("^(local-") and _HASHY_KEYS.search(_words(key)[-1] if _words(key) else ""):
+            if pattern.pattern.startswith("^(local-") and _HASHY_KEYS.search(
+                _words(key)[-1] if _words(key) else ""
+            ):
                 return False  # a git commit or content hash, not an API key
             return True
     return False
@@ -212,8 +259,14 @@ def scrub_secrets(config: Mapping[str, Any]) -> dict[str, Any]:
 
     def walk(value: Any, key: str) -> Any:
         if isinstance(value, Mapping):
-            return {k: (REDACTED if is_secret_key(str(k)) and v not in (None, "", {}, []) else walk(v, str(k)))
-                    for k, v in value.items()}
+            return {
+                k: (
+                    REDACTED
+                    if is_secret_key(str(k)) and v not in (None, "", {}, [])
+                    else walk(v, str(k))
+                )
+                for k, v in value.items()
+            }
         if isinstance(value, (list, tuple)):
             return [walk(v, key) for v in value]
         if isinstance(value, str):
@@ -252,7 +305,9 @@ class WandbSink:
         log: Callable[[str], None] | None = None,
     ) -> None:
         if mode not in _WANDB_MODES:
-            raise ConfigError(f"logging.wandb.mode={mode!r} is not one of {'/'.join(_WANDB_MODES)}; pick one")
+            raise ConfigError(
+                f"logging.wandb.mode={mode!r} is not one of {'/'.join(_WANDB_MODES)}; pick one"
+            )
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
@@ -260,9 +315,11 @@ class WandbSink:
         # say where it connects, and bound the wait with its init_timeout.
         base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
         if mode == "online":
-            (log or _stderr)(f"W&B: connecting to {base_url} (gives up after "
-                             f"logging.wandb.init_timeout={init_timeout:g} s; "
-                             "logging.wandb.mode=offline logs without a server)")
+            (log or _stderr)(
+                f"W&B: connecting to {base_url} (gives up after "
+                f"logging.wandb.init_timeout={init_timeout:g} s; "
+                "logging.wandb.mode=offline logs without a server)"
+            )
         try:
             self._run = wandb.init(
                 project=project,
@@ -277,8 +334,9 @@ class WandbSink:
                 resume="allow" if resume_id else None,
                 reinit="create_new",  # several sinks (tests, eval after train) in one process
                 # console="off": W&B must not wrap stdout/stderr (progress bars, one-line errors).
-                settings=wandb.Settings(console="off", silent=True, init_timeout=init_timeout,
-                                        **(settings or {})),
+                settings=wandb.Settings(
+                    console="off", silent=True, init_timeout=init_timeout, **(settings or {})
+                ),
             )
         except Exception as exc:  # noqa: BLE001 - surface as one line before training starts
             raise ConfigError(_init_failure(exc, mode, base_url, init_timeout)) from exc
@@ -324,12 +382,16 @@ def _init_failure(exc: BaseException, mode: str, base_url: str, timeout: float) 
     msg = " ".join(str(exc).split()).split(" Consider increasing the init_timeout")[0][:300]
     what = f"{type(exc).__name__}: {msg}"
     if "api key" in msg.lower():
-        return (f"W&B init failed in mode {mode!r} ({what}); set WANDB_API_KEY (or run `wandb "
-                "login`) or use logging.wandb.mode=offline")
+        return (
+            f"W&B init failed in mode {mode!r} ({what}); set WANDB_API_KEY (or run `wandb "
+            "login`) or use logging.wandb.mode=offline"
+        )
     if mode == "online" and ("timed out" in msg.lower() or "connect" in msg.lower()):
-        return (f"W&B server {base_url} not reachable within logging.wandb.init_timeout="
-                f"{timeout:g} s ({what}); use logging.wandb.mode=offline (upload later with "
-                "`wandb sync`) or fix WANDB_BASE_URL / the network")
+        return (
+            f"W&B server {base_url} not reachable within logging.wandb.init_timeout="
+            f"{timeout:g} s ({what}); use logging.wandb.mode=offline (upload later with "
+            "`wandb sync`) or fix WANDB_BASE_URL / the network"
+        )
     return f"W&B init failed in mode {mode!r} ({what}); use logging.wandb.mode=offline"
 
 
@@ -348,7 +410,9 @@ def _wait_for_exit_record(path: Path, timeout_s: float = 20.0) -> None:
             if rec.WhichOneof("record_type") == "exit":
                 return
         time.sleep(0.05)
-    warnings.warn(f"W&B offline file {path} has no exit record after {timeout_s:.0f}s", stacklevel=3)
+    warnings.warn(
+        f"W&B offline file {path} has no exit record after {timeout_s:.0f}s", stacklevel=3
+    )
 
 
 def _plain_wandb(value: Any) -> Any:
@@ -443,7 +507,9 @@ def read_offline_run(wandb_dir: str | os.PathLike[str], run_id: str | None = Non
     files = [p for p in files if p.stem == f"run-{run_id}"]
     if not files:
         raise FileNotFoundError(f"no W&B files for run {run_id} under {wandb_dir}")
-    run = OfflineRun(run_id=run_id, config={}, history=[], summary={}, files=[str(p) for p in files])
+    run = OfflineRun(
+        run_id=run_id, config={}, history=[], summary={}, files=[str(p) for p in files]
+    )
     for path in files:
         for raw in _leveldb_records(path.read_bytes()):
             rec = pb.Record()  # type: ignore[attr-defined]  # generated protobuf module

@@ -32,19 +32,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if decays(name, p) else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
-def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float,
-                weight_decay: float, fused: bool = False) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    fused: bool = False,
+) -> torch.optim.AdamW:
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     # CPU: the per-tensor loop (torch's CPU default, made explicit) gives bit-identical results
     # however parameters are grouped (FSDP2 shards vs whole tensors); the equality tests rely
     # on it. GPU: torch's default (foreach) or fused when asked.
     kwargs = {"fused": True} if fused else ({"foreach": False} if on_cpu else {})
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
-                             **kwargs)
+    return torch.optim.AdamW(
+        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **kwargs
+    )
 
 
 def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -33,8 +33,9 @@ def model_config(cfg: TrainConfig) -> Any:
         if sep and field in cfg.model_overrides:
             raise ConfigError(f"model_overrides.{field}: {rest}") from None
         if cfg.model_overrides:  # a field of the model file that the overrides made invalid
-            raise ConfigError(f"model={cfg.model} with model_overrides "
-                              f"{dict(cfg.model_overrides)}: {msg}") from None
+            raise ConfigError(
+                f"model={cfg.model} with model_overrides {dict(cfg.model_overrides)}: {msg}"
+            ) from None
         raise
 
 
@@ -53,15 +54,22 @@ def check_local_dir(path_str: str, key: str) -> bool:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"{key} {path_str}: {probe} is a file, not a directory; choose "
-                          f"another {key}")
+        raise ConfigError(
+            f"{key} {path_str}: {probe} is a file, not a directory; choose another {key}"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{key} {path_str}: {probe} is not writable; choose another {key}")
     return probe == path
 
 
-def check_data(cfg: TrainConfig, remote: str, vocab_size: int, micro_batch: int,
-               dp_size: int, evaluates: bool = True) -> Any:
+def check_data(
+    cfg: TrainConfig,
+    remote: str,
+    vocab_size: int,
+    micro_batch: int,
+    dp_size: int,
+    evaluates: bool = True,
+) -> Any:
     """The dataset's metadata, after checking that this run can use it: `data.seq_len`, the
     model's vocabulary, and enough windows for one training step and (when the run
     evaluates) one eval batch."""
@@ -70,26 +78,37 @@ def check_data(cfg: TrainConfig, remote: str, vocab_size: int, micro_batch: int,
 
     meta = read_metadata(remote)
     if cfg.data.seq_len != meta.seq_len:
-        raise DataError(f"data.seq_len={cfg.data.seq_len} does not match the dataset {remote} "
-                        f"(windows of {meta.seq_len} tokens); set data.seq_len={meta.seq_len} "
-                        f"or rebuild the data with --seq-len {cfg.data.seq_len}")
+        raise DataError(
+            f"data.seq_len={cfg.data.seq_len} does not match the dataset {remote} "
+            f"(windows of {meta.seq_len} tokens); set data.seq_len={meta.seq_len} "
+            f"or rebuild the data with --seq-len {cfg.data.seq_len}"
+        )
     if vocab_size < meta.vocab_size:
-        raise DataError(f"the model's vocab_size {vocab_size} (model={cfg.model}) is below "
-                        f"the dataset's {meta.vocab_size} ({remote}); set "
-                        f"model_overrides.vocab_size={meta.vocab_size} or use other data")
+        raise DataError(
+            f"the model's vocab_size {vocab_size} (model={cfg.model}) is below "
+            f"the dataset's {meta.vocab_size} ({remote}); set "
+            f"model_overrides.vocab_size={meta.vocab_size} or use other data"
+        )
     for split, need, key in (
-            ("train", cfg.train.global_batch_size, "train.global_batch_size"),
-            ("val", (cfg.eval.batch_size or micro_batch) * dp_size,
-             "eval.batch_size" if cfg.eval.batch_size else "train.global_batch_size "
-             "(or set eval.batch_size)")):
+        ("train", cfg.train.global_batch_size, "train.global_batch_size"),
+        (
+            "val",
+            (cfg.eval.batch_size or micro_batch) * dp_size,
+            "eval.batch_size"
+            if cfg.eval.batch_size
+            else "train.global_batch_size (or set eval.batch_size)",
+        ),
+    ):
         if split == "val" and not evaluates:
             continue
         info = meta.splits.get(split)
         have = info.samples if info is not None else 0
         if have < need:
-            raise DataError(f"data.remote {remote}: the {split} split has {have} windows, "
-                            f"fewer than one batch needs ({need}); lower {key} or build "
-                            "more data")
+            raise DataError(
+                f"data.remote {remote}: the {split} split has {have} windows, "
+                f"fewer than one batch needs ({need}); lower {key} or build "
+                "more data"
+            )
     return meta
 
 
@@ -123,8 +142,7 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     if resume_uri:  # the shape check a start makes before loading
         from gpn_scale.train.loop import check_model_compatible
 
-        check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg,
-                               resume_uri)
+        check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg, resume_uri)
     if cfg.data.remote == DEFAULT_CORPUS:
         built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
         if (built / "gpn_dataset.json").is_file():
@@ -133,8 +151,9 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
         else:
             data = f"the embedded default corpus, built on first use under {built}"
     else:
-        data = _data_line(cfg.data.remote, check_data(cfg, cfg.data.remote,
-                                                     model_cfg.vocab_size, micro, world))
+        data = _data_line(
+            cfg.data.remote, check_data(cfg, cfg.data.remote, model_cfg.vocab_size, micro, world)
+        )
 
     resolved = copy.deepcopy(cfg)
     resolved.run_dir, resolved.checkpoint.root = run_dir, ckpt_root
@@ -147,11 +166,16 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
         f"world {world}; {cfg.schedule.total_steps} steps, {tokens:,} tokens",
         f"run_dir: {run_dir}{'' if run_dir_exists else ' (would be created)'}",
         f"checkpoints: {where}",
-        "resume: " + (f"{resume} -> {resume_uri}" if resume_uri else
-                      f"{resume}: no complete checkpoint, would start fresh" if resume == "auto"
-                      else "none: would start fresh"),
-        f"W&B: {cfg.logging.wandb.mode}" + (" (not contacted by --dry-run)"
-                                            if cfg.logging.wandb.mode == "online" else ""),
+        "resume: "
+        + (
+            f"{resume} -> {resume_uri}"
+            if resume_uri
+            else f"{resume}: no complete checkpoint, would start fresh"
+            if resume == "auto"
+            else "none: would start fresh"
+        ),
+        f"W&B: {cfg.logging.wandb.mode}"
+        + (" (not contacted by --dry-run)" if cfg.logging.wandb.mode == "online" else ""),
         "dry run: config, model, data and checkpoint locations are valid; nothing was "
         "trained or written",
     ]
@@ -159,6 +183,10 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
 
 
 def _data_line(remote: str, meta: Any) -> str:
-    return (f"{remote} (seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
-            + ", ".join(f"{name} {info.samples:,} windows" for name, info in
-                        sorted(meta.splits.items())) + ")")
+    return (
+        f"{remote} (seq_len {meta.seq_len}, vocab {meta.vocab_size}, "
+        + ", ".join(
+            f"{name} {info.samples:,} windows" for name, info in sorted(meta.splits.items())
+        )
+        + ")"
+    )

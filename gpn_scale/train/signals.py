@@ -49,8 +49,11 @@ class PreemptionFlag:
             raise KeyboardInterrupt  # the second Ctrl-C: abort without saving
         self.interrupted = True
         self._handler(signum, frame)
-        os.write(2, b"interrupted (Ctrl-C): saving a checkpoint at the end of this step, "
-                    b"then exiting; press Ctrl-C again to abort without saving\n")
+        os.write(
+            2,
+            b"interrupted (Ctrl-C): saving a checkpoint at the end of this step, "
+            b"then exiting; press Ctrl-C again to abort without saving\n",
+        )
 
     def install(self) -> PreemptionFlag:
         for sig in PREEMPT_SIGNALS:
@@ -71,8 +74,9 @@ def request_slurm_requeue(log=print) -> bool:
         log("preemption: not under SLURM (or no scontrol); not requeueing")
         return False
     try:
-        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True,
-                       text=True, timeout=30)
+        subprocess.run(
+            ["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=30
+        )
     except (subprocess.SubprocessError, OSError) as err:
         print(f"preemption: scontrol requeue {job} failed: {err}", file=sys.stderr)
         return False

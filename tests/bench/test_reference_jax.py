@@ -23,8 +23,10 @@ def checkout() -> str:
     pytest.importorskip("flax")
     pytest.importorskip("optax")
     if not (CHECKOUT and os.path.isfile(os.path.join(CHECKOUT, reference_jax.MODEL_FILE))):
-        pytest.skip("set GPN_REFERENCE_JAX to a checkout of the paper's code "
-                    "(git clone https://github.com/steve-z-wang/grounded-prediction-network)")
+        pytest.skip(
+            "set GPN_REFERENCE_JAX to a checkout of the paper's code "
+            "(git clone https://github.com/steve-z-wang/grounded-prediction-network)"
+        )
     return CHECKOUT
 
 
@@ -46,8 +48,9 @@ def test_speed_table_times_the_jax_trainer_alternating(checkout: str) -> None:
     torch.manual_seed(0)
     model = GPN(load_model_config("tiny"))
     tokens = torch.randint(0, model.config.vocab_size, (2, 16)).numpy()
-    seconds = reference_jax.train_steps(checkout, model, tokens, 3,
-                                        between=lambda step: order.append(f"ours{step}"))
+    seconds = reference_jax.train_steps(
+        checkout, model, tokens, 3, between=lambda step: order.append(f"ours{step}")
+    )
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
     assert order == ["ours0", "ours1", "ours2"]
 

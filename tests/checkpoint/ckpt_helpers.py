@@ -17,7 +17,9 @@ def make_mlp(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def trained(seed: int = 0, steps: int = 3, lr: float = 1e-2) -> tuple[nn.Module, torch.optim.Optimizer]:
+def trained(
+    seed: int = 0, steps: int = 3, lr: float = 1e-2
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """An MLP + AdamW with non-trivial optimizer state (exp_avg, exp_avg_sq, step)."""
     model = make_mlp(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
@@ -51,7 +53,11 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, path
         assert torch.equal(a, b), path
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(map(str, a)), sorted(map(str, b)))
+        assert isinstance(b, dict) and set(a) == set(b), (
+            path,
+            sorted(map(str, a)),
+            sorted(map(str, b)),
+        )
         for k in a:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
@@ -62,7 +68,9 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, (path, a, b)
 
 
-def assert_same_training_state(m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer) -> None:
+def assert_same_training_state(
+    m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer
+) -> None:
     assert_same(m1.state_dict(), m2.state_dict(), "model")
     assert_same(o1.state_dict(), o2.state_dict(), "optim")
 
@@ -73,7 +81,11 @@ def rewrite_manifest_entry(step_dir: Path, rel: str) -> None:
     manifest = json.loads(mpath.read_text())
     data = (step_dir / rel).read_bytes()
     entry = manifest["files"].setdefault(rel, {"rank": 0})
-    entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(), mtime_ns=(step_dir / rel).stat().st_mtime_ns)
+    entry.update(
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        mtime_ns=(step_dir / rel).stat().st_mtime_ns,
+    )
     mpath.write_text(json.dumps(manifest))
 
 

@@ -65,7 +65,12 @@ def fsdp_save(out: Path, roots: list[str]) -> None:
         mgr = CheckpointManager(root, staging_dir=str(out / "stage"))
         mgr.preflight()
         msd, osd = get_state_dict(model, opt)
-        uri = mgr.save(5, {"model": msd, "optim": osd}, meta={"step": 5, "tokens": 640}, rank_state={"rank": torch.tensor([rank])})
+        uri = mgr.save(
+            5,
+            {"model": msd, "optim": osd},
+            meta={"step": 5, "tokens": 640},
+            rank_state={"rank": torch.tensor([rank])},
+        )
         assert mgr.latest() == uri, (mgr.latest(), uri)
 
         # Same world size: a fresh FSDP2 model/optimizer gets back the same state and rank_state.
@@ -84,6 +89,7 @@ def fsdp_save(out: Path, roots: list[str]) -> None:
     # hangs), and the step-5 checkpoint stays the latest.
     mgr = CheckpointManager(roots[0], staging_dir=str(out / "stage"))
     if rank == 1:
+
         def broken_put(local_path, key):  # type: ignore[no-untyped-def]
             raise CheckpointError(f"cannot write checkpoint file {key}: disk full")
 
@@ -93,7 +99,12 @@ def fsdp_save(out: Path, roots: list[str]) -> None:
         mgr.save(6, {"model": msd, "optim": osd}, meta={"step": 6})
     except CheckpointError as exc:
         msg = str(exc)
-        assert "\n" not in msg and "step_000000006 not saved" in msg and "on rank 1" in msg and "disk full" in msg, msg
+        assert (
+            "\n" not in msg
+            and "step_000000006 not saved" in msg
+            and "on rank 1" in msg
+            and "disk full" in msg
+        ), msg
     else:
         raise AssertionError("save with a failing rank did not raise")
     assert mgr.latest() is not None and mgr.latest().endswith("step_000000005")
@@ -113,7 +124,10 @@ def deepspeed_run(out: Path, root: str) -> None:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},
+        },
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
         "steps_per_print": 10**9,
@@ -121,7 +135,9 @@ def deepspeed_run(out: Path, root: str) -> None:
 
     def build(seed: int):  # type: ignore[no-untyped-def]
         model = make_mlp(seed)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
         return engine
 
     def train(engine, batches) -> list[float]:  # type: ignore[no-untyped-def]
@@ -138,7 +154,11 @@ def deepspeed_run(out: Path, root: str) -> None:
 
     def adam_state(engine) -> list[dict]:  # type: ignore[no-untyped-def]
         inner = engine.optimizer.optimizer  # the torch AdamW over this rank's flat partitions
-        return [{k: v.clone() for k, v in inner.state[p].items()} for g in inner.param_groups for p in g["params"]]
+        return [
+            {k: v.clone() for k, v in inner.state[p].items()}
+            for g in inner.param_groups
+            for p in g["params"]
+        ]
 
     engine = build(0)
     train(engine, _batches(3, rank))

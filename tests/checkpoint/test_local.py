@@ -33,12 +33,23 @@ from gpn_scale.checkpoint import (
 )
 from gpn_scale.model.config import ConfigError
 
-META = {"step": 7, "tokens": 1234, "loader": {"epoch": 0, "sample_in_epoch": 40}, "wandb_run_id": "abc123", "config": {"lr": 0.01}}
+META = {
+    "step": 7,
+    "tokens": 1234,
+    "loader": {"epoch": 0, "sample_in_epoch": 40},
+    "wandb_run_id": "abc123",
+    "config": {"lr": 0.01},
+}
 
 
 def _save(mgr: CheckpointManager, step: int, seed: int = 0) -> str:
     model, opt = trained(seed=seed)
-    return mgr.save(step, app_state(model, opt), meta={**META, "step": step}, rank_state={"rng": capture_rng_state()})
+    return mgr.save(
+        step,
+        app_state(model, opt),
+        meta={**META, "step": step},
+        rank_state={"rng": capture_rng_state()},
+    )
 
 
 def test_round_trip_exact(tmp_path: Path) -> None:
@@ -46,8 +57,14 @@ def test_round_trip_exact(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path / "ck"))
     mgr.preflight()
     rng = capture_rng_state()
-    expect = (torch.rand(3), random.random(), np.random.rand())  # what comes after the captured state
-    uri = mgr.save(7, app_state(model, opt), meta=META, rank_state={"rng": rng, "extra": [1, 2.5, "x"]})
+    expect = (
+        torch.rand(3),
+        random.random(),
+        np.random.rand(),
+    )  # what comes after the captured state
+    uri = mgr.save(
+        7, app_state(model, opt), meta=META, rank_state={"rng": rng, "extra": [1, 2.5, "x"]}
+    )
     assert uri == str(tmp_path / "ck" / "step_000000007")
     assert mgr.latest() == uri and mgr.resolve_resume("auto") == uri
 
@@ -124,7 +141,10 @@ def test_retention_deletes_old_partials_but_not_newer_dirs(tmp_path: Path) -> No
     assert mgr.latest() == uri  # the partial newer dir is never picked
 
 
-@pytest.mark.parametrize("damage", ["no_manifest", "missing_rank_file", "missing_metadata", "size", "hash", "bad_manifest"])
+@pytest.mark.parametrize(
+    "damage",
+    ["no_manifest", "missing_rank_file", "missing_metadata", "size", "hash", "bad_manifest"],
+)
 def test_partial_or_damaged_never_picked(tmp_path: Path, damage: str) -> None:
     mgr = CheckpointManager(str(tmp_path / "ck"), keep_last=5)
     good = _save(mgr, 1)
@@ -214,7 +234,9 @@ def test_pickled_object_in_rank_file_refused(tmp_path: Path) -> None:
     torch.save({"rng": Evil(str(marker))}, Path(uri) / "rank_00000.pt")
     rewrite_manifest_entry(Path(uri), "rank_00000.pt")
     assert mgr.latest() == uri  # consistent with its manifest: only the loader can tell
-    with pytest.raises(CheckpointError, match=r"refusing to load .*rank_00000.pt.*weights_only") as ei:
+    with pytest.raises(
+        CheckpointError, match=r"refusing to load .*rank_00000.pt.*weights_only"
+    ) as ei:
         mgr.load(uri, app_state(*fresh()))
     assert "\n" not in str(ei.value)
     assert not marker.exists()
@@ -226,10 +248,11 @@ def test_pickled_object_in_dcp_metadata_refused(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     (Path(uri) / ".metadata").write_bytes(pickle.dumps(Evil(str(marker))))
     rewrite_manifest_entry(Path(uri), ".metadata")
-    with pytest.raises(CheckpointError, match=r"refusing to load .*\.metadata.*not plain DCP metadata"):
+    with pytest.raises(
+        CheckpointError, match=r"refusing to load .*\.metadata.*not plain DCP metadata"
+    ):
         mgr.load(uri, app_state(*fresh()))
     assert not marker.exists()
-
 
 
 class _Getattr:
@@ -251,18 +274,24 @@ def test_dcp_metadata_enum_member_by_getattr_loads_and_other_getattr_refused() -
     data = pickle.dumps([_Getattr(_MEM_FORMAT_ENCODING, member.name)])
     assert b"getattr" in data
     assert safe_unpickle_metadata(data, "m") == [member]
-    for obj, name in ((torch.Size, "__reduce__"), (_MEM_FORMAT_ENCODING, "__class__"),
-                      (_MEM_FORMAT_ENCODING, "_member_map_")):
-        with pytest.raises(CheckpointError, match="not plain DCP metadata.*only for an enum member"):
+    for obj, name in (
+        (torch.Size, "__reduce__"),
+        (_MEM_FORMAT_ENCODING, "__class__"),
+        (_MEM_FORMAT_ENCODING, "_member_map_"),
+    ):
+        with pytest.raises(
+            CheckpointError, match="not plain DCP metadata.*only for an enum member"
+        ):
             safe_unpickle_metadata(pickle.dumps(_Getattr(obj, name)), "m")
 
 
-class Stage(enum.Enum):   # module level: torch's weights_only loader allowlists it by path
+class Stage(enum.Enum):  # module level: torch's weights_only loader allowlists it by path
     ONE = 1
 
 
 def test_weights_only_files_read_enum_member_by_getattr_and_refuse_other_getattr(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from gpn_scale.checkpoint.safe_load import safe_torch_load
 
     path = tmp_path / "state.pt"
@@ -271,6 +300,7 @@ def test_weights_only_files_read_enum_member_by_getattr_and_refuse_other_getattr
     torch.save({"x": _Getattr(Stage, "__class__")}, path)
     with pytest.raises(CheckpointError, match="refusing to load .*state.pt"):
         safe_torch_load(path, extra_safe_globals=[Stage])
+
 
 def test_pickled_object_in_dcp_value_refused(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path / "ck"))
@@ -290,7 +320,9 @@ def test_unwritable_root_fails_in_preflight(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     mgr = CheckpointManager(str(blocker / "ck"))
-    with pytest.raises(CheckpointError, match=r"cannot write to checkpoint directory .*file/ck.*checkpoint root") as ei:
+    with pytest.raises(
+        CheckpointError, match=r"cannot write to checkpoint directory .*file/ck.*checkpoint root"
+    ) as ei:
         mgr.preflight()
     assert "\n" not in str(ei.value)
 
@@ -311,7 +343,9 @@ def test_unwritable_staging_fails_in_preflight(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     mgr = CheckpointManager(str(tmp_path / "ck"), staging_dir=str(blocker / "stage"))
-    with pytest.raises(CheckpointError, match=r"staging directory .* is not writable.*GPN_CKPT_STAGING"):
+    with pytest.raises(
+        CheckpointError, match=r"staging directory .* is not writable.*GPN_CKPT_STAGING"
+    ):
         mgr.preflight()
 
 
@@ -339,7 +373,9 @@ def test_deepspeed_files_load_weights_only(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_staging_on_another_filesystem_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staging_on_another_filesystem_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Node-local staging + shared-filesystem root: rename fails with EXDEV, the file is copied."""
     import errno
 

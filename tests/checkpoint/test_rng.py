@@ -52,8 +52,16 @@ class FakeCuda:
 
 
 def _use(monkeypatch, fake: FakeCuda) -> None:
-    for name in ("is_available", "is_initialized", "device_count", "current_device",
-                 "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+    for name in (
+        "is_available",
+        "is_initialized",
+        "device_count",
+        "current_device",
+        "get_rng_state",
+        "get_rng_state_all",
+        "set_rng_state",
+        "set_rng_state_all",
+    ):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
 
 
@@ -70,7 +78,7 @@ def test_resume_with_fewer_visible_gpus(monkeypatch):
     state = _round_trip(capture_rng_state())
     assert torch.equal(state["cuda"], saved_on.states[5])
 
-    resumed_on = FakeCuda(1, current=0)      # e.g. CUDA_VISIBLE_DEVICES set per rank now
+    resumed_on = FakeCuda(1, current=0)  # e.g. CUDA_VISIBLE_DEVICES set per rank now
     _use(monkeypatch, resumed_on)
     restore_rng_state(state)
     assert torch.equal(resumed_on.states[0], saved_on.states[5])
@@ -81,7 +89,7 @@ def test_old_checkpoints_with_every_gpus_state_still_load(monkeypatch, current):
     saved_on = FakeCuda(2, current=0)
     _use(monkeypatch, saved_on)
     state = capture_rng_state()
-    state["cuda"] = saved_on.get_rng_state_all()        # the earlier format: a list
+    state["cuda"] = saved_on.get_rng_state_all()  # the earlier format: a list
     resumed_on = FakeCuda(4, current=current)
     before = [s.clone() for s in resumed_on.states]
     _use(monkeypatch, resumed_on)
@@ -89,5 +97,6 @@ def test_old_checkpoints_with_every_gpus_state_still_load(monkeypatch, current):
     # The current device's entry where the list has one, else the first; others untouched.
     want = saved_on.states[current] if current < 2 else saved_on.states[0]
     assert torch.equal(resumed_on.states[current], want)
-    assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(resumed_on.states, before))
-               if i != current)
+    assert all(
+        torch.equal(a, b) for i, (a, b) in enumerate(zip(resumed_on.states, before)) if i != current
+    )

@@ -36,7 +36,12 @@ def _bucket_prefix(uri: str) -> tuple[str, str]:
 
 def _save(mgr: CheckpointManager, step: int, seed: int = 0) -> tuple[str, tuple]:
     model, opt = trained(seed=seed)
-    uri = mgr.save(step, app_state(model, opt), meta={"step": step, "wandb_run_id": "r1"}, rank_state={"rng": capture_rng_state()})
+    uri = mgr.save(
+        step,
+        app_state(model, opt),
+        meta={"step": step, "wandb_run_id": "r1"},
+        rank_state={"rng": capture_rng_state()},
+    )
     return uri, (model, opt)
 
 
@@ -64,7 +69,11 @@ def test_s3_round_trip_exact(s3_bucket: str, tmp_path: Path) -> None:
     assert_same(loaded.rank_state, rank_state)
 
     bucket, prefix = _bucket_prefix(root)
-    manifest = json.loads(_client().get_object(Bucket=bucket, Key=f"{prefix}/step_000000002/manifest.json")["Body"].read())
+    manifest = json.loads(
+        _client()
+        .get_object(Bucket=bucket, Key=f"{prefix}/step_000000002/manifest.json")["Body"]
+        .read()
+    )
     assert all(e.get("etag") and len(e["sha256"]) == 64 for e in manifest["files"].values())
     pointer = json.loads(_client().get_object(Bucket=bucket, Key=f"{prefix}/latest")["Body"].read())
     assert pointer == {"step": 2, "name": "step_000000002"}
@@ -116,7 +125,12 @@ def test_s3_retention_keeps_last_k(s3_bucket: str, tmp_path: Path) -> None:
     assert mgr.latest() == uris[-1]
     assert [c[0] for c in mgr.list_checkpoints()] == [3, 2]
     bucket, prefix = _bucket_prefix(root)
-    keys = [o["Key"] for o in _client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step_000000001/").get("Contents", [])]
+    keys = [
+        o["Key"]
+        for o in _client()
+        .list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step_000000001/")
+        .get("Contents", [])
+    ]
     assert keys == []
 
 
@@ -159,8 +173,13 @@ def test_endpoint_dies_mid_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     try:
         assert mgr.latest() == uri1
         c = _client()
-        assert json.loads(c.get_object(Bucket="midsave", Key="run/latest")["Body"].read())["step"] == 100
-        assert "Contents" not in c.list_objects_v2(Bucket="midsave", Prefix="run/step_000000200/manifest.json")
+        assert (
+            json.loads(c.get_object(Bucket="midsave", Key="run/latest")["Body"].read())["step"]
+            == 100
+        )
+        assert "Contents" not in c.list_objects_v2(
+            Bucket="midsave", Prefix="run/step_000000200/manifest.json"
+        )
         model2, opt2 = fresh()
         app = app_state(model2, opt2)
         assert mgr.load(mgr.latest(), app).step == 100
@@ -180,14 +199,25 @@ def _one_line_error(mgr: CheckpointManager) -> str:
     return str(ei.value)
 
 
-def test_missing_credentials(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-              "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+def test_missing_credentials(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    msg = _one_line_error(CheckpointManager(f"{s3_bucket}/x", staging_dir=str(tmp_path / "s"), **FAST))
+    msg = _one_line_error(
+        CheckpointManager(f"{s3_bucket}/x", staging_dir=str(tmp_path / "s"), **FAST)
+    )
     assert "no S3 credentials" in msg and "AWS_ACCESS_KEY_ID" in msg
 
 
@@ -198,9 +228,17 @@ def test_wrong_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             monkeypatch.setenv(k, v)
         sleeps: list[float] = []
         monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleeps.append)
-        msg = _one_line_error(CheckpointManager("s3://somebucket/x", staging_dir=str(tmp_path / "s"), s3_retries=5, s3_backoff_s=1.0))
+        msg = _one_line_error(
+            CheckpointManager(
+                "s3://somebucket/x", staging_dir=str(tmp_path / "s"), s3_retries=5, s3_backoff_s=1.0
+            )
+        )
         assert sleeps == []  # auth errors are not retried (no backoff sleep at all)
-        assert "rejected the credentials" in msg and "InvalidAccessKeyId" in msg and "AWS_SECRET_ACCESS_KEY" in msg
+        assert (
+            "rejected the credentials" in msg
+            and "InvalidAccessKeyId" in msg
+            and "AWS_SECRET_ACCESS_KEY" in msg
+        )
     finally:
         server.stop()
 
@@ -208,18 +246,35 @@ def test_wrong_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_unreachable_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("S3_ENDPOINT_URL", url)
-    for k, v in {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
-    msg = _one_line_error(CheckpointManager("s3://bkt/x", staging_dir=str(tmp_path / "s"), s3_retries=3, s3_backoff_s=0.01))
-    assert "S3 unreachable" in msg and url in msg and "after 3 attempts" in msg and "check S3_ENDPOINT_URL" in msg
+    msg = _one_line_error(
+        CheckpointManager(
+            "s3://bkt/x", staging_dir=str(tmp_path / "s"), s3_retries=3, s3_backoff_s=0.01
+        )
+    )
+    assert (
+        "S3 unreachable" in msg
+        and url in msg
+        and "after 3 attempts" in msg
+        and "check S3_ENDPOINT_URL" in msg
+    )
 
 
 def test_nonexistent_bucket(s3_endpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    msg = _one_line_error(CheckpointManager("s3://no-such-bucket-4242/x", staging_dir=str(tmp_path / "s"), **FAST))
+    msg = _one_line_error(
+        CheckpointManager("s3://no-such-bucket-4242/x", staging_dir=str(tmp_path / "s"), **FAST)
+    )
     assert "bucket 'no-such-bucket-4242' does not exist" in msg and "create it" in msg
 
 
-def test_transient_errors_are_retried_with_backoff(s3_endpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_transient_errors_are_retried_with_backoff(
+    s3_endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     from botocore.exceptions import ClientError, EndpointConnectionError
 
     storage = S3Storage("b", "p", retries=4, backoff_s=0.01)
@@ -233,9 +288,14 @@ def test_transient_errors_are_retried_with_backoff(s3_endpoint, monkeypatch: pyt
         if len(attempts) == 1:
             raise EndpointConnectionError(endpoint_url="http://x")
         if len(attempts) == 2:
-            raise ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+            raise ClientError(
+                {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
+                "PutObject",
+            )
         return "ok"
 
     assert storage._call("write", flaky) == "ok"
     assert len(attempts) == 3
-    assert len(sleeps) == 2 and sleeps[1] >= 2 * sleeps[0] * 0.99 and sleeps[0] >= 0.01  # exponential
+    assert (
+        len(sleeps) == 2 and sleeps[1] >= 2 * sleeps[0] * 0.99 and sleeps[0] >= 0.01
+    )  # exponential

@@ -4,7 +4,7 @@ what it defaults to (issue 13, item 8): a test that walks the parsers."""
 from __future__ import annotations
 
 import argparse
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,33 +23,44 @@ def _walk(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, arg
             yield path, action
 
 
-ACTIONS = list(_walk(gpn_scale.cli.build_parser(), "gpn-scale")) \
-    + list(_walk(data_tools.cli.build_parser(), "gpn-data"))
+ACTIONS = list(_walk(gpn_scale.cli.build_parser(), "gpn-scale")) + list(
+    _walk(data_tools.cli.build_parser(), "gpn-data")
+)
 
 
 def _name(action: argparse.Action) -> str:
     return "/".join(action.option_strings) or action.dest
 
 
-@pytest.mark.parametrize("where,action", ACTIONS,
-                         ids=[f"{w}:{_name(a)}" for w, a in ACTIONS])
+@pytest.mark.parametrize("where,action", ACTIONS, ids=[f"{w}:{_name(a)}" for w, a in ACTIONS])
 def test_every_option_has_a_help_text_naming_its_default(where, action):
     text = action.help
-    assert text and text is not argparse.SUPPRESS and text.strip(), \
+    assert text and text is not argparse.SUPPRESS and text.strip(), (
         f"`{where}` {_name(action)} has no help text"
+    )
     default = action.default
-    if action.option_strings and default not in (None, False, argparse.SUPPRESS) \
-            and not isinstance(action, (argparse._StoreTrueAction, argparse._AppendAction)):
+    if (
+        action.option_strings
+        and default not in (None, False, argparse.SUPPRESS)
+        and not isinstance(action, (argparse._StoreTrueAction, argparse._AppendAction))
+    ):
         value = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
-        assert "%(default)s" in text or "default" in text.lower() or f"[{value}]" in text, \
+        assert "%(default)s" in text or "default" in text.lower() or f"[{value}]" in text, (
             f"`{where}` {_name(action)}: help does not say its default ({default!r}): {text!r}"
+        )
 
 
 def test_the_walk_sees_every_command():
     commands = {w for w, _ in ACTIONS}
-    for name in ("gpn-scale train", "gpn-scale eval", "gpn-scale fit", "gpn-scale sweep submit",
-                 "gpn-scale data default-corpus", "gpn-scale data train-tokenizer",
-                 "gpn-data verify"):
+    for name in (
+        "gpn-scale train",
+        "gpn-scale eval",
+        "gpn-scale fit",
+        "gpn-scale sweep submit",
+        "gpn-scale data default-corpus",
+        "gpn-scale data train-tokenizer",
+        "gpn-data verify",
+    ):
         assert name in commands
 
 
@@ -62,11 +73,22 @@ def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParse
 
 
 def test_every_help_page_renders_and_states_exit_codes_where_they_matter():
-    pages = {p.prog: p.format_help() for root in (gpn_scale.cli.build_parser(),
-                                                   data_tools.cli.build_parser())
-             for p in _parsers(root)}
-    for prog in ("gpn-scale", "gpn-scale train", "gpn-scale eval", "gpn-scale fit",
-                 "gpn-scale data", "gpn-data", "gpn-scale data verify", "gpn-scale sweep"):
+    pages = {
+        p.prog: p.format_help()
+        for root in (gpn_scale.cli.build_parser(), data_tools.cli.build_parser())
+        for p in _parsers(root)
+    }
+    for prog in (
+        "gpn-scale",
+        "gpn-scale train",
+        "gpn-scale eval",
+        "gpn-scale fit",
+        "gpn-scale data",
+        "gpn-data",
+        "gpn-scale data verify",
+        "gpn-scale sweep",
+    ):
         assert "xit" in pages[prog], f"{prog} --help does not state its exit codes"
-    assert "(default: none)" in " ".join(pages["gpn-scale train"].split()) or \
-        "(default: auto)" in " ".join(pages["gpn-scale train"].split())
+    assert "(default: none)" in " ".join(
+        pages["gpn-scale train"].split()
+    ) or "(default: auto)" in " ".join(pages["gpn-scale train"].split())

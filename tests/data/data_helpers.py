@@ -43,13 +43,32 @@ def expected_window_keys(docs: list[str], seq_len: int) -> list[str]:
     return row_keys([windows])
 
 
-def build_counter_dataset(out: str, *, n_windows: int, seq_len: int = 32, val_windows: int = 8,
-                          seed: int = 0, shard_size: str = "2kb", overwrite: bool = False):
+def build_counter_dataset(
+    out: str,
+    *,
+    n_windows: int,
+    seq_len: int = 32,
+    val_windows: int = 8,
+    seed: int = 0,
+    shard_size: str = "2kb",
+    overwrite: bool = False,
+):
     """A byte-level dataset with exactly `n_windows` windows (train + val)."""
-    options = BuildOptions(seq_len=seq_len, seed=seed, val_windows=val_windows,
-                           shard_size=shard_size, overwrite=overwrite, progress=False)
-    return build_dataset(counter_corpus(n_windows, seq_len), out, resolve_tokenizer("byte"),
-                         options, {"description": "test counters"})
+    options = BuildOptions(
+        seq_len=seq_len,
+        seed=seed,
+        val_windows=val_windows,
+        shard_size=shard_size,
+        overwrite=overwrite,
+        progress=False,
+    )
+    return build_dataset(
+        counter_corpus(n_windows, seq_len),
+        out,
+        resolve_tokenizer("byte"),
+        options,
+        {"description": "test counters"},
+    )
 
 
 def one_line(err: BaseException) -> str:
@@ -72,8 +91,9 @@ def dump(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj))
 
 
-def rank_main(rank: int, world_size: int, init_file: str, remote: str, out_dir: str,
-              plan: list[dict]) -> None:
+def rank_main(
+    rank: int, world_size: int, init_file: str, remote: str, out_dir: str, plan: list[dict]
+) -> None:
     """Body of one gloo rank (torch.multiprocessing.spawn target). Each step of `plan`:
     {"name", "batch_size", "batches" (None = to the end of the epoch), "state" (path of a
     loader state to restore first, optional), "num_canonical_nodes"}. Writes
@@ -84,17 +104,32 @@ def rank_main(rank: int, world_size: int, init_file: str, remote: str, out_dir: 
 
     from gpn_scale.data import DataConfig, build_loader
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     try:
         for step in plan:
-            cfg = DataConfig(remote=remote, num_canonical_nodes=step["num_canonical_nodes"],
-                             shuffle_seed=step.get("seed", 1234),
-                             num_workers=step.get("num_workers", 0))
-            loader = build_loader(cfg, "train", step["batch_size"], rank, world_size,
-                                  seq_len=step.get("seq_len"), vocab_size=step.get("vocab"))
+            cfg = DataConfig(
+                remote=remote,
+                num_canonical_nodes=step["num_canonical_nodes"],
+                shuffle_seed=step.get("seed", 1234),
+                num_workers=step.get("num_workers", 0),
+            )
+            loader = build_loader(
+                cfg,
+                "train",
+                step["batch_size"],
+                rank,
+                world_size,
+                seq_len=step.get("seq_len"),
+                vocab_size=step.get("vocab"),
+            )
             if step.get("state"):
                 loader.load_state_dict(json.loads(Path(step["state"]).read_text()))
             keys: list[str] = []
@@ -103,8 +138,10 @@ def rank_main(rank: int, world_size: int, init_file: str, remote: str, out_dir: 
                 keys.extend(row_keys([batch]))
                 if step["batches"] is not None and i + 1 == step["batches"]:
                     break
-            dump(Path(out_dir) / f"{step['name']}.rank{rank}.json",
-                 {"keys": keys, "state": loader.state_dict()})
+            dump(
+                Path(out_dir) / f"{step['name']}.rank{rank}.json",
+                {"keys": keys, "state": loader.state_dict()},
+            )
             del iterator, loader
             dist.barrier()
     finally:

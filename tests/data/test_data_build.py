@@ -18,8 +18,9 @@ from gpn_scale.data import DataError, read_metadata
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -30,17 +31,30 @@ def mixed_inputs(tmp_path) -> Path:
     with open(src / "b_web.jsonl", "w") as fh:
         for i in range(25):
             fh.write(json.dumps({"url": f"u{i}", "text": f"jsonl doc {i} " * 25}) + "\n")
-    table = pa.table({"text": [f"parquet row {i} " * 25 for i in range(15)],
-                      "score": [float(i) for i in range(15)]})
+    table = pa.table(
+        {
+            "text": [f"parquet row {i} " * 25 for i in range(15)],
+            "score": [float(i) for i in range(15)],
+        }
+    )
     pq.write_table(table, src / "c_fineweb.parquet")
     return src
 
 
-def test_text_jsonl_parquet_build_is_deterministic_and_never_overwrites(mixed_inputs, tmp_path,
-                                                                         capsys):
+def test_text_jsonl_parquet_build_is_deterministic_and_never_overwrites(
+    mixed_inputs, tmp_path, capsys
+):
     out_a, out_b = tmp_path / "a", tmp_path / "b"
-    argv = [str(mixed_inputs), "--seq-len", "64", "--val-fraction", "0.1", "--shard-size",
-            "4kb", "-q"]
+    argv = [
+        str(mixed_inputs),
+        "--seq-len",
+        "64",
+        "--val-fraction",
+        "0.1",
+        "--shard-size",
+        "4kb",
+        "-q",
+    ]
     assert gpn_data(["build", *argv, "--out", str(out_a)]) == 0
     assert gpn_data(["tokenize", *argv, "--out", str(out_b)]) == 0
     meta = read_metadata(str(out_a))
@@ -71,8 +85,9 @@ def test_bad_inputs_give_one_line(tmp_path, capsys, monkeypatch):
     assert gpn_data(["build", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "no such file" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without it
-    assert gpn_data(["build", "hf:HuggingFaceFW/fineweb-edu", "--out", str(tmp_path / "o"),
-                     "-q"]) == 2
+    assert (
+        gpn_data(["build", "hf:HuggingFaceFW/fineweb-edu", "--out", str(tmp_path / "o"), "-q"]) == 2
+    )
     assert "needs the `datasets` package" in capsys.readouterr().err
     short = tmp_path / "short.txt"
     short.write_text("tiny")
@@ -83,11 +98,23 @@ def test_bad_inputs_give_one_line(tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_trained_bpe_tokenizer_and_multiprocess_tokenisation(mixed_inputs, tmp_path, capsys):
     tok = tmp_path / "tok" / "tokenizer.json"
-    assert gpn_data(["train-tokenizer", str(mixed_inputs), "--out", str(tok),
-                     "--vocab-size", "300", "-q"]) == 0
+    assert (
+        gpn_data(
+            ["train-tokenizer", str(mixed_inputs), "--out", str(tok), "--vocab-size", "300", "-q"]
+        )
+        == 0
+    )
     assert tok.is_file()
-    common = [str(mixed_inputs), "--tokenizer", str(tok.parent), "--seq-len", "32",
-              "--val-windows", "2", "-q"]
+    common = [
+        str(mixed_inputs),
+        "--tokenizer",
+        str(tok.parent),
+        "--seq-len",
+        "32",
+        "--val-windows",
+        "2",
+        "-q",
+    ]
     assert gpn_data(["build", *common, "--out", str(tmp_path / "w1"), "--workers", "1"]) == 0
     assert gpn_data(["build", *common, "--out", str(tmp_path / "w2"), "--workers", "2"]) == 0
     meta = read_metadata(str(tmp_path / "w1"))
@@ -98,8 +125,22 @@ def test_trained_bpe_tokenizer_and_multiprocess_tokenisation(mixed_inputs, tmp_p
 
 def test_verify_names_a_corrupted_local_shard(mixed_inputs, tmp_path, capsys):
     out = tmp_path / "ds"
-    assert gpn_data(["build", str(mixed_inputs), "--out", str(out), "--seq-len", "32",
-                     "--shard-size", "2kb", "-q"]) == 0
+    assert (
+        gpn_data(
+            [
+                "build",
+                str(mixed_inputs),
+                "--out",
+                str(out),
+                "--seq-len",
+                "32",
+                "--shard-size",
+                "2kb",
+                "-q",
+            ]
+        )
+        == 0
+    )
     shard = sorted((out / "train").glob("*.zstd"))[-1]
     shard.write_bytes(shard.read_bytes()[:-3] + b"xyz")
     capsys.readouterr()

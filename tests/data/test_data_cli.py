@@ -33,14 +33,22 @@ def test_same_command_functions_behind_both_clis():
 
 def test_gpn_scale_reports_data_errors_as_one_line(tmp_path):
     missing = tmp_path / "nothing"
-    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "data", "inspect", str(missing)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpn_scale", "data", "inspect", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("gpn-scale: error:")
     assert f"dataset directory {missing} is missing" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0
     missing.mkdir()  # a directory, but no dataset in it
-    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "data", "inspect", str(missing)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpn_scale", "data", "inspect", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "no dataset metadata" in proc.stderr and proc.stderr.strip().count("\n") == 0

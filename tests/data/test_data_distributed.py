@@ -13,14 +13,18 @@ from gpn_scale.data import DataConfig, build_loader
 
 pytestmark = pytest.mark.slow
 
-N_TRAIN = 96       # divisible by 2 ranks x 4 and, after 3 steps, by 3 ranks x 4
+N_TRAIN = 96  # divisible by 2 ranks x 4 and, after 3 steps, by 3 ranks x 4
 BATCH = 4
 
 
 def _spawn(world_size: int, tmp: Path, tag: str, remote: str, plan: list[dict]) -> None:
     init_file = tmp / f"init-{tag}"
-    mp.spawn(rank_main, args=(world_size, str(init_file), remote, str(tmp), plan),
-             nprocs=world_size, join=True)
+    mp.spawn(
+        rank_main,
+        args=(world_size, str(init_file), remote, str(tmp), plan),
+        nprocs=world_size,
+        join=True,
+    )
 
 
 def _read(tmp: Path, name: str, world_size: int) -> list[dict]:
@@ -31,8 +35,9 @@ def _single_rank_epoch(remote: str, tmp: Path) -> list[str]:
     """All train samples of the split, in stored order (no shuffle), one rank."""
     from data_helpers import row_keys
 
-    cfg = DataConfig(remote=remote, shuffle=False, local_cache=str(tmp / "ref-cache"),
-                     drop_last=False)
+    cfg = DataConfig(
+        remote=remote, shuffle=False, local_cache=str(tmp / "ref-cache"), drop_last=False
+    )
     return row_keys(build_loader(cfg, "train", 8, 0, 1))
 
 
@@ -43,11 +48,23 @@ def test_text_to_s3_two_ranks_cover_epoch_then_resume_on_three(s3_bucket, tmp_pa
     assert len(everything) == len(set(everything)) == N_TRAIN
 
     # Phase 1, two ranks: a whole epoch (coverage), then 3 steps of a fresh loader + state.
-    _spawn(2, tmp_path, "a", remote, [
-        {"name": "epoch", "batch_size": BATCH, "batches": None, "num_canonical_nodes": 2,
-         "seq_len": 32, "vocab": 257},
-        {"name": "partial", "batch_size": BATCH, "batches": 3, "num_canonical_nodes": 2},
-    ])
+    _spawn(
+        2,
+        tmp_path,
+        "a",
+        remote,
+        [
+            {
+                "name": "epoch",
+                "batch_size": BATCH,
+                "batches": None,
+                "num_canonical_nodes": 2,
+                "seq_len": 32,
+                "vocab": 257,
+            },
+            {"name": "partial", "batch_size": BATCH, "batches": 3, "num_canonical_nodes": 2},
+        ],
+    )
     epoch = _read(tmp_path, "epoch", 2)
     rank0, rank1 = epoch[0]["keys"], epoch[1]["keys"]
     assert len(rank0) == len(rank1) == N_TRAIN // 2
@@ -64,10 +81,21 @@ def test_text_to_s3_two_ranks_cover_epoch_then_resume_on_three(s3_bucket, tmp_pa
     state_file.write_text(json.dumps(state))
 
     # Phase 2, three ranks restore the two-rank state and finish the epoch.
-    _spawn(3, tmp_path, "b", remote, [
-        {"name": "resume", "batch_size": BATCH, "batches": None, "num_canonical_nodes": 2,
-         "state": str(state_file)},
-    ])
+    _spawn(
+        3,
+        tmp_path,
+        "b",
+        remote,
+        [
+            {
+                "name": "resume",
+                "batch_size": BATCH,
+                "batches": None,
+                "num_canonical_nodes": 2,
+                "state": str(state_file),
+            },
+        ],
+    )
     rest = [k for r in _read(tmp_path, "resume", 3) for k in r["keys"]]
     assert len(rest) == N_TRAIN - len(consumed)
     assert not set(rest) & set(consumed), "a sample was repeated after the resume"

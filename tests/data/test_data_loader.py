@@ -17,7 +17,7 @@ from data_helpers import (
 
 from gpn_scale.data import DataConfig, DataError, build_loader, check_compatible, read_metadata
 
-N_WINDOWS, N_VAL, SEQ = 104, 8, 32   # 96 train windows
+N_WINDOWS, N_VAL, SEQ = 104, 8, 32  # 96 train windows
 BATCH = 8
 
 
@@ -88,8 +88,8 @@ def test_mid_epoch_resume_yields_exactly_the_rest(dataset, tmp_path, num_workers
     restored = _loader(dataset, tmp_path, "run2", num_workers=num_workers)
     restored.load_state_dict(state)
     rest = row_keys(restored)
-    assert consumed == reference[:taken * BATCH]
-    assert rest == reference[taken * BATCH:]
+    assert consumed == reference[: taken * BATCH]
+    assert rest == reference[taken * BATCH :]
     # and the restored loader goes on to a full next epoch
     assert sorted(row_keys(restored)) == sorted(reference)
 

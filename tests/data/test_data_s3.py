@@ -30,11 +30,23 @@ def _shards(s3_endpoint, root: str, split: str) -> list[str]:
     return sorted(o["Key"] for o in listing["Contents"] if o["Key"].endswith(".zstd"))
 
 
-def test_cli_build_to_s3_inspect_verify_and_corrupted_shard(s3_endpoint, s3_bucket, text_dir,
-                                                           tmp_path, capsys):
+def test_cli_build_to_s3_inspect_verify_and_corrupted_shard(
+    s3_endpoint, s3_bucket, text_dir, tmp_path, capsys
+):
     root = f"{s3_bucket}/ds"
-    argv = ["build", str(text_dir), "--out", root, "--seq-len", "64", "--val-windows", "4",
-            "--shard-size", "4kb", "-q"]
+    argv = [
+        "build",
+        str(text_dir),
+        "--out",
+        root,
+        "--seq-len",
+        "64",
+        "--val-windows",
+        "4",
+        "--shard-size",
+        "4kb",
+        "-q",
+    ]
     assert gpn_data(argv) == 0
     capsys.readouterr()
     meta = read_metadata(root)
@@ -69,8 +81,9 @@ def test_cli_build_to_s3_inspect_verify_and_corrupted_shard(s3_endpoint, s3_buck
     assert f"BAD  {bad_name}: " in out.out
     assert bad_name in out.err and "\n" not in out.err.strip()
 
-    loader = build_loader(DataConfig(remote=root, local_cache=str(tmp_path / "cache")),
-                          "train", 4, 0, 1)
+    loader = build_loader(
+        DataConfig(remote=root, local_cache=str(tmp_path / "cache")), "train", 4, 0, 1
+    )
     with pytest.raises(DataError) as caught:
         row_keys(loader)
     assert "corrupted shard" in one_line(caught.value) and bad_name in str(caught.value)
@@ -125,8 +138,9 @@ def test_wrong_credentials(monkeypatch, tmp_path, capsys):
         assert "rejected the credentials" in one_line(caught.value)
         src = tmp_path / "a.txt"
         src.write_text("hello world " * 100)
-        assert gpn_data(["build", str(src), "--out", "s3://bucket/ds", "--seq-len", "16",
-                         "-q"]) == 2
+        assert (
+            gpn_data(["build", str(src), "--out", "s3://bucket/ds", "--seq-len", "16", "-q"]) == 2
+        )
         err = capsys.readouterr().err.strip()
         assert "rejected the credentials" in err and "\n" not in err
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")

@@ -54,11 +54,20 @@ def test_stale_shared_memory_from_a_killed_loader_does_not_stop_the_next_run(tmp
     build_counter_dataset(root, n_windows=72, val_windows=8)
     child_tmp = tmp_path / "run1-tmp"
     child_tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(child_tmp),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                       os.environ.get("PYTHONPATH")]))}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, root, cache], env=env,
-                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "TMPDIR": str(child_tmp),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, root, cache],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert child.stdout.readline().strip() == "READY"
         created = _mapped_by(child.pid)
@@ -77,9 +86,13 @@ def test_stale_shared_memory_from_a_killed_loader_does_not_stop_the_next_run(tmp
     if all(Path(f"/dev/shm/{i:06d}_locals").exists() for i in range(stale_prefix)):
         plain_tmp = tmp_path / "run2-tmp"
         plain_tmp.mkdir()
-        plain = subprocess.run([sys.executable, "-c", PLAIN_STREAMING, root, cache],
-                               env={**env, "TMPDIR": str(plain_tmp)}, capture_output=True,
-                               text=True, timeout=120)
+        plain = subprocess.run(
+            [sys.executable, "-c", PLAIN_STREAMING, root, cache],
+            env={**env, "TMPDIR": str(plain_tmp)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert plain.returncode != 0 and "Reused local directory" in plain.stderr
 
     # Our loader removes the unmapped segments that register its cache dir, and runs.
@@ -133,9 +146,16 @@ def _owner_record(prefix: int, pid: int, start: str, locals_seg: Path) -> Path:
 
     st = locals_seg.stat()
     path = Path("/dev/shm") / f"{OWNER_RECORD}{prefix:06}"
-    path.write_text(json.dumps({"pid": pid, "start": start,
-                                "pidns": os.readlink("/proc/self/ns/pid"),
-                                "locals": [st.st_ino, st.st_ctime_ns]}))
+    path.write_text(
+        json.dumps(
+            {
+                "pid": pid,
+                "start": start,
+                "pidns": os.readlink("/proc/self/ns/pid"),
+                "locals": [st.st_ino, st.st_ctime_ns],
+            }
+        )
+    )
     return path
 
 
@@ -150,12 +170,13 @@ def test_cleaner_judges_recorded_prefixes_by_their_owner_pid(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead_locals = _fake_segment(f"{base:06}_locals", _locals_payload(["/x/a"], base), 0)
     dead_part = _fake_segment(f"{base:06}_barrier", b"\0" * 12, 0)
-    live_locals = _fake_segment(f"{base + 1:06}_locals", _locals_payload(["/x/b"], base + 1),
-                                3600)
+    live_locals = _fake_segment(f"{base + 1:06}_locals", _locals_payload(["/x/b"], base + 1), 3600)
     lock = tmp_path / f"{base:06}_barrier_filelock"
     lock.write_text("")
-    records = [_owner_record(base, dead.pid, dead_start, dead_locals),
-               _owner_record(base + 1, live.pid, _process_identity(live.pid)[0], live_locals)]
+    records = [
+        _owner_record(base, dead.pid, dead_start, dead_locals),
+        _owner_record(base + 1, live.pid, _process_identity(live.pid)[0], live_locals),
+    ]
     try:
         clean_stale_streaming_shm(str(tmp_path))
         assert not dead_locals.exists() and not dead_part.exists() and not lock.exists()
@@ -203,15 +224,21 @@ def test_jobs_starting_together_on_one_machine_register_distinct_prefixes(tmp_pa
     FileExistsError."""
     root = str(tmp_path / "ds")
     build_counter_dataset(root, n_windows=72, val_windows=8)
-    start = time.time() + 20.0          # after every child's imports
+    start = time.time() + 20.0  # after every child's imports
     children = []
     for i in range(3):
         job_tmp = tmp_path / f"job{i}-tmp"
         job_tmp.mkdir()
         env = {**os.environ, "TMPDIR": str(job_tmp)}
-        children.append(subprocess.Popen(
-            [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(start)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(start)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = [child.communicate(timeout=180) for child in children]
     for child, (out, err) in zip(children, results):
         assert child.returncode == 0, err[-2000:]

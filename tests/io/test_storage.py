@@ -42,9 +42,13 @@ def test_endpoint_order_is_boto3s_after_streamings(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("setting", ["S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
-def test_data_and_checkpoints_use_the_endpoint_named_by(setting: str, s3_endpoint: LocalS3,
-                                                        private_tmpdir: Path, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_data_and_checkpoints_use_the_endpoint_named_by(
+    setting: str,
+    s3_endpoint: LocalS3,
+    private_tmpdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     variables = {setting: s3_endpoint.url}
     if setting == "AWS_ENDPOINT_URL_S3":
         # boto3 (and so streaming's own client) prefers the service-specific variable
@@ -58,8 +62,9 @@ def test_data_and_checkpoints_use_the_endpoint_named_by(setting: str, s3_endpoin
     options = BuildOptions(seq_len=16, val_windows=2, shard_size="1kb", progress=False)
     build_dataset(docs, f"{bucket}/ds", resolve_tokenizer("byte"), options, {})
     assert read_metadata(f"{bucket}/ds").seq_len == 16
-    loader = build_loader(DataConfig(remote=f"{bucket}/ds", local_cache=str(tmp_path / "c")),
-                          "train", 2, 0, 1)
+    loader = build_loader(
+        DataConfig(remote=f"{bucket}/ds", local_cache=str(tmp_path / "c")), "train", 2, 0, 1
+    )
     batch = next(iter(loader))
     assert isinstance(batch, torch.Tensor) and batch.shape == (2, 16)
 
@@ -76,13 +81,18 @@ def test_data_and_checkpoints_use_the_endpoint_named_by(setting: str, s3_endpoin
 
 
 @pytest.mark.parametrize("setting", ["S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"])
-def test_a_dead_endpoint_is_retried_and_reported_alike(setting: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_endpoint_is_retried_and_reported_alike(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     _point_at(monkeypatch, **{setting: dead})
-    for key, value in {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b",
-                       "AWS_DEFAULT_REGION": "us-east-1", "GPN_S3_RETRIES": "3",
-                       "GPN_S3_BACKOFF_S": "0.25"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "GPN_S3_RETRIES": "3",
+        "GPN_S3_BACKOFF_S": "0.25",
+    }.items():
         monkeypatch.setenv(key, value)
     sleeps: list[float] = []
     # the backoff is checked on the delays asked for, not on wall time

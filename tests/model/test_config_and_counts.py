@@ -18,17 +18,20 @@ from gpn_scale.model.counts import (
 BASE = dict(vocab_size=100, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6)
 
 
-@pytest.mark.parametrize("changes, field", [
-    (dict(d_state=-4), "d_state"),
-    (dict(vocab_size=0), "vocab_size"),
-    (dict(d_ffn=2.5), "d_ffn"),
-    (dict(n_heads=0), "n_heads"),
-    (dict(chunk_size=0), "chunk_size"),
-    (dict(tbptt=-1), "tbptt"),
-    (dict(memory_cells=1000), "memory_cells"),
-    (dict(memory=False), "n_heads"),
-    (dict(memory="yes"), "memory"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(d_state=-4), "d_state"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(d_ffn=2.5), "d_ffn"),
+        (dict(n_heads=0), "n_heads"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(tbptt=-1), "tbptt"),
+        (dict(memory_cells=1000), "memory_cells"),
+        (dict(memory=False), "n_heads"),
+        (dict(memory="yes"), "memory"),
+    ],
+)
 def test_bad_values_name_the_field(changes, field):
     with pytest.raises(ConfigError) as err:
         GPNConfig(**{**BASE, **changes})
@@ -37,7 +40,9 @@ def test_bad_values_name_the_field(changes, field):
 
 
 def test_unknown_and_missing_keys():
-    with pytest.raises(ConfigError, match=r"model.d_stat: unknown key \(did you mean 'd_state'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.d_stat: unknown key \(did you mean 'd_state'\?\)"
+    ):
         GPNConfig.from_dict({**BASE, "d_stat": 3})
     values = dict(BASE)
     del values["d_emb"]
@@ -66,8 +71,14 @@ def test_paper_configurations_have_the_published_sizes():
     assert (gpn.cells, round(count_parameters(gpn) / 1e6, 1)) == (0, 129.2)
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(n_layers=3, decoder_bias=True),
-                                     dict(memory=False, n_heads=0, d_key=0, d_value=0)])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(),
+        dict(n_layers=3, decoder_bias=True),
+        dict(memory=False, n_heads=0, d_key=0, d_value=0),
+    ],
+)
 def test_counts_match_the_module(changes):
     cfg = GPNConfig(**{**BASE, **changes})
     assert count_parameters(cfg) == GPN(cfg).num_parameters()
@@ -78,6 +89,7 @@ def test_flops_count_matches_profiled_matmuls():
     from torch.utils.flop_counter import FlopCounterMode
 
     from gpn_scale.model.reference import reference_forward
+
     cfg = GPNConfig(**{**BASE, "n_layers": 2})
     model = GPN(cfg)
     B, T = 2, 5
@@ -101,10 +113,15 @@ def test_memory_estimate_grows_with_batch():
 
 
 def test_info_command_prints_counts():
-    out = subprocess.run([sys.executable, "-m", "gpn_scale", "info", "gpn_m_130m"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "gpn_scale", "info", "gpn_m_130m"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "129,151,902" in out and "491,520" in out and "training FLOPs/token" in out
-    bad = subprocess.run([sys.executable, "-m", "gpn_scale", "info", "gpn_m_130"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "gpn_scale", "info", "gpn_m_130"], capture_output=True, text=True
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "did you mean 'gpn_m_130m'" in bad.stderr

@@ -15,8 +15,21 @@ from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
 from gpn_scale.model import GPNConfig, load_model_config
 from gpn_scale.model.counts import count_parameters
 
-SMOKE = ["--device", "cpu", "--config", "tiny,tiny_2l", "--seq-len", "16", "--batches", "4,2",
-         "--steps", "1", "--warmup", "0", "--fp32"]
+SMOKE = [
+    "--device",
+    "cpu",
+    "--config",
+    "tiny,tiny_2l",
+    "--seq-len",
+    "16",
+    "--batches",
+    "4,2",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+    "--fp32",
+]
 
 
 def test_device_check_runs_and_records(tmp_path):
@@ -26,22 +39,24 @@ def test_device_check_runs_and_records(tmp_path):
     checks = result["checks"]
     assert all(c["ok"] for c in checks)
     float32 = [c["check"] for c in checks if "float32" in c["check"]]
-    if "cuda_graphs" in GPNConfig.field_names():   # with and without graphs, once available
-        assert float32 == ["engine == reference, float32, CUDA graphs on",
-                           "engine == reference, float32, CUDA graphs off"]
+    if "cuda_graphs" in GPNConfig.field_names():  # with and without graphs, once available
+        assert float32 == [
+            "engine == reference, float32, CUDA graphs on",
+            "engine == reference, float32, CUDA graphs off",
+        ]
     else:
         assert float32 == ["engine == reference, float32"]
     runs = result["runs"]
     tpp = [r["model"] for r in runs if r["family"] == "transformer++"]
     assert [r["model"] for r in runs] == ["tiny"] * 2 + ["tiny_2l"] * 2 + tpp[:1] * 2
-    assert [r["batch"] for r in runs] == [2, 4] * 3                # increasing order
+    assert [r["batch"] for r in runs] == [2, 4] * 3  # increasing order
     for r in runs:
-        assert r["tokens_per_s"] > 0 and r["mfu"] is None          # no peak on a CPU
+        assert r["tokens_per_s"] > 0 and r["mfu"] is None  # no peak on a CPU
         assert r["peak_allocated_gb"] is None and r["peak_reserved_gb"] is None
         assert r["gpu_busy_fraction"] is None and r["kernels_per_step"] == 0
         assert r["profiled_seq_len"] == 16
     params = result["meta"]["params"]
-    assert abs(params[tpp[0]] / params["tiny"] - 1) < 0.01           # same size, side by side
+    assert abs(params[tpp[0]] / params["tiny"] - 1) < 0.01  # same size, side by side
     ratio = result["summary"]["ratio_to_transformer_pp"]
     assert set(ratio) == {"tiny", "tiny_2l"}
     best = max(r["tokens_per_s"] for r in runs if r["model"] == "tiny")
@@ -65,16 +80,30 @@ def test_results_are_on_disk_after_every_step(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu, "measure", fake)
     assert gpu.main([*SMOKE, "--no-transformer", "--out", str(tmp_path)]) == 0
     n_checks = len(json.loads((tmp_path / "results.json").read_text())["checks"])
-    assert seen == [(n_checks, []), (n_checks, [("tiny", 2)]),
-                    (n_checks, [("tiny", 2), ("tiny", 4)]),
-                    (n_checks, [("tiny", 2), ("tiny", 4), ("tiny_2l", 2)])]
+    assert seen == [
+        (n_checks, []),
+        (n_checks, [("tiny", 2)]),
+        (n_checks, [("tiny", 2), ("tiny", 4)]),
+        (n_checks, [("tiny", 2), ("tiny", 4), ("tiny_2l", 2)]),
+    ]
 
 
 def _row(cand, batch, seq_len):
-    return dict(model=cand.name, family=cand.family, batch=batch, seq_len=seq_len, step_s=1.0,
-                tokens_per_s=float(batch * seq_len), mfu=None, peak_allocated_gb=None,
-                peak_reserved_gb=None, gpu_busy_fraction=None, kernels_per_step=0,
-                kernels_per_time_step=0.0, launch_calls_per_time_step=0.0)
+    return dict(
+        model=cand.name,
+        family=cand.family,
+        batch=batch,
+        seq_len=seq_len,
+        step_s=1.0,
+        tokens_per_s=float(batch * seq_len),
+        mfu=None,
+        peak_allocated_gb=None,
+        peak_reserved_gb=None,
+        gpu_busy_fraction=None,
+        kernels_per_step=0,
+        kernels_per_time_step=0.0,
+        launch_calls_per_time_step=0.0,
+    )
 
 
 def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch):
@@ -84,8 +113,19 @@ def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch
         return _row(cand, batch, seq_len)
 
     monkeypatch.setattr(gpu, "measure", fake)
-    rc = gpu.main(["--device", "cpu", "--config", "tiny", "--seq-len", "16", "--no-transformer",
-                   "--out", str(tmp_path)])
+    rc = gpu.main(
+        [
+            "--device",
+            "cpu",
+            "--config",
+            "tiny",
+            "--seq-len",
+            "16",
+            "--no-transformer",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert rc == 0 and [r["batch"] for r in runs] == [8, 16, 32, 64, 128, 256, 512, 1024]
     assert runs[-1] == {"model": "tiny", "family": "gpn+m", "batch": 1024, "oom": True}
@@ -99,15 +139,24 @@ def test_time_budget_stops_before_a_batch_that_would_overrun(monkeypatch):
     monkeypatch.setattr(gpu, "_clock", lambda: clock[0])
 
     def fake(cand, batch, seq_len, *args):
-        row = dict(_row(cand, batch, seq_len), step_s=batch / 8)   # compute-bound
+        row = dict(_row(cand, batch, seq_len), step_s=batch / 8)  # compute-bound
         clock[0] += 3 * row["step_s"] + (30.0 if batch == 8 else 0.0)  # + a first compile
         return row
 
     monkeypatch.setattr(gpu, "measure", fake)
     cand = gpu.gpn_candidate(load_model_config("tiny"), 16)
     rows: list[dict] = []
-    gpu.sweep(cand, gpu.batch_sizes("auto", 8, 1 << 20), 16, torch.device("cpu"), 1, 0, False,
-              deadline=100.0 + 45.0, record=rows.append)
+    gpu.sweep(
+        cand,
+        gpu.batch_sizes("auto", 8, 1 << 20),
+        16,
+        torch.device("cpu"),
+        1,
+        0,
+        False,
+        deadline=100.0 + 45.0,
+        record=rows.append,
+    )
     # 8 ends at t=133 (compile included), 16 is predicted 6 s and ends at 139; 32 would need
     # 12 s more (151 > 145): skipped.
     assert [r["batch"] for r in rows] == [8, 16, 32]
@@ -121,7 +170,7 @@ def test_stops_at_once_with_one_line_when_cuda_is_not_usable(tmp_path, monkeypat
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("device check: CUDA is not usable on --device cuda")
     assert f"built for CUDA {torch.version.cuda}" in err[0] and "driver" in err[0]
-    assert not (tmp_path / "out").exists()                  # stopped before anything else
+    assert not (tmp_path / "out").exists()  # stopped before anything else
 
 
 def test_refuses_to_overwrite_earlier_results(tmp_path, capsys):
@@ -133,14 +182,26 @@ def test_refuses_to_overwrite_earlier_results(tmp_path, capsys):
 
 def test_device_activity_counts_launches_and_busy_time_once_per_overlap():
     ms = 1_000_000
-    events = [("kernel", "gemm", 0, 4 * ms), ("kernel", "gate", 2 * ms, 5 * ms),   # overlap
-              ("gpu_memcpy", "Memcpy HtoD", 8 * ms, 9 * ms), ("kernel", "norm", 10 * ms, 11 * ms),
-              ("cuda_runtime", "cudaLaunchKernel", 0, 1), ("cuda_driver", "cuLaunchKernelEx", 0, 1),
-              ("cuda_runtime", "cudaGraphLaunch", 0, 1), ("cuda_runtime", "cudaMemcpyAsync", 0, 1),
-              ("cpu_op", "aten::mm", 0, 1)]
+    events = [
+        ("kernel", "gemm", 0, 4 * ms),
+        ("kernel", "gate", 2 * ms, 5 * ms),  # overlap
+        ("gpu_memcpy", "Memcpy HtoD", 8 * ms, 9 * ms),
+        ("kernel", "norm", 10 * ms, 11 * ms),
+        ("cuda_runtime", "cudaLaunchKernel", 0, 1),
+        ("cuda_driver", "cuLaunchKernelEx", 0, 1),
+        ("cuda_runtime", "cudaGraphLaunch", 0, 1),
+        ("cuda_runtime", "cudaMemcpyAsync", 0, 1),
+        ("cpu_op", "aten::mm", 0, 1),
+    ]
     got = gpu.device_activity(events)
-    assert got == dict(kernels=3, copies=1, launch_calls=2, graph_launches=1, cpu_ops=1,
-                       device_busy_s=pytest.approx(7e-3))
+    assert got == dict(
+        kernels=3,
+        copies=1,
+        launch_calls=2,
+        graph_launches=1,
+        cpu_ops=1,
+        device_busy_s=pytest.approx(7e-3),
+    )
 
 
 # ----------------------------------------------------------------------- Transformer++
@@ -150,7 +211,7 @@ def test_transformer_pp_matches_the_gpn_parameter_count():
         tcfg = matching_config(cfg.vocab_size, cfg.d_emb, count_parameters(cfg), 64)
         assert abs(tcfg.num_parameters() / count_parameters(cfg) - 1) < 0.01, name
         assert tcfg.d_model == cfg.d_emb and tcfg.d_model % tcfg.n_heads == 0
-        assert 2 <= tcfg.d_ffn / tcfg.d_model <= 3.5                  # LLaMA-like SwiGLU width
+        assert 2 <= tcfg.d_ffn / tcfg.d_model <= 3.5  # LLaMA-like SwiGLU width
     tiny = matching_config(512, 64, count_parameters(load_model_config("tiny")), 64)
     model = TransformerPP(tiny)
     assert sum(p.numel() for p in model.parameters()) == tiny.num_parameters()
@@ -162,7 +223,7 @@ def test_transformer_pp_is_causal_and_trains():
     model = TransformerPP(cfg)
     a = torch.randint(0, 97, (2, 16))
     b = a.clone()
-    b[:, 9:] = (b[:, 9:] + 1) % 97                           # only the future differs
+    b[:, 9:] = (b[:, 9:] + 1) % 97  # only the future differs
 
     def hidden(tokens):
         x = model.embedding(tokens)
@@ -173,7 +234,7 @@ def test_transformer_pp_is_causal_and_trains():
     assert torch.equal(hidden(a)[:, :9], hidden(b)[:, :9])
     assert not torch.allclose(hidden(a)[:, 9:], hidden(b)[:, 9:])
     loss = model(a)
-    assert abs(loss.item() - math.log(97)) < 0.5             # near uniform at init
+    assert abs(loss.item() - math.log(97)) < 0.5  # near uniform at init
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -183,6 +244,6 @@ def test_configs_load_without_omegaconf(monkeypatch):
     import sys
 
     want = {name: load_model_config(name) for name in ("gpn_m_130m", "gpn_m_130m_2l", "tiny")}
-    monkeypatch.setitem(sys.modules, "omegaconf", None)     # import omegaconf -> ImportError
+    monkeypatch.setitem(sys.modules, "omegaconf", None)  # import omegaconf -> ImportError
     for name, cfg in want.items():
         assert gpu.load_config(name) == cfg

@@ -13,7 +13,7 @@ CASES = {
     "2-layer": dict(n_layers=2),
     "gpn-no-memory": dict(memory=False),
     "decoder-bias": dict(decoder_bias=True),
-    "chunk-divides-T": dict(chunk_size=4),        # T = 12 below
+    "chunk-divides-T": dict(chunk_size=4),  # T = 12 below
     "chunk-not-dividing": dict(chunk_size=5),
     "chunk-1": dict(chunk_size=1),
     "chunk-longer-than-T": dict(chunk_size=64),
@@ -23,8 +23,9 @@ CASES = {
 }
 
 
-def _compare(cfg, dtype, T=12, B=3, rtol=1e-9, grad_atol=0.0, grad_rtol=1e-9, loss_rtol=None,
-             value_tol=None):
+def _compare(
+    cfg, dtype, T=12, B=3, rtol=1e-9, grad_atol=0.0, grad_rtol=1e-9, loss_rtol=None, value_tol=None
+):
     model = perturbed_model(cfg, dtype)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
     params = list(model.parameters())
@@ -41,8 +42,13 @@ def _compare(cfg, dtype, T=12, B=3, rtol=1e-9, grad_atol=0.0, grad_rtol=1e-9, lo
     names = [n for n, _ in model.named_parameters()]
     for name, got, want in zip(names, g_out, g_ref):
         scale = want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=grad_rtol, atol=grad_atol + grad_rtol * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got,
+            want,
+            rtol=grad_rtol,
+            atol=grad_atol + grad_rtol * scale,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 @pytest.mark.parametrize("steps", ["cpp", "python"])
@@ -53,12 +59,20 @@ def test_engine_equals_reference_float64(case, steps, monkeypatch):
     _compare(tiny_config(**CASES[case]), torch.float64)
 
 
-@pytest.mark.parametrize("case", ["1-layer", "2-layer", "gpn-no-memory", "decoder-bias",
-                                  "chunk-not-dividing", "tbptt"])
+@pytest.mark.parametrize(
+    "case", ["1-layer", "2-layer", "gpn-no-memory", "decoder-bias", "chunk-not-dividing", "tbptt"]
+)
 def test_engine_equals_reference_float32(case):
     # Loss and gradients at the issue's tolerances; logits/state (not specified there) at 1e-4.
-    _compare(tiny_config(**CASES[case]), torch.float32, rtol=1e-5, loss_rtol=1e-5,
-             grad_atol=1e-5, grad_rtol=1e-4, value_tol=1e-4)
+    _compare(
+        tiny_config(**CASES[case]),
+        torch.float32,
+        rtol=1e-5,
+        loss_rtol=1e-5,
+        grad_atol=1e-5,
+        grad_rtol=1e-4,
+        value_tol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])
@@ -89,8 +103,12 @@ def test_gradient_reaches_the_initial_state():
     model = perturbed_model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
-    init = GPNState(*(torch.randn(t.shape, generator=gen, dtype=torch.float64).requires_grad_()
-                      for t in model.initial_state(2)))
+    init = GPNState(
+        *(
+            torch.randn(t.shape, generator=gen, dtype=torch.float64).requires_grad_()
+            for t in model.initial_state(2)
+        )
+    )
     got = torch.autograd.grad(model(tokens, init).loss, list(init))
     want = torch.autograd.grad(reference_forward(model, tokens, init).loss, list(init))
     for g, w in zip(got, want):
@@ -99,8 +117,9 @@ def test_gradient_reaches_the_initial_state():
 
 def test_gradcheck_tiny_model():
     """Finite differences against the engine's hand-assembled backward (float64)."""
-    cfg = tiny_config(vocab_size=11, d_state=6, d_emb=4, d_ffn=5, d_key=3, d_value=3,
-                      n_layers=2, chunk_size=2)
+    cfg = tiny_config(
+        vocab_size=11, d_state=6, d_emb=4, d_ffn=5, d_key=3, d_value=3, n_layers=2, chunk_size=2
+    )
     model = perturbed_model(cfg, scale=0.3)
     tokens = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
     names = [n for n, _ in model.named_parameters()]

@@ -13,12 +13,22 @@ from gpn_scale.testing.models import perturbed_model, tiny_config
 
 # Every weight (and the one bias added inside a matmul call) that the sequential phases'
 # matmuls read: with these zero, leaving the matmuls out changes nothing.
-STEP_MATMUL_WEIGHTS = ("fuse_gate.proj.weight", "write.key.weight", "write.key.bias",
-                       "write.value.weight", "write.beta.weight", "write.decay.weight",
-                       "ffn.w1.weight", "ffn.w2.weight", "gate.proj.weight",
-                       "read.query.weight", "read.gate.weight", "read.out.weight")
+STEP_MATMUL_WEIGHTS = (
+    "fuse_gate.proj.weight",
+    "write.key.weight",
+    "write.key.bias",
+    "write.value.weight",
+    "write.beta.weight",
+    "write.decay.weight",
+    "ffn.w1.weight",
+    "ffn.w2.weight",
+    "gate.proj.weight",
+    "read.query.weight",
+    "read.gate.weight",
+    "read.out.weight",
+)
 
-pytestmark = pytest.mark.slow   # builds a second copy of the kernels (~40 s, once)
+pytestmark = pytest.mark.slow  # builds a second copy of the kernels (~40 s, once)
 
 
 @pytest.fixture
@@ -44,10 +54,10 @@ def test_build_without_step_matmuls_leaves_out_exactly_the_matmuls(without_matmu
     with step_kernels.kernels_override(without_matmuls):
         assert kernels_for(torch.device("cpu")) is without_matmuls
         skipped = _loss_and_grads(model, tokens)
-    assert kernels_for(torch.device("cpu")) is not without_matmuls   # the override ends
-    assert not torch.equal(normal[0], skipped[0])                     # it does leave them out
+    assert kernels_for(torch.device("cpu")) is not without_matmuls  # the override ends
+    assert not torch.equal(normal[0], skipped[0])  # it does leave them out
 
-    with torch.no_grad():   # ... and nothing else: with those weights zero, the two agree
+    with torch.no_grad():  # ... and nothing else: with those weights zero, the two agree
         for name, p in model.named_parameters():
             if name.endswith(STEP_MATMUL_WEIGHTS):
                 p.zero_()
@@ -65,14 +75,21 @@ def test_build_without_step_matmuls_leaves_out_exactly_the_matmuls(without_matmu
 def test_roofline_splits_the_sequential_phases(without_matmuls):
     rows = engine_bench.bench_roofline(1, shape=("tiny", 2, 16))
     by_phase = {r["phase"]: r for r in rows}
-    assert list(by_phase) == ["sequential forward", "sequential backward", "parallel recompute",
-                              "memory carry backward", "weight gradients", "decode"]
+    assert list(by_phase) == [
+        "sequential forward",
+        "sequential backward",
+        "parallel recompute",
+        "memory carry backward",
+        "weight gradients",
+        "decode",
+    ]
     for name, row in by_phase.items():
         assert row["seconds"] > 0 and row["bare_matmuls"] > 0
         if name.startswith("sequential"):
             assert row["other_work"] > 0
             assert row["ratio_of_sum"] == pytest.approx(
-                (row["bare_matmuls"] + row["other_work"]) / row["bare_matmuls"])
+                (row["bare_matmuls"] + row["other_work"]) / row["bare_matmuls"]
+            )
         else:
             assert row["other_work"] is None and row["ratio_of_sum"] is None
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpn_scale.model.loss import chunked_decode_cross_entropy
 
-N, D, E_DIM, V, ROWS = 40, 16, 12, 50, 16   # 3 row blocks, the last one partial
+N, D, E_DIM, V, ROWS = 40, 16, 12, 50, 16  # 3 row blocks, the last one partial
 BLOCKS = -(-N // ROWS)
 
 
@@ -64,7 +64,7 @@ def test_no_grad_does_no_backward_work():
     with torch.no_grad(), _CountOps() as no_grad:
         got = _loss(params, y)
     assert no_grad.count("mm") == 2 * BLOCKS
-    assert with_grad.count("mm") == 6 * BLOCKS        # + dh, dE, dW, d(normed input)
+    assert with_grad.count("mm") == 6 * BLOCKS  # + dh, dE, dW, d(normed input)
     assert not any(op.startswith("empty") for op in no_grad.ops), no_grad.ops
     assert got.grad_fn is None and torch.equal(got, want.detach())
 
@@ -74,7 +74,7 @@ def test_backward_makes_no_host_sync_and_scales_exactly(upstream):
     """No .item() (aten._local_scalar_dense: a device sync on GPU) in the backward; the
     upstream gradient is applied on the device, exactly (1.0 leaves dL/dP bit for bit)."""
     params, y = _inputs(torch.float32)
-    ref = torch.autograd.grad(_loss(params, y), params)     # upstream exactly 1
+    ref = torch.autograd.grad(_loss(params, y), params)  # upstream exactly 1
     loss = _loss(params, y) * upstream
     with _CountOps() as ops:
         got = torch.autograd.grad(loss, params)

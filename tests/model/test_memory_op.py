@@ -21,8 +21,11 @@ def _inputs(B=2, H=3, T=11, dk=5, dv=4, log_a_range=(-2.0, 0.0), seed=0):
 
 @pytest.mark.parametrize("rule", ["gpn", "gdn"])
 @pytest.mark.parametrize("chunk_size", [1, 4, 11, 16])
-@pytest.mark.parametrize("log_a_range", [(-2.0, 0.0), (-40.0, -20.0), (-1e-6, 0.0)],
-                         ids=["moderate", "near-zero-decay", "near-one-decay"])
+@pytest.mark.parametrize(
+    "log_a_range",
+    [(-2.0, 0.0), (-40.0, -20.0), (-1e-6, 0.0)],
+    ids=["moderate", "near-zero-decay", "near-one-decay"],
+)
 def test_chunkwise_equals_recurrent(rule, chunk_size, log_a_range):
     inputs = _inputs(log_a_range=log_a_range)
     o_ref, M_ref = memory_recurrent(*inputs, rule=rule)
@@ -48,10 +51,13 @@ def test_rules_differ_and_gdn_matches_its_definition():
     a = log_a[:, :, 0].exp()[..., None, None]
     kk = k[:, :, 0]
     eye = torch.eye(kk.shape[-1], dtype=kk.dtype)
-    M1 = a * ((eye - b[:, :, 0, None, None] * kk[..., :, None] * kk[..., None, :]) @ M0) \
+    M1 = (
+        a * ((eye - b[:, :, 0, None, None] * kk[..., :, None] * kk[..., None, :]) @ M0)
         + b[:, :, 0, None, None] * kk[..., :, None] * v[:, :, 0][..., None, :]
-    _, M_one = memory_recurrent(q[:, :, :1], k[:, :, :1], v[:, :, :1], log_a[:, :, :1],
-                                b[:, :, :1], M0, rule="gdn")
+    )
+    _, M_one = memory_recurrent(
+        q[:, :, :1], k[:, :, :1], v[:, :, :1], log_a[:, :, :1], b[:, :, :1], M0, rule="gdn"
+    )
     torch.testing.assert_close(M_one, M1)
 
 

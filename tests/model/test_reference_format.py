@@ -16,8 +16,11 @@ from gpn_scale.model.reference_format import (
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(n_layers=2, decoder_bias=True),
-                                     dict(memory=False)], ids=["gpn+m", "2-layer-bias", "gpn"])
+@pytest.mark.parametrize(
+    "changes",
+    [dict(), dict(n_layers=2, decoder_bias=True), dict(memory=False)],
+    ids=["gpn+m", "2-layer-bias", "gpn"],
+)
 def test_round_trip(changes):
     cfg = tiny_config(**changes)
     model = perturbed_model(cfg, torch.float32)
@@ -64,8 +67,9 @@ def test_load_reference_checkpoint_pickle_and_npz(tmp_path):
     ckpt = tmp_path / "run"
     ckpt.mkdir()
     with open(ckpt / "checkpoint.pkl", "wb") as fh:
-        pickle.dump({"step": 3, "params": exported, "opt_state": ({"mu": exported["fg_gate_b"]},)},
-                    fh)
+        pickle.dump(
+            {"step": 3, "params": exported, "opt_state": ({"mu": exported["fg_gate_b"]},)}, fh
+        )
     loaded = load_reference_params(ckpt)
     assert sorted(loaded) == sorted(exported)
 
@@ -81,6 +85,7 @@ def test_reference_pickle_cannot_run_code(tmp_path):
         pickle.dump({"params": {"embedding": np.zeros((2, 2))}, "x": _Evil()}, fh)
     target = "/tmp/gpn_scale_pwned_by_pickle"
     import os
+
     if os.path.exists(target):
         os.remove(target)
     load_reference_params(path)
@@ -89,8 +94,17 @@ def test_reference_pickle_cannot_run_code(tmp_path):
 
 def test_reference_initialisation_statistics():
     torch.manual_seed(0)
-    cfg = tiny_config(vocab_size=4000, d_state=256, d_emb=128, d_ffn=384, n_heads=64, d_key=8,
-                      d_value=8, n_layers=2, decoder_bias=True)
+    cfg = tiny_config(
+        vocab_size=4000,
+        d_state=256,
+        d_emb=128,
+        d_ffn=384,
+        n_heads=64,
+        d_key=8,
+        d_value=8,
+        n_layers=2,
+        decoder_bias=True,
+    )
     ref = export_reference(GPN(cfg))
     zeros = ["fg_gate_k", "fg_gate_b", "write_W_k_b", "decode_bias"]
     for i in range(2):
@@ -102,15 +116,24 @@ def test_reference_initialisation_statistics():
             assert (value == 1).all(), name
     assert abs(ref["embedding"].std() - 0.02) < 1e-3 and abs(ref["embedding"].mean()) < 1e-3
     assert abs(ref["L0_read_W_o_k"].std() - 0.02) < 2e-3
-    lecun = ["decode_proj_k", "fuse_proj_k", "write_W_k_k", "write_W_v_k", "write_W_beta_k",
-             "write_W_a_k", "L0_ffn_w1_k", "L0_read_W_q_k", "L0_read_W_gate_k"]
+    lecun = [
+        "decode_proj_k",
+        "fuse_proj_k",
+        "write_W_k_k",
+        "write_W_v_k",
+        "write_W_beta_k",
+        "write_W_a_k",
+        "L0_ffn_w1_k",
+        "L0_read_W_q_k",
+        "L0_read_W_gate_k",
+    ]
     for name in lecun:
         w = ref[name]
-        std = 1 / math.sqrt(w.shape[0])          # fan_in = rows of an (in, out) matrix
+        std = 1 / math.sqrt(w.shape[0])  # fan_in = rows of an (in, out) matrix
         assert abs(w.std() / std - 1) < 0.1, name
-        assert np.abs(w).max() <= 2 * std / 0.8796 + 1e-6, name   # truncated at 2 sd
+        assert np.abs(w).max() <= 2 * std / 0.8796 + 1e-6, name  # truncated at 2 sd
     A = np.exp(ref["write_A_log"])
     assert (A > 0).all() and (A <= 16).all() and A.max() > 8 and A.min() < 8
-    dt = np.log1p(np.exp(ref["write_dt_bias"]))    # softplus undoes the inverse softplus
+    dt = np.log1p(np.exp(ref["write_dt_bias"]))  # softplus undoes the inverse softplus
     assert (dt >= 1e-4 * 0.999).all() and (dt <= 0.1 * 1.001).all()
     assert dt.min() < 0.01 < dt.max()

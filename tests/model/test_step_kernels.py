@@ -17,8 +17,8 @@ from gpn_scale.ops.gpn_step import registry
 from gpn_scale.ops.gpn_step.cpu import CpuBackend
 from gpn_scale.ops.gpn_step.registry import StepBackendError, select_backend
 from gpn_scale.ops.step_kernels import ENV_VAR, StepKernelError, kernels_for
-
 from gpn_scale.testing.models import perturbed_model, tiny_config
+
 
 def test_fused_under_bf16_autocast_matches_pytorch_steps(monkeypatch):
     """CPU autocast: both paths run the loop's matmuls in bf16 and the rest in fp32."""
@@ -50,6 +50,7 @@ def test_fused_kernels_serve_cpu_training_by_default(monkeypatch):
             def call(*args):
                 calls.append(name)
                 return getattr(module, name)(*args)
+
             return call
 
     monkeypatch.setattr(engine, "select_backend", lambda choice, device: CpuBackend(Spy()))
@@ -64,7 +65,7 @@ def test_backend_choice_by_device_config_and_environment(monkeypatch):
     assert select_backend("auto", cpu).name == "cpu"
     assert select_backend("reference", cpu).name == "reference"
     assert select_backend("auto", torch.device("meta")).name == "reference"
-    monkeypatch.setenv(ENV_VAR, "python")            # the override wins; old names still work
+    monkeypatch.setenv(ENV_VAR, "python")  # the override wins; old names still work
     assert select_backend("cpu", cpu).name == "reference"
     assert kernels_for(cpu) is None
     monkeypatch.setenv(ENV_VAR, "cpp")
@@ -83,6 +84,7 @@ def test_backend_serving_other_tensors_is_one_line_error(monkeypatch):
 
 def test_cuda_backend_without_triton_warns_and_falls_back(monkeypatch):
     import builtins
+
     real_import = builtins.__import__
 
     def no_triton(name, *args, **kwargs):
@@ -101,22 +103,28 @@ def test_cuda_backend_without_triton_warns_and_falls_back(monkeypatch):
 
 def test_step_backend_config_value_is_checked():
     from gpn_scale.model.config import ConfigError
+
     with pytest.raises(ConfigError, match="step_backend: expected auto, reference, cpu or cuda"):
         tiny_config(step_backend="gpu")
 
 
 def test_bad_mode_is_one_line_error(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "fast")
-    with pytest.raises(StepKernelError, match=r"GPN_SCALE_STEP_KERNELS='fast': expected one of "
-                                              r"auto, reference, cpu, cuda") as info:
+    with pytest.raises(
+        StepKernelError,
+        match=r"GPN_SCALE_STEP_KERNELS='fast': expected one of "
+        r"auto, reference, cpu, cuda",
+    ) as info:
         kernels_for(torch.device("cpu"))
     assert "\n" not in str(info.value)
 
 
 def _failed_build() -> Exception:
-    output = ("[1/2] c++ -c step_kernels.cpp\nFAILED: step_kernels.o\n"
-              "step_kernels.cpp:12:10: fatal error: torch/extension.h: No such file or directory\n"
-              "ninja: build stopped: subcommand failed.")
+    output = (
+        "[1/2] c++ -c step_kernels.cpp\nFAILED: step_kernels.o\n"
+        "step_kernels.cpp:12:10: fatal error: torch/extension.h: No such file or directory\n"
+        "ninja: build stopped: subcommand failed."
+    )
     error = RuntimeError(f"Error building extension 'gpn_scale_step_kernels': {output}")
     error.__cause__ = subprocess.CalledProcessError(1, ["ninja", "-v"])
     return error
@@ -140,7 +148,7 @@ def test_build_failure_in_auto_mode_warns_and_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not be built.*using the PyTorch steps"):
         assert kernels_for(torch.device("cpu")) is None
     model = perturbed_model(tiny_config(), torch.float32)
-    with pytest.warns(RuntimeWarning):   # the engine still trains, on the PyTorch steps
+    with pytest.warns(RuntimeWarning):  # the engine still trains, on the PyTorch steps
         step_kernels._warn_once.cache_clear()
         loss = model(torch.randint(0, 37, (2, 9))).loss
     loss.backward()
@@ -151,11 +159,14 @@ def test_build_failure_in_auto_mode_warns_and_falls_back(monkeypatch):
 def test_build_level_follows_torch_dispatch_level(level):
     """ATEN_CPU_CAPABILITY caps torch's own kernels; the step kernels are built no higher (a
     separately named build: nodes of different CPU generations share a build cache)."""
-    code = ("from gpn_scale.ops import step_kernels as s; "
-            "c = s._capability(); print(c, ' '.join(s._build_flags(c)))")
+    code = (
+        "from gpn_scale.ops import step_kernels as s; "
+        "c = s._capability(); print(c, ' '.join(s._build_flags(c)))"
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": level}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
     cpu_has_avx2 = {"avx2", "fma"} <= step_kernels._cpu_flags()
     want = "avx2" if level == "avx2" and cpu_has_avx2 else "default"
     assert out[0] == want

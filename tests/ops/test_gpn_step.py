@@ -54,8 +54,11 @@ def _state(cfg, B: int, dtype) -> GPNState:
     g = torch.Generator().manual_seed(7)
     s = torch.randn(B, cfg.d_state, generator=g, dtype=dtype)
     s_prev = torch.randn(B, cfg.d_state, generator=g, dtype=dtype)
-    M = (torch.randn(B, cfg.n_heads, cfg.d_key, cfg.d_value, generator=g, dtype=dtype) * 0.3
-         if cfg.memory else None)
+    M = (
+        torch.randn(B, cfg.n_heads, cfg.d_key, cfg.d_value, generator=g, dtype=dtype) * 0.3
+        if cfg.memory
+        else None
+    )
     return GPNState(*(t.requires_grad_() if t is not None else None for t in (s, s_prev, M)))
 
 
@@ -66,8 +69,17 @@ def _run(cfg, model, tokens, state, backend: str, graphs_on: bool) -> tuple:
     return out, torch.autograd.grad(out.loss, wrt)
 
 
-def compare(cfg, backend: str, dtype, monkeypatch, rtol: float, atol: float,
-            value_tol: float | None = None, T: int = 13, B: int = 3) -> None:
+def compare(
+    cfg,
+    backend: str,
+    dtype,
+    monkeypatch,
+    rtol: float,
+    atol: float,
+    value_tol: float | None = None,
+    T: int = 13,
+    B: int = 3,
+) -> None:
     model = perturbed_model(cfg, dtype)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
     state = _state(cfg, B, dtype)
@@ -81,8 +93,9 @@ def compare(cfg, backend: str, dtype, monkeypatch, rtol: float, atol: float,
     names = [n for n, _ in model.named_parameters()] + ["s0", "s_prev0", "M0"]
     for name, a, b in zip(names, g_got, g_want):
         scale = b.abs().max().item()
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol + rtol * scale,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=rtol, atol=atol + rtol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _params(backends=BACKENDS):
@@ -96,8 +109,7 @@ def _params(backends=BACKENDS):
 
 @pytest.mark.parametrize("backend,case", list(_params()))
 def test_backend_equals_pytorch_steps_float64(backend, case, monkeypatch):
-    compare(tiny_config(**CASES[case]), backend, torch.float64, monkeypatch, rtol=1e-11,
-            atol=1e-13)
+    compare(tiny_config(**CASES[case]), backend, torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
@@ -107,8 +119,16 @@ def test_backend_equals_pytorch_steps_long_chunks_float64(backend, layers, chunk
     block of 8 steps onto earlier steps; the Triton kernels keep a whole chunk's history in one
     tile): whole blocks, a partial last block, a block of one step. 45 steps of a perturbed
     recurrence amplify float64 rounding to ~1e-11 in the state."""
-    compare(tiny_config(n_layers=layers, chunk_size=chunk), backend, torch.float64, monkeypatch,
-            rtol=1e-10, atol=1e-12, value_tol=1e-10, T=45)
+    compare(
+        tiny_config(n_layers=layers, chunk_size=chunk),
+        backend,
+        torch.float64,
+        monkeypatch,
+        rtol=1e-10,
+        atol=1e-12,
+        value_tol=1e-10,
+        T=45,
+    )
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
@@ -119,8 +139,15 @@ def test_backend_equals_pytorch_steps_float32(backend, case, monkeypatch):
     # GEMMs apply the RMSNorm as a row scale after the product and sum in other orders: their
     # float32 gradients differ by up to ~4e-4 relative (float64 above: 1e-11).
     rtol = 1e-4 if backend == "cpu" else 1e-3
-    compare(tiny_config(**CASES[case]), backend, torch.float32, monkeypatch, rtol=rtol,
-            atol=1e-5, value_tol=1e-4)
+    compare(
+        tiny_config(**CASES[case]),
+        backend,
+        torch.float32,
+        monkeypatch,
+        rtol=rtol,
+        atol=1e-5,
+        value_tol=1e-4,
+    )
 
 
 @pytest.mark.slow

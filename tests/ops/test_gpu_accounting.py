@@ -49,8 +49,10 @@ def test_prediction_on_the_paper_model_has_floor_below_it_and_graphs_help_small_
         assert 0 < p.floor_seconds < p.seconds and 0 < p.mfu < 1
     small = gpu_model.account(cfg, batch=1, seq_len=128)
     h200 = gpu_model.GPUS["h200"]
-    assert (gpu_model.predict(small, h200, graphs=True).seconds
-            < gpu_model.predict(small, h200, graphs=False).seconds)
+    assert (
+        gpu_model.predict(small, h200, graphs=True).seconds
+        < gpu_model.predict(small, h200, graphs=False).seconds
+    )
     before = gpu_model.account(cfg, batch=64, seq_len=256, backend="reference")
     assert before.launches_per_step("sequential forward") > 8 * 4
 
@@ -91,6 +93,10 @@ def test_sweep_plan_prices_with_the_predicted_mfu_unless_a_measured_one_is_given
     run = load_sweep(path).runs[0]
     assert run.gpu_hours == pytest.approx(run.flops / (989e12 * 0.25) / 3600)
     path.write_text(SWEEP % ("B200", "predicted"))
-    with pytest.raises(SweepError, match=textwrap.dedent(
-            r"hardware.gpu: 'B200' has no launch accounting .* give a measured hardware.mfu")):
+    with pytest.raises(
+        SweepError,
+        match=textwrap.dedent(
+            r"hardware.gpu: 'B200' has no launch accounting .* give a measured hardware.mfu"
+        ),
+    ):
         load_sweep(path)

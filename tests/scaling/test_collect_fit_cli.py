@@ -15,8 +15,10 @@ from gpn_scale.scaling import collect as C
 from gpn_scale.scaling.sweep import load_sweep
 
 LAW = {"E": 2.0, "A": 40.0, "alpha": 0.25}
-SIZES = [GPNConfig(vocab_size=256, d_state=d, d_emb=16, d_ffn=2 * d, n_heads=2, d_key=8,
-                   d_value=8) for d in (32, 64, 128, 256)]
+SIZES = [
+    GPNConfig(vocab_size=256, d_state=d, d_emb=16, d_ffn=2 * d, n_heads=2, d_key=8, d_value=8)
+    for d in (32, 64, 128, 256)
+]
 
 
 def law(n):
@@ -28,22 +30,30 @@ def sweep_path(tmp_path):
     (tmp_path / "models").mkdir()
     entries = []
     for i, cfg in enumerate(SIZES):
-        fields = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "norm_eps")
-                  and v is not None}
+        fields = {
+            k: v
+            for k, v in cfg.to_dict().items()
+            if k not in ("name", "norm_eps") and v is not None
+        }
         (tmp_path / "models" / f"m{i}.yaml").write_text(
-            "\n".join(f"{k}: {json.dumps(v)}" for k, v in fields.items()))
+            "\n".join(f"{k}: {json.dumps(v)}" for k, v in fields.items())
+        )
         entries.append(f"  - {{config: models/m{i}.yaml}}")
     path = tmp_path / "sweep.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         name: fx
         seeds: [0, 1, 2]
         data: {{remote: s3://bkt/mds, seq_len: 16}}
-        checkpoint_root: {tmp_path / 'ckpt'}
-        run_root: {tmp_path / 'runs'}
+        checkpoint_root: {tmp_path / "ckpt"}
+        run_root: {tmp_path / "runs"}
         wandb: {{project: p}}
         defaults: {{tokens_per_param: 2, global_batch_size: 2, lr: 1.0e-3, warmup_steps: 1}}
         models:
-        """) + "\n".join(entries) + "\n")
+        """)
+        + "\n".join(entries)
+        + "\n"
+    )
     return path
 
 
@@ -59,18 +69,36 @@ def finish_runs(sweep_path, noise=0.003, skip=(), default_layout=False):
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "metrics.jsonl", "w") as f:
             f.write(json.dumps({"step": 1, "train/loss": 9.0}) + "\n")
-            f.write(json.dumps({"step": r.total_steps // 2, "tokens": r.tokens // 2,
-                                "eval/loss": loss + 0.5}) + "\n")
-            f.write(json.dumps({"step": r.total_steps, "tokens": r.tokens, "eval/loss": loss}) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": r.total_steps // 2, "tokens": r.tokens // 2, "eval/loss": loss + 0.5}
+                )
+                + "\n"
+            )
+            f.write(
+                json.dumps({"step": r.total_steps, "tokens": r.tokens, "eval/loss": loss}) + "\n"
+            )
         (run_dir / "config.yaml").write_text(f"model: {r.model}\nseed: {r.seed}\n")
         if r.name in skip:
             continue
-        ck = run_dir / "checkpoints" if default_layout else \
-            __import__("pathlib").Path(r.checkpoint_root)
+        ck = (
+            run_dir / "checkpoints"
+            if default_layout
+            else __import__("pathlib").Path(r.checkpoint_root)
+        )
         ck.mkdir(parents=True, exist_ok=True)
-        (ck / "DONE").write_text(json.dumps({
-            "step": r.total_steps, "tokens": r.tokens, "final_eval_loss": loss, "params": r.params,
-            "flops": r.flops, "run_dir": r.run_dir}))
+        (ck / "DONE").write_text(
+            json.dumps(
+                {
+                    "step": r.total_steps,
+                    "tokens": r.tokens,
+                    "final_eval_loss": loss,
+                    "params": r.params,
+                    "flops": r.flops,
+                    "run_dir": r.run_dir,
+                }
+            )
+        )
     return runs
 
 
@@ -82,7 +110,9 @@ def baseline_table(path, family="transformer++", e=1.9, a=30.0, alpha=0.3):
         w.writerow(["family", "N", "D", "loss", "seed"])
         for n in (1e4, 3e4, 1e5, 3e5):
             for s in range(3):
-                w.writerow([family, n, 20 * n, (e + a * n ** -alpha) * np.exp(rng.normal(0, 0.003)), s])
+                w.writerow(
+                    [family, n, 20 * n, (e + a * n**-alpha) * np.exp(rng.normal(0, 0.003)), s]
+                )
     return path
 
 
@@ -91,14 +121,31 @@ def test_fit_command_end_to_end_with_a_baseline_table(sweep_path, tmp_path, caps
     finish_runs(sweep_path)
     out = tmp_path / "fit"
     table = baseline_table(tmp_path / "baselines.csv")
-    rc = main(["fit", "--sweep", str(sweep_path), "--table", str(table), "--out", str(out),
-               "--laws", "L(N)", "L(C)", "L(N,D)"])
+    rc = main(
+        [
+            "fit",
+            "--sweep",
+            str(sweep_path),
+            "--table",
+            str(table),
+            "--out",
+            str(out),
+            "--laws",
+            "L(N)",
+            "L(C)",
+            "L(N,D)",
+        ]
+    )
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     data = json.loads((out / "fit.json").read_text())
     laws = {(f["family"], f["law"]) for f in data["fits"]}
-    assert laws == {("gpn+m", "L(N)"), ("gpn+m", "L(C)"), ("transformer++", "L(N)"),
-                    ("transformer++", "L(C)")}
+    assert laws == {
+        ("gpn+m", "L(N)"),
+        ("gpn+m", "L(C)"),
+        ("transformer++", "L(N)"),
+        ("transformer++", "L(C)"),
+    }
     gpn = next(f for f in data["fits"] if f["family"] == "gpn+m" and f["law"] == "L(N)")
     for k, v in LAW.items():
         p = gpn["params"][k]
@@ -125,23 +172,33 @@ def test_collector_falls_back_to_metrics_and_reports_unfinished_runs(sweep_path,
     # an unfinished run: no marker, last eval at half the planned tokens
     lines = (__import__("pathlib").Path(runs[0].run_dir) / "metrics.jsonl").read_text().splitlines()
     (__import__("pathlib").Path(runs[0].run_dir) / "metrics.jsonl").write_text(
-        "\n".join(lines[:2]) + "\n{torn")
+        "\n".join(lines[:2]) + "\n{torn"
+    )
     col = C.collect_sweep(load_sweep(sweep_path))
     status = {r.name: r.status for r in col.records}
     assert status["fx-m0-s0"] == "missing" and status["fx-m0-s1"] == "metrics"
     assert sum(s == "done" for s in status.values()) == 10
     miss = col.missing[0]
-    assert miss.detail == f"unfinished: no DONE marker; last eval at {runs[0].tokens // 2} " \
-                          f"tokens of {runs[0].tokens}"
+    assert (
+        miss.detail == f"unfinished: no DONE marker; last eval at {runs[0].tokens // 2} "
+        f"tokens of {runs[0].tokens}"
+    )
     rec = next(r for r in col.records if r.name == "fx-m0-s1")
-    last = (__import__("pathlib").Path(runs[1].run_dir) / "metrics.jsonl").read_text().splitlines()[-1]
+    last = (
+        (__import__("pathlib").Path(runs[1].run_dir) / "metrics.jsonl").read_text().splitlines()[-1]
+    )
     assert rec.loss == json.loads(last)["eval/loss"] and rec.D == runs[1].tokens
 
     out = tmp_path / "fit"
     assert main(["fit", "--sweep", str(sweep_path), "--out", str(out), "--laws", "L(N)"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("gpn-scale: error: 1 of 12 runs have no final loss (first: fx-m0-s0: "
-                          "unfinished") and err.endswith("pass --allow-missing") and "\n" not in err
+    assert (
+        err.startswith(
+            "gpn-scale: error: 1 of 12 runs have no final loss (first: fx-m0-s0: unfinished"
+        )
+        and err.endswith("pass --allow-missing")
+        and "\n" not in err
+    )
     # the marker is the authority: a run with no marker that did reach its budget counts
     col2 = C.collect_sweep(load_sweep(sweep_path), allow_unfinished=True)
     assert {r.name: r.status for r in col2.records}["fx-m0-s0"] == "metrics"
@@ -149,30 +206,40 @@ def test_collector_falls_back_to_metrics_and_reports_unfinished_runs(sweep_path,
 
 def test_fit_with_too_few_sizes_is_a_one_line_cli_error(sweep_path, tmp_path, capsys):
     finish_runs(sweep_path)
-    assert main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f"),
-                 "--families", "nope"]) == 2
+    assert (
+        main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f"), "--families", "nope"])
+        == 2
+    )
     assert "family 'nope' has no runs" in capsys.readouterr().err
     # keep only two sizes' runs
     import shutil
+
     for d in (tmp_path / "ckpt").iterdir():
         if "-m2-" in d.name or "-m3-" in d.name:
             shutil.rmtree(d)
     assert main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("gpn-scale: error: none of the laws can be fitted: L(N) fit for "
-                          "family 'gpn+m' has 2 distinct sizes but 3 parameters; add sizes/"
-                          "token budgets to the sweep or drop this family or law from the fit; "
-                          "L(C) fit") and "\n" not in err
-    assert main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f"),
-                 "--laws", "L(N)"]) == 2
+    assert (
+        err.startswith(
+            "gpn-scale: error: none of the laws can be fitted: L(N) fit for "
+            "family 'gpn+m' has 2 distinct sizes but 3 parameters; add sizes/"
+            "token budgets to the sweep or drop this family or law from the fit; "
+            "L(C) fit"
+        )
+        and "\n" not in err
+    )
+    assert (
+        main(["fit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f"), "--laws", "L(N)"]) == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err == ("gpn-scale: error: L(N) fit for family 'gpn+m' has 2 distinct sizes but 3 "
-                   "parameters; add sizes/token budgets to the sweep or drop this family or law "
-                   "from the fit")
+    assert err == (
+        "gpn-scale: error: L(N) fit for family 'gpn+m' has 2 distinct sizes but 3 "
+        "parameters; add sizes/token budgets to the sweep or drop this family or law "
+        "from the fit"
+    )
 
 
-def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, tmp_path,
-                                                                   capsys):
+def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, tmp_path, capsys):
     """The sweep gives every size the same `tokens:`; the default laws include L(N,D),
     which that cannot identify: it is skipped with a note, L(N) and L(C) are written. With
     three sizes left, L(N) has as many points as parameters: no interval is printed."""
@@ -189,6 +256,7 @@ def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, t
     assert "L(N,D) skipped" in (out / "report.md").read_text()
 
     import shutil
+
     for d in (tmp_path / "ckpt").iterdir():
         if "-m3-" in d.name:
             shutil.rmtree(d)
@@ -201,20 +269,36 @@ def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, t
 
 def test_collect_roots_reads_runs_from_s3(s3_bucket, s3_endpoint):
     client = s3_endpoint.client()
-    bucket = s3_bucket[len("s3://"):]
+    bucket = s3_bucket[len("s3://") :]
     expected = {}
     for i, (model, seed) in enumerate([("tiny", 0), ("tiny", 1), ("tiny_gpn", 0)]):
         name = f"sw-{model}-s{seed}"
         loss = 3.0 + 0.1 * i
-        client.put_object(Bucket=bucket, Key=f"sweep/{name}/DONE", Body=json.dumps(
-            {"step": 10, "tokens": 1000 + i, "final_eval_loss": loss, "params": 5000 + i,
-             "flops": 3e10}).encode())
-        client.put_object(Bucket=bucket, Key=f"sweep/{name}/config.yaml",
-                          Body=f"model: {model}\nseed: {seed}\n".encode())
+        client.put_object(
+            Bucket=bucket,
+            Key=f"sweep/{name}/DONE",
+            Body=json.dumps(
+                {
+                    "step": 10,
+                    "tokens": 1000 + i,
+                    "final_eval_loss": loss,
+                    "params": 5000 + i,
+                    "flops": 3e10,
+                }
+            ).encode(),
+        )
+        client.put_object(
+            Bucket=bucket,
+            Key=f"sweep/{name}/config.yaml",
+            Body=f"model: {model}\nseed: {seed}\n".encode(),
+        )
         expected[name] = (("gpn" if model == "tiny_gpn" else "gpn+m"), seed, loss, 5000 + i)
     # a run still going: only metrics.jsonl, no marker -> reported missing, not fitted
-    client.put_object(Bucket=bucket, Key="sweep/sw-late-s0/metrics.jsonl",
-                      Body=b'{"step": 3, "tokens": 30, "eval/loss": 5.0}\n')
+    client.put_object(
+        Bucket=bucket,
+        Key="sweep/sw-late-s0/metrics.jsonl",
+        Body=b'{"step": 3, "tokens": 30, "eval/loss": 5.0}\n',
+    )
     col = C.collect_roots([f"{s3_bucket}/sweep"])
     got = {r.name: (r.family, r.seed, r.loss, r.N) for r in col.usable}
     assert got == expected
@@ -244,14 +328,26 @@ def test_read_table_defaults_and_errors(tmp_path):
 def test_collect_wandb_reads_finished_runs_from_the_api():
     class Run:
         def __init__(self, name, state, summary, config):
-            self.name, self.id, self.state, self.summary, self.config = name, name, state, summary, config
+            self.name, self.id, self.state, self.summary, self.config = (
+                name,
+                name,
+                state,
+                summary,
+                config,
+            )
 
     class Api:
         def runs(self, path, filters):
             assert path == "ent/proj" and filters == {"group": "g"}
-            return [Run("a", "finished", {"eval/loss": 3.2, "params": 1e6, "tokens": 2e7,
-                                          "flops": 1.2e14}, {"model": "tiny", "seed": 1}),
-                    Run("b", "running", {}, {})]
+            return [
+                Run(
+                    "a",
+                    "finished",
+                    {"eval/loss": 3.2, "params": 1e6, "tokens": 2e7, "flops": 1.2e14},
+                    {"model": "tiny", "seed": 1},
+                ),
+                Run("b", "running", {}, {}),
+            ]
 
     col = C.collect_wandb("ent/proj", group="g", api=Api())
     (a,) = col.usable

@@ -28,8 +28,11 @@ def synth(law, *, tpp=(20,), seeds=5, noise=0.01, rng_seed=1, family="gpn+m"):
             D = N * t
             for s in range(seeds):
                 loss = law(N, D) * np.exp(rng.normal(0.0, noise))
-                obs.append(F.Observation(family, N, D, 6 * N * D, float(loss), s,
-                                         f"{family}-{N:.0e}-{t}-s{s}"))
+                obs.append(
+                    F.Observation(
+                        family, N, D, 6 * N * D, float(loss), s, f"{family}-{N:.0e}-{t}-s{s}"
+                    )
+                )
     return obs
 
 
@@ -81,8 +84,9 @@ def test_loss_vs_params_recovered_within_ci_and_deterministic():
 
 def test_loss_vs_compute_recovered():
     truth = {"E": 1.8, "A": 30.0, "alpha": 0.08}
-    obs = synth(lambda N, D: truth["E"] + truth["A"] * (6 * N * D) ** -truth["alpha"],
-                seeds=3, noise=0.002)
+    obs = synth(
+        lambda N, D: truth["E"] + truth["A"] * (6 * N * D) ** -truth["alpha"], seeds=3, noise=0.002
+    )
     (fit,), _ = F.fit_observations(obs, laws=["L(C)"], resamples=1000, seed=0)
     assert_truth_inside(fit, truth, {"E": 0.2, "A": 3.0, "alpha": 1.0})
 
@@ -100,16 +104,19 @@ def test_fit_is_stable_to_the_initialisation_grid():
     ]
     thetas = [F.fit_point(logx, logy, F.grid_points(form, g), max_starts=100).theta for g in grids]
     for t in thetas[1:]:
-        np.testing.assert_allclose(F.log_predict(t, logx), F.log_predict(thetas[0], logx),
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            F.log_predict(t, logx), F.log_predict(thetas[0], logx), atol=1e-6
+        )
         np.testing.assert_allclose(t[3:], thetas[0][3:], atol=2e-4)  # alpha, beta
         np.testing.assert_allclose(np.exp(t[0]), np.exp(thetas[0][0]), rtol=1e-4)  # E
 
 
 def test_bootstrap_resamples_seeds_within_each_cell():
-    cells = [F.Cell("f", 1e6, 2e7, 1.2e14, np.array([3.0, 3.1, 3.2])),
-             F.Cell("f", 1e7, 2e8, 1.2e16, np.array([2.0, 2.5])),
-             F.Cell("f", 1e8, 2e9, 1.2e18, np.array([1.7]))]
+    cells = [
+        F.Cell("f", 1e6, 2e7, 1.2e14, np.array([3.0, 3.1, 3.2])),
+        F.Cell("f", 1e7, 2e8, 1.2e16, np.array([2.0, 2.5])),
+        F.Cell("f", 1e8, 2e9, 1.2e18, np.array([1.7])),
+    ]
     means = F.resample_means(cells, 2000, np.random.default_rng(0))
     assert means.shape == (2000, 3)
     assert means[:, 0].min() >= 3.0 - 1e-9 and means[:, 0].max() <= 3.2 + 1e-9
@@ -156,8 +163,9 @@ def test_bad_inputs_are_one_line_errors():
 
 
 def test_chinchilla_skipped_when_tokens_scale_with_params():
-    fits, notes = F.fit_observations(synth(chinchilla, seeds=3), laws=["L(N)", "L(N,D)"],
-                                     resamples=20, allow_few_resamples=True)
+    fits, notes = F.fit_observations(
+        synth(chinchilla, seeds=3), laws=["L(N)", "L(N,D)"], resamples=20, allow_few_resamples=True
+    )
     assert [f.form.key for f in fits] == ["L(N)"]
     assert any("L(N,D) skipped" in n for n in notes)
 
@@ -166,8 +174,9 @@ def test_chinchilla_skipped_when_tokens_scale_with_params():
 def test_vectorised_bootstrap_refits_reach_the_lbfgs_optima(law):
     """The resample refits (all at once) minimise the protocol's objective at least as well
     as one L-BFGS run per resample, and land on the same parameters."""
-    obs = synth(chinchilla, tpp=(5, 20, 80) if law == "L(N,D)" else (20,), seeds=3,
-                noise=0.01, rng_seed=11)
+    obs = synth(
+        chinchilla, tpp=(5, 20, 80) if law == "L(N,D)" else (20,), seeds=3, noise=0.01, rng_seed=11
+    )
     form = F.get_form(law)
     cells = F.cells_for_form(F.aggregate(obs), form)
     logx = np.log([[c.value(v) for c in cells] for v in form.variables])
@@ -194,14 +203,24 @@ def test_a_law_the_data_cannot_identify_is_skipped_and_the_others_fitted():
     """One token budget for every size (a sweep with `tokens:`): D is constant, so L(N,D)
     cannot be fitted, but L(N) and L(C) can and are."""
     rng = np.random.default_rng(3)
-    obs = [F.Observation("gpn+m", N, 2e10, 6 * N * 2e10,
-                         float(chinchilla(N, 2e10) * np.exp(rng.normal(0, 0.01))), s, f"r{i}-{s}")
-           for i, N in enumerate(SIZES[:3]) for s in range(3)]
-    fits, notes = F.fit_observations(obs, resamples=1000)       # the default laws
+    obs = [
+        F.Observation(
+            "gpn+m",
+            N,
+            2e10,
+            6 * N * 2e10,
+            float(chinchilla(N, 2e10) * np.exp(rng.normal(0, 0.01))),
+            s,
+            f"r{i}-{s}",
+        )
+        for i, N in enumerate(SIZES[:3])
+        for s in range(3)
+    ]
+    fits, notes = F.fit_observations(obs, resamples=1000)  # the default laws
     assert [f.form.key for f in fits] == ["L(N)", "L(C)"]
     (note,) = [n for n in notes if "L(N,D)" in n]
     assert note.startswith("gpn+m: L(N,D) skipped: it has one token budget D for all runs")
-    with pytest.raises(F.FitError) as err:                      # asked alone: nothing to fit
+    with pytest.raises(F.FitError) as err:  # asked alone: nothing to fit
         F.fit_observations(obs, laws=["L(N,D)"], resamples=1000)
     assert "L(N,D) fit for family 'gpn+m' has one token budget D" in one_line(err)
 
@@ -217,8 +236,14 @@ def test_a_fit_with_as_many_points_as_parameters_reports_no_interval():
     d = fit.to_dict()
     assert d["interpolates"] is True
     assert all(p["ci_low"] is None and p["ci_high"] is None for p in d["params"].values())
-    md = build_markdown([fit], F.aggregate(obs), notes, Collection(records=[], sources=["x"]),
-                        {"resamples": 1000, "seed": 0}, [])
+    md = build_markdown(
+        [fit],
+        F.aggregate(obs),
+        notes,
+        Collection(records=[], sources=["x"]),
+        {"resamples": 1000, "seed": 0},
+        [],
+    )
     row = next(line for line in md.splitlines() if line.startswith("| gpn+m |"))
     assert "3 (interpolates)" in row and "[" not in row
     more = [o for o in synth(chinchilla, seeds=3) if o.N in SIZES[:4]]

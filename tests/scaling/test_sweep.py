@@ -14,18 +14,30 @@ from gpn_scale.model import counts
 from gpn_scale.model.config import ConfigError, GPNConfig
 from gpn_scale.scaling.sweep import RunSpec, expand_sweep, load_sweep, validate_with_trainer
 
-CONTRACT_KEYS = ["model", "seed", "run_name", "optim.lr", "schedule.warmup_steps",
-                 "schedule.total_steps", "data.remote", "data.seq_len",
-                 "train.global_batch_size", "checkpoint.root", "logging.wandb.project",
-                 "logging.wandb.group", "logging.wandb.job_type"]
+CONTRACT_KEYS = [
+    "model",
+    "seed",
+    "run_name",
+    "optim.lr",
+    "schedule.warmup_steps",
+    "schedule.total_steps",
+    "data.remote",
+    "data.seq_len",
+    "train.global_batch_size",
+    "checkpoint.root",
+    "logging.wandb.project",
+    "logging.wandb.group",
+    "logging.wandb.job_type",
+]
 
 TINY_A = GPNConfig(vocab_size=256, d_state=32, d_emb=16, d_ffn=64, n_heads=2, d_key=8, d_value=8)
 TINY_B = GPNConfig(vocab_size=256, d_state=64, d_emb=16, d_ffn=128, n_heads=2, d_key=8, d_value=8)
 
 
 def write_model(path, cfg: GPNConfig):
-    fields = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "norm_eps")
-              and v is not None}
+    fields = {
+        k: v for k, v in cfg.to_dict().items() if k not in ("name", "norm_eps") and v is not None
+    }
     path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in fields.items()) + "\n")
 
 
@@ -67,7 +79,9 @@ def write_sweep(d, text=BASE, **edits):
 def test_expand_gives_one_run_per_size_and_seed_with_planned_numbers(sweep_dir):
     sweep = load_sweep(write_sweep(sweep_dir))
     runs = sweep.runs
-    assert [r.name for r in runs] == [f"t-a-s{s}" for s in range(3)] + [f"t-bee-s{s}" for s in range(3)]
+    assert [r.name for r in runs] == [f"t-a-s{s}" for s in range(3)] + [
+        f"t-bee-s{s}" for s in range(3)
+    ]
     r = runs[3]
     assert isinstance(r, RunSpec)
     n = counts.count_parameters(TINY_B)
@@ -89,11 +103,12 @@ def test_train_overrides_use_the_contract_keys_and_the_trainer_accepts_them():
     assert any("allow_few_seeds" in n for n in sweep.notes)
     r = sweep.runs[0]
     keys = [o.split("=", 1)[0] for o in r.train_overrides()]
-    assert keys[:len(CONTRACT_KEYS)] == CONTRACT_KEYS
+    assert keys[: len(CONTRACT_KEYS)] == CONTRACT_KEYS
     assert f"run_name={r.name}" in r.train_overrides()
     validate_with_trainer(sweep)  # every run loads through gpn_scale.train.config
 
     from gpn_scale.train.config import load_train_config
+
     cfg = load_train_config(r.base_config, r.train_overrides())
     assert (cfg.model, cfg.seed, cfg.run_name) == ("tiny_gpn", 0, "ci-tiny_gpn-s0")
     assert cfg.schedule.total_steps == r.total_steps and cfg.optim.lr == r.lr
@@ -112,8 +127,9 @@ def test_token_budget_lists_make_d_vary(sweep_dir):
     path = write_sweep(sweep_dir, **{"tokens_per_param: 20": "tokens_per_param: [10, 40]"})
     runs = expand_sweep(path)
     assert len(runs) == 12
-    assert {r.name for r in runs if r.size == "a"} == {f"t-a-tpp{t}-s{s}" for t in (10, 40)
-                                                      for s in range(3)}
+    assert {r.name for r in runs if r.size == "a"} == {
+        f"t-a-tpp{t}-s{s}" for t in (10, 40) for s in range(3)
+    }
     fixed = write_sweep(sweep_dir, **{"tokens_per_param: 20": "tokens: 1.0e5"})
     assert {r.tokens for r in expand_sweep(fixed)} == {math.ceil(1e5 / 128) * 128}
 
@@ -135,8 +151,10 @@ def test_unknown_model_config_is_a_clear_error(sweep_dir):
 
 def test_duplicate_run_names_are_a_clear_error(sweep_dir):
     path = write_sweep(sweep_dir, **{"name: bee": "name: a"})
-    one_line_error(path, "duplicate run name 't-a-s0' (models[0] and models[1]); give one of "
-                         "them a distinct `name`")
+    one_line_error(
+        path,
+        "duplicate run name 't-a-s0' (models[0] and models[1]); give one of them a distinct `name`",
+    )
 
 
 def test_fewer_than_three_seeds_needs_the_explicit_override(sweep_dir):
@@ -147,23 +165,34 @@ def test_fewer_than_three_seeds_needs_the_explicit_override(sweep_dir):
     assert len(expand_sweep(path)) == 4
 
 
-@pytest.mark.parametrize("edit, match", [
-    ({"seeds: [0, 1, 2]": "seed: [0, 1, 2]"}, "seed: unknown key (did you mean 'seeds'?)"),
-    ({"seeds: [0, 1, 2]": "seeds: [0, 1, 1]"}, "seeds: seed 1 is listed twice"),
-    ({"  lr: 1.0e-3\n": "  lr: 1.0e-3\n  lrr: 2\n"}, "defaults.lrr: unknown key (did you mean 'lr'?)"),
-    ({"warmup_steps: 2": "warmup_steps: 100000"}, "warmup_steps 100000 >= total steps"),
-    ({"s3://bucket/mds": "gs://bucket/mds"}, "data.remote: unsupported scheme 'gs://'"),
-    ({"checkpoint_root: s3://bucket/ckpt/t\n": ""}, "checkpoint_root: required"),
-    ({"tokens_per_param: 20": "tokens_per_param: 20\n  tokens: 1e6"}, "exactly one of tokens_per_param or tokens"),
-    ({"wandb: {project: proj}": "wandb: {}"}, "wandb.project: required"),
-    ({"lr: 5.0e-4": "lr: -1"}, "models[1].lr: expected a positive number"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"seeds: [0, 1, 2]": "seed: [0, 1, 2]"}, "seed: unknown key (did you mean 'seeds'?)"),
+        ({"seeds: [0, 1, 2]": "seeds: [0, 1, 1]"}, "seeds: seed 1 is listed twice"),
+        (
+            {"  lr: 1.0e-3\n": "  lr: 1.0e-3\n  lrr: 2\n"},
+            "defaults.lrr: unknown key (did you mean 'lr'?)",
+        ),
+        ({"warmup_steps: 2": "warmup_steps: 100000"}, "warmup_steps 100000 >= total steps"),
+        ({"s3://bucket/mds": "gs://bucket/mds"}, "data.remote: unsupported scheme 'gs://'"),
+        ({"checkpoint_root: s3://bucket/ckpt/t\n": ""}, "checkpoint_root: required"),
+        (
+            {"tokens_per_param: 20": "tokens_per_param: 20\n  tokens: 1e6"},
+            "exactly one of tokens_per_param or tokens",
+        ),
+        ({"wandb: {project: proj}": "wandb: {}"}, "wandb.project: required"),
+        ({"lr: 5.0e-4": "lr: -1"}, "models[1].lr: expected a positive number"),
+    ],
+)
 def test_bad_sweeps_fail_with_one_line(sweep_dir, edit, match):
     one_line_error(write_sweep(sweep_dir, **edit), match)
 
 
 def test_trainer_schema_is_checked_at_plan_time(sweep_dir):
-    path = write_sweep(sweep_dir, **{"warmup_steps: 2": "warmup_steps: 2\n  overrides: [optim.lrr=1]"})
+    path = write_sweep(
+        sweep_dir, **{"warmup_steps: 2": "warmup_steps: 2\n  overrides: [optim.lrr=1]"}
+    )
     with pytest.raises(ConfigError, match=r"run 't-a-s0': the trainer rejects its config: .*lrr"):
         validate_with_trainer(load_sweep(path))
 
@@ -190,15 +219,20 @@ def test_plan_command_errors_are_one_line(sweep_dir, capsys):
     assert "NOTE: only 1 seed(s)" in capsys.readouterr().out
 
 
-def test_relative_paths_are_taken_from_the_sweep_file_and_planned_absolute(sweep_dir, tmp_path,
-                                                                          monkeypatch, capsys):
+def test_relative_paths_are_taken_from_the_sweep_file_and_planned_absolute(
+    sweep_dir, tmp_path, monkeypatch, capsys
+):
     """Relative local paths mean 'beside the sweep file', wherever `plan`, `sweep.sh` or a job
     runs from; `sweep plan` prints them absolute."""
     from gpn_scale.cli import main
 
-    path = write_sweep(sweep_dir, **{"remote: s3://bucket/mds": "remote: data/mds",
-                                     "checkpoint_root: s3://bucket/ckpt/t":
-                                     "checkpoint_root: out/ckpt\nrun_root: out/runs"})
+    path = write_sweep(
+        sweep_dir,
+        **{
+            "remote: s3://bucket/mds": "remote: data/mds",
+            "checkpoint_root: s3://bucket/ckpt/t": "checkpoint_root: out/ckpt\nrun_root: out/runs",
+        },
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -207,7 +241,7 @@ def test_relative_paths_are_taken_from_the_sweep_file_and_planned_absolute(sweep
     assert r.checkpoint_root == str(sweep_dir / "out" / "ckpt" / r.name)
     assert r.run_dir == str(sweep_dir / "out" / "runs" / r.name)
     assert f"data.remote={sweep_dir / 'data' / 'mds'}" in r.train_overrides()
-    assert main(["sweep", "plan", "../sweep.yaml"]) == 0   # given relative to the cwd
+    assert main(["sweep", "plan", "../sweep.yaml"]) == 0  # given relative to the cwd
     out = capsys.readouterr().out
     assert f"sweep t ({path})" in out
     assert f"data {sweep_dir / 'data' / 'mds'} " in out
@@ -215,15 +249,25 @@ def test_relative_paths_are_taken_from_the_sweep_file_and_planned_absolute(sweep
     assert f"run dirs {sweep_dir / 'out' / 'runs'}/<run>" in out
 
 
-@pytest.mark.parametrize("text,minutes", [("90", 90), ("24:00:00", 1440), ("1-00:00:00", 1440),
-                                          ("10:30", 11), ("2-3", 3060), ("1-2:30", 1590)])
+@pytest.mark.parametrize(
+    "text,minutes",
+    [
+        ("90", 90),
+        ("24:00:00", 1440),
+        ("1-00:00:00", 1440),
+        ("10:30", 11),
+        ("2-3", 3060),
+        ("1-2:30", 1590),
+    ],
+)
 def test_sweep_submit_time_reads_sbatch_formats_like_sweep_sh(text, minutes):
     """`sweep submit -t` and `slurm/sweep.sh -t` take the same values (sbatch --time's)."""
     from gpn_scale.cli import build_parser
 
     for flag in ("-t", "--time", "--time-min"):
-        assert build_parser().parse_args(["sweep", "submit", "s.yaml", flag, text]
-                                         ).time_min == minutes
+        assert (
+            build_parser().parse_args(["sweep", "submit", "s.yaml", flag, text]).time_min == minutes
+        )
 
 
 def test_sweep_sh_time_is_checked_and_passed_to_sbatch(tmp_path):
@@ -232,19 +276,35 @@ def test_sweep_sh_time_is_checked_and_passed_to_sbatch(tmp_path):
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "GPN_SCALE_PYTHON": sys.executable, "PYTHONPATH": str(repo),
-           "SWEEP_LOG_DIR": str(tmp_path / "logs")}
+    env = {
+        **os.environ,
+        "GPN_SCALE_PYTHON": sys.executable,
+        "PYTHONPATH": str(repo),
+        "SWEEP_LOG_DIR": str(tmp_path / "logs"),
+    }
     env.pop("SLURM_JOB_ID", None)
 
     def sweep_sh(*args):
-        return subprocess.run(["bash", str(repo / "slurm" / "sweep.sh"), "configs/sweeps/ci.yaml",
-                               "--dry-run", *args], cwd=repo, env=env, text=True,
-                              capture_output=True, timeout=120)
+        return subprocess.run(
+            [
+                "bash",
+                str(repo / "slurm" / "sweep.sh"),
+                "configs/sweeps/ci.yaml",
+                "--dry-run",
+                *args,
+            ],
+            cwd=repo,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     bad = sweep_sh("-t", "24h")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == ("sweep.sh: error: --time: minutes or [D-]HH:MM:SS (as sbatch "
-                                  "--time), got '24h'")
+    assert bad.stderr.strip() == (
+        "sweep.sh: error: --time: minutes or [D-]HH:MM:SS (as sbatch --time), got '24h'"
+    )
     ok = sweep_sh("-t", "90")
     assert ok.returncode == 0, ok.stderr
     assert " --time=90 " in ok.stdout

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_cluster_is_up_with_its_own_daemons(slurm_cluster):
-    assert {"slurmctld", "slurmd", "munged", "slurmdbd", "mariadbd"} <= set(slurm_cluster.daemon_pids())
+    assert {"slurmctld", "slurmd", "munged", "slurmdbd", "mariadbd"} <= set(
+        slurm_cluster.daemon_pids()
+    )
     assert "UP" in slurm_cluster.run(["scontrol", "ping"]).stdout
     node_state = slurm_cluster.run(["sinfo", "-h", "-o", "%T"]).stdout.split()
     assert node_state and node_state[0] in ("idle", "mixed", "allocated")
@@ -24,8 +26,9 @@ def test_cluster_is_up_with_its_own_daemons(slurm_cluster):
 
 def test_trivial_sbatch_job_runs(slurm_cluster, tmp_path):
     marker = tmp_path / "ran.txt"
-    job = slurm_cluster.sbatch(["--wrap", f"echo job=$SLURM_JOB_ID > {marker}"],
-                               output=tmp_path / "out.txt")
+    job = slurm_cluster.sbatch(
+        ["--wrap", f"echo job=$SLURM_JOB_ID > {marker}"], output=tmp_path / "out.txt"
+    )
     assert slurm_cluster.wait(job) == "COMPLETED"
     assert marker.read_text().strip() == f"job={job}"
     # accounting saw it too (exit code 0)
@@ -41,11 +44,13 @@ def test_failing_job_is_reported_failed(slurm_cluster, tmp_path):
 def test_two_task_srun_gives_two_ranks(slurm_cluster, tmp_path):
     out = tmp_path / "ranks.txt"
     job = slurm_cluster.sbatch(
-        ["--ntasks=2", "--wrap",
-         'srun -l bash -c "echo rank=\\$SLURM_PROCID of=\\$SLURM_NTASKS"'], output=out)
+        ["--ntasks=2", "--wrap", 'srun -l bash -c "echo rank=\\$SLURM_PROCID of=\\$SLURM_NTASKS"'],
+        output=out,
+    )
     assert slurm_cluster.wait(job) == "COMPLETED"
-    lines = sorted(line.split(":", 1)[1].strip() for line in out.read_text().splitlines()
-                   if ":" in line)
+    lines = sorted(
+        line.split(":", 1)[1].strip() for line in out.read_text().splitlines() if ":" in line
+    )
     assert lines == ["rank=0 of=2", "rank=1 of=2"]
 
 
@@ -76,8 +81,7 @@ def test_submitit_auto_executor_runs_on_the_cluster(slurm_env, tmp_path):
     import submitit
 
     executor = submitit.AutoExecutor(folder=tmp_path / "auto", cluster="slurm")
-    executor.update_parameters(timeout_min=2, tasks_per_node=2, cpus_per_task=1,
-                               slurm_mem="200M")
+    executor.update_parameters(timeout_min=2, tasks_per_node=2, cpus_per_task=1, slurm_mem="200M")
     assert executor.cluster == "slurm"
     job = executor.submit(probe, 5)
     results = job.results()  # one per task
@@ -100,5 +104,7 @@ def test_start_is_idempotent_and_stop_stops_every_daemon(tmp_path_factory):
         cluster.stop()
     assert cluster.daemon_pids() == {}
     for pid in pids.values():
-        assert not os.path.exists(f"/proc/{pid}/comm") or \
-            open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert (
+            not os.path.exists(f"/proc/{pid}/comm")
+            or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        )

@@ -16,8 +16,17 @@ VENV_BIN = Path(sys.executable).parent
 CI_SWEEP = REPO / "configs" / "sweeps" / "ci.yaml"
 
 
-def write_sweep(path: Path, *, checkpoint_root: str, run_root: Path, models=None, seeds=None,
-                overrides=(), name: str = "ci", tokens: int | None = None) -> Path:
+def write_sweep(
+    path: Path,
+    *,
+    checkpoint_root: str,
+    run_root: Path,
+    models=None,
+    seeds=None,
+    overrides=(),
+    name: str = "ci",
+    tokens: int | None = None,
+) -> Path:
     """configs/sweeps/ci.yaml with its storage moved (S3 / tmp), optionally other models."""
     raw = OmegaConf.to_container(OmegaConf.load(CI_SWEEP))
     raw["name"] = name
@@ -46,8 +55,11 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     """train/loss by step from metrics.jsonl (a resumed run's later line wins)."""
-    return {r["step"]: r["train/loss"]
-            for r in read_jsonl(run_dir / "metrics.jsonl", live=True) if "train/loss" in r}
+    return {
+        r["step"]: r["train/loss"]
+        for r in read_jsonl(run_dir / "metrics.jsonl", live=True)
+        if "train/loss" in r
+    }
 
 
 def events(run_dir: Path) -> list[str]:

@@ -33,8 +33,9 @@ TRAIN_SBATCH = REPO / "slurm" / "train.sbatch"
 
 
 def _run(cmd, env, timeout=120, cwd=REPO):
-    return subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in cmd], env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout
+    )
 
 
 def _gpn(args, env, timeout=180):
@@ -60,18 +61,30 @@ def _task_states(env, array_job):
 @pytest.fixture
 def sweep_setup(slurm_env, s3_endpoint, tmp_path, monkeypatch):
     bucket = s3_endpoint.create_bucket(f"sweep-{uuid.uuid4().hex[:10]}")
-    wide = (REPO / "configs" / "model" / "tiny.yaml").read_text().replace("d_ffn: 320",
-                                                                            "d_ffn: 448")
+    wide = (
+        (REPO / "configs" / "model" / "tiny.yaml").read_text().replace("d_ffn: 320", "d_ffn: 448")
+    )
     assert "d_ffn: 448" in wide
     (tmp_path / "tiny_wide.yaml").write_text(wide)
     sweep = write_sweep(
-        tmp_path / "ci_slurm.yaml", checkpoint_root=f"{bucket}/ci/checkpoints",
+        tmp_path / "ci_slurm.yaml",
+        checkpoint_root=f"{bucket}/ci/checkpoints",
         run_root=tmp_path / "runs",
         models=[{"config": "tiny"}, {"config": "tiny_2l"}, {"config": "tiny_wide.yaml"}],
-        overrides=["debug.step_sleep=0.3", "logging.wandb.mode=offline"])
-    env = job_env({"SWEEP_GPUS": "0", "GPN_NPROC_PER_NODE": "1", "SWEEP_CONCURRENCY": "2",
-                   "SWEEP_CPUS": "1", "SWEEP_TIME": "00:15:00", "SWEEP_GRACE": "60",
-                   "SWEEP_LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1"})
+        overrides=["debug.step_sleep=0.3", "logging.wandb.mode=offline"],
+    )
+    env = job_env(
+        {
+            "SWEEP_GPUS": "0",
+            "GPN_NPROC_PER_NODE": "1",
+            "SWEEP_CONCURRENCY": "2",
+            "SWEEP_CPUS": "1",
+            "SWEEP_TIME": "00:15:00",
+            "SWEEP_GRACE": "60",
+            "SWEEP_LOG_DIR": str(tmp_path / "logs"),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     return sweep, env, tmp_path
 
 
@@ -107,11 +120,19 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
     # signal, then keeps retrying ("Job is in transitional state") while the task requeues;
     # stop it once the batch shell has the signal, so it cannot hit the restarted task.
     log = tmp / "logs" / f"gpn-ci-{array}_{victim}.out"
-    sig = subprocess.Popen(["scancel", "--signal=USR1", "--batch", f"{array}_{victim}"],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sig = subprocess.Popen(
+        ["scancel", "--signal=USR1", "--batch", f"{array}_{victim}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: "got SIGUSR1" in log.read_text() or sig.poll() not in (None, 0), 30,
-                 "the USR1 to reach the batch shell")
+        wait_for(
+            lambda: "got SIGUSR1" in log.read_text() or sig.poll() not in (None, 0),
+            30,
+            "the USR1 to reach the batch shell",
+        )
         assert sig.poll() in (None, 0), sig.stderr.read()
     finally:
         if sig.poll() is None:
@@ -124,24 +145,36 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
     argv = _gpn(["sweep", "run-argv", sweep, str(victim)], env).stdout.split("\n")
     argv = [a for a in argv if a and not a.startswith(("checkpoint.root=", "run_dir="))]
     twin_dir = tmp / "twin"
-    argv += [f"checkpoint.root={run0['checkpoint_root'].rsplit('/', 2)[0]}/twin",
-             f"run_dir={twin_dir}"]
-    proc = _run(["sbatch", "--parsable", "-o", tmp / "twin.out", "--cpus-per-task=1",
-                 "--time=00:15:00", TRAIN_SBATCH, *argv], env)
+    argv += [
+        f"checkpoint.root={run0['checkpoint_root'].rsplit('/', 2)[0]}/twin",
+        f"run_dir={twin_dir}",
+    ]
+    proc = _run(
+        [
+            "sbatch",
+            "--parsable",
+            "-o",
+            tmp / "twin.out",
+            "--cpus-per-task=1",
+            "--time=00:15:00",
+            TRAIN_SBATCH,
+            *argv,
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.stderr
     twin = proc.stdout.strip().split(";")[0]
     try:
-        wait_for(lambda: _queue_empty(slurm_env, env, array, twin), 240,
-                 "the array and the twin")
+        wait_for(lambda: _queue_empty(slurm_env, env, array, twin), 240, "the array and the twin")
     except TimeoutError as err:
         queue = _run(["squeue", "-j", f"{array},{twin}", "-o", "%i %T %r"], env).stdout
         raise AssertionError(f"{err}\n{queue}") from None
 
     log0 = (tmp / "logs" / f"gpn-ci-{array}_{victim}.out").read_text()
+
     def all_completed():  # accounting may lag the controller by a moment
         states = _task_states(env, array)
-        ok = sorted(states) == list(range(6)) and all(s[-1] == "COMPLETED"
-                                                      for s in states.values())
+        ok = sorted(states) == list(range(6)) and all(s[-1] == "COMPLETED" for s in states.values())
         return states if ok else None
 
     try:
@@ -163,19 +196,48 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
     # the W&B run continued (same id) across the requeue: two offline segments, every step
     wb = read_offline_run(victim_dir / "wandb")
     assert len(wb.files) == 2
-    wb_steps = {row.get("_step", row.get("step")): row["train/loss"] for row in wb.history
-                if "train/loss" in row}
+    wb_steps = {
+        row.get("_step", row.get("step")): row["train/loss"]
+        for row in wb.history
+        if "train/loss" in row
+    }
     assert {k: wb_steps[k] for k in want} == want
 
     # every run finished (DONE markers on S3): status, then fit in the background while
     # re-running sweep.sh and a task of a finished run
     out = tmp / "fit"
-    fit = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-m", "gpn_scale.cli", "fit",
-                            "--sweep", str(sweep), "--out", str(out), "--laws", "L(N)"],
-                           env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
-    proc = _run(["sbatch", "--parsable", "--array=1", "-o", tmp / "finished_%a.out",
-                 TRAIN_SBATCH, "--sweep", sweep], env)
+    fit = subprocess.Popen(
+        [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-m",
+            "gpn_scale.cli",
+            "fit",
+            "--sweep",
+            str(sweep),
+            "--out",
+            str(out),
+            "--laws",
+            "L(N)",
+        ],
+        env=env,
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc = _run(
+        [
+            "sbatch",
+            "--parsable",
+            "--array=1",
+            "-o",
+            tmp / "finished_%a.out",
+            TRAIN_SBATCH,
+            "--sweep",
+            sweep,
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.stderr
     finished_job = proc.stdout.strip().split(";")[0]
     status = json.loads(_gpn(["sweep", "status", sweep, "--json"], env).stdout)["runs"]

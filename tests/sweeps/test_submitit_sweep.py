@@ -16,15 +16,27 @@ pytestmark = pytest.mark.slow
 
 
 def _gpn(args, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "gpn_scale.cli", *map(str, args)], env=env,
-                          cwd=REPO, text=True, capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gpn_scale.cli", *map(str, args)],
+        env=env,
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def _sweep(tmp_path, checkpoint_root):
-    return write_sweep(tmp_path / "sub.yaml", checkpoint_root=checkpoint_root,
-                       run_root=tmp_path / "runs", seeds=[0], name="subci",
-                       models=[{"config": "tiny"}, {"config": "tiny_2l"}],
-                       tokens=2048, overrides=["logging.wandb.mode=offline"])
+    return write_sweep(
+        tmp_path / "sub.yaml",
+        checkpoint_root=checkpoint_root,
+        run_root=tmp_path / "runs",
+        seeds=[0],
+        name="subci",
+        models=[{"config": "tiny"}, {"config": "tiny_2l"}],
+        tokens=2048,
+        overrides=["logging.wandb.mode=offline"],
+    )
 
 
 def _check_finished(sweep, env, restarts=(0, 0)):
@@ -41,8 +53,19 @@ def test_submit_local_executor(tmp_path):
     sweep = _sweep(tmp_path, str(tmp_path / "ckpt"))
     env = job_env()
     env.pop("SLURM_JOB_ID", None)
-    proc = _gpn(["sweep", "submit", sweep, "--executor", "local", "--wait",
-                 "--folder", tmp_path / "submitit"], env)
+    proc = _gpn(
+        [
+            "sweep",
+            "submit",
+            sweep,
+            "--executor",
+            "local",
+            "--wait",
+            "--folder",
+            tmp_path / "submitit",
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("as local job") == 2 and "all 2 jobs finished" in proc.stdout
     _check_finished(sweep, env)
@@ -53,13 +76,33 @@ def test_submit_local_executor(tmp_path):
 
 def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path):
     bucket = s3_endpoint.create_bucket("subci-slurm")
-    sweep = write_sweep(tmp_path / "sub.yaml", checkpoint_root=f"{bucket}/ckpt",
-                        run_root=tmp_path / "runs", seeds=[0], name="subci",
-                        models=[{"config": "tiny"}, {"config": "tiny_2l"}], tokens=2048,
-                        overrides=["logging.wandb.mode=offline", "debug.step_sleep=0.4"])
+    sweep = write_sweep(
+        tmp_path / "sub.yaml",
+        checkpoint_root=f"{bucket}/ckpt",
+        run_root=tmp_path / "runs",
+        seeds=[0],
+        name="subci",
+        models=[{"config": "tiny"}, {"config": "tiny_2l"}],
+        tokens=2048,
+        overrides=["logging.wandb.mode=offline", "debug.step_sleep=0.4"],
+    )
     env = job_env()
-    proc = _gpn(["sweep", "submit", sweep, "--executor", "slurm", "--time-min", "10",
-                 "--cpus-per-task", "1", "--folder", tmp_path / "submitit"], env)
+    proc = _gpn(
+        [
+            "sweep",
+            "submit",
+            sweep,
+            "--executor",
+            "slurm",
+            "--time-min",
+            "10",
+            "--cpus-per-task",
+            "1",
+            "--folder",
+            tmp_path / "submitit",
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [line.rsplit(" ", 1)[1] for line in proc.stdout.splitlines() if "slurm job" in line]
     assert len(jobs) == 2
@@ -77,12 +120,14 @@ def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path)
             return False
 
     wait_for(progressed, 120, "run 0 to reach step 2")
-    sig = subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=env, text=True,
-                         capture_output=True, timeout=30)
+    sig = subprocess.run(
+        ["scancel", "--signal=USR2", jobs[0]], env=env, text=True, capture_output=True, timeout=30
+    )
     assert sig.returncode == 0, sig.stderr
     for j in jobs:
-        assert slurm_env.wait(j, timeout=240) == "COMPLETED", \
-            [p.read_text()[-2000:] for p in (tmp_path / "submitit").rglob("*.err")]
+        assert slurm_env.wait(j, timeout=240) == "COMPLETED", [
+            p.read_text()[-2000:] for p in (tmp_path / "submitit").rglob("*.err")
+        ]
     status = _check_finished(sweep, env, restarts=[1, 0])
     table = _gpn(["sweep", "status", sweep], env).stdout
     assert "2 done" in table and "subci-tiny-s0" in table, table
@@ -106,9 +151,19 @@ def test_submit_errors_are_one_line(tmp_path, monkeypatch):
     assert proc.returncode == 2 and "sweep file not found" in proc.stderr
     proc = _gpn(["sweep", "run-argv", sweep, "7"], env)
     assert proc.returncode == 2 and "run index 7 out of range" in proc.stderr
-    proc = subprocess.run([str(bin_dir / "bash"), str(REPO / "slurm" / "sweep.sh"), str(sweep)], env=env,
-                          text=True, capture_output=True, cwd=REPO)
+    proc = subprocess.run(
+        [str(bin_dir / "bash"), str(REPO / "slurm" / "sweep.sh"), str(sweep)],
+        env=env,
+        text=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "no sbatch on PATH" in proc.stderr
-    proc = subprocess.run([str(bin_dir / "bash"), str(REPO / "slurm" / "sweep.sh"), str(sweep), "--gpus", "x"],
-                          env=env, text=True, capture_output=True, cwd=REPO)
+    proc = subprocess.run(
+        [str(bin_dir / "bash"), str(REPO / "slurm" / "sweep.sh"), str(sweep), "--gpus", "x"],
+        env=env,
+        text=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "--gpus" in proc.stderr

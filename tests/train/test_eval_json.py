@@ -19,5 +19,5 @@ def test_eval_json_prints_one_object_on_stdout(corpus, tmp_path, capsys):
     got = json.loads(line)
     assert set(got) == {"eval/loss", "eval/ppl", "eval/tokens", "checkpoint", "step", "tokens"}
     assert got["checkpoint"] is None and got["step"] == 0
-    assert got["eval/tokens"] == 4 * 64                    # one batch of ci_tiny's 4 x 64
+    assert got["eval/tokens"] == 4 * 64  # one batch of ci_tiny's 4 x 64
     assert math.isclose(got["eval/ppl"], math.exp(got["eval/loss"]), rel_tol=1e-9)

@@ -42,8 +42,11 @@ def test_device_names_match_their_own_entry(name, key):
 
 
 def test_variants_that_a_substring_match_confused_get_their_own_peak():
-    assert peak_bf16_flops("NVIDIA H100 PCIe") < peak_bf16_flops("NVIDIA H100 NVL") \
+    assert (
+        peak_bf16_flops("NVIDIA H100 PCIe")
+        < peak_bf16_flops("NVIDIA H100 NVL")
         < peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    )
     assert peak_bf16_flops("NVIDIA L40") != peak_bf16_flops("NVIDIA L4")
     assert peak_bf16_flops("NVIDIA B200") is not None
 
@@ -52,7 +55,7 @@ def test_variants_that_a_substring_match_confused_get_their_own_peak():
 def test_unknown_devices_give_none_and_one_warning_line(name, capsys, monkeypatch):
     monkeypatch.setattr(hardware, "_warned", set())
     assert peak_bf16_flops(name) is None
-    assert peak_bf16_flops(name) is None        # warned once per name
+    assert peak_bf16_flops(name) is None  # warned once per name
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("MFU not reported") and repr(name) in err[0]
 

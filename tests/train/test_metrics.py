@@ -33,13 +33,14 @@ def _strict_rows(path: Path) -> list[dict]:
 
 def test_read_jsonl_live_tolerates_a_run_still_writing(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    assert read_jsonl(path, live=True) == []                    # the run has not started
+    assert read_jsonl(path, live=True) == []  # the run has not started
     with pytest.raises(FileNotFoundError):
         read_jsonl(path)
-    path.write_text('{"step": 1, "train/loss": 2.5}\n{"step": 2, "tra')   # torn last line
+    path.write_text('{"step": 1, "train/loss": 2.5}\n{"step": 2, "tra')  # torn last line
     assert read_jsonl(path, live=True) == [{"step": 1, "train/loss": 2.5}]
     with pytest.raises(json.JSONDecodeError):
         read_jsonl(path)
+
 
 def test_jsonl_appends_and_resume_truncates(tmp_path: Path) -> None:
     path = tmp_path / "run" / "metrics.jsonl"
@@ -72,7 +73,9 @@ def test_jsonl_resume_on_missing_file_and_tensor_values(tmp_path: Path) -> None:
 
     path = tmp_path / "metrics.jsonl"
     sink = JsonlSink(str(path), resume_step=5)
-    sink.log({"loss": torch.tensor(1.5), "grad_norm": torch.tensor(2.0, dtype=torch.float64)}, step=6)
+    sink.log(
+        {"loss": torch.tensor(1.5), "grad_norm": torch.tensor(2.0, dtype=torch.float64)}, step=6
+    )
     sink.close()
     assert _strict_rows(path)[0]["loss"] == 1.5 and _strict_rows(path)[0]["grad_norm"] == 2.0
 
@@ -93,7 +96,14 @@ def wandb_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Keep W&B's cache/config/data inside the test's tmp dir and away from any real account."""
     for name in ("CACHE", "CONFIG", "DATA", "ARTIFACT"):
         monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb_{name.lower()}"))
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_ENTITY"):
+    for name in (
+        "WANDB_API_KEY",
+        "WANDB_MODE",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     return tmp_path / "wb"
@@ -104,14 +114,24 @@ CONFIG = {
     "optim": {"lr": 3e-4},
     "data": {"eos_token": 0, "tokenizer": "gpt2", "root": "s3://bucket/data"},
     "logging": {"wandb": {"api_key": "0123456789abcdef0123456789abcdef01234567", "project": "gpn"}},
-    "s3": {"aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "endpoint": "http://user:hunter2@minio:9000"},
+    "s3": {
+        "aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+        "endpoint": "http://user:hunter2@minio:9000",
+    },
     "notes": "AKIAIOSFODNN7EXAMPLE",
 }
 
 
 def test_wandb_offline_logs_metrics_and_scrubbed_config(wandb_env: Path) -> None:
-    sink = WandbSink(project="gpn-sweep", group="scale-1e18", job_type="train", name="d512-lr3e-4",
-                     config=CONFIG, mode="offline", dir=str(wandb_env))
+    sink = WandbSink(
+        project="gpn-sweep",
+        group="scale-1e18",
+        job_type="train",
+        name="d512-lr3e-4",
+        config=CONFIG,
+        mode="offline",
+        dir=str(wandb_env),
+    )
     assert isinstance(sink, MetricsSink)
     for s in range(5):
         sink.log({"train/loss": 5.0 - s, "lr": 1e-3 * (s + 1)}, step=s)
@@ -120,7 +140,12 @@ def test_wandb_offline_logs_metrics_and_scrubbed_config(wandb_env: Path) -> None
 
     run = read_offline_run(str(wandb_env))
     assert run.run_id == run_id
-    assert (run.project, run.group, run.job_type, run.name) == ("gpn-sweep", "scale-1e18", "train", "d512-lr3e-4")
+    assert (run.project, run.group, run.job_type, run.name) == (
+        "gpn-sweep",
+        "scale-1e18",
+        "train",
+        "d512-lr3e-4",
+    )
     assert [r["_step"] for r in run.history] == [0, 1, 2, 3, 4]
     assert [r["train/loss"] for r in run.history] == [5.0, 4.0, 3.0, 2.0, 1.0]
     assert run.history[2]["lr"] == pytest.approx(3e-3)
@@ -132,20 +157,41 @@ def test_wandb_offline_logs_metrics_and_scrubbed_config(wandb_env: Path) -> None
     assert run.config["s3"]["endpoint"] == f"http://user:{REDACTED}@minio:9000"
     assert run.config["notes"] == REDACTED
     raw = b"".join(Path(f).read_bytes() for f in run.files)
-    for secret in (b"0123456789abcdef0123456789abcdef01234567", b"wJalrXUtnFEMI", b"hunter2", b"AKIAIOSFODNN7EXAMPLE"):
+    for secret in (
+        b"0123456789abcdef0123456789abcdef01234567",
+        b"wJalrXUtnFEMI",
+        b"hunter2",
+        b"AKIAIOSFODNN7EXAMPLE",
+    ):
         assert secret not in raw  # not anywhere in what W&B wrote
 
 
 def test_wandb_resume_continues_same_run(wandb_env: Path) -> None:
-    first = WandbSink(project="p", group="g", job_type="train", name="n", config={"a": 1}, mode="offline", dir=str(wandb_env))
+    first = WandbSink(
+        project="p",
+        group="g",
+        job_type="train",
+        name="n",
+        config={"a": 1},
+        mode="offline",
+        dir=str(wandb_env),
+    )
     for s in range(3):
         first.log({"loss": float(s)}, step=s)
     run_id = first.run_id
     first.close()
 
     # The job is preempted; the resumed job reads the id from its checkpoint meta.
-    second = WandbSink(project="p", group="g", job_type="train", name="n", config={"a": 1}, mode="offline",
-                       dir=str(wandb_env), resume_id=run_id)
+    second = WandbSink(
+        project="p",
+        group="g",
+        job_type="train",
+        name="n",
+        config={"a": 1},
+        mode="offline",
+        dir=str(wandb_env),
+        resume_id=run_id,
+    )
     assert second.run_id == run_id
     for s in range(3, 6):
         second.log({"loss": float(s)}, step=s)
@@ -157,7 +203,15 @@ def test_wandb_resume_continues_same_run(wandb_env: Path) -> None:
     assert [r["loss"] for r in run.history] == [float(s) for s in range(6)]
     assert run.summary["loss"] == 5.0
     # A different run in the same dir is not mixed in.
-    other = WandbSink(project="p", group="g", job_type="eval", name="m", config={}, mode="offline", dir=str(wandb_env))
+    other = WandbSink(
+        project="p",
+        group="g",
+        job_type="eval",
+        name="m",
+        config={},
+        mode="offline",
+        dir=str(wandb_env),
+    )
     other.log({"x": 1}, step=0)
     other.close()
     assert read_offline_run(str(wandb_env), run_id).history == run.history
@@ -165,8 +219,15 @@ def test_wandb_resume_continues_same_run(wandb_env: Path) -> None:
 
 
 def test_offline_reader_spans_many_blocks(wandb_env: Path) -> None:
-    sink = WandbSink(project="p", group=None, job_type=None, name=None, config={"blob": "y" * 40_000},
-                     mode="offline", dir=str(wandb_env))
+    sink = WandbSink(
+        project="p",
+        group=None,
+        job_type=None,
+        name=None,
+        config={"blob": "y" * 40_000},
+        mode="offline",
+        dir=str(wandb_env),
+    )
     n = 300  # well over several 32 KiB blocks, with records split across block boundaries
     for s in range(n):
         sink.log({"loss": s / 7, "tag": f"step-{s}"}, step=s)
@@ -175,13 +236,32 @@ def test_offline_reader_spans_many_blocks(wandb_env: Path) -> None:
     assert sum(Path(f).stat().st_size for f in run.files) > 4 * 32 * 1024
     assert run.config["blob"] == "y" * 40_000  # a record larger than a block
     assert len(run.history) == n
-    assert all(r["_step"] == s and r["loss"] == s / 7 and r["tag"] == f"step-{s}" for s, r in enumerate(run.history))
+    assert all(
+        r["_step"] == s and r["loss"] == s / 7 and r["tag"] == f"step-{s}"
+        for s, r in enumerate(run.history)
+    )
 
 
 def test_wandb_bad_mode_and_disabled(wandb_env: Path) -> None:
     with pytest.raises(ConfigError, match=r"mode='offlin' is not one of offline/online/disabled"):
-        WandbSink(project="p", group=None, job_type=None, name=None, config={}, mode="offlin", dir=str(wandb_env))
-    sink = WandbSink(project="p", group=None, job_type=None, name=None, config={}, mode="disabled", dir=str(wandb_env))
+        WandbSink(
+            project="p",
+            group=None,
+            job_type=None,
+            name=None,
+            config={},
+            mode="offlin",
+            dir=str(wandb_env),
+        )
+    sink = WandbSink(
+        project="p",
+        group=None,
+        job_type=None,
+        name=None,
+        config={},
+        mode="disabled",
+        dir=str(wandb_env),
+    )
     sink.log({"loss": 1.0}, step=0)
     assert sink.run_id
     sink.close()
@@ -195,10 +275,20 @@ def test_wandb_bad_mode_and_disabled(wandb_env: Path) -> None:
 @pytest.mark.parametrize(
     "key,value",
     [
-        ("api_key", "abc"), ("WANDB_API_KEY", "abc"), ("hf_token", "abc"), ("password", "abc"),
-        ("db_password", "abc"), ("aws_secret_access_key", "abc"), ("AWS_ACCESS_KEY_ID", "abc"),
-        ("secret", "abc"), ("client_secret", "abc"), ("token", "abc"), ("key", "abc"), ("authToken", "abc"),
-        ("private_key", "abc"), ("credentials", {"user": "u"}),
+        ("api_key", "abc"),
+        ("WANDB_API_KEY", "abc"),
+        ("hf_token", "abc"),
+        ("password", "abc"),
+        ("db_password", "abc"),
+        ("aws_secret_access_key", "abc"),
+        ("AWS_ACCESS_KEY_ID", "abc"),
+        ("secret", "abc"),
+        ("client_secret", "abc"),
+        ("token", "abc"),
+        ("key", "abc"),
+        ("authToken", "abc"),
+        ("private_key", "abc"),
+        ("credentials", {"user": "u"}),
     ],
 )
 def test_secret_keys_are_scrubbed(key: str, value: object) -> None:
@@ -208,9 +298,19 @@ def test_secret_keys_are_scrubbed(key: str, value: object) -> None:
 @pytest.mark.parametrize(
     "key,value",
     [
-        ("d_key", 64), ("n_key_heads", 4), ("eos_token", 0), ("pad_token", "<pad>"), ("tokens", 10**9),
-        ("max_tokens", 4096), ("tokenizer", "gpt2"), ("keep_last", 3), ("key_dim", 16), ("git_sha", "a" * 40),
-        ("run_id", "0123456789abcdef0123456789abcdef01234567"), ("lr", 3e-4), ("root", "s3://bucket/x"),
+        ("d_key", 64),
+        ("n_key_heads", 4),
+        ("eos_token", 0),
+        ("pad_token", "<pad>"),
+        ("tokens", 10**9),
+        ("max_tokens", 4096),
+        ("tokenizer", "gpt2"),
+        ("keep_last", 3),
+        ("key_dim", 16),
+        ("git_sha", "a" * 40),
+        ("run_id", "0123456789abcdef0123456789abcdef01234567"),
+        ("lr", 3e-4),
+        ("root", "s3://bucket/x"),
     ],
 )
 def test_ordinary_keys_are_kept(key: str, value: object) -> None:
@@ -220,8 +320,12 @@ def test_ordinary_keys_are_kept(key: str, value: object) -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        "AKIAIOSFODNN7EXAMPLE", "hf_" + "a" * 34, "ghp_" + "b" * 36, "sk-" + "c" * 40,
-        "0123456789abcdef0123456789abcdef01234567", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig_nature",
+        "AKIAIOSFODNN7EXAMPLE",
+        "hf_" + "a" * 34,
+        "ghp_" + "b" * 36,
+        "sk-" + "c" * 40,
+        "0123456789abcdef0123456789abcdef01234567",
+        "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig_nature",
         "-----BEGIN RSA PRIVATE KEY-----\nMIIE...",
     ],
 )
@@ -232,7 +336,13 @@ def test_credential_looking_values_are_scrubbed(value: str) -> None:
 def test_scrub_is_a_copy_and_handles_urls() -> None:
     cfg = {"a": {"password": "p", "url": "https://me:pa55@host/x", "plain": "https://host/x"}}
     out = scrub_secrets(cfg)
-    assert out == {"a": {"password": REDACTED, "url": f"https://me:{REDACTED}@host/x", "plain": "https://host/x"}}
+    assert out == {
+        "a": {
+            "password": REDACTED,
+            "url": f"https://me:{REDACTED}@host/x",
+            "plain": "https://host/x",
+        }
+    }
     assert cfg["a"]["password"] == "p"  # the input is untouched
 
 
@@ -244,15 +354,25 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_wandb_online_without_server_says_so_and_gives_up(wandb_env: Path, monkeypatch,
-                                                          capsys) -> None:
+def test_wandb_online_without_server_says_so_and_gives_up(
+    wandb_env: Path, monkeypatch, capsys
+) -> None:
     url = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("WANDB_BASE_URL", url)
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
     lines: list[str] = []
     with pytest.raises(ConfigError) as err:
-        WandbSink(project="p", group=None, job_type=None, name=None, config={}, mode="online",
-                  dir=str(wandb_env), init_timeout=2, log=lines.append)
+        WandbSink(
+            project="p",
+            group=None,
+            job_type=None,
+            name=None,
+            config={},
+            mode="online",
+            dir=str(wandb_env),
+            init_timeout=2,
+            log=lines.append,
+        )
     assert len(lines) == 1 and f"connecting to {url}" in lines[0]
     assert "logging.wandb.init_timeout=2" in lines[0]
     msg = str(err.value)
@@ -261,17 +381,20 @@ def test_wandb_online_without_server_says_so_and_gives_up(wandb_env: Path, monke
     assert "logging.wandb.mode=offline" in msg and "WANDB_API_KEY" not in msg
 
 
-def test_wandb_online_without_server_fails_train_in_one_line(corpus, tmp_path: Path,
-                                                             wandb_env: Path, monkeypatch,
-                                                             capsys) -> None:
+def test_wandb_online_without_server_fails_train_in_one_line(
+    corpus, tmp_path: Path, wandb_env: Path, monkeypatch, capsys
+) -> None:
     from train_helpers import train_args
 
     from gpn_scale.cli import main
 
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
-    rc = main(train_args(corpus, tmp_path / "run", "logging.wandb.mode=online",
-                         "logging.wandb.init_timeout=2"))
+    rc = main(
+        train_args(
+            corpus, tmp_path / "run", "logging.wandb.mode=online", "logging.wandb.init_timeout=2"
+        )
+    )
     out = capsys.readouterr()
     assert rc == 2
     assert "W&B: connecting to" in out.out + out.err

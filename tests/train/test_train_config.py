@@ -22,27 +22,52 @@ def test_every_shipped_config_loads():
 
 def test_sweep_keys_are_in_the_schema():
     keys = set(all_keys())
-    for key in ("model", "seed", "run_name", "optim.lr", "schedule.warmup_steps",
-                "schedule.total_steps", "data.remote", "data.seq_len", "train.global_batch_size",
-                "checkpoint.root", "logging.wandb.project", "logging.wandb.group",
-                "logging.wandb.job_type"):
+    for key in (
+        "model",
+        "seed",
+        "run_name",
+        "optim.lr",
+        "schedule.warmup_steps",
+        "schedule.total_steps",
+        "data.remote",
+        "data.seq_len",
+        "train.global_batch_size",
+        "checkpoint.root",
+        "logging.wandb.project",
+        "logging.wandb.group",
+        "logging.wandb.job_type",
+    ):
         assert key in keys, key
-    cfg = load_train_config("ci_tiny", ["model=small", "seed=3", "optim.lr=1e-3",
-                                        "logging.wandb.group=g", "checkpoint.root=s3://b/p"])
+    cfg = load_train_config(
+        "ci_tiny",
+        [
+            "model=small",
+            "seed=3",
+            "optim.lr=1e-3",
+            "logging.wandb.group=g",
+            "checkpoint.root=s3://b/p",
+        ],
+    )
     assert (cfg.model, cfg.seed, cfg.optim.lr, cfg.logging.wandb.group) == ("small", 3, 1e-3, "g")
     assert cfg.resolved_checkpoint_root == "s3://b/p"
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("optim.lrr=1", "optim.lrr: unknown config key (did you mean 'optim.lr'?)"),
-    ("train.global_batch=8", "did you mean 'train.global_batch_size'?"),
-    ("schedule.warmup=3", "did you mean 'schedule.warmup_steps'?"),
-    ("logging.wandb.projetc=x", "did you mean 'logging.wandb.project'?"),
-    ("parallel.backend=fsdp", "did you mean 'fsdp2'?"),
-    ("train.precision=fp16", "train.precision: expected one of auto, fp32, bf16"),
-    ("schedule.warmup_steps=100", "schedule.warmup_steps: must be in [0, schedule.total_steps=8]"),
-    ("train.deterministic=sometimes", "train.deterministic: expected auto, true or false"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optim.lrr=1", "optim.lrr: unknown config key (did you mean 'optim.lr'?)"),
+        ("train.global_batch=8", "did you mean 'train.global_batch_size'?"),
+        ("schedule.warmup=3", "did you mean 'schedule.warmup_steps'?"),
+        ("logging.wandb.projetc=x", "did you mean 'logging.wandb.project'?"),
+        ("parallel.backend=fsdp", "did you mean 'fsdp2'?"),
+        ("train.precision=fp16", "train.precision: expected one of auto, fp32, bf16"),
+        (
+            "schedule.warmup_steps=100",
+            "schedule.warmup_steps: must be in [0, schedule.total_steps=8]",
+        ),
+        ("train.deterministic=sometimes", "train.deterministic: expected auto, true or false"),
+    ],
+)
 def test_bad_keys_and_values_fail_in_one_line(override, expected):
     with pytest.raises(ConfigError) as err:
         load_train_config("ci_tiny", [override])
@@ -53,7 +78,10 @@ def test_bad_keys_and_values_fail_in_one_line(override, expected):
 def test_unknown_key_in_yaml_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim:\n  weight_decya: 0.1\n")
-    with pytest.raises(ConfigError, match=r"optim.weight_decya: unknown config key \(did you mean 'optim.weight_decay'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"optim.weight_decya: unknown config key \(did you mean 'optim.weight_decay'\?\)",
+    ):
         load_train_config(path)
 
 
@@ -68,9 +96,9 @@ def test_batch_layout():
 def test_lr_schedule_warmup_cosine_floor():
     lrs = [lr_at(s, 1.0, 10, 110, 0.1) for s in range(110)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))          # linear warmup
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))          # monotone cosine decay
-    assert lrs[-1] == pytest.approx(0.1)                             # floor at the last step
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))  # linear warmup
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # monotone cosine decay
+    assert lrs[-1] == pytest.approx(0.1)  # floor at the last step
     assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
 
 
@@ -92,13 +120,33 @@ def test_weight_decay_only_on_matrices():
 
 def test_env_detection():
     assert detect({}).world_size == 1
-    tr = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h1",
-                 "MASTER_PORT": "1234"})
-    assert (tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port, tr.source) == \
-        (3, 8, 1, "h1", 1234, "torchrun")
-    sl = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-                 "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08,11],cpu1",
-                 "SLURM_TASKS_PER_NODE": "8(x2)"})
+    tr = detect(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "h1",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port, tr.source) == (
+        3,
+        8,
+        1,
+        "h1",
+        1234,
+        "torchrun",
+    )
+    sl = detect(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "16",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "gpu[07-08,11],cpu1",
+            "SLURM_TASKS_PER_NODE": "8(x2)",
+        }
+    )
     assert (sl.rank, sl.world_size, sl.local_rank, sl.source) == (5, 16, 1, "slurm")
     assert sl.local_world_size == 8
     assert sl.master_addr in ("gpu07",) and sl.master_port == 20000 + 4242
@@ -109,15 +157,17 @@ def test_cli_options_anywhere_among_overrides():
     from gpn_scale.cli import build_parser
 
     parser = build_parser()
-    for argv in (["train", "ci_tiny", "a=1", "b=2", "--resume", "auto"],
-                 ["train", "ci_tiny", "--resume", "auto", "a=1", "b=2"],
-                 ["train", "ci_tiny", "a=1", "--resume", "auto", "b=2"]):
+    for argv in (
+        ["train", "ci_tiny", "a=1", "b=2", "--resume", "auto"],
+        ["train", "ci_tiny", "--resume", "auto", "a=1", "b=2"],
+        ["train", "ci_tiny", "a=1", "--resume", "auto", "b=2"],
+    ):
         args = parser.parse_args(argv)
         assert (args.config, args.overrides, args.resume) == ("ci_tiny", ["a=1", "b=2"], "auto")
 
 
 def test_config_name_not_shadowed_by_a_directory(tmp_path, monkeypatch):
-    (tmp_path / "demo").mkdir()           # e.g. an old run directory called demo
+    (tmp_path / "demo").mkdir()  # e.g. an old run directory called demo
     monkeypatch.chdir(tmp_path)
     assert load_train_config("demo").run_name == "demo"
     with pytest.raises(ConfigError, match="not found"):
@@ -138,8 +188,9 @@ def test_train_config_positional_is_optional_for_override_only_runs():
     assert cfg.model == "tiny" and cfg.seed == 3
 
 
-@pytest.mark.parametrize("value, cpu, cuda", [("auto", True, False), (True, True, True),
-                                              (False, False, False)])
+@pytest.mark.parametrize(
+    "value, cpu, cuda", [("auto", True, False), (True, True, True), (False, False, False)]
+)
 def test_deterministic_auto_is_on_for_cpu_off_for_cuda(value, cpu, cuda, monkeypatch):
     """The default: deterministic on CPU (exact resume), not on GPU (NaN-filled torch.empty,
     slow kernels); explicit true/false honoured. No GPU needed: nothing touches the device."""
@@ -149,8 +200,9 @@ def test_deterministic_auto_is_on_for_cpu_off_for_cuda(value, cpu, cuda, monkeyp
     cfg = load_train_config(None, [f"train.deterministic={str(value).lower()}"])
     assert cfg.train.deterministic == value
     calls = []
-    monkeypatch.setattr(torch, "use_deterministic_algorithms",
-                        lambda on, warn_only=False: calls.append(on))
+    monkeypatch.setattr(
+        torch, "use_deterministic_algorithms", lambda on, warn_only=False: calls.append(on)
+    )
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     assert loop.set_determinism(cfg, torch.device("cpu")) is cpu

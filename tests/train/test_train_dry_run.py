@@ -17,7 +17,7 @@ def test_dry_run_prints_the_resolved_config_and_writes_nothing(corpus, tmp_path,
     before = _tree(tmp_path)
     assert main(train_args(corpus, run_dir, "schedule.total_steps=5") + ["--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert f"run_dir: {run_dir}\n" in out                       # the YAML, resolved
+    assert f"run_dir: {run_dir}\n" in out  # the YAML, resolved
     assert f"  root: {run_dir / 'checkpoints'}\n" in out
     assert "  total_steps: 5\n" in out
     assert f"data: {corpus} (seq_len 64, vocab 257" in out
@@ -30,16 +30,26 @@ def test_dry_run_fails_like_a_start_in_one_line(corpus, tmp_path, capsys):
     assert main(train_args(corpus, tmp_path / "run", "data.seq_len=32") + ["--dry-run"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("gpn-scale: error:")]
     assert len(err) == 1 and "data.seq_len=32 does not match" in err[0]
-    assert main(train_args(corpus, tmp_path / "run") + ["--dry-run", "--resume",
-                                                        str(tmp_path / "nope")]) == 2
+    assert (
+        main(
+            train_args(corpus, tmp_path / "run") + ["--dry-run", "--resume", str(tmp_path / "nope")]
+        )
+        == 2
+    )
     assert not (tmp_path / "run").exists()
 
 
-def test_dry_run_lists_an_s3_checkpoint_root_without_writing(corpus, tmp_path, capsys,
-                                                            s3_bucket, s3_endpoint):
+def test_dry_run_lists_an_s3_checkpoint_root_without_writing(
+    corpus, tmp_path, capsys, s3_bucket, s3_endpoint
+):
     bucket = s3_bucket.removeprefix("s3://")
-    assert main(train_args(corpus, tmp_path / "run", f"checkpoint.root={s3_bucket}/ck")
-                + ["--dry-run", "--resume", "auto"]) == 0
+    assert (
+        main(
+            train_args(corpus, tmp_path / "run", f"checkpoint.root={s3_bucket}/ck")
+            + ["--dry-run", "--resume", "auto"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"checkpoints: {s3_bucket}/ck (listed: 0 entries; write access not probed)" in out
     assert "resume: auto: no complete checkpoint, would start fresh" in out

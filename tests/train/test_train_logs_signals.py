@@ -10,28 +10,49 @@ import signal
 import subprocess
 
 import pytest
-
-from train_helpers import (REPO, child_env, cli, read_metrics, run_train, start_train,
-                           train_args, train_losses, wait_for_step)
+from train_helpers import (
+    REPO,
+    child_env,
+    cli,
+    read_metrics,
+    run_train,
+    start_train,
+    train_args,
+    train_losses,
+    wait_for_step,
+)
 
 from gpn_scale.train.signals import EXIT_ABORTED, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
-LINE = re.compile(r"^step (\d+)/6 \| loss \d+\.\d{4} \| lr \d\.\d{3}e-\d\d \| [\d,]+ tok/s \| "
-                  r"MFU (n/a|\d+\.\d%) \| ETA \d+:\d\d:\d\d$")
+LINE = re.compile(
+    r"^step (\d+)/6 \| loss \d+\.\d{4} \| lr \d\.\d{3}e-\d\d \| [\d,]+ tok/s \| "
+    r"MFU (n/a|\d+\.\d%) \| ETA \d+:\d\d:\d\d$"
+)
 
 
 def test_no_tty_plain_lines_every_log_every_steps(corpus, tmp_path):
     run_dir = tmp_path / "run"
     # Bytes, not text: text mode would turn tqdm's carriage returns into newlines.
-    proc = subprocess.run(cli() + train_args(corpus, run_dir, "schedule.total_steps=6",
-                                             "schedule.warmup_steps=1",
-                                             "checkpoint.every_steps=0",
-                                             "train.progress_bar=true", "train.log_every=2"),
-                          cwd=REPO, env=child_env(tmp_path), capture_output=True, timeout=300)
+    proc = subprocess.run(
+        cli()
+        + train_args(
+            corpus,
+            run_dir,
+            "schedule.total_steps=6",
+            "schedule.warmup_steps=1",
+            "checkpoint.every_steps=0",
+            "train.progress_bar=true",
+            "train.log_every=2",
+        ),
+        cwd=REPO,
+        env=child_env(tmp_path),
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert b"\r" not in proc.stdout + proc.stderr          # pipes, no terminal: no tqdm bar
+    assert b"\r" not in proc.stdout + proc.stderr  # pipes, no terminal: no tqdm bar
     assert b"step/s" not in proc.stderr
     out = proc.stdout.decode()
     steps = [int(m.group(1)) for line in out.splitlines() if (m := LINE.match(line))]
@@ -40,8 +61,13 @@ def test_no_tty_plain_lines_every_log_every_steps(corpus, tmp_path):
 
 def test_first_ctrl_c_saves_and_exits_75(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_train(corpus, run_dir, "schedule.total_steps=8", "checkpoint.every_steps=0",
-                       "debug.step_sleep=0.4")
+    proc = start_train(
+        corpus,
+        run_dir,
+        "schedule.total_steps=8",
+        "checkpoint.every_steps=0",
+        "debug.step_sleep=0.4",
+    )
     wait_for_step(proc, run_dir, 2)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
@@ -52,14 +78,15 @@ def test_first_ctrl_c_saves_and_exits_75(corpus, tmp_path):
     saved = [r for r in read_metrics(run_dir) if r.get("event") == "checkpoint"]
     assert [r["step"] for r in saved] == stopped
     run_train(corpus, run_dir, "schedule.total_steps=8", "checkpoint.every_steps=0")
-    assert sorted(train_losses(run_dir)) == list(range(1, 9))   # continued, nothing lost
+    assert sorted(train_losses(run_dir)) == list(range(1, 9))  # continued, nothing lost
 
 
 def test_second_ctrl_c_aborts_without_saving(corpus, tmp_path):
     run_dir = tmp_path / "run"
     # A long pause after each step: the second Ctrl-C lands before the step's end.
-    proc = start_train(corpus, run_dir, "schedule.total_steps=8", "checkpoint.every_steps=0",
-                       "debug.step_sleep=20")
+    proc = start_train(
+        corpus, run_dir, "schedule.total_steps=8", "checkpoint.every_steps=0", "debug.step_sleep=20"
+    )
     wait_for_step(proc, run_dir, 1)
     proc.send_signal(signal.SIGINT)
     seen = []

@@ -5,7 +5,6 @@ small for one batch is a data error (exit 2) like the others."""
 from __future__ import annotations
 
 import pytest
-
 from train_helpers import train_args
 
 from gpn_scale.cli import main
@@ -18,11 +17,17 @@ def _error(capsys) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("model_overrides.d_stat=64", "model_overrides.d_stat: unknown key (did you mean 'd_state'?)"),
-    ("model_overrides.d_state=abc", "model_overrides.d_state: expected an integer, got 'abc'"),
-    ("model_overrides.n_heads=0", "model_overrides.n_heads: must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        (
+            "model_overrides.d_stat=64",
+            "model_overrides.d_stat: unknown key (did you mean 'd_state'?)",
+        ),
+        ("model_overrides.d_state=abc", "model_overrides.d_state: expected an integer, got 'abc'"),
+        ("model_overrides.n_heads=0", "model_overrides.n_heads: must be >= 1, got 0"),
+    ],
+)
 def test_model_override_errors_name_their_key(corpus, tmp_path, capsys, override, expected):
     assert main(train_args(corpus, tmp_path / "run", override)) == 2
     assert expected in _error(capsys)
@@ -43,10 +48,13 @@ def test_seq_len_mismatch_names_data_seq_len(corpus, tmp_path, capsys):
     assert "data.seq_len=32 does not match" in line and "set data.seq_len=64" in line
 
 
-@pytest.mark.parametrize("override,key", [
-    ("train.global_batch_size=100000", "lower train.global_batch_size"),
-    ("eval.batch_size=5000", "lower eval.batch_size"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.global_batch_size=100000", "lower train.global_batch_size"),
+        ("eval.batch_size=5000", "lower eval.batch_size"),
+    ],
+)
 def test_too_small_dataset_exits_2(corpus, tmp_path, capsys, override, key):
     assert main(train_args(corpus, tmp_path / "run", override)) == 2
     line = _error(capsys)

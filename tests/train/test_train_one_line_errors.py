@@ -9,13 +9,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from train_helpers import PY, REPO, child_env, run_train, train_args
 
 
 def _gpn_scale(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "gpn_scale", *args], cwd=REPO, env=child_env(tmp),
-                          text=True, capture_output=True, timeout=300)
+    return subprocess.run(
+        [PY, "-m", "gpn_scale", *args],
+        cwd=REPO,
+        env=child_env(tmp),
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 def _one_line(proc: subprocess.CompletedProcess) -> str:
@@ -58,8 +63,9 @@ def test_damaged_shard_met_in_training_is_one_line(corpus, tmp_path, damage):
         raw = bytearray(shard.read_bytes())
         raw[100:200] = bytes(100)
         shard.write_bytes(bytes(raw))
-    line = _one_line(_gpn_scale(tmp_path, *train_args(str(data), tmp_path / "run",
-                                                      "checkpoint.every_steps=0")))
+    line = _one_line(
+        _gpn_scale(tmp_path, *train_args(str(data), tmp_path / "run", "checkpoint.every_steps=0"))
+    )
     assert shard.name in line
     assert ("is missing" if damage == "missing" else "hash does not match") in line
     assert "decompress" not in line
@@ -68,14 +74,20 @@ def test_damaged_shard_met_in_training_is_one_line(corpus, tmp_path, damage):
 @pytest.mark.slow
 def test_explicit_resume_uri_of_another_model_shape_is_one_line(corpus, tmp_path):
     other = tmp_path / "other"
-    run_train(corpus, other, "schedule.total_steps=1", "schedule.warmup_steps=0",
-              "eval.at_end=false")
+    run_train(
+        corpus, other, "schedule.total_steps=1", "schedule.warmup_steps=0", "eval.at_end=false"
+    )
     ckpt = other / "checkpoints" / "step_000000001"
     assert ckpt.is_dir()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    line = _one_line(_gpn_scale(tmp_path, *train_args(corpus, run_dir,
-                                                      "model_overrides={d_ffn: 96}"),
-                                "--resume", str(ckpt)))
+    line = _one_line(
+        _gpn_scale(
+            tmp_path,
+            *train_args(corpus, run_dir, "model_overrides={d_ffn: 96}"),
+            "--resume",
+            str(ckpt),
+        )
+    )
     assert "another model shape" in line and "d_ffn 320 != 96" in line
     assert list(run_dir.iterdir()) == []  # a failed start: no checkpoints/, no data cache

@@ -16,16 +16,23 @@ ARGS = ("schedule.total_steps=3", "schedule.warmup_steps=1", "checkpoint.every_s
 def test_gradient_accumulation_equals_full_batch(corpus, tmp_path):
     full, acc = tmp_path / "full", tmp_path / "acc"
     assert main(train_args(corpus, full, *ARGS, "checkpoint.export_final=true")) == 0
-    assert main(train_args(corpus, acc, *ARGS, "train.micro_batch_size=1",
-                           "checkpoint.export_final=true")) == 0
+    assert (
+        main(
+            train_args(
+                corpus, acc, *ARGS, "train.micro_batch_size=1", "checkpoint.export_final=true"
+            )
+        )
+        == 0
+    )
     a, b = train_losses(full), train_losses(acc)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=2e-6)
-    ga, gb = grad_norms(full), grad_norms(acc)   # catches a wrong 1/accum (Adam would not)
+    ga, gb = grad_norms(full), grad_norms(acc)  # catches a wrong 1/accum (Adam would not)
     for s in ga:
         assert gb[s] == pytest.approx(ga[s], rel=1e-5)
     import torch
+
     wa, wb = torch.load(full / "model_final.pt"), torch.load(acc / "model_final.pt")
     rel, worst = weight_distance(wa, wb, initial_weights())
     assert rel < 1e-4 and worst < 1e-4, (rel, worst)
@@ -33,8 +40,19 @@ def test_gradient_accumulation_equals_full_batch(corpus, tmp_path):
 
 def test_stateful_windows_and_tbptt_run(corpus, tmp_path):
     run = tmp_path / "run"
-    assert main(train_args(corpus, run, *ARGS, "train.stateful_windows=true",
-                           "train.tbptt=16", "eval.at_end=false")) == 0
+    assert (
+        main(
+            train_args(
+                corpus,
+                run,
+                *ARGS,
+                "train.stateful_windows=true",
+                "train.tbptt=16",
+                "eval.at_end=false",
+            )
+        )
+        == 0
+    )
     losses = train_losses(run)
     assert sorted(losses) == [1, 2, 3] and all(isinstance(v, float) for v in losses.values())
     assert "tbptt: 16" in (run / "config.yaml").read_text()

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from train_helpers import read_metrics, train_args
 
 from gpn_scale.cli import main
@@ -20,8 +19,11 @@ ARGS = ("schedule.total_steps=2", "schedule.warmup_steps=1", "checkpoint.every_s
 
 def _files(run_dir: Path) -> dict[str, bytes]:
     """Every file a run wrote (not the streaming cache, which is scratch)."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.relative_to(run_dir).parts[0] != "data"}
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.relative_to(run_dir).parts[0] != "data"
+    }
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -38,7 +40,7 @@ def test_rerun_of_a_finished_run_changes_nothing(corpus, tmp_path, capsys):
     before = _files(run_dir)
     assert _train_steps(run_dir) == [1, 2] and "checkpoints/DONE" in before
     capsys.readouterr()
-    assert main(train_args(corpus, run_dir, *ARGS)) == 0   # the same command again
+    assert main(train_args(corpus, run_dir, *ARGS)) == 0  # the same command again
     assert "run already finished at step 2" in capsys.readouterr().out
     assert _files(run_dir) == before  # no retraining, same checkpoints, DONE, history
 
@@ -60,7 +62,7 @@ def test_fresh_start_over_checkpoints_is_an_explicit_choice(corpus, tmp_path, ca
     capsys.readouterr()
     assert main(train_args(corpus, run_dir, *ARGS) + ["--fresh"]) == 0
     assert "--fresh: deleted 2 checkpoint(s)" in capsys.readouterr().out
-    assert _train_steps(run_dir) == [1, 2]                 # one history, not two
+    assert _train_steps(run_dir) == [1, 2]  # one history, not two
     assert json.loads((run_dir / "checkpoints" / "DONE").read_text())["step"] == 2
 
 
@@ -72,4 +74,4 @@ def test_failed_start_leaves_nothing_behind(corpus, tmp_path):
     empty = tmp_path / "empty_run"
     empty.mkdir()
     assert main(train_args(missing, empty, *ARGS)) == 2
-    assert list(empty.iterdir()) == []                     # no checkpoints/.staging, no data/
+    assert list(empty.iterdir()) == []  # no checkpoints/.staging, no data/

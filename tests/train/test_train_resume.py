@@ -37,8 +37,13 @@ def reference(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int
     return losses
 
 
-def _interrupt_and_resume(corpus: str, run_dir: Path, reference: dict[int, float],
-                          extra: tuple[str, ...] = (), env: dict | None = None) -> None:
+def _interrupt_and_resume(
+    corpus: str,
+    run_dir: Path,
+    reference: dict[int, float],
+    extra: tuple[str, ...] = (),
+    env: dict | None = None,
+) -> None:
     proc = start_train(corpus, run_dir, *COMMON, *extra, *SLOW, env=env)
     seen = wait_for_step(proc, run_dir, 5)
     kill9(proc)
@@ -46,8 +51,8 @@ def _interrupt_and_resume(corpus: str, run_dir: Path, reference: dict[int, float
     assert seen < TOTAL
     run_train(corpus, run_dir, *COMMON, *extra, resume="auto", env=env)
     losses = train_losses(run_dir)
-    assert sorted(losses) == list(range(1, TOTAL + 1))   # no step lost, none doubled
-    assert losses == reference                           # bit-identical continuation
+    assert sorted(losses) == list(range(1, TOTAL + 1))  # no step lost, none doubled
+    assert losses == reference  # bit-identical continuation
     done = [r for r in read_metrics(run_dir) if r.get("event") == "checkpoint"]
     assert done, "the resumed run wrote checkpoints"
 
@@ -66,8 +71,9 @@ def test_kill9_then_resume_auto_s3(corpus, reference, tmp_path, s3_bucket):
 
     root = f"{s3_bucket}/runs/r1/ckpt"
     run_dir = tmp_path / "run"
-    _interrupt_and_resume(corpus, run_dir, reference, extra=(f"checkpoint.root={root}",),
-                          env=child_env(tmp_path))
+    _interrupt_and_resume(
+        corpus, run_dir, reference, extra=(f"checkpoint.root={root}",), env=child_env(tmp_path)
+    )
     s3 = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
     bucket = s3_bucket.removeprefix("s3://")
     done = json.loads(s3.get_object(Bucket=bucket, Key="runs/r1/ckpt/DONE")["Body"].read())

@@ -21,14 +21,20 @@ def _one_line_error(capsys) -> str:
 @pytest.mark.slow
 def test_injected_nan_is_skipped_and_counted(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    run_train(corpus, run_dir, "schedule.total_steps=5", "checkpoint.every_steps=0",
-              "debug.inject_nan_steps=[3]")
+    run_train(
+        corpus,
+        run_dir,
+        "schedule.total_steps=5",
+        "checkpoint.every_steps=0",
+        "debug.inject_nan_steps=[3]",
+    )
     train = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
     assert sorted(train) == [1, 2, 3, 4, 5]
     assert train[3]["step_skipped"] is True and train[3]["skipped_steps"] == 1
     assert all(not train[s]["step_skipped"] for s in (1, 2, 4, 5))
     assert train[5]["skipped_steps"] == 1
     import math
+
     assert math.isfinite(train[4]["train/loss"]) and math.isfinite(train[5]["train/loss"])
     done = json.loads((run_dir / "checkpoints" / "DONE").read_text())
     assert done["skipped_steps"] == 1 and math.isfinite(done["final_eval_loss"])
@@ -40,12 +46,16 @@ def test_persistent_nan_stops_cleanly_and_keeps_last_good_checkpoint(corpus, tmp
     from gpn_scale.train.signals import EXIT_NONFINITE
 
     run_dir = tmp_path / "run"
-    args = ("schedule.total_steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
-            "train.max_nonfinite_in_a_row=2")
+    args = (
+        "schedule.total_steps=8",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=5",
+        "train.max_nonfinite_in_a_row=2",
+    )
     proc = run_train(corpus, run_dir, *args, "debug.inject_nan_from=5", check=False)
     assert proc.returncode == EXIT_NONFINITE, proc.stderr[-2000:]
     assert "2 consecutive steps had a non-finite loss or gradient" in proc.stdout + proc.stderr
-    assert "step_000000004" in proc.stdout + proc.stderr      # names the last good checkpoint
+    assert "step_000000004" in proc.stdout + proc.stderr  # names the last good checkpoint
     mgr = CheckpointManager(str(run_dir / "checkpoints"))
     assert mgr.latest().endswith("step_000000004")
     assert [s for s, _, ok in mgr.list_checkpoints() if ok] == [4, 2]
@@ -55,6 +65,7 @@ def test_persistent_nan_stops_cleanly_and_keeps_last_good_checkpoint(corpus, tmp
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, 9))
     import math
+
     assert all(isinstance(v, float) and math.isfinite(v) for v in losses.values())
 
 
@@ -72,7 +83,7 @@ def test_unwritable_checkpoint_path_is_one_line(corpus, tmp_path, capsys):
     assert rc == 2
     line = _one_line_error(capsys)
     assert str(blocker) in line
-    assert not (run_dir / "metrics.jsonl").exists()   # failed before any training
+    assert not (run_dir / "metrics.jsonl").exists()  # failed before any training
 
 
 def test_missing_s3_credentials_is_one_line(corpus, tmp_path, capsys, s3_endpoint, monkeypatch):
@@ -92,14 +103,32 @@ def test_missing_s3_credentials_is_one_line(corpus, tmp_path, capsys, s3_endpoin
 @pytest.mark.slow
 def test_incompatible_checkpoint_is_one_line_and_kept(corpus, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(train_args(corpus, run_dir, "schedule.total_steps=2", "schedule.warmup_steps=1",
-                           "eval.at_end=false")) == 0
+    assert (
+        main(
+            train_args(
+                corpus,
+                run_dir,
+                "schedule.total_steps=2",
+                "schedule.warmup_steps=1",
+                "eval.at_end=false",
+            )
+        )
+        == 0
+    )
     ckpts = run_dir / "checkpoints"
     before = sorted(p.name for p in ckpts.iterdir())
     metrics_before = (run_dir / "metrics.jsonl").read_text()
     capsys.readouterr()
-    rc = main(train_args(corpus, run_dir, "schedule.total_steps=4", "schedule.warmup_steps=1",
-                         "model_overrides={d_ffn: 96}") + ["--resume", "auto"])
+    rc = main(
+        train_args(
+            corpus,
+            run_dir,
+            "schedule.total_steps=4",
+            "schedule.warmup_steps=1",
+            "model_overrides={d_ffn: 96}",
+        )
+        + ["--resume", "auto"]
+    )
     assert rc == 2
     line = _one_line_error(capsys)
     assert "another model shape" in line and "d_ffn 320 != 96" in line

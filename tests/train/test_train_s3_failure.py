@@ -23,21 +23,26 @@ def test_s3_dies_mid_save_then_resume_uses_previous_latest(corpus, tmp_path, mon
     server = LocalS3(port=port).start()
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("GPN_S3_RETRIES", "1")      # fail fast: bounded retries
+    monkeypatch.setenv("GPN_S3_RETRIES", "1")  # fail fast: bounded retries
     monkeypatch.setenv("GPN_S3_BACKOFF_S", "0.05")
     monkeypatch.setenv("GPN_CKPT_STAGING", str(tmp_path / "stage"))
     server.create_bucket("midsave")
     root = "s3://midsave/run/ckpt"
     run_dir = tmp_path / "run"
-    args = train_args(corpus, run_dir, f"checkpoint.root={root}", "checkpoint.every_steps=2",
-                      "schedule.total_steps=6")
+    args = train_args(
+        corpus,
+        run_dir,
+        f"checkpoint.root={root}",
+        "checkpoint.every_steps=2",
+        "schedule.total_steps=6",
+    )
 
     original = S3Storage.put_file
 
     def dying_put_file(self, local_path: Path, key: str):
         result = original(self, local_path, key)
         if "step_000000004" in key:
-            server.stop()   # the endpoint dies between two uploads of the step-4 save
+            server.stop()  # the endpoint dies between two uploads of the step-4 save
         return result
 
     try:
@@ -51,14 +56,15 @@ def test_s3_dies_mid_save_then_resume_uses_previous_latest(corpus, tmp_path, mon
         monkeypatch.setattr(S3Storage, "put_file", original)
         server.stop()
 
-    server = LocalS3(port=port).start()   # same port, same in-process moto state
+    server = LocalS3(port=port).start()  # same port, same in-process moto state
     try:
         assert main(args + ["--resume", "auto"]) == 0
         out = capsys.readouterr().out
         assert "resumed from s3://midsave/run/ckpt/step_000000002 at step 2" in out
         assert sorted(train_losses(run_dir)) == [1, 2, 3, 4, 5, 6]
-        done = json.loads(server.client().get_object(Bucket="midsave", Key="run/ckpt/DONE")
-                          ["Body"].read())
+        done = json.loads(
+            server.client().get_object(Bucket="midsave", Key="run/ckpt/DONE")["Body"].read()
+        )
         assert done["step"] == 6
     finally:
         server.stop()

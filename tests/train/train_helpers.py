@@ -32,66 +32,123 @@ def child_env(tmp: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     tmpdir = tmp / "tmp"
     tmpdir.mkdir(parents=True, exist_ok=True)
-    env.update({"OMP_NUM_THREADS": "1", "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1",
-                "WANDB_SILENT": "true"})
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "TMPDIR": str(tmpdir),
+            "PYTHONUNBUFFERED": "1",
+            "WANDB_SILENT": "true",
+        }
+    )
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_JOB_ID",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    ):
         env.pop(key, None)
     env.update(extra)
     return env
 
 
 def train_args(corpus: str, run_dir: Path, *overrides: str, config: str = "ci_tiny") -> list[str]:
-    return ["train", config, f"data.remote={corpus}", f"data.seq_len={SEQ_LEN}",
-            f"run_dir={run_dir}", *overrides]
+    return [
+        "train",
+        config,
+        f"data.remote={corpus}",
+        f"data.seq_len={SEQ_LEN}",
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
 
 
 def cli(nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [PY, "-m", "gpn_scale"]
-    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "gpn_scale"]
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "gpn_scale",
+    ]
 
 
-def run_train(corpus: str, run_dir: Path, *overrides: str, nproc: int = 1,
-              resume: str | None = None, env: dict[str, str] | None = None,
-              timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    corpus: str,
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    resume: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     cmd = cli(nproc) + train_args(corpus, run_dir, *overrides)
     if resume:
         cmd += ["--resume", resume]
-    proc = subprocess.run(cmd, cwd=REPO, env=env or child_env(run_dir.parent), text=True,
-                          capture_output=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=env or child_env(run_dir.parent),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     log = run_dir.parent / f"{run_dir.name}.{'resume' if resume else 'train'}.log"
     with open(log, "a") as fh:  # kept for post-mortems of failed runs
         fh.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\nexit {proc.returncode}\n")
     if check and proc.returncode != 0:
-        errors = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
-                           if "rror" in line and "Warning" not in line)
-        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-3000:]}\nerror lines:\n{errors[-6000:]}")
+        errors = "\n".join(
+            line
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if "rror" in line and "Warning" not in line
+        )
+        raise AssertionError(
+            f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
+            f"{proc.stderr[-3000:]}\nerror lines:\n{errors[-6000:]}"
+        )
     return proc
 
 
-def start_train(corpus: str, run_dir: Path, *overrides: str, resume: str | None = None,
-                env: dict[str, str] | None = None, new_session: bool = False
-                ) -> subprocess.Popen:
+def start_train(
+    corpus: str,
+    run_dir: Path,
+    *overrides: str,
+    resume: str | None = None,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+) -> subprocess.Popen:
     """new_session: the trainer leads its own process group (kill it whole with killpg, as
     SLURM or a container runtime does: its helper processes die with it)."""
     cmd = cli(1) + train_args(corpus, run_dir, *overrides)
     if resume:
         cmd += ["--resume", resume]
-    return subprocess.Popen(cmd, cwd=REPO, env=env or child_env(run_dir.parent), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=new_session)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env or child_env(run_dir.parent),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=new_session,
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "metrics.jsonl", live=True)   # the run may be writing it
+    return read_jsonl(run_dir / "metrics.jsonl", live=True)  # the run may be writing it
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir)
-            if r.get("train/loss") is not None}
+    return {
+        r["step"]: r["train/loss"] for r in read_metrics(run_dir) if r.get("train/loss") is not None
+    }
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:
@@ -114,8 +171,9 @@ def kill9(proc: subprocess.Popen) -> None:
 
 
 def grad_norms(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir)
-            if r.get("grad_norm") is not None}
+    return {
+        r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if r.get("grad_norm") is not None
+    }
 
 
 def weight_distance(a: dict, b: dict, init: dict) -> tuple[float, float]:

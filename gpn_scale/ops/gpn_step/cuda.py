@@ -24,13 +24,19 @@ import torch
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import triton_kernels as tk
+from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
+from gpn_scale.ops.gpn_step.interface import (
+    ChunkForward,
+    ChunkForwardResult,
+    LoopWeights,
+    ReverseSweep,
+    ReverseSweepResult,
+    StepPlan,
+)
 from gpn_scale.ops.launch import Launch, is_dry, recording  # noqa: F401  (re-exported)
 from gpn_scale.ops.launch import launch as _launch
 from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_aten as _aten
-from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
-from gpn_scale.ops.gpn_step.interface import (ChunkForward, ChunkForwardResult, LoopWeights,
-                                              ReverseSweep, ReverseSweepResult, StepPlan)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -56,10 +62,23 @@ def _precision(w: Tensor) -> str | None:
     return "ieee" if w.dtype in (torch.float32, torch.float64) else None
 
 
-def linear(a: Tensor, w: Tensor, out: Tensor, phase: str, name: str, *, bias: Tensor | None = None,
-           row_rms: bool = False, eps: float = 0.0, split: tuple[Tensor, int] | None = None,
-           epilogue: int = 0, pg: Tensor | None = None, res: Tensor | None = None,
-           fuse: Tensor | None = None, out2: Tensor | None = None) -> None:
+def linear(
+    a: Tensor,
+    w: Tensor,
+    out: Tensor,
+    phase: str,
+    name: str,
+    *,
+    bias: Tensor | None = None,
+    row_rms: bool = False,
+    eps: float = 0.0,
+    split: tuple[Tensor, int] | None = None,
+    epilogue: int = 0,
+    pg: Tensor | None = None,
+    res: Tensor | None = None,
+    fuse: Tensor | None = None,
+    out2: Tensor | None = None,
+) -> None:
     """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`."""
     M, K = a.shape
     N = w.shape[1]
@@ -70,19 +89,49 @@ def linear(a: Tensor, w: Tensor, out: Tensor, phase: str, name: str, *, bias: Te
     ss, k1 = split if split is not None else (None, 0)
     dummy = out
     nbytes = _nbytes(a, w, out, bias, ss, pg, res, fuse, out2)
-    _launch(tk.linear_kernel, grid, name, phase, nbytes, 2 * M * N * K,
-            a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1),
-            bias if bias is not None else dummy, out, out.stride(0),
-            ss if ss is not None else dummy, ss.stride(0) if ss is not None else 0,
-            pg if pg is not None else dummy, pg.stride(0) if pg is not None else 0,
-            res if res is not None else dummy, res.stride(0) if res is not None else 0,
-            fuse if fuse is not None else dummy, fuse.stride(0) if fuse is not None else 0,
-            out2 if out2 is not None else dummy, out2.stride(0) if out2 is not None else 0,
-            M, N, K, eps,
-            N_SS=_p2(ss.shape[1]) if ss is not None else 1,
-            SS_COLS=ss.shape[1] if ss is not None else 1, SPLIT_K1=k1, ROW_RMS=row_rms,
-            HAS_BIAS=bias is not None, EPILOGUE=epilogue, HAS_OUT2=out2 is not None,
-            PRECISION=_precision(w), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps)
+    _launch(
+        tk.linear_kernel,
+        grid,
+        name,
+        phase,
+        nbytes,
+        2 * M * N * K,
+        a,
+        a.stride(0),
+        a.stride(1),
+        w,
+        w.stride(0),
+        w.stride(1),
+        bias if bias is not None else dummy,
+        out,
+        out.stride(0),
+        ss if ss is not None else dummy,
+        ss.stride(0) if ss is not None else 0,
+        pg if pg is not None else dummy,
+        pg.stride(0) if pg is not None else 0,
+        res if res is not None else dummy,
+        res.stride(0) if res is not None else 0,
+        fuse if fuse is not None else dummy,
+        fuse.stride(0) if fuse is not None else 0,
+        out2 if out2 is not None else dummy,
+        out2.stride(0) if out2 is not None else 0,
+        M,
+        N,
+        K,
+        eps,
+        N_SS=_p2(ss.shape[1]) if ss is not None else 1,
+        SS_COLS=ss.shape[1] if ss is not None else 1,
+        SPLIT_K1=k1,
+        ROW_RMS=row_rms,
+        HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue,
+        HAS_OUT2=out2 is not None,
+        PRECISION=_precision(w),
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        BLOCK_K=BK,
+        num_warps=warps,
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -91,17 +140,26 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def _cols(plan: StepPlan, i: int) -> dict[str, int]:
     c = plan.columns[i]
-    at = lambda span: span[0] if span is not None else 0   # noqa: E731
-    return dict(COL_KEY=at(c.key), COL_VALUE=at(c.value), COL_BETA=at(c.beta),
-                COL_DECAY=at(c.decay), COL_QUERY=at(c.query), COL_RGATE=at(c.read_gate),
-                COL_FFN=c.ffn[0])
+    at = lambda span: span[0] if span is not None else 0  # noqa: E731
+    return dict(
+        COL_KEY=at(c.key),
+        COL_VALUE=at(c.value),
+        COL_BETA=at(c.beta),
+        COL_DECAY=at(c.decay),
+        COL_QUERY=at(c.query),
+        COL_RGATE=at(c.read_gate),
+        COL_FFN=c.ffn[0],
+    )
 
 
 def _mem_blocks(plan: StepPlan, t: Tensor, C: int) -> dict[str, int]:
     small = _interpreting(t)
-    return dict(BLOCK_DK=_p2(max(plan.dk, 1)), BLOCK_C=_p2(C),
-                BLOCK_F=min(_p2(plan.f), 16 if small else 512),
-                BLOCK_HV=min(_p2(max(plan.H * plan.dv, 1)), 16 if small else 1024))
+    return dict(
+        BLOCK_DK=_p2(max(plan.dk, 1)),
+        BLOCK_C=_p2(C),
+        BLOCK_F=min(_p2(plan.f), 16 if small else 512),
+        BLOCK_HV=min(_p2(max(plan.H * plan.dv, 1)), 16 if small else 1024),
+    )
 
 
 def _ffn_programs(plan: StepPlan, block_f: int) -> int:
@@ -109,7 +167,7 @@ def _ffn_programs(plan: StepPlan, block_f: int) -> int:
 
 
 # --------------------------------------------------------------------------- backend
-GRAPH_COPIES = "graph copies in/out"   # recorded (dry runs) where a replay copies its buffers
+GRAPH_COPIES = "graph copies in/out"  # recorded (dry runs) where a replay copies its buffers
 
 
 class CudaBackend:
@@ -121,16 +179,18 @@ class CudaBackend:
         self.graphs = ChunkGraphs()
 
     # -------------------------------------------------------------------- forward
-    def forward_chunk(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
-                      ) -> ChunkForwardResult:
-        if is_dry() and plan.cuda_graphs:   # what a replay costs besides its kernels
+    def forward_chunk(
+        self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
+    ) -> ChunkForwardResult:
+        if is_dry() and plan.cuda_graphs:  # what a replay costs besides its kernels
             _aten(GRAPH_COPIES, "forward chunk", 2 * _nbytes(*_leaves(chunk)))
         if self.graphs.wanted(plan, chunk.fuse):
             return self.graphs.forward(plan, W, chunk, forward_chunk_eager)
         return forward_chunk_eager(plan, W, chunk)
 
-    def reverse_sweep(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
-                      ) -> ReverseSweepResult:
+    def reverse_sweep(
+        self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
+    ) -> ReverseSweepResult:
         if is_dry() and plan.cuda_graphs:
             _aten(GRAPH_COPIES, "reverse chunk", 2 * _nbytes(*_leaves(sweep)))
         if self.graphs.wanted(plan, sweep.dP):
@@ -138,14 +198,13 @@ class CudaBackend:
         return reverse_sweep_eager(plan, Wt, sweep)
 
 
-def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward
-                        ) -> ChunkForwardResult:
+def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkForwardResult:
     """The chunk's steps as launches (what a graph captures)."""
     fuse, P, S = chunk.fuse, chunk.P, chunk.S
     B, C, d = fuse.shape
     H, dk, dv, f, L, eps = plan.H, plan.dk, plan.dv, plan.f, plan.n_layers, plan.eps
     mem = plan.memory
-    new = lambda *shape: fuse.new_empty(shape)            # noqa: E731
+    new = lambda *shape: fuse.new_empty(shape)  # noqa: E731
     ph, pc = "forward step", "forward chunk"
     states = [new(B, d), new(B, d)]
     states[0].copy_(chunk.s)
@@ -165,11 +224,31 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward
         gprev.zero_()
         _aten("zero G", pc, _nbytes(gprev))
         key = new(B, H * dk)
-        linear(chunk.s_prev, W.w_in[0][:, :H * dk], key, pc, "first key GEMM",
-               bias=W.b_in[0][:H * dk], row_rms=True, eps=eps)
-        _launch(tk.l2n_relu_kernel, (B, H), "first key l2n", pc, 2 * _nbytes(key),
-                4 * key.numel(), key, key.stride(0), kcur, kcur.stride(0), kcur.stride(1),
-                DK=dk, BLOCK_DK=_p2(dk))
+        linear(
+            chunk.s_prev,
+            W.w_in[0][:, : H * dk],
+            key,
+            pc,
+            "first key GEMM",
+            bias=W.b_in[0][: H * dk],
+            row_rms=True,
+            eps=eps,
+        )
+        _launch(
+            tk.l2n_relu_kernel,
+            (B, H),
+            "first key l2n",
+            pc,
+            2 * _nbytes(key),
+            4 * key.numel(),
+            key,
+            key.stride(0),
+            kcur,
+            kcur.stride(0),
+            kcur.stride(1),
+            DK=dk,
+            BLOCK_DK=_p2(dk),
+        )
     else:
         M0 = K = U = G = kcur = gprev = ss = None
     s = states[0]
@@ -177,29 +256,62 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward
         c = s
         for i in range(L):
             y = ys[i]
-            linear(c, W.w_in[i], y, ph, f"input GEMM {i}", bias=W.b_in[i], row_rms=True,
-                   eps=eps)
-            _memory_forward(plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A,
-                            grid_mem, blocks)
+            linear(c, W.w_in[i], y, ph, f"input GEMM {i}", bias=W.b_in[i], row_rms=True, eps=eps)
+            _memory_forward(
+                plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A, grid_mem, blocks
+            )
             out = P[:, tau] if i == L - 1 else scratch[i % 2]
             pg0 = plan.columns[i].predict_gate[0]
-            linear(hidden, W.w_out[i], out, ph, f"down GEMM {i}",
-                   split=(ss, H * dv) if mem else None, eps=eps, epilogue=1,
-                   pg=y[:, pg0:pg0 + d], res=c)
+            linear(
+                hidden,
+                W.w_out[i],
+                out,
+                ph,
+                f"down GEMM {i}",
+                split=(ss, H * dv) if mem else None,
+                eps=eps,
+                epilogue=1,
+                pg=y[:, pg0 : pg0 + d],
+                res=c,
+            )
             c = out
         s_next = states[(tau + 1) % 2]
-        linear(c, W.w_fg, s_next, ph, "fuse-gate GEMM", bias=W.b_fg, row_rms=True, eps=eps,
-               epilogue=2, res=c, fuse=fuse[:, tau],
-               out2=S[:, tau + 1] if S is not None and tau + 1 < C else None)
+        linear(
+            c,
+            W.w_fg,
+            s_next,
+            ph,
+            "fuse-gate GEMM",
+            bias=W.b_fg,
+            row_rms=True,
+            eps=eps,
+            epilogue=2,
+            res=c,
+            fuse=fuse[:, tau],
+            out2=S[:, tau + 1] if S is not None and tau + 1 < C else None,
+        )
         s = s_next
-    s_prev = states[(C - 1) % 2]      # the state entering the chunk's last step
+    s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
     return ChunkForwardResult(s, s_prev, K, U, G)
 
 
-def _memory_forward(plan: StepPlan, i: int, tau: int, y: Tensor, hidden: Tensor,
-                    ss: Tensor | None, kcur: Tensor | None, gprev: Tensor | None,
-                    M0: Tensor | None, K: Tensor | None, U: Tensor | None, G: Tensor | None,
-                    A: Tensor | None, grid: tuple[int, int], blocks: dict[str, int]) -> None:
+def _memory_forward(
+    plan: StepPlan,
+    i: int,
+    tau: int,
+    y: Tensor,
+    hidden: Tensor,
+    ss: Tensor | None,
+    kcur: Tensor | None,
+    gprev: Tensor | None,
+    M0: Tensor | None,
+    K: Tensor | None,
+    U: Tensor | None,
+    G: Tensor | None,
+    A: Tensor | None,
+    grid: tuple[int, int],
+    blocks: dict[str, int],
+) -> None:
     H, dk, dv, f = plan.H, plan.dk, plan.dv, plan.f
     mem, write = plan.memory, plan.memory and i == 0
     B = y.shape[0]
@@ -209,31 +321,55 @@ def _memory_forward(plan: StepPlan, i: int, tau: int, y: Tensor, hidden: Tensor,
         flops = B * H * (4 * dk * dv + 4 * (tau + 1) * (dk + dv))
     else:
         nbytes, flops = _nbytes(y, hidden), 0
-    d_ = y   # any tensor of the dtype: pointers the variant never reads
+    d_ = y  # any tensor of the dtype: pointers the variant never reads
     z = (0,) * 3
-    _launch(tk.memory_forward_kernel, grid, f"memory/FFN {i}", "forward step", nbytes, flops,
-            y, y.stride(0), hidden, hidden.stride(0), ss if mem else d_,
-            kcur if mem else d_, gprev if mem else d_,
-            M0 if mem else d_, *(M0.stride()[:3] if mem else z),
-            K if mem else d_, *(K.stride()[:3] if mem else z),
-            U if mem else d_, *(U.stride()[:3] if mem else z),
-            G if mem else d_, *(G.stride()[:2] if mem else z[:2]),
-            A if mem else d_, tau,
-            H=H, DK=max(dk, 1), DV=max(dv, 1), F=f, HV=H * dv, **_cols(plan, i),
-            WRITE=write, MEMORY=mem,
-            BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else 64),
-            BLOCK_DK=blocks["BLOCK_DK"], BLOCK_C=blocks["BLOCK_C"], BLOCK_F=blocks["BLOCK_F"])
+    _launch(
+        tk.memory_forward_kernel,
+        grid,
+        f"memory/FFN {i}",
+        "forward step",
+        nbytes,
+        flops,
+        y,
+        y.stride(0),
+        hidden,
+        hidden.stride(0),
+        ss if mem else d_,
+        kcur if mem else d_,
+        gprev if mem else d_,
+        M0 if mem else d_,
+        *(M0.stride()[:3] if mem else z),
+        K if mem else d_,
+        *(K.stride()[:3] if mem else z),
+        U if mem else d_,
+        *(U.stride()[:3] if mem else z),
+        G if mem else d_,
+        *(G.stride()[:2] if mem else z[:2]),
+        A if mem else d_,
+        tau,
+        H=H,
+        DK=max(dk, 1),
+        DV=max(dv, 1),
+        F=f,
+        HV=H * dv,
+        **_cols(plan, i),
+        WRITE=write,
+        MEMORY=mem,
+        BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else 64),
+        BLOCK_DK=blocks["BLOCK_DK"],
+        BLOCK_C=blocks["BLOCK_C"],
+        BLOCK_F=blocks["BLOCK_F"],
+    )
 
 
 # -------------------------------------------------------------------------- reverse
-def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
-                        ) -> ReverseSweepResult:
+def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> ReverseSweepResult:
     """The chunk's reverse sweep as launches (what a graph captures)."""
     acts, a, dP = sweep.acts, sweep.adjoints, sweep.dP
     C, B, d = acts.p.shape
     H, dk, dv, f, L, eps = plan.H, plan.dk, plan.dv, plan.f, plan.n_layers, plan.eps
     mem = plan.memory
-    new = lambda *shape: dP.new_empty(shape)              # noqa: E731
+    new = lambda *shape: dP.new_empty(shape)  # noqa: E731
     ph, pc = "reverse step", "reverse chunk"
     DG, DN, DCIN = new(B, d), new(B, d), new(B, d)
     DH = new(B, H * dv + f)
@@ -242,10 +378,24 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
     BD = min(_p2(d), 16 if _interpreting(dP) else 1024)
     ds_end = sweep.ds_end.contiguous() if sweep.ds_end is not None else None
     extra = sweep.ds_prev_end.contiguous() if sweep.ds_prev_end is not None else None
-    _launch(tk.rev_start_kernel, (B,), "reverse start", pc, 5 * _nbytes(DG), 0,
-            ds_end if ds_end is not None else DG, DG, a.d_fuse[:, C - 1], a.d_fuse.stride(0),
-            acts.p[C - 1], acts.gate[C - 1], a.dYfg[C - 1], d, HAS_DS=ds_end is not None,
-            BLOCK_D=BD)
+    _launch(
+        tk.rev_start_kernel,
+        (B,),
+        "reverse start",
+        pc,
+        5 * _nbytes(DG),
+        0,
+        ds_end if ds_end is not None else DG,
+        DG,
+        a.d_fuse[:, C - 1],
+        a.d_fuse.stride(0),
+        acts.p[C - 1],
+        acts.gate[C - 1],
+        a.dYfg[C - 1],
+        d,
+        HAS_DS=ds_end is not None,
+        BLOCK_D=BD,
+    )
     if mem:
         M0 = sweep.M0.contiguous()
         DGS, DA_ROWS, DKPRE0 = new(B, H), new(B, H), new(B, H * dk)
@@ -256,24 +406,66 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
         M0 = DGS = DA_ROWS = DKPRE0 = None
     for tau in range(C - 1, -1, -1):
         linear(a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T")
-        _rev_row(plan, L - 1, tau, DN, acts.n_p[tau], acts.p[tau], dP[:, tau], acts, a, DG,
-                 DCIN, None, BD, ground=True)
+        _rev_row(
+            plan,
+            L - 1,
+            tau,
+            DN,
+            acts.n_p[tau],
+            acts.p[tau],
+            dP[:, tau],
+            acts,
+            a,
+            DG,
+            DCIN,
+            None,
+            BD,
+            ground=True,
+        )
         for i in range(L - 1, -1, -1):
             linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}")
-            _memory_backward(plan, i, tau, C, acts, a, DH, M0, DGS, DA_ROWS, DKPRE0, Wt.A,
-                             grid_mem, blocks, eps)
+            _memory_backward(
+                plan, i, tau, C, acts, a, DH, M0, DGS, DA_ROWS, DKPRE0, Wt.A, grid_mem, blocks, eps
+            )
             linear(a.dY[i][tau], Wt.w_in[i], DN, ph, f"input dy W^T {i}")
-            _rev_row(plan, i - 1, tau, DN, acts.n[i][tau], acts.c[i][tau], DCIN, acts, a, DG,
-                     DCIN, extra if tau == C - 1 and i == 0 else None, BD, ground=False)
+            _rev_row(
+                plan,
+                i - 1,
+                tau,
+                DN,
+                acts.n[i][tau],
+                acts.c[i][tau],
+                DCIN,
+                acts,
+                a,
+                DG,
+                DCIN,
+                extra if tau == C - 1 and i == 0 else None,
+                BD,
+                ground=False,
+            )
     if mem:
         a.dA += DA_ROWS.sum(0)
         _aten("dA rows sum", pc, _nbytes(DA_ROWS))
     return ReverseSweepResult(DG, DKPRE0)
 
 
-def _rev_row(plan: StepPlan, next_layer: int, tau: int, DN: Tensor, n: Tensor, x: Tensor,
-             base: Tensor, acts, a, DG: Tensor, DCIN: Tensor, extra: Tensor | None, BD: int,
-             ground: bool) -> None:
+def _rev_row(
+    plan: StepPlan,
+    next_layer: int,
+    tau: int,
+    DN: Tensor,
+    n: Tensor,
+    x: Tensor,
+    base: Tensor,
+    acts,
+    a,
+    DG: Tensor,
+    DCIN: Tensor,
+    extra: Tensor | None,
+    BD: int,
+    ground: bool,
+) -> None:
     """dc = base (+ gate dg) + rms_back(n, x, DN) (+ extra); then start layer `next_layer`
     (>= 0) or end the step (next_layer < 0)."""
     B, d = DN.shape
@@ -283,21 +475,61 @@ def _rev_row(plan: StepPlan, next_layer: int, tau: int, DN: Tensor, n: Tensor, x
     pg0 = plan.columns[j].predict_gate[0]
     y_j, dy_j = acts.y[j][tau], a.dY[j][tau]
     prev = tau - 1 if has_prev else tau
-    _launch(tk.rev_row_kernel, (B,), "row backward", "reverse step",
-            _nbytes(DN) * (6 if then_layer else 7), 12 * B * d,
-            DN, n, x, d, base, base.stride(0), acts.gate[tau], DG,
-            extra if extra is not None else DN,
-            a.dZ[j][tau], y_j[:, pg0:], y_j.stride(0), acts.c[j][tau], dy_j[:, pg0:],
-            dy_j.stride(0), DCIN,
-            a.d_fuse[:, prev], a.d_fuse.stride(0), acts.p[prev], acts.gate[prev],
-            a.dYfg[prev], d, plan.eps,
-            BASE_GROUND=ground, HAS_EXTRA=extra is not None, THEN_LAYER=then_layer,
-            HAS_PREV=has_prev, BLOCK_D=BD)
+    _launch(
+        tk.rev_row_kernel,
+        (B,),
+        "row backward",
+        "reverse step",
+        _nbytes(DN) * (6 if then_layer else 7),
+        12 * B * d,
+        DN,
+        n,
+        x,
+        d,
+        base,
+        base.stride(0),
+        acts.gate[tau],
+        DG,
+        extra if extra is not None else DN,
+        a.dZ[j][tau],
+        y_j[:, pg0:],
+        y_j.stride(0),
+        acts.c[j][tau],
+        dy_j[:, pg0:],
+        dy_j.stride(0),
+        DCIN,
+        a.d_fuse[:, prev],
+        a.d_fuse.stride(0),
+        acts.p[prev],
+        acts.gate[prev],
+        a.dYfg[prev],
+        d,
+        plan.eps,
+        BASE_GROUND=ground,
+        HAS_EXTRA=extra is not None,
+        THEN_LAYER=then_layer,
+        HAS_PREV=has_prev,
+        BLOCK_D=BD,
+    )
 
 
-def _memory_backward(plan: StepPlan, i: int, tau: int, C: int, acts, a, DH: Tensor,
-                     M0: Tensor | None, DGS, DA_ROWS, DKPRE0, A: Tensor | None,
-                     grid: tuple[int, int], blocks: dict[str, int], eps: float) -> None:
+def _memory_backward(
+    plan: StepPlan,
+    i: int,
+    tau: int,
+    C: int,
+    acts,
+    a,
+    DH: Tensor,
+    M0: Tensor | None,
+    DGS,
+    DA_ROWS,
+    DKPRE0,
+    A: Tensor | None,
+    grid: tuple[int, int],
+    blocks: dict[str, int],
+    eps: float,
+) -> None:
     H, dk, dv, f = plan.H, plan.dk, plan.dv, plan.f
     mem, write = plan.memory, plan.memory and i == 0
     dY = a.dY[i]
@@ -305,36 +537,131 @@ def _memory_backward(plan: StepPlan, i: int, tau: int, C: int, acts, a, DH: Tens
     B = y.shape[0]
     dummy = dy
     z2, z3 = (0,) * 2, (0,) * 3
-    s2 = lambda t: t.stride()[:2]   # noqa: E731
+    s2 = lambda t: t.stride()[:2]  # noqa: E731
     if mem:
         q, rq, drq = acts.q[i][:, :, tau], acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
-        mem_args = (acts.o[i][tau], acts.ro[i][tau], acts.o[i].stride(1),
-                    q, *s2(q), rq, *s2(rq), drq, *s2(drq),
-                    acts.k, *acts.k.stride()[:3], acts.U, *acts.U.stride()[:3],
-                    acts.G, *acts.G.stride()[:3], a.dK, *a.dK.stride()[:3],
-                    a.dU, *a.dU.stride()[:3], a.dG, *a.dG.stride()[:3],
-                    M0, *M0.stride()[:3])
+        mem_args = (
+            acts.o[i][tau],
+            acts.ro[i][tau],
+            acts.o[i].stride(1),
+            q,
+            *s2(q),
+            rq,
+            *s2(rq),
+            drq,
+            *s2(drq),
+            acts.k,
+            *acts.k.stride()[:3],
+            acts.U,
+            *acts.U.stride()[:3],
+            acts.G,
+            *acts.G.stride()[:3],
+            a.dK,
+            *a.dK.stride()[:3],
+            a.dU,
+            *a.dU.stride()[:3],
+            a.dG,
+            *a.dG.stride()[:3],
+            M0,
+            *M0.stride()[:3],
+        )
         hist = (tau + 1) * B * H * 2 * (2 * dk + 2 * dv + 2) * y.element_size()
         nbytes = _nbytes(y, dy, DH, acts.o[i][tau], acts.ro[i][tau], M0) + hist
         flops = B * H * ((4 if write else 2) * dk * dv + 12 * (tau + 1) * (dk + dv))
     else:
-        mem_args = (dummy, dummy, 0, dummy, *z2, dummy, *z2, dummy, *z2,
-                    dummy, *z3, dummy, *z3, dummy, *z3, dummy, *z3, dummy, *z3, dummy, *z3,
-                    dummy, *z3)
+        mem_args = (
+            dummy,
+            dummy,
+            0,
+            dummy,
+            *z2,
+            dummy,
+            *z2,
+            dummy,
+            *z2,
+            dummy,
+            *z3,
+            dummy,
+            *z3,
+            dummy,
+            *z3,
+            dummy,
+            *z3,
+            dummy,
+            *z3,
+            dummy,
+            *z3,
+            dummy,
+            *z3,
+        )
         nbytes, flops = _nbytes(y, dy, DH), 0
     if write:
         v, beta = acts.v[:, :, tau], acts.beta[:, :, tau]
         pred, rk, drk = acts.pred[:, :, tau], acts.rk[:, :, tau], a.dRk[:, :, tau]
         kpre = acts.k_pre[tau]
-        write_args = (kpre, kpre.stride(0), v, *s2(v), beta, *s2(beta), pred, *s2(pred),
-                      rk, *s2(rk), drk, *s2(drk), DGS, DA_ROWS, DKPRE0)
+        write_args = (
+            kpre,
+            kpre.stride(0),
+            v,
+            *s2(v),
+            beta,
+            *s2(beta),
+            pred,
+            *s2(pred),
+            rk,
+            *s2(rk),
+            drk,
+            *s2(drk),
+            DGS,
+            DA_ROWS,
+            DKPRE0,
+        )
     else:
-        write_args = (dummy, 0, dummy, *z2, dummy, *z2, dummy, *z2, dummy, *z2, dummy, *z2,
-                      dummy, dummy, dummy)
-    _launch(tk.memory_backward_kernel, grid, f"memory/FFN backward {i}", "reverse step",
-            nbytes, flops,
-            y, y.stride(0), dy, dy.stride(0), dY[tau - 1] if write and tau > 0 else dy,
-            DH, DH.stride(0), *mem_args, *write_args,
-            A if mem else dummy, tau, int(tau == C - 1), eps,
-            H=H, DK=max(dk, 1), DV=max(dv, 1), F=f, HV=H * dv, **_cols(plan, i),
-            WRITE=write, MEMORY=mem, BLOCK_DV=_p2(max(dv, 1)), **blocks)
+        write_args = (
+            dummy,
+            0,
+            dummy,
+            *z2,
+            dummy,
+            *z2,
+            dummy,
+            *z2,
+            dummy,
+            *z2,
+            dummy,
+            *z2,
+            dummy,
+            dummy,
+            dummy,
+        )
+    _launch(
+        tk.memory_backward_kernel,
+        grid,
+        f"memory/FFN backward {i}",
+        "reverse step",
+        nbytes,
+        flops,
+        y,
+        y.stride(0),
+        dy,
+        dy.stride(0),
+        dY[tau - 1] if write and tau > 0 else dy,
+        DH,
+        DH.stride(0),
+        *mem_args,
+        *write_args,
+        A if mem else dummy,
+        tau,
+        int(tau == C - 1),
+        eps,
+        H=H,
+        DK=max(dk, 1),
+        DV=max(dv, 1),
+        F=f,
+        HV=H * dv,
+        **_cols(plan, i),
+        WRITE=write,
+        MEMORY=mem,
+        BLOCK_DV=_p2(max(dv, 1)),
+        **blocks,
+    )

@@ -59,15 +59,17 @@ def _gpu_path(t: Tensor) -> bool:
     return t.device.type in ("cuda", "meta")
 
 
-def linear_out(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype
-               ) -> Tensor:
+def linear_out(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """x @ weight (+ bias) with x, weight in the matmul dtype and the result in `out_dtype`.
     On CUDA one GEMM that accumulates and writes in out_dtype (cuBLAS's dtype overload);
     elsewhere the GEMM in the matmul dtype, cast and bias added after."""
     if _gpu_path(x) and weight.dtype != out_dtype:
         x2 = x.reshape(-1, x.shape[-1])
-        y = (torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype) if bias is not None
-             else torch.mm(x2, weight, out_dtype=out_dtype))
+        y = (
+            torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype)
+            if bias is not None
+            else torch.mm(x2, weight, out_dtype=out_dtype)
+        )
         return y.view(*x.shape[:-1], -1)
     y = (x @ weight).to(out_dtype)
     return y if bias is None else y + bias

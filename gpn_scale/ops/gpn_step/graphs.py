@@ -24,8 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpn_scale.ops.gpn_step.interface import (ChunkForward, ChunkForwardResult, LoopWeights,
-                                              ReverseSweep, ReverseSweepResult, StepPlan)
+from gpn_scale.ops.gpn_step.interface import (
+    ChunkForward,
+    ChunkForwardResult,
+    LoopWeights,
+    ReverseSweep,
+    ReverseSweepResult,
+    StepPlan,
+)
 
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 
@@ -51,6 +57,7 @@ def _eager_capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
     def replay() -> None:
         for dst, src in zip(_leaves(out), _leaves(fn())):
             dst.copy_(src)
+
     return replay, out
 
 
@@ -97,14 +104,16 @@ def _leaves(obj: Any) -> list[Tensor]:
 
 def _rebuild(obj: Any, tensors: Iterator[Tensor]) -> Any:
     """The same tree with its tensors taken in order from `tensors`."""
-    if obj is None or not isinstance(obj, (Tensor, list, tuple)) and not dataclasses.is_dataclass(obj):
-        return obj
     if isinstance(obj, Tensor):
         return next(tensors)
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _rebuild(getattr(obj, f.name), tensors)
-                                           for f in dataclasses.fields(obj)})
-    return type(obj)(_rebuild(item, tensors) for item in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj,
+            **{f.name: _rebuild(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)},
+        )
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(item, tensors) for item in obj)
+    return obj
 
 
 def _signature(obj: Any) -> tuple:
@@ -132,16 +141,25 @@ def _copy_into(dst: Any, src: Any) -> None:
 
 @dataclasses.dataclass
 class _Graph:
-    inputs: Any                      # static copies of the call's tensor arguments
-    weights: LoopWeights             # static copies of the loop weights
+    inputs: Any  # static copies of the call's tensor arguments
+    weights: LoopWeights  # static copies of the loop weights
     replay: Callable[[], None]
-    outputs: Any                     # the captured call's result (static)
-    weights_of: Any = None           # weakref to the LoopWeights last copied in
+    outputs: Any  # the captured call's result (static)
+    weights_of: Any = None  # weakref to the LoopWeights last copied in
 
 
 def _plan_key(plan: StepPlan) -> tuple:
-    return (plan.n_layers, plan.memory, plan.H, plan.dk, plan.dv, plan.d, plan.f, plan.eps,
-            plan.mm_dtype)
+    return (
+        plan.n_layers,
+        plan.memory,
+        plan.H,
+        plan.dk,
+        plan.dv,
+        plan.d,
+        plan.f,
+        plan.eps,
+        plan.mm_dtype,
+    )
 
 
 class ChunkGraphs:
@@ -155,12 +173,21 @@ class ChunkGraphs:
 
     def wanted(self, plan: StepPlan, like: Tensor) -> bool:
         from gpn_scale.ops.gpn_step.cuda import is_dry
-        return (plan.cuda_graphs and self.failed is None and not is_dry()
-                and (like.is_cuda or _ANY_DEVICE))
 
-    def forward(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward,
-                run: Callable[[StepPlan, LoopWeights, ChunkForward], ChunkForwardResult]
-                ) -> ChunkForwardResult:
+        return (
+            plan.cuda_graphs
+            and self.failed is None
+            and not is_dry()
+            and (like.is_cuda or _ANY_DEVICE)
+        )
+
+    def forward(
+        self,
+        plan: StepPlan,
+        W: LoopWeights,
+        chunk: ChunkForward,
+        run: Callable[[StepPlan, LoopWeights, ChunkForward], ChunkForwardResult],
+    ) -> ChunkForwardResult:
         graph = self._get(("forward", _plan_key(plan)), plan, W, chunk, run)
         if graph is None:
             return run(plan, W, chunk)
@@ -171,18 +198,23 @@ class ChunkGraphs:
             chunk.S.copy_(graph.inputs.S)
         return _rebuild(graph.outputs, iter([t.clone() for t in _leaves(graph.outputs)]))
 
-    def reverse(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep,
-                run: Callable[[StepPlan, LoopWeights, ReverseSweep], ReverseSweepResult]
-                ) -> ReverseSweepResult:
+    def reverse(
+        self,
+        plan: StepPlan,
+        Wt: LoopWeights,
+        sweep: ReverseSweep,
+        run: Callable[[StepPlan, LoopWeights, ReverseSweep], ReverseSweepResult],
+    ) -> ReverseSweepResult:
         graph = self._get(("reverse", _plan_key(plan)), plan, Wt, sweep, run)
         if graph is None:
             return run(plan, Wt, sweep)
         self._replay(graph, Wt, sweep)
-        _copy_into(sweep.adjoints, graph.inputs.adjoints)   # what the sweep added to
+        _copy_into(sweep.adjoints, graph.inputs.adjoints)  # what the sweep added to
         return _rebuild(graph.outputs, iter([t.clone() for t in _leaves(graph.outputs)]))
 
-    def _get(self, key: tuple, plan: StepPlan, W: LoopWeights, args: Any,
-             run: Callable[..., Any]) -> _Graph | None:
+    def _get(
+        self, key: tuple, plan: StepPlan, W: LoopWeights, args: Any, run: Callable[..., Any]
+    ) -> _Graph | None:
         key = (*key, _signature(args), _signature(W))
         graph = self._graphs.get(key)
         if graph is not None:
@@ -190,11 +222,14 @@ class ChunkGraphs:
         inputs, weights = _static_like(args), _static_like(W)
         try:
             replay, outputs = _capture(lambda: run(plan, weights, inputs))
-        except Exception as exc:   # capture is not possible here: eager from now on
+        except Exception as exc:  # capture is not possible here: eager from now on
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             from gpn_scale.ops.gpn_step.registry import warn_once
-            warn_once(f"CUDA graph capture of the step chunks failed ({self.failed}); running "
-                      "them eagerly (set model.cuda_graphs=false to skip the attempt)")
+
+            warn_once(
+                f"CUDA graph capture of the step chunks failed ({self.failed}); running "
+                "them eagerly (set model.cuda_graphs=false to skip the attempt)"
+            )
             return None
         self.captures += 1
         graph = _Graph(inputs, weights, replay, outputs, weakref.ref(W))

@@ -38,15 +38,14 @@ class ColumnLayout:
     read_gate: tuple[int, int] | None
     ffn: tuple[int, int]
     predict_gate: tuple[int, int]
-    sizes: tuple[int, ...] = field(repr=False)   # the blocks' widths, for torch.split
+    sizes: tuple[int, ...] = field(repr=False)  # the blocks' widths, for torch.split
 
     @property
     def width(self) -> int:
         return self.predict_gate[1]
 
     @staticmethod
-    def build(layer: int, memory: bool, H: int, dk: int, dv: int, f: int, d: int
-              ) -> "ColumnLayout":
+    def build(layer: int, memory: bool, H: int, dk: int, dv: int, f: int, d: int) -> ColumnLayout:
         names = []
         if memory and layer == 0:
             names += [("key", H * dk), ("value", H * dv), ("beta", H), ("decay", H)]
@@ -59,8 +58,13 @@ class ColumnLayout:
             spans[name] = (at, at + width)
             at += width
         blocks = ("key", "value", "beta", "decay", "query", "read_gate", "ffn", "predict_gate")
-        return ColumnLayout(**{b: spans.get(b) for b in blocks},
-                            sizes=tuple(w for _, w in names))
+        optional = {b: spans.get(b) for b in blocks[:6]}
+        return ColumnLayout(
+            **optional,
+            ffn=spans["ffn"],
+            predict_gate=spans["predict_gate"],
+            sizes=tuple(w for _, w in names),
+        )
 
 
 # ------------------------------------------------------------------------- plan
@@ -76,16 +80,18 @@ class StepPlan:
     d: int
     f: int
     eps: float
-    spans: tuple[tuple[int, int], ...]     # chunk boundaries [start, end)
-    cuts: frozenset[int]                    # positions where truncated BPTT stops gradients
-    mm_dtype: torch.dtype | None            # matmul dtype under autocast, else None
-    backend: str = "auto"                   # step backend asked for (see registry.py)
-    cuda_graphs: bool = True                # capture the CUDA backend's chunks as graphs
+    spans: tuple[tuple[int, int], ...]  # chunk boundaries [start, end)
+    cuts: frozenset[int]  # positions where truncated BPTT stops gradients
+    mm_dtype: torch.dtype | None  # matmul dtype under autocast, else None
+    backend: str = "auto"  # step backend asked for (see registry.py)
+    cuda_graphs: bool = True  # capture the CUDA backend's chunks as graphs
 
     @property
     def columns(self) -> tuple[ColumnLayout, ...]:
-        return tuple(ColumnLayout.build(i, self.memory, self.H, self.dk, self.dv, self.f,
-                                        self.d) for i in range(self.n_layers))
+        return tuple(
+            ColumnLayout.build(i, self.memory, self.H, self.dk, self.dv, self.f, self.d)
+            for i in range(self.n_layers)
+        )
 
     @property
     def in_splits(self) -> tuple[tuple[int, ...], ...]:
@@ -102,37 +108,65 @@ class LoopWeights:
     w_out: list[Tensor]
     w_fg: Tensor
     b_fg: Tensor
-    A: Tensor | None            # exp(A_log): the decay rate per head
+    A: Tensor | None  # exp(A_log): the decay rate per head
 
     def flat(self) -> list[Tensor]:
-        return [*self.w_in, *self.b_in, *self.w_out, self.w_fg, self.b_fg,
-                *([self.A] if self.A is not None else [])]
+        return [
+            *self.w_in,
+            *self.b_in,
+            *self.w_out,
+            self.w_fg,
+            self.b_fg,
+            *([self.A] if self.A is not None else []),
+        ]
 
     @staticmethod
-    def unflat(plan: StepPlan, flat: list[Tensor] | tuple[Tensor, ...]) -> "LoopWeights":
+    def unflat(plan: StepPlan, flat: list[Tensor] | tuple[Tensor, ...]) -> LoopWeights:
         L = plan.n_layers
-        return LoopWeights(list(flat[:L]), list(flat[L:2 * L]), list(flat[2 * L:3 * L]),
-                           flat[3 * L], flat[3 * L + 1], flat[3 * L + 2] if plan.memory else None)
+        return LoopWeights(
+            list(flat[:L]),
+            list(flat[L : 2 * L]),
+            list(flat[2 * L : 3 * L]),
+            flat[3 * L],
+            flat[3 * L + 1],
+            flat[3 * L + 2] if plan.memory else None,
+        )
 
-    def transposed(self) -> "LoopWeights":
+    def transposed(self) -> LoopWeights:
         """The matrices transposed and contiguous (for the backward's dy @ W^T); the key
         columns of layer 0 come first in its transpose's rows."""
-        return LoopWeights([w.t().contiguous() for w in self.w_in], self.b_in,
-                           [w.t().contiguous() for w in self.w_out],
-                           self.w_fg.t().contiguous(), self.b_fg, self.A)
+        return LoopWeights(
+            [w.t().contiguous() for w in self.w_in],
+            self.b_in,
+            [w.t().contiguous() for w in self.w_out],
+            self.w_fg.t().contiguous(),
+            self.b_fg,
+            self.A,
+        )
 
-    def untransposed_views(self) -> "LoopWeights":
+    def untransposed_views(self) -> LoopWeights:
         """Views of transposed copies back in (in, out) layout (no copy)."""
-        return LoopWeights([w.t() for w in self.w_in], self.b_in, [w.t() for w in self.w_out],
-                           self.w_fg.t(), self.b_fg, self.A)
+        return LoopWeights(
+            [w.t() for w in self.w_in],
+            self.b_in,
+            [w.t() for w in self.w_out],
+            self.w_fg.t(),
+            self.b_fg,
+            self.A,
+        )
 
-    def for_matmul(self, dtype: torch.dtype | None) -> "LoopWeights":
+    def for_matmul(self, dtype: torch.dtype | None) -> LoopWeights:
         """Matrices cast once to the matmul dtype (biases and A stay in the state dtype)."""
         if dtype is None:
             return self
-        return LoopWeights([w.to(dtype) for w in self.w_in], self.b_in,
-                           [w.to(dtype) for w in self.w_out], self.w_fg.to(dtype), self.b_fg,
-                           self.A)
+        return LoopWeights(
+            [w.to(dtype) for w in self.w_in],
+            self.b_in,
+            [w.to(dtype) for w in self.w_out],
+            self.w_fg.to(dtype),
+            self.b_fg,
+            self.A,
+        )
 
 
 # ------------------------------------------------------------------ forward chunk
@@ -170,27 +204,27 @@ class ChunkActs:
     """Every activation of a chunk, recomputed in parallel. Dense ones are (C, B, width);
     memory ones (B, H, C, width)."""
 
-    c: list[Tensor]            # input of each layer (c_0 = S)
-    n: list[Tensor]            # rms(c_i)
-    y: list[Tensor]            # the fused input matmul's output
-    hidden: list[Tensor]       # input of the down-projection
-    o: list[Tensor | None]     # memory read output (flat, H*dv)
-    ro: list[Tensor | None]    # rms(o)
-    q: list[Tensor | None]     # read queries (B, H, C, dk)
-    rq: list[Tensor | None]    # M0^T q
-    n_p: Tensor                # rms(p)
-    gate: Tensor               # sigmoid of the fuse gate
+    c: list[Tensor]  # input of each layer (c_0 = S)
+    n: list[Tensor]  # rms(c_i)
+    y: list[Tensor]  # the fused input matmul's output
+    hidden: list[Tensor]  # input of the down-projection
+    o: list[Tensor | None]  # memory read output (flat, H*dv)
+    ro: list[Tensor | None]  # rms(o)
+    q: list[Tensor | None]  # read queries (B, H, C, dk)
+    rq: list[Tensor | None]  # M0^T q
+    n_p: Tensor  # rms(p)
+    gate: Tensor  # sigmoid of the fuse gate
     p: Tensor
-    s_prev: Tensor | None = None    # (B, d): the chunk's first key comes from it
-    n_sprev: Tensor | None = None   # rms(s_prev)
-    k_pre: Tensor | None = None     # (C, B, H*dk), row t = the pre-activation of k_t
+    s_prev: Tensor | None = None  # (B, d): the chunk's first key comes from it
+    n_sprev: Tensor | None = None  # rms(s_prev)
+    k_pre: Tensor | None = None  # (C, B, H*dk), row t = the pre-activation of k_t
     k: Tensor | None = None
     v: Tensor | None = None
     beta: Tensor | None = None
     U: Tensor | None = None
     G: Tensor | None = None
-    pred: Tensor | None = None      # M_{t-1}^T k_t
-    rk: Tensor | None = None        # M0^T k_t
+    pred: Tensor | None = None  # M_{t-1}^T k_t
+    rk: Tensor | None = None  # M0^T k_t
 
 
 @dataclass
@@ -239,10 +273,12 @@ class StepBackend(Protocol):
 
     name: str
 
-    def forward_chunk(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
-                      ) -> ChunkForwardResult: ...
+    def forward_chunk(
+        self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
+    ) -> ChunkForwardResult: ...
 
-    def reverse_sweep(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
-                      ) -> ReverseSweepResult:
+    def reverse_sweep(
+        self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
+    ) -> ReverseSweepResult:
         """Wt: the loop weights transposed (`LoopWeights.transposed`)."""
         ...

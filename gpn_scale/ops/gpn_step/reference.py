@@ -12,11 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.ops.gpn_step.functional import (l2n, l2n_back, matmul, mm_t, rms, rms_back,
-                                               silu_back)
-from gpn_scale.ops.gpn_step.interface import (ChunkActs, ChunkForward, ChunkForwardResult,
-                                              LoopWeights, ReverseSweep, ReverseSweepResult,
-                                              StepPlan, SweepAdjoints)
+from gpn_scale.ops.gpn_step.functional import l2n, l2n_back, matmul, mm_t, rms, rms_back, silu_back
+from gpn_scale.ops.gpn_step.interface import (
+    ChunkActs,
+    ChunkForward,
+    ChunkForwardResult,
+    LoopWeights,
+    ReverseSweep,
+    ReverseSweepResult,
+    StepPlan,
+    SweepAdjoints,
+)
 
 
 class _ChunkHistory:
@@ -42,12 +48,14 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def forward_chunk(self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
-                      ) -> ChunkForwardResult:
+    def forward_chunk(
+        self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
+    ) -> ChunkForwardResult:
         return forward_chunk(plan, W, chunk)
 
-    def reverse_sweep(self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
-                      ) -> ReverseSweepResult:
+    def reverse_sweep(
+        self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
+    ) -> ReverseSweepResult:
         return reverse_sweep(plan, Wt, sweep)
 
 
@@ -61,8 +69,11 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
     splits = plan.in_splits
     if mem:
         k_cols = H * dk
-        k = l2n(F.relu(matmul(rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols]))
-                .view(B, H, dk))
+        k = l2n(
+            F.relu(matmul(rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])).view(
+                B, H, dk
+            )
+        )
         history = _ChunkHistory(B, H, C, dk, dv, s)
         G_prev = s.new_zeros(B, H)
     for tau in range(C):
@@ -83,7 +94,7 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
                 err_base = G_prev.exp()[..., None] * r[:, :, 0]
                 out_base = G.exp()[..., None] * r[:, :, 1]
                 if tau:
-                    K, U, Gj = history.upto(tau)   # (B, H, tau, dk), (.., dv), (B, H, tau)
+                    K, U, Gj = history.upto(tau)  # (B, H, tau, dk), (.., dv), (B, H, tau)
                     expo = torch.stack([G_prev, G], dim=2)[..., None] - Gj[:, :, None, :]
                     hist = ((kq @ K.mT) * expo.exp()) @ U
                     err_base = err_base + hist[:, :, 0]
@@ -128,16 +139,15 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
     dK, dU, dG, dRq = adj.dK, adj.dU, adj.dG, adj.dRq
     ds_extra = torch.zeros(C, B, d, dtype=dt, device=dP.device)
     if sweep.ds_prev_end is not None:
-        ds_extra[C - 1] += sweep.ds_prev_end          # s_prev at the end = state entering step C-1
+        ds_extra[C - 1] += sweep.ds_prev_end  # s_prev at the end = state entering step C-1
     dk_pre0 = None
     if mem:
         Hk, Hv = H * dk, H * dv
         K, U, G = acts.k, acts.U, acts.G
-        dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)   # d(pre-activation of k_{t+1})
+        dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)  # d(pre-activation of k_{t+1})
         M0t = M0.mT.contiguous()
         dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
-    dg = (sweep.ds_end if sweep.ds_end is not None
-          else torch.zeros(B, d, dtype=dt, device=dP.device))
+    dg = sweep.ds_end if sweep.ds_end is not None else torch.zeros(B, d, dtype=dt, device=dP.device)
     for tau in range(C - 1, -1, -1):
         # Ground: s_next = gate * p + fuse.
         p, gate = acts.p[tau], acts.gate[tau]
@@ -157,7 +167,7 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
             dh = mm_t(dc, Wt.w_out[i])
             fa, fb = parts[-2].chunk(2, dim=-1)
             dfa, dfb = dparts[-2].chunk(2, dim=-1)
-            dh_ffn = dh[:, -plan.f:]
+            dh_ffn = dh[:, -plan.f :]
             dfa.copy_(silu_back(fa, dh_ffn * fb))
             dfb.copy_(dh_ffn * F.silu(fa))
             if mem:
@@ -174,21 +184,22 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
                 dRq[i][:, :, tau] = drq
                 dq = (drq[:, :, None] @ M0t)[:, :, 0]
                 dGt = eG * (do * acts.rq[i][:, :, tau]).sum(-1)
-                Kh, Uh = K[:, :, :tau + 1], U[:, :, :tau + 1]
-                w = (Gt[..., None] - G[..., :tau + 1]).exp()
+                Kh, Uh = K[:, :, : tau + 1], U[:, :, : tau + 1]
+                w = (Gt[..., None] - G[..., : tau + 1]).exp()
                 sdot = (Kh @ q[..., None])[..., 0]
                 da = (Uh @ do[..., None])[..., 0]
-                dU[:, :, :tau + 1] += (w * sdot)[..., None] * do[:, :, None]
+                dU[:, :, : tau + 1] += (w * sdot)[..., None] * do[:, :, None]
                 dsd = da * w
                 dq = dq + (dsd[:, :, None] @ Kh)[:, :, 0]
-                dK[:, :, :tau + 1] += dsd[..., None] * q[:, :, None]
+                dK[:, :, : tau + 1] += dsd[..., None] * q[:, :, None]
                 dw = dsd * sdot
-                dG[..., :tau + 1] -= dw
+                dG[..., : tau + 1] -= dw
                 dG[..., tau] += dGt + dw.sum(-1)
                 dparts[-4].copy_(l2n_back(q_pre.view(B, H, dk), dq).view(B, Hk))
             if mem and i == 0:
-                _write_backward(plan, Wt, acts, M0t, tau, parts, dparts, adj, dk_next_pre,
-                                dG_suffix)
+                _write_backward(
+                    plan, Wt, acts, M0t, tau, parts, dparts, adj, dk_next_pre, dG_suffix
+                )
                 dk_pre = l2n_back(acts.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
                 if tau:
                     dk_next_pre = dk_pre
@@ -196,13 +207,22 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
                     dk_pre0 = dk_pre
             dc = dc_in + rms_back(n_in, c_in, mm_t(dY[i][tau], Wt.w_in[i]), eps)
         dc = dc + ds_extra[tau]
-        dg = dc                                         # gradient of the state entering step tau
+        dg = dc  # gradient of the state entering step tau
     return ReverseSweepResult(dg, dk_pre0)
 
 
-def _write_backward(plan: StepPlan, W: LoopWeights, acts: ChunkActs, M0t: Tensor, tau: int,
-                    parts: tuple[Tensor, ...], dparts: list[Tensor], adj: SweepAdjoints,
-                    dk_next_pre: Tensor, dG_suffix: Tensor) -> None:
+def _write_backward(
+    plan: StepPlan,
+    W: LoopWeights,
+    acts: ChunkActs,
+    M0t: Tensor,
+    tau: int,
+    parts: tuple[Tensor, ...],
+    dparts: list[Tensor],
+    adj: SweepAdjoints,
+    dk_next_pre: Tensor,
+    dG_suffix: Tensor,
+) -> None:
     """Step tau's memory write, reversed: u_t = beta (v - M_{t-1}^T k_t) and the decay.
 
     Fills the write blocks of layer 0's input gradient (`dparts`) and adds to the chunk's
@@ -213,9 +233,8 @@ def _write_backward(plan: StepPlan, W: LoopWeights, acts: ChunkActs, M0t: Tensor
     G = acts.G
     du = dU[:, :, tau]
     beta = acts.beta[..., tau]
-    dparts[0].copy_(dk_next_pre)                     # k_{t+1} is computed at step t
-    dparts[2].copy_((du * (acts.v[:, :, tau] - acts.pred[:, :, tau])).sum(-1)
-                    * beta * (1 - beta))
+    dparts[0].copy_(dk_next_pre)  # k_{t+1} is computed at step t
+    dparts[2].copy_((du * (acts.v[:, :, tau] - acts.pred[:, :, tau])).sum(-1) * beta * (1 - beta))
     dvv = beta[..., None] * du
     dparts[1].copy_(dvv.reshape(B, H * dv))
     dpred = -dvv

@@ -37,8 +37,10 @@ def normalise(choice: str, where: str) -> str:
     value = (choice or "auto").strip().lower()
     value = ALIASES.get(value, value)
     if value not in CHOICES:
-        raise StepBackendError(f"{where}={choice!r}: expected one of {', '.join(CHOICES)} "
-                               f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})")
+        raise StepBackendError(
+            f"{where}={choice!r}: expected one of {', '.join(CHOICES)} "
+            f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
+        )
     return value
 
 
@@ -62,14 +64,18 @@ def select_backend(config_choice: str, device: torch.device) -> StepBackend:
         return ReferenceBackend()
     if choice == "cpu" or (choice == "auto" and device.type == "cpu"):
         if device.type != "cpu":
-            raise StepBackendError(f"step backend 'cpu' (the fused C++ kernels) serves CPU "
-                                   f"tensors, not {device.type}; use auto or cuda")
+            raise StepBackendError(
+                f"step backend 'cpu' (the fused C++ kernels) serves CPU "
+                f"tensors, not {device.type}; use auto or cuda"
+            )
         return _cpu_backend(required=choice == "cpu") or ReferenceBackend()
     if choice == "cuda" or (choice == "auto" and device.type == "cuda"):
         if device.type != "cuda" and not interpreting() and not _dry_run():
-            raise StepBackendError(f"step backend 'cuda' serves CUDA tensors, not {device.type} "
-                                   "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
-                                   "slowly, as the tests do); use auto or cpu")
+            raise StepBackendError(
+                f"step backend 'cuda' serves CUDA tensors, not {device.type} "
+                "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
+                "slowly, as the tests do); use auto or cpu"
+            )
         return _cuda_backend(required=choice == "cuda") or ReferenceBackend()
     return ReferenceBackend()
 
@@ -88,6 +94,7 @@ def _cpu_backend(required: bool) -> StepBackend | None:
     if module is None:
         return None
     from gpn_scale.ops.gpn_step.cpu import CpuBackend
+
     return CpuBackend(module)
 
 
@@ -95,15 +102,18 @@ def _cpu_backend(required: bool) -> StepBackend | None:
 def _cuda_backend_instance() -> StepBackend:
     """One per process: its captured chunk graphs are reused across engine calls."""
     from gpn_scale.ops.gpn_step.cuda import CudaBackend
+
     return CudaBackend()
 
 
 def _cuda_backend(required: bool) -> StepBackend | None:
     try:
         import triton  # noqa: F401
-    except ImportError as exc:   # no triton in this environment
-        message = (f"the CUDA step backend needs Triton ({exc}); install triton (it ships "
-                   f"with torch's CUDA wheels) or set {ENV_VAR}=reference")
+    except ImportError as exc:  # no triton in this environment
+        message = (
+            f"the CUDA step backend needs Triton ({exc}); install triton (it ships "
+            f"with torch's CUDA wheels) or set {ENV_VAR}=reference"
+        )
         if required:
             raise StepBackendError(message) from None
         warn_once(message + " (using the PyTorch steps: same results, many more launches)")
@@ -111,6 +121,6 @@ def _cuda_backend(required: bool) -> StepBackend | None:
     return _cuda_backend_instance()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -64,20 +64,40 @@ def _l2n_relu_back(pre, dy):
 # ----------------------------------------------------------------------------- GEMM
 @triton.jit
 def linear_kernel(
-    A, stride_am, stride_ak,           # (M, K) input rows
-    W, stride_wk, stride_wn,           # (K, N) weight
-    BIAS,                              # (N,) or unused
-    OUT, stride_om,                    # (M, N) output (unit column stride)
-    SS, stride_ss,                     # (M, n_ss) partial sums of squares (SPLIT_K1 > 0)
-    PG, stride_pg,                     # EPILOGUE 1: gate pre-activations (M, N)
-    RES, stride_res,                   # EPILOGUE 1, 2: the residual / gated state (M, N)
-    FUSE, stride_fuse,                 # EPILOGUE 2: the grounding input (M, N)
-    OUT2, stride_o2,                   # EPILOGUE 2: a second copy of the output (S_out)
-    M, N, K, eps,
-    N_SS: tl.constexpr, SS_COLS: tl.constexpr, SPLIT_K1: tl.constexpr, ROW_RMS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HAS_OUT2: tl.constexpr,
+    A,
+    stride_am,
+    stride_ak,  # (M, K) input rows
+    W,
+    stride_wk,
+    stride_wn,  # (K, N) weight
+    BIAS,  # (N,) or unused
+    OUT,
+    stride_om,  # (M, N) output (unit column stride)
+    SS,
+    stride_ss,  # (M, n_ss) partial sums of squares (SPLIT_K1 > 0)
+    PG,
+    stride_pg,  # EPILOGUE 1: gate pre-activations (M, N)
+    RES,
+    stride_res,  # EPILOGUE 1, 2: the residual / gated state (M, N)
+    FUSE,
+    stride_fuse,  # EPILOGUE 2: the grounding input (M, N)
+    OUT2,
+    stride_o2,  # EPILOGUE 2: a second copy of the output (S_out)
+    M,
+    N,
+    K,
+    eps,
+    N_SS: tl.constexpr,
+    SS_COLS: tl.constexpr,
+    SPLIT_K1: tl.constexpr,
+    ROW_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_OUT2: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """OUT = epilogue(scale * (A @ W) + bias).
 
@@ -102,14 +122,23 @@ def linear_kernel(
         for k0 in range(0, SPLIT_K1, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < SPLIT_K1
-            a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a = tl.load(
+                A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
             acc1 = tl.dot(a.to(w.dtype), w, acc1, input_precision=PRECISION)
         rs = tl.arange(0, N_SS)
-        part = tl.load(SS + rm[:, None] * stride_ss + rs[None, :],
-                       mask=m_ok[:, None] & (rs < SS_COLS)[None, :], other=0.0)
+        part = tl.load(
+            SS + rm[:, None] * stride_ss + rs[None, :],
+            mask=m_ok[:, None] & (rs < SS_COLS)[None, :],
+            other=0.0,
+        )
         rr = 1.0 / tl.sqrt(tl.sum(part, axis=1) / SPLIT_K1 + eps)
         acc = acc1 * rr[:, None]
         k_start = SPLIT_K1
@@ -117,13 +146,19 @@ def linear_kernel(
     for k0 in range(k_start, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         if ROW_RMS:
             af = a.to(acc_t)
             ss += tl.sum(af * af, axis=1)
-        w = tl.load(W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w = tl.load(
+            W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
         acc2 = tl.dot(a.to(w.dtype), w, acc2, input_precision=PRECISION)
     if ROW_RMS:
         acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
@@ -146,8 +181,9 @@ def linear_kernel(
 
 # ------------------------------------------------------------------ first key of a chunk
 @triton.jit
-def l2n_relu_kernel(X, stride_x, OUT, stride_ob, stride_oh, DK: tl.constexpr,
-                    BLOCK_DK: tl.constexpr):
+def l2n_relu_kernel(
+    X, stride_x, OUT, stride_ob, stride_oh, DK: tl.constexpr, BLOCK_DK: tl.constexpr
+):
     """OUT[b, h] = l2n(relu(X[b, h*DK:(h+1)*DK])): grid (B, H)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -160,23 +196,47 @@ def l2n_relu_kernel(X, stride_x, OUT, stride_ob, stride_oh, DK: tl.constexpr,
 # ------------------------------------------------------------------- memory, forward
 @triton.jit
 def memory_forward_kernel(
-    Y, stride_y,                 # (B, width) this layer's input-GEMM output at this step
-    HID, stride_hid,             # (B, H*DV + F) the down-projection's input
-    SS,                          # (B, H) per-head sums of squares of the read output
-    KCUR,                        # (B, H, DK) the current key (WRITE: replaced by the next)
-    GPREV,                       # (B, H) G_{t-1} (WRITE: replaced by G_t)
-    M0, s_m0b, s_m0h, s_m0k,     # (B, H, DK, DV) chunk-start memory (unit last stride)
-    KH, s_khb, s_khh, s_khc,     # (B, H, C, DK) the chunk's keys
-    UH, s_uhb, s_uhh, s_uhc,     # (B, H, C, DV) the chunk's errors u_j
-    GH, s_ghb, s_ghh,            # (B, H, C) the chunk's cumulative log-decays
-    A,                           # (H,) decay rates exp(A_log)
-    tau,                         # the step within the chunk
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, HV: tl.constexpr,
-    COL_KEY: tl.constexpr, COL_VALUE: tl.constexpr, COL_BETA: tl.constexpr,
-    COL_DECAY: tl.constexpr, COL_QUERY: tl.constexpr, COL_RGATE: tl.constexpr,
+    Y,
+    stride_y,  # (B, width) this layer's input-GEMM output at this step
+    HID,
+    stride_hid,  # (B, H*DV + F) the down-projection's input
+    SS,  # (B, H) per-head sums of squares of the read output
+    KCUR,  # (B, H, DK) the current key (WRITE: replaced by the next)
+    GPREV,  # (B, H) G_{t-1} (WRITE: replaced by G_t)
+    M0,
+    s_m0b,
+    s_m0h,
+    s_m0k,  # (B, H, DK, DV) chunk-start memory (unit last stride)
+    KH,
+    s_khb,
+    s_khh,
+    s_khc,  # (B, H, C, DK) the chunk's keys
+    UH,
+    s_uhb,
+    s_uhh,
+    s_uhc,  # (B, H, C, DV) the chunk's errors u_j
+    GH,
+    s_ghb,
+    s_ghh,  # (B, H, C) the chunk's cumulative log-decays
+    A,  # (H,) decay rates exp(A_log)
+    tau,  # the step within the chunk
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    F: tl.constexpr,
+    HV: tl.constexpr,
+    COL_KEY: tl.constexpr,
+    COL_VALUE: tl.constexpr,
+    COL_BETA: tl.constexpr,
+    COL_DECAY: tl.constexpr,
+    COL_QUERY: tl.constexpr,
+    COL_RGATE: tl.constexpr,
     COL_FFN: tl.constexpr,
-    WRITE: tl.constexpr, MEMORY: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
+    WRITE: tl.constexpr,
+    MEMORY: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
@@ -205,13 +265,16 @@ def memory_forward_kernel(
             G = Gp - tl.load(A + h) * _softplus(decay_pre)
             beta = _sigmoid(tl.load(y_row + COL_BETA + h))
             qk = tl.sum(q * k, axis=0)
-            hist_ok = rc < tau                       # the write's error sees j < t
+            hist_ok = rc < tau  # the write's error sees j < t
         else:
             G = tl.load(gh_base + tau)
-            hist_ok = rc <= tau                      # the read sees this step's write
+            hist_ok = rc <= tau  # the read sees this step's write
         # History coefficients: (q . k_j) e^{G - G_j}, and for the write (k . k_j) e^{Gp - G_j}.
-        Kh = tl.load(kh_base + rc[:, None] * s_khc + rk[None, :],
-                     mask=hist_ok[:, None] & k_ok[None, :], other=0.0)
+        Kh = tl.load(
+            kh_base + rc[:, None] * s_khc + rk[None, :],
+            mask=hist_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         Gj = tl.load(gh_base + rc, mask=hist_ok, other=0.0)
         cq = tl.where(hist_ok, tl.sum(Kh * q[None, :], axis=1) * tl.exp(G - Gj), 0.0)
         if WRITE:
@@ -221,14 +284,21 @@ def memory_forward_kernel(
         for v0 in range(0, DV, BLOCK_DV):
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
-            m0 = tl.load(m0_base + rk[:, None] * s_m0k + rv[None, :],
-                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-            Uh = tl.load(uh_base + rc[:, None] * s_uhc + rv[None, :],
-                         mask=hist_ok[:, None] & v_ok[None, :], other=0.0)
+            m0 = tl.load(
+                m0_base + rk[:, None] * s_m0k + rv[None, :],
+                mask=k_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )
+            Uh = tl.load(
+                uh_base + rc[:, None] * s_uhc + rv[None, :],
+                mask=hist_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )
             o = tl.exp(G) * tl.sum(q[:, None] * m0, axis=0) + tl.sum(cq[:, None] * Uh, axis=0)
             if WRITE:
-                err = tl.exp(Gp) * tl.sum(k[:, None] * m0, axis=0) + tl.sum(ck[:, None] * Uh,
-                                                                             axis=0)
+                err = tl.exp(Gp) * tl.sum(k[:, None] * m0, axis=0) + tl.sum(
+                    ck[:, None] * Uh, axis=0
+                )
                 v = tl.load(y_row + COL_VALUE + h * DV + rv, mask=v_ok, other=0.0)
                 u = beta * (v - err)
                 o = o + qk * u
@@ -248,17 +318,36 @@ def memory_forward_kernel(
 # ----------------------------------------------------------------- reverse, row-wise
 @triton.jit
 def rev_row_kernel(
-    DN, N_, X, stride_row,         # the RMSNorm backward's dn, n and x rows (B, D), one stride
-    BASE, stride_base,             # BASE_GROUND: dP[:, t]; else dc_in (B, D)
-    GATE, DG,                      # BASE_GROUND: dc = dP + gate * dg + ...
-    EXTRA,                         # HAS_EXTRA: added to dc (ds_prev at the chunk's end)
+    DN,
+    N_,
+    X,
+    stride_row,  # the RMSNorm backward's dn, n and x rows (B, D), one stride
+    BASE,
+    stride_base,  # BASE_GROUND: dP[:, t]; else dc_in (B, D)
+    GATE,
+    DG,  # BASE_GROUND: dc = dP + gate * dg + ...
+    EXTRA,  # HAS_EXTRA: added to dc (ds_prev at the chunk's end)
     # THEN_LAYER: start layer i's backward at this step
-    DZ, PG, stride_pg, CIN, DPG, stride_dpg, DCIN,
+    DZ,
+    PG,
+    stride_pg,
+    CIN,
+    DPG,
+    stride_dpg,
+    DCIN,
     # THEN_STEP: the step's end (dg = dc), and the ground of the step before (HAS_PREV)
-    DFUSE_PREV, stride_df, P_PREV, GATE_PREV, DYFG_PREV,
-    D, eps,
-    BASE_GROUND: tl.constexpr, HAS_EXTRA: tl.constexpr, THEN_LAYER: tl.constexpr,
-    HAS_PREV: tl.constexpr, BLOCK_D: tl.constexpr,
+    DFUSE_PREV,
+    stride_df,
+    P_PREV,
+    GATE_PREV,
+    DYFG_PREV,
+    D,
+    eps,
+    BASE_GROUND: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    THEN_LAYER: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """dc = base + rms_back(n, x, dn) (+ extra); then layer start (dZ = dc, the predict
     gate's input gradient, dc_in = dc * sigmoid(pg)) or step end (dg = dc; d_fuse and the
@@ -274,8 +363,10 @@ def rev_row_kernel(
         ok = rd < D
         x = tl.load(X + row + rd, mask=ok, other=0.0)
         sx += tl.sum(x * x, axis=0)
-        sdn += tl.sum(tl.load(DN + row + rd, mask=ok, other=0.0)
-                      * tl.load(N_ + row + rd, mask=ok, other=0.0), axis=0)
+        sdn += tl.sum(
+            tl.load(DN + row + rd, mask=ok, other=0.0) * tl.load(N_ + row + rd, mask=ok, other=0.0),
+            axis=0,
+        )
     r = 1.0 / tl.sqrt(sx / D + eps)
     mean_dn = sdn / D
     for d0 in range(0, D, BLOCK_D):
@@ -285,8 +376,9 @@ def rev_row_kernel(
         n = tl.load(N_ + row + rd, mask=ok, other=0.0)
         dc = r * (dn - n * mean_dn) + tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
         if BASE_GROUND:
-            dc += tl.load(GATE + row + rd, mask=ok, other=0.0) * tl.load(DG + row + rd, mask=ok,
-                                                                         other=0.0)
+            dc += tl.load(GATE + row + rd, mask=ok, other=0.0) * tl.load(
+                DG + row + rd, mask=ok, other=0.0
+            )
         if HAS_EXTRA:
             dc += tl.load(EXTRA + row + rd, mask=ok, other=0.0)
         if THEN_LAYER:
@@ -305,8 +397,9 @@ def rev_row_kernel(
 
 
 @triton.jit
-def rev_start_kernel(DS_END, DG, DFUSE, stride_df, P, GATE, DYFG, D, HAS_DS: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def rev_start_kernel(
+    DS_END, DG, DFUSE, stride_df, P, GATE, DYFG, D, HAS_DS: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """The chunk's last step: dg = ds_end (or 0), d_fuse and the fuse gate's input gradient."""
     b = tl.program_id(0)
     for d0 in range(0, D, BLOCK_D):
@@ -327,39 +420,97 @@ def rev_start_kernel(DS_END, DG, DFUSE, stride_df, P, GATE, DYFG, D, HAS_DS: tl.
 # ------------------------------------------------------------------ memory, reverse
 @triton.jit
 def memory_backward_kernel(
-    Y, stride_y,                 # (B, width) the layer's input-GEMM output at this step
-    DY, stride_dy,               # (B, width) its gradient at this step (filled here)
-    DY_PREV,                     # WRITE: the gradient row of the step before (its key columns)
-    DH, stride_dh,               # (B, H*DV + F) gradient of the down-projection's input
-    O, RO, stride_o,             # (B, H*DV) the read output and its RMSNorm
-    Q, s_qb, s_qh,               # (B, H, DK) this step's read query
-    RQ, s_rqb, s_rqh,            # (B, H, DV) M0^T q
-    DRQ, s_drqb, s_drqh,         # (B, H, DV) out: its gradient
-    KA, s_kb, s_kh, s_kc,        # (B, H, C, DK) the chunk's keys
-    UA, s_ub, s_uh, s_uc,        # (B, H, C, DV) the chunk's errors
-    GA, s_gb, s_gh, s_gc,        # (B, H, C) cumulative log-decays
-    DKA, s_dkb, s_dkh, s_dkc,    # (B, H, C, DK) adjoints, added to
-    DUA, s_dub, s_duh, s_duc,    # (B, H, C, DV)
-    DGA, s_dgb, s_dgh, s_dgc,    # (B, H, C)
-    M0, s_m0b, s_m0h, s_m0k,     # (B, H, DK, DV)
+    Y,
+    stride_y,  # (B, width) the layer's input-GEMM output at this step
+    DY,
+    stride_dy,  # (B, width) its gradient at this step (filled here)
+    DY_PREV,  # WRITE: the gradient row of the step before (its key columns)
+    DH,
+    stride_dh,  # (B, H*DV + F) gradient of the down-projection's input
+    O_READ,
+    RO,
+    stride_o,  # (B, H*DV) the read output and its RMSNorm
+    Q,
+    s_qb,
+    s_qh,  # (B, H, DK) this step's read query
+    RQ,
+    s_rqb,
+    s_rqh,  # (B, H, DV) M0^T q
+    DRQ,
+    s_drqb,
+    s_drqh,  # (B, H, DV) out: its gradient
+    KA,
+    s_kb,
+    s_kh,
+    s_kc,  # (B, H, C, DK) the chunk's keys
+    UA,
+    s_ub,
+    s_uh,
+    s_uc,  # (B, H, C, DV) the chunk's errors
+    GA,
+    s_gb,
+    s_gh,
+    s_gc,  # (B, H, C) cumulative log-decays
+    DKA,
+    s_dkb,
+    s_dkh,
+    s_dkc,  # (B, H, C, DK) adjoints, added to
+    DUA,
+    s_dub,
+    s_duh,
+    s_duc,  # (B, H, C, DV)
+    DGA,
+    s_dgb,
+    s_dgh,
+    s_dgc,  # (B, H, C)
+    M0,
+    s_m0b,
+    s_m0h,
+    s_m0k,  # (B, H, DK, DV)
     # WRITE only (layer 0): this step's write activations and outputs
-    KPRE, stride_kpre,           # (B, H*DK) pre-activation of k_t
-    V, s_vb, s_vh,               # (B, H, DV)
-    BETA, s_bb, s_bh,            # (B, H)
-    PRED, s_pb, s_ph,            # (B, H, DV) M_{t-1}^T k_t
-    RK, s_rkb, s_rkh,            # (B, H, DV) M0^T k_t
-    DRK, s_drkb, s_drkh,         # (B, H, DV) out
-    DGS,                         # (B, H) running suffix sum of dG (d log a)
-    DA_ROWS,                     # (B, H) dA accumulated per row
-    DKPRE0,                      # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
-    A, tau, is_last, eps,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, HV: tl.constexpr,
-    COL_KEY: tl.constexpr, COL_VALUE: tl.constexpr, COL_BETA: tl.constexpr,
-    COL_DECAY: tl.constexpr, COL_QUERY: tl.constexpr, COL_RGATE: tl.constexpr,
+    KPRE,
+    stride_kpre,  # (B, H*DK) pre-activation of k_t
+    V,
+    s_vb,
+    s_vh,  # (B, H, DV)
+    BETA,
+    s_bb,
+    s_bh,  # (B, H)
+    PRED,
+    s_pb,
+    s_ph,  # (B, H, DV) M_{t-1}^T k_t
+    RK,
+    s_rkb,
+    s_rkh,  # (B, H, DV) M0^T k_t
+    DRK,
+    s_drkb,
+    s_drkh,  # (B, H, DV) out
+    DGS,  # (B, H) running suffix sum of dG (d log a)
+    DA_ROWS,  # (B, H) dA accumulated per row
+    DKPRE0,  # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
+    A,
+    tau,
+    is_last,
+    eps,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    F: tl.constexpr,
+    HV: tl.constexpr,
+    COL_KEY: tl.constexpr,
+    COL_VALUE: tl.constexpr,
+    COL_BETA: tl.constexpr,
+    COL_DECAY: tl.constexpr,
+    COL_QUERY: tl.constexpr,
+    COL_RGATE: tl.constexpr,
     COL_FFN: tl.constexpr,
-    WRITE: tl.constexpr, MEMORY: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_HV: tl.constexpr,
+    WRITE: tl.constexpr,
+    MEMORY: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step
     (BLOCK_DV covers DV: a head's adjoint vectors stay in registers).
@@ -386,10 +537,11 @@ def memory_backward_kernel(
         for c0 in range(0, HV, BLOCK_HV):
             rj = c0 + tl.arange(0, BLOCK_HV)
             j_ok = rj < HV
-            x = tl.load(O + b * stride_o + rj, mask=j_ok, other=0.0)
+            x = tl.load(O_READ + b * stride_o + rj, mask=j_ok, other=0.0)
             sx += tl.sum(x * x, axis=0)
-            dn = (tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0)
-                  * _silu(tl.load(y_row + COL_RGATE + rj, mask=j_ok, other=0.0)))
+            dn = tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0) * _silu(
+                tl.load(y_row + COL_RGATE + rj, mask=j_ok, other=0.0)
+            )
             sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
         r = 1.0 / tl.sqrt(sx / HV + eps)
         mean_dn = sdn / HV
@@ -412,13 +564,20 @@ def memory_backward_kernel(
         eG = tl.exp(Gt)
         drq = eG * do
         tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
-        dGt = eG * tl.sum(do * tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0),
-                          axis=0)
+        dGt = eG * tl.sum(
+            do * tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0), axis=0
+        )
         read_ok = rc <= tau
-        Kh = tl.load(KA + b * s_kb + h * s_kh + rc[:, None] * s_kc + rk[None, :],
-                     mask=read_ok[:, None] & k_ok[None, :], other=0.0)
-        Uh = tl.load(UA + b * s_ub + h * s_uh + rc[:, None] * s_uc + rv[None, :],
-                     mask=read_ok[:, None] & v_ok[None, :], other=0.0)
+        Kh = tl.load(
+            KA + b * s_kb + h * s_kh + rc[:, None] * s_kc + rk[None, :],
+            mask=read_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        Uh = tl.load(
+            UA + b * s_ub + h * s_uh + rc[:, None] * s_uc + rv[None, :],
+            mask=read_ok[:, None] & v_ok[None, :],
+            other=0.0,
+        )
         Gj = tl.load(g_base + rc * s_gc, mask=read_ok, other=0.0)
         w = tl.where(read_ok, tl.exp(Gt - Gj), 0.0)
         sdot = tl.sum(Kh * q[None, :], axis=1)
@@ -435,8 +594,9 @@ def memory_backward_kernel(
             # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at t
             # has added its share (j = t: weight 1).
             is_t = rc == tau
-            du = (tl.load(du_ptr + tau * s_duc + rv, mask=v_ok, other=0.0)
-                  + tl.sum(tl.where(is_t[:, None], dU_add, 0.0), axis=0))
+            du = tl.load(du_ptr + tau * s_duc + rv, mask=v_ok, other=0.0) + tl.sum(
+                tl.where(is_t[:, None], dU_add, 0.0), axis=0
+            )
             beta = tl.load(BETA + b * s_bb + h * s_bh)
             v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
             pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
@@ -450,8 +610,9 @@ def memory_backward_kernel(
             eGp = tl.exp(Gp)
             drk = eGp * dpred
             tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
-            dGp = eGp * tl.sum(dpred * tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok,
-                                               other=0.0), axis=0)
+            dGp = eGp * tl.sum(
+                dpred * tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0), axis=0
+            )
             # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j
             write_ok = rc < tau
             w2 = tl.where(write_ok, tl.exp(Gp - Gj), 0.0)
@@ -463,8 +624,11 @@ def memory_backward_kernel(
             dG_add += tl.where(rc == tau - 1, dGp + tl.sum(dw2, axis=0), 0.0) - dw2
             dk = tl.sum(dsd2[:, None] * Kh, axis=0)
         # One pass over M0 for both reads: dq += M0 drq and (write) dk += M0 drk.
-        m0 = tl.load(M0 + b * s_m0b + h * s_m0h + rk[:, None] * s_m0k + rv[None, :],
-                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        m0 = tl.load(
+            M0 + b * s_m0b + h * s_m0h + rk[:, None] * s_m0k + rv[None, :],
+            mask=k_ok[:, None] & v_ok[None, :],
+            other=0.0,
+        )
         dq += tl.sum(m0 * drq[None, :], axis=1)
         if WRITE:
             dk += tl.sum(m0 * drk[None, :], axis=1)
@@ -489,15 +653,15 @@ def memory_backward_kernel(
             decay_pre = tl.load(y_row + COL_DECAY + h)
             a_h = tl.load(A + h)
             tl.store(dy_row + COL_DECAY + h, dgs * (-a_h) * _sigmoid(decay_pre))
-            tl.store(DA_ROWS + b * H + h,
-                     tl.load(DA_ROWS + b * H + h) - dgs * _softplus(decay_pre))
+            tl.store(DA_ROWS + b * H + h, tl.load(DA_ROWS + b * H + h) - dgs * _softplus(decay_pre))
             # k_t came from step t-1's key columns (or, at t = 0, from s_prev).
             dk_t = tl.sum(tl.where((rc == tau)[:, None], dK_new, 0.0), axis=0)
             k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
             dk_pre = _l2n_relu_back(k_pre, dk_t)
             if is_last != 0:
-                tl.store(dy_row + COL_KEY + h * DK + rk, tl.zeros((BLOCK_DK,), dtype=acc_t),
-                         mask=k_ok)
+                tl.store(
+                    dy_row + COL_KEY + h * DK + rk, tl.zeros((BLOCK_DK,), dtype=acc_t), mask=k_ok
+                )
             if tau > 0:
                 tl.store(DY_PREV + b * stride_dy + COL_KEY + h * DK + rk, dk_pre, mask=k_ok)
             else:
