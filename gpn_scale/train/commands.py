@@ -78,7 +78,7 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         help=RESUME_HELP.replace(
             "'none' = start fresh",
             "'none' (or 'never') = start fresh, refused over existing checkpoints",
-        ).replace("(default: %(default)s)", "(default: auto; a finished run is left as it is)"),
+        ).replace("(default: %(default)s)", "(default: auto); a finished run is left as it is"),
     )
     p.add_argument(
         "--fresh",
