@@ -340,10 +340,35 @@ class TokenLoader:
         self._pass_finished = False
 
     def close(self) -> None:
-        """Stop workers now (they also stop when the loader is garbage collected)."""
+        """Stop workers now (they also stop when the loader is garbage collected) and release
+        the dataset's shared memory: streaming holds a descriptor per segment (~10 per loader)
+        until its dataset is collected or the process exits, so a process that runs several
+        trainings (a notebook, the test suite) would otherwise run out of descriptors."""
         iterator = getattr(self._loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+        _release_shared_memory(self.dataset)
+
+
+def _release_shared_memory(dataset: object) -> None:
+    """streaming's SharedMemory objects reachable from the dataset's attributes (its barrier,
+    scalars and arrays hold theirs one or two levels down), each cleaned up once: the
+    segments it created are unlinked, those it opened closed."""
+    from streaming.base.shared.memory import SharedMemory
+
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(dataset, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, SharedMemory):
+            with contextlib.suppress(Exception):
+                obj.cleanup()
+            continue
+        if depth < 3 and hasattr(obj, "__dict__"):
+            stack.extend((value, depth + 1) for value in vars(obj).values())
 
 
 def build_loader(

@@ -358,7 +358,7 @@ class Trainer:
             num_canonical_nodes=cfg.data.num_canonical_nodes,
             num_workers=cfg.data.num_workers,
         )
-        return build_loader(
+        loader = build_loader(
             dcfg,
             split=split,
             batch_size=batch,
@@ -367,6 +367,8 @@ class Trainer:
             seq_len=cfg.data.seq_len,
             vocab_size=vocab,
         )
+        self._loaders.append(loader)  # closed when the run ends (run's finally)
+        return loader
 
     def _build_backend(self, model: nn.Module, micro: int, accum: int) -> _Backend:
         cfg, topo = self.cfg, self.topo
@@ -441,6 +443,7 @@ class Trainer:
             ]
         )
         self._started = False
+        self._loaders: list = []
         self._setup_topology()
         topo = self.topo
         try:
@@ -458,6 +461,9 @@ class Trainer:
             for sink in getattr(self, "_sinks", []):
                 with contextlib.suppress(Exception):
                     sink.close()
+            for loader in self._loaders:
+                with contextlib.suppress(Exception):
+                    loader.close()
             topo.destroy()
 
     def _run(self) -> RunResult:

@@ -152,3 +152,29 @@ def test_corrupted_local_shard_stops_the_epoch_with_its_name(dataset, tmp_path, 
     text = one_line(caught.value)
     assert text.startswith("corrupted shard") and f"train/{shard.name}" in text
     assert "Traceback" not in text
+
+
+def test_close_releases_the_shared_memory_descriptors(dataset, tmp_path):
+    """streaming holds a descriptor per shared-memory segment until its dataset is collected:
+    a process running several trainings (the test suite did) ran out of them."""
+    import os
+
+    def open_shm() -> set[tuple[str, str]]:
+        fds = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/dev/shm/"):
+                fds.add((fd, target))
+        return fds
+
+    loader = _loader(dataset, tmp_path, "closing")
+    next(iter(loader))
+    own = f"/dev/shm/{loader.dataset._shm_prefix_int:06d}_"  # this dataset's segments
+    mine = {(fd, target) for fd, target in open_shm() if target.startswith(own)}
+    assert mine
+    loader.close()
+    assert not (open_shm() & mine)
+    assert not any(Path(target).exists() for _, target in mine)  # created ones unlinked
