@@ -321,8 +321,6 @@ def _memory_forward(
         flops = B * H * (4 * dk * dv + 4 * (tau + 1) * (dk + dv))
     else:
         nbytes, flops = _nbytes(y, hidden), 0
-    d_ = y  # any tensor of the dtype: pointers the variant never reads
-    z = (0,) * 3
     _launch(
         tk.memory_forward_kernel,
         grid,
@@ -334,18 +332,9 @@ def _memory_forward(
         y.stride(0),
         hidden,
         hidden.stride(0),
-        ss if mem else d_,
-        kcur if mem else d_,
-        gprev if mem else d_,
-        M0 if mem else d_,
-        *(M0.stride()[:3] if mem else z),
-        K if mem else d_,
-        *(K.stride()[:3] if mem else z),
-        U if mem else d_,
-        *(U.stride()[:3] if mem else z),
-        G if mem else d_,
-        *(G.stride()[:2] if mem else z[:2]),
-        A if mem else d_,
+        *_pointers(
+            [ss, kcur, gprev, M0, K, U, G, A] if mem else [None] * 8, [0, 0, 0, 3, 3, 3, 2, 0], y
+        ),
         tau,
         H=H,
         DK=max(dk, 1),
@@ -513,6 +502,15 @@ def _rev_row(
     )
 
 
+def _pointers(tensors: list[Tensor | None], strides: list[int], dummy: Tensor) -> tuple:
+    """Kernel arguments: each tensor followed by its first n strides; for a variant of the
+    kernel that never reads it (None), a dummy pointer of the same dtype and zero strides."""
+    args: list = []
+    for t, n in zip(tensors, strides):
+        args += [dummy, *(0,) * n] if t is None else [t, *t.stride()[:n]]
+    return tuple(args)
+
+
 def _memory_backward(
     plan: StepPlan,
     i: int,
@@ -536,104 +534,40 @@ def _memory_backward(
     y, dy = acts.y[i][tau], dY[tau]
     B = y.shape[0]
     dummy = dy
-    z2, z3 = (0,) * 2, (0,) * 3
-    s2 = lambda t: t.stride()[:2]  # noqa: E731
     if mem:
         q, rq, drq = acts.q[i][:, :, tau], acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
-        mem_args = (
-            acts.o[i][tau],
-            acts.ro[i][tau],
-            acts.o[i].stride(1),
-            q,
-            *s2(q),
-            rq,
-            *s2(rq),
-            drq,
-            *s2(drq),
-            acts.k,
-            *acts.k.stride()[:3],
-            acts.U,
-            *acts.U.stride()[:3],
-            acts.G,
-            *acts.G.stride()[:3],
-            a.dK,
-            *a.dK.stride()[:3],
-            a.dU,
-            *a.dU.stride()[:3],
-            a.dG,
-            *a.dG.stride()[:3],
-            M0,
-            *M0.stride()[:3],
-        )
+        o, ro, stride_o = acts.o[i][tau], acts.ro[i][tau], acts.o[i].stride(1)
+        reads = [q, rq, drq, acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, M0]
         hist = (tau + 1) * B * H * 2 * (2 * dk + 2 * dv + 2) * y.element_size()
-        nbytes = _nbytes(y, dy, DH, acts.o[i][tau], acts.ro[i][tau], M0) + hist
+        nbytes = _nbytes(y, dy, DH, o, ro, M0) + hist
         flops = B * H * ((4 if write else 2) * dk * dv + 12 * (tau + 1) * (dk + dv))
     else:
-        mem_args = (
-            dummy,
-            dummy,
-            0,
-            dummy,
-            *z2,
-            dummy,
-            *z2,
-            dummy,
-            *z2,
-            dummy,
-            *z3,
-            dummy,
-            *z3,
-            dummy,
-            *z3,
-            dummy,
-            *z3,
-            dummy,
-            *z3,
-            dummy,
-            *z3,
-            dummy,
-            *z3,
-        )
+        o = ro = None
+        stride_o = 0
+        reads = [None] * 10
         nbytes, flops = _nbytes(y, dy, DH), 0
+    # (B, H, n) per-step tensors pass 2 strides, (B, H, C, n) chunk tensors 3 (last stride 1).
+    mem_args = (
+        o if o is not None else dummy,
+        ro if ro is not None else dummy,
+        stride_o,
+        *_pointers(reads, [2, 2, 2, 3, 3, 3, 3, 3, 3, 3], dummy),
+    )
     if write:
-        v, beta = acts.v[:, :, tau], acts.beta[:, :, tau]
-        pred, rk, drk = acts.pred[:, :, tau], acts.rk[:, :, tau], a.dRk[:, :, tau]
-        kpre = acts.k_pre[tau]
-        write_args = (
-            kpre,
-            kpre.stride(0),
-            v,
-            *s2(v),
-            beta,
-            *s2(beta),
-            pred,
-            *s2(pred),
-            rk,
-            *s2(rk),
-            drk,
-            *s2(drk),
+        writes = [
+            acts.k_pre[tau],
+            acts.v[:, :, tau],
+            acts.beta[:, :, tau],
+            acts.pred[:, :, tau],
+            acts.rk[:, :, tau],
+            a.dRk[:, :, tau],
             DGS,
             DA_ROWS,
             DKPRE0,
-        )
+        ]
     else:
-        write_args = (
-            dummy,
-            0,
-            dummy,
-            *z2,
-            dummy,
-            *z2,
-            dummy,
-            *z2,
-            dummy,
-            *z2,
-            dummy,
-            *z2,
-            dummy,
-            dummy,
-            dummy,
-        )
+        writes = [None] * 9
+    write_args = _pointers(writes, [1, 2, 2, 2, 2, 2, 0, 0, 0], dummy)
     _launch(
         tk.memory_backward_kernel,
         grid,
