@@ -62,12 +62,6 @@ from gpn_scale.ops.gpn_step.interface import (
 from gpn_scale.ops.gpn_step.registry import select_backend
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 
-_Plan = StepPlan  # the names the rest of this module (and its tests) use
-_LoopWeights = LoopWeights
-_ChunkActs = ChunkActs
-_SweepAdjoints = SweepAdjoints
-
-
 # ------------------------------------------------------------------ phase timing
 _PHASES: dict[str, float] | None = None  # set by `phase_timer()` (benchmarks only)
 _PENDING: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -199,8 +193,8 @@ def fold_loop_weights(model: GPN) -> LoopWeights:
 # --------------------------------------------------------------------- backward
 @torch.no_grad()
 def _recompute_chunk(
-    plan: _Plan, W: _LoopWeights, S: Tensor, s_prev: Tensor, M0: Tensor | None
-) -> _ChunkActs:
+    plan: StepPlan, W: LoopWeights, S: Tensor, s_prev: Tensor, M0: Tensor | None
+) -> ChunkActs:
     """Given the states S (B, C, d) entering each step, the whole chunk at once.
 
     Every projection is ONE (C*B)-row matmul and the memory is the fully parallel chunk
@@ -210,7 +204,7 @@ def _recompute_chunk(
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
     mem = plan.memory
     c = S.transpose(0, 1).contiguous()  # (C, B, d)
-    acts = _ChunkActs([], [], [], [], [], [], [], [], None, None, None)
+    acts = ChunkActs([], [], [], [], [], [], [], [], None, None, None)
     for i in range(plan.n_layers):
         n = _rms(c, eps)
         y = _matmul(n, W.w_in[i], W.b_in[i])
@@ -262,7 +256,7 @@ def _recompute_chunk(
     return acts
 
 
-def _prediction(acts: _ChunkActs, M0: Tensor) -> Tensor:
+def _prediction(acts: ChunkActs, M0: Tensor) -> Tensor:
     """M_{t-1}^T k_t for every step:
     e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
     G = acts.G
@@ -297,7 +291,7 @@ class _Grads:
     A: Tensor | None
 
     @staticmethod
-    def zeros_like(W: _LoopWeights, dtype: torch.dtype) -> _Grads:
+    def zeros_like(W: LoopWeights, dtype: torch.dtype) -> _Grads:
         z = lambda t: torch.zeros(t.shape, dtype=dtype, device=t.device)  # noqa: E731
         return _Grads(
             [z(w) for w in W.w_in],
@@ -320,9 +314,9 @@ class _Grads:
 
 
 def _chunk_backward(
-    plan: _Plan,
-    Wt: _LoopWeights,
-    acts: _ChunkActs,
+    plan: StepPlan,
+    Wt: LoopWeights,
+    acts: ChunkActs,
     M0: Tensor | None,
     dP: Tensor,
     ds_end: Tensor | None,
@@ -357,15 +351,15 @@ def _chunk_backward(
 
 
 def _sweep_adjoints(
-    plan: _Plan,
-    Wt: _LoopWeights,
-    acts: _ChunkActs,
+    plan: StepPlan,
+    Wt: LoopWeights,
+    acts: ChunkActs,
     M0: Tensor | None,
     dP: Tensor,
     dM_end: Tensor | None,
     d_fuse: Tensor,
     workspace: _Workspace,
-) -> tuple[_SweepAdjoints, Tensor | None]:
+) -> tuple[SweepAdjoints, Tensor | None]:
     """The adjoint buffers the reverse sweep accumulates into, with the end-of-chunk
     memory's gradient already pushed onto k, u and G; and the (partial) dM0."""
     C, B, d = acts.p.shape
@@ -403,15 +397,15 @@ def _sweep_adjoints(
     else:
         dK = dU = dG = dRk = dA = dM0 = None
         dRq = []
-    return _SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
+    return SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
 
 
 def _chunk_weight_gradients(
-    plan: _Plan,
-    Wt: _LoopWeights,
-    acts: _ChunkActs,
+    plan: StepPlan,
+    Wt: LoopWeights,
+    acts: ChunkActs,
     dg: Tensor,
-    adj: _SweepAdjoints,
+    adj: SweepAdjoints,
     dk_pre0: Tensor | None,
     dM0: Tensor | None,
     grads: _Grads,
@@ -478,8 +472,8 @@ class _Workspace:
 
 
 def _forward_chunks(
-    plan: _Plan,
-    W: _LoopWeights,
+    plan: StepPlan,
+    W: LoopWeights,
     backend: StepBackend,
     fuse: Tensor,
     s: Tensor,
@@ -517,14 +511,14 @@ class _SequenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        plan: _Plan,
+        plan: StepPlan,
         fuse: Tensor,
         s0: Tensor,
         s_prev0: Tensor,
         M0: Tensor | None,
         *flat: Tensor,
     ):  # type: ignore[override]
-        W = _LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype)
+        W = LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype)
         B, T, d = fuse.shape
         P = fuse.new_empty(B, T, d)
         # The state entering each step, O(T*d): what the backward recomputes each chunk from.
@@ -546,11 +540,11 @@ class _SequenceFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):  # type: ignore[override]
-        plan: _Plan = ctx.plan
+        plan: StepPlan = ctx.plan
         dP = dP.contiguous()
         S, *flat = ctx.saved_tensors
         shape, dtype, device = ctx.fuse_meta
-        W = _LoopWeights.unflat(plan, [t.detach() for t in flat])
+        W = LoopWeights.unflat(plan, [t.detach() for t in flat])
         Wt = W.for_matmul(plan.mm_dtype).transposed()
         # The recompute reads the same copies as the sweep, as views (its chunk-wide GEMMs run
         # as fast on them): the backward streams one copy of the loop weights instead of two,

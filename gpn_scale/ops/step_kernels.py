@@ -176,7 +176,7 @@ def load(required: bool) -> ModuleType | None:
         )
         if required:
             raise StepKernelError(message)
-        _warn_once(message + " (using the PyTorch steps: same results, slower)")
+        warn_once(message + " (using the PyTorch steps: same results, slower)")
         return None
     return module if _override is None else _override
 
@@ -202,5 +202,6 @@ def _first_error(exc: Exception) -> str:
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """One RuntimeWarning per distinct message (the step backends' fallbacks)."""
     warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -144,12 +144,12 @@ def test_build_failure_required_is_one_line_error_naming_compiler_error(monkeypa
 def test_build_failure_in_auto_mode_warns_and_falls_back(monkeypatch):
     monkeypatch.setattr(step_kernels, "_load", _failed_build)
     monkeypatch.setenv(ENV_VAR, "auto")
-    step_kernels._warn_once.cache_clear()
+    step_kernels.warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match="could not be built.*using the PyTorch steps"):
         assert kernels_for(torch.device("cpu")) is None
     model = perturbed_model(tiny_config(), torch.float32)
     with pytest.warns(RuntimeWarning):  # the engine still trains, on the PyTorch steps
-        step_kernels._warn_once.cache_clear()
+        step_kernels.warn_once.cache_clear()
         loss = model(torch.randint(0, 37, (2, 9))).loss
     loss.backward()
     assert torch.isfinite(loss)

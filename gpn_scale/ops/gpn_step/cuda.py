@@ -138,10 +138,17 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _cols(plan: StepPlan, i: int) -> dict[str, int]:
+def _layer_meta(plan: StepPlan, i: int) -> dict[str, int | bool]:
+    """The compile-time shape of layer i's memory/FFN kernels (forward and reverse alike):
+    sizes, the column offsets of its fused input matmul, and which parts it has."""
     c = plan.columns[i]
     at = lambda span: span[0] if span is not None else 0  # noqa: E731
     return dict(
+        H=plan.H,
+        DK=max(plan.dk, 1),
+        DV=max(plan.dv, 1),
+        F=plan.f,
+        HV=plan.H * plan.dv,
         COL_KEY=at(c.key),
         COL_VALUE=at(c.value),
         COL_BETA=at(c.beta),
@@ -149,6 +156,8 @@ def _cols(plan: StepPlan, i: int) -> dict[str, int]:
         COL_QUERY=at(c.query),
         COL_RGATE=at(c.read_gate),
         COL_FFN=c.ffn[0],
+        WRITE=plan.memory and i == 0,
+        MEMORY=plan.memory,
     )
 
 
@@ -312,8 +321,8 @@ def _memory_forward(
     grid: tuple[int, int],
     blocks: dict[str, int],
 ) -> None:
-    H, dk, dv, f = plan.H, plan.dk, plan.dv, plan.f
-    mem, write = plan.memory, plan.memory and i == 0
+    H, dk, dv = plan.H, plan.dk, plan.dv
+    mem = plan.memory
     B = y.shape[0]
     if mem:
         hist = (tau + 1) * B * H * (dk + dv + 1) * y.element_size()
@@ -336,14 +345,7 @@ def _memory_forward(
             [ss, kcur, gprev, M0, K, U, G, A] if mem else [None] * 8, [0, 0, 0, 3, 3, 3, 2, 0], y
         ),
         tau,
-        H=H,
-        DK=max(dk, 1),
-        DV=max(dv, 1),
-        F=f,
-        HV=H * dv,
-        **_cols(plan, i),
-        WRITE=write,
-        MEMORY=mem,
+        **_layer_meta(plan, i),
         BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else 64),
         BLOCK_DK=blocks["BLOCK_DK"],
         BLOCK_C=blocks["BLOCK_C"],
@@ -528,7 +530,7 @@ def _memory_backward(
     blocks: dict[str, int],
     eps: float,
 ) -> None:
-    H, dk, dv, f = plan.H, plan.dk, plan.dv, plan.f
+    H, dk, dv = plan.H, plan.dk, plan.dv
     mem, write = plan.memory, plan.memory and i == 0
     dY = a.dY[i]
     y, dy = acts.y[i][tau], dY[tau]
@@ -588,14 +590,7 @@ def _memory_backward(
         tau,
         int(tau == C - 1),
         eps,
-        H=H,
-        DK=max(dk, 1),
-        DV=max(dv, 1),
-        F=f,
-        HV=H * dv,
-        **_cols(plan, i),
-        WRITE=write,
-        MEMORY=mem,
+        **_layer_meta(plan, i),
         BLOCK_DV=_p2(max(dv, 1)),
         **blocks,
     )

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 
 from gpn_scale.ops import step_kernels
 from gpn_scale.ops.gpn_step.interface import StepBackend
 from gpn_scale.ops.gpn_step.reference import ReferenceBackend
+from gpn_scale.ops.step_kernels import warn_once
 
 ENV_VAR = step_kernels.ENV_VAR
 CHOICES = ("auto", "reference", "cpu", "cuda")
@@ -119,8 +119,3 @@ def _cuda_backend(required: bool) -> StepBackend | None:
         warn_once(message + " (using the PyTorch steps: same results, many more launches)")
         return None
     return _cuda_backend_instance()
-
-
-@functools.cache
-def warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
