@@ -99,13 +99,13 @@ class Accounting:
     loop_params: int = 0
 
     def at_seq_len(self, measure) -> float:
-        """measure(ops, probe_T) at each probe, extrapolated linearly to seq_len."""
+        """measure(ops) at each probe, extrapolated linearly to seq_len."""
         (t1, ops1), *rest = sorted(self.probes.items())
-        v1 = measure(ops1, t1)
+        v1 = measure(ops1)
         if not rest:
             return v1 * self.seq_len / t1
         t2, ops2 = rest[0]
-        v2 = measure(ops2, t2)
+        v2 = measure(ops2)
         return v1 + (v2 - v1) * (self.seq_len - t1) / (t2 - t1)
 
     @property
@@ -118,7 +118,7 @@ class Accounting:
 
     def per_phase(self) -> dict[str, dict[str, float]]:
         def total(phase: str, what: str) -> float:
-            def measure(ops: list[Op], _t: int) -> float:
+            def measure(ops: list[Op]) -> float:
                 mine = [op for op in ops if op.phase == phase]
                 return len(mine) if what == "launches" else sum(getattr(op, what) for op in mine)
 
@@ -133,15 +133,12 @@ class Accounting:
         PyTorch steps) every op of the phase, per-chunk work included, over its steps."""
         kind = "forward step" if phase == "sequential forward" else "reverse step"
 
-        def count(ops: list[Op], _t: int) -> int:
+        def count(ops: list[Op]) -> int:
             if any(op.triton for op in ops if op.phase in SEQUENTIAL):
                 return sum(1 for op in ops if op.triton and op.name.startswith(kind))
             return sum(1 for op in ops if op.phase == phase)
 
         return self.at_seq_len(count) / self.seq_len
-
-
-_STEP_TAG = "\x00"
 
 
 def account(
@@ -299,7 +296,7 @@ def predict(
         return t if graphed else max(t, HOST_LAUNCH_S)
 
     per_phase = {
-        ph: acc.at_seq_len(lambda ops, _t, ph=ph: sum(op_time(op) for op in ops if op.phase == ph))
+        ph: acc.at_seq_len(lambda ops, ph=ph: sum(op_time(op) for op in ops if op.phase == ph))
         for ph in acc.phases()
     }
     seconds = sum(per_phase.values())
@@ -307,7 +304,7 @@ def predict(
     step_stream = (acc.loop_weight_bytes + B * acc.m0_bytes) / gpu.hbm_bytes_per_s
     step_flops = 2 * B * acc.loop_params / gpu.bf16_flops_per_s
     chunk_flops = acc.at_seq_len(
-        lambda ops, _t: sum(op.flops for op in ops if op.phase not in SEQUENTIAL)
+        lambda ops: sum(op.flops for op in ops if op.phase not in SEQUENTIAL)
     )
     floor = 2 * T * max(step_stream, step_flops) + chunk_flops / gpu.bf16_flops_per_s
     tokens_per_s = B * T / seconds
