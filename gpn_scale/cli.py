@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 
 # Order = order in `--help`.
 COMMAND_MODULES = (

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from gpn_scale.core.config import ConfigError
 from gpn_scale.io.storage import one_line
-from gpn_scale.model.config import ConfigError
 
 __all__ = ["CheckpointError", "one_line"]
 

@@ -7,7 +7,7 @@ one line that names the problem and the fix.
 
 from __future__ import annotations
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 
 
 class DataError(ConfigError):

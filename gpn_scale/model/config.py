@@ -7,23 +7,19 @@ V=vocab_size, d=d_state, e=d_emb, f=d_ffn, L=n_layers, H=n_heads, dk=d_key, dv=d
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own error type)
+    ConfigError,
+    closest_key_hint,
+    read_yaml,
+    resolve_named_yaml,
+)
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message is one line naming the field and the fix."""
-
-
-def closest_key_hint(key: str, valid: list[str] | tuple[str, ...]) -> str:
-    """' (did you mean 'x'?)' for the valid key closest to `key`, or '' when none is close."""
-    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" (did you mean '{match[0]}'?)" if match else ""
 
 
 @dataclass(frozen=True)
@@ -152,32 +148,6 @@ def _require_int(name: str, value: Any, minimum: int, why: str = "") -> None:
         raise ConfigError(f"{name}: must be >= {minimum}, got {value}{why}")
 
 
-def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> Any:
-    """A YAML file as plain containers (OmegaConf: `${...}` interpolation when `resolve`).
-
-    A syntax error is one ConfigError line naming the file and the line (PyYAML's own error
-    is a multi-line traceback); unreadable files and bad interpolations are one line too.
-    """
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=resolve)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
-        problem = err.problem or err.context or type(err).__name__
-        if err.problem and err.context and err.context_mark is not None:
-            problem += f" ({err.context} at line {err.context_mark.line + 1})"
-        raise ConfigError(
-            f"{where}: YAML syntax error in the {what}: {problem}; fix the file"
-        ) from None
-    except (yaml.YAMLError, OmegaConfBaseException, OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{path}: cannot read the {what}: {first}") from None
-
-
 def load_model_config(
     name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
 ) -> GPNConfig:
@@ -195,30 +165,6 @@ def load_model_config(
     if overrides:
         raw.update(overrides)
     return GPNConfig.from_dict({str(k): v for k, v in raw.items()})
-
-
-def resolve_named_yaml(
-    name_or_path: str | Path, directory: Path, what: str, error: type[ConfigError] = ConfigError
-) -> Path:
-    """A YAML path as given, or `directory/<name>.yaml`; `what` names it in the one-line
-    error (with the closest shipped name when the name is unknown)."""
-    path = Path(name_or_path)
-    # A path if it looks like one; a bare name is a shipped config first (a directory that
-    # happens to be called `demo` in the current directory must not shadow the shipped one).
-    if path.suffix in (".yaml", ".yml") or "/" in str(name_or_path):
-        if not path.is_file():
-            raise error(f"{path}: {what} file not found")
-        return path
-    candidate = directory / f"{name_or_path}.yaml"
-    if not candidate.is_file() and path.is_file():
-        return path
-    if not candidate.is_file():
-        names = sorted(p.stem for p in directory.glob("*.yaml"))
-        raise error(
-            f"{what} '{name_or_path}' not found in {directory}"
-            f"{closest_key_hint(str(name_or_path), names)}"
-        )
-    return candidate
 
 
 def resolve_model_config_path(name_or_path: str | Path) -> Path:

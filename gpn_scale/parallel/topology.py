@@ -90,7 +90,7 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from gpn_scale.model.config import ConfigError
+        from gpn_scale.core.config import ConfigError
 
         raise ConfigError(
             "train.device: cuda requested but no GPU is visible; use train.device=cpu"

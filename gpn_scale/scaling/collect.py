@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard, cast
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 from gpn_scale.scaling.fit import FitError, Observation
 
 DONE = "DONE"

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

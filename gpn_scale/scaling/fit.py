@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 
 HUBER_DELTA = 1e-3
 MIN_RESAMPLES = 1000

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpn_scale.model.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
+from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_DIR = REPO_ROOT / "configs" / "sweeps"

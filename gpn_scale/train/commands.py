@@ -148,7 +148,7 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
 
 def _errors():
     """Exception types that end a command with one line and exit code 2."""
-    from gpn_scale.model.config import ConfigError
+    from gpn_scale.core.config import ConfigError
 
     types: list[type[BaseException]] = [ConfigError]
     try:

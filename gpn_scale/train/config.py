@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from gpn_scale.model.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
+from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 from gpn_scale.parallel.topology import Topology, init_topology
 from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml

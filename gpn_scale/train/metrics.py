@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 
 REDACTED = "***REDACTED***"
 

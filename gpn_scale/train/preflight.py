@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 from gpn_scale.train.config import TrainConfig
 
 

@@ -31,7 +31,7 @@ from gpn_scale.checkpoint import (
     restore_rng_state,
     step_dir_name,
 )
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 
 META = {
     "step": 7,

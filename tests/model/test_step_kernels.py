@@ -102,7 +102,7 @@ def test_cuda_backend_without_triton_warns_and_falls_back(monkeypatch):
 
 
 def test_step_backend_config_value_is_checked():
-    from gpn_scale.model.config import ConfigError
+    from gpn_scale.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="step_backend: expected auto, reference, cpu or cuda"):
         tiny_config(step_backend="gpu")

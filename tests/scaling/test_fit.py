@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 from gpn_scale.scaling import fit as F
 
 # Hoffmann et al.'s published Chinchilla law, used as the ground truth.

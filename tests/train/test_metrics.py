@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpn_scale.model.config import ConfigError
+from gpn_scale.core.config import ConfigError
 from gpn_scale.train.metrics import (
     REDACTED,
     JsonlSink,

@@ -1,0 +1,1 @@
+"""Leaf package: errors and config resolution shared by every other package."""

@@ -1,0 +1,82 @@
+"""The language-model interface every family implements, and what a family declares.
+
+Alignment (one rule for every family, so eval and generation need no per-family code):
+`logits[:, t]` is the distribution of `tokens[:, t]` given `tokens[:, :t]` and the carried
+`state`. Every position is scored, position 0 included: GPN predicts it from the all-zero
+state (the spec); a family without a natural carry (Transformer++) predicts it from a learned
+start token that its initial state holds as the pending input.
+
+`state` is whatever the family carries between calls (GPN: (s, s_prev, M); Gated DeltaNet:
+memories and convolution caches; Transformer++: the key/value cache and the pending token).
+It is opaque outside the family: callers only pass it back, `detach` it via the family, and
+ask `next_token_logits(state)` for the distribution of the token after the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+
+class LMOutput(NamedTuple):
+    """What `forward` returns (GPNOutput has the same fields in the same order)."""
+
+    loss: Tensor  # mean cross-entropy over all B*T positions
+    state: Any | None  # the final carry, when `return_state`
+    logits: Tensor | None = None  # (B, T, V), when `return_logits` (eval/analysis only)
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """The one interface the trainer, eval, generation, sweeps and fits use."""
+
+    config: Any
+
+    def forward(
+        self,
+        tokens: Tensor,
+        state: Any | None = None,
+        *,
+        return_state: bool = False,
+        return_logits: bool = False,
+    ) -> LMOutput: ...
+
+    def initial_state(self, batch_size: int, device: Any = None) -> Any: ...
+
+    def next_token_logits(self, state: Any) -> Tensor:
+        """(B, V) logits of the token that follows the context `state` carries."""
+        ...
+
+    def num_parameters(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What a family declares (torchtitan's ModelSpec is the anchor).
+
+    - `config_from_dict`: a validated, frozen config from the YAML mapping (one-line
+      ConfigError on a bad key or value).
+    - `build`: the model on the default device, initialised as the family's reference does.
+    - `count_parameters(cfg)` and `flops_per_token(cfg, seq_len)`: training FLOPs per token
+      (forward + backward, attention's quadratic part included where the family has it).
+    - `fsdp_units(model)`: the submodules FSDP2 / ZeRO wrap on their own, in order (the root
+      is wrapped last by the caller); empty = the whole model is one unit.
+    - `tp_plan(model)`: the tensor-parallel plan (module path -> ParallelStyle) or None when
+      the family is not tensor-parallel yet.
+    - `compat_keys(cfg)`: the config fields a checkpoint must match to be resumed.
+    - `recurrent`: the state is O(1) in the context length (scoring and generation reuse it).
+    """
+
+    name: str
+    config_from_dict: Callable[[Mapping[str, Any]], Any]
+    build: Callable[[Any], nn.Module]
+    count_parameters: Callable[[Any], int]
+    flops_per_token: Callable[[Any, int], float]
+    fsdp_units: Callable[[nn.Module], list[nn.Module]]
+    compat_keys: Callable[[Any], dict[str, Any]]
+    recurrent: bool
+    tp_plan: Callable[[nn.Module], Mapping[str, Any] | None] = field(default=lambda model: None)
+    description: str = ""
