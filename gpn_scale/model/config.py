@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own error type)
     ConfigError,
@@ -57,6 +57,8 @@ class GPNConfig:
     memory_cells: int | None = None
     name: str = ""
     norm_eps: float = field(default=1e-6, repr=False)
+    # The registry name (gpn_scale/models/registry.py); `family` below is the variant label.
+    family_name: ClassVar[str] = "gpn"
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,6 +130,7 @@ class GPNConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> GPNConfig:
         """Build from a mapping; an unknown key fails naming the closest valid one."""
         valid = cls.field_names()
+        values = {k: v for k, v in values.items() if not (k == "family" and v == cls.family_name)}
         for key in values:
             if key not in valid:
                 raise ConfigError(f"model.{key}: unknown key{closest_key_hint(key, valid)}")

@@ -214,5 +214,17 @@ class GPN(nn.Module):
             self, tokens, state, return_state=return_state, return_logits=return_logits
         )
 
+    def next_token_logits(self, state: GPNState) -> Tensor:
+        """(B, V) logits of the token after the context carried by `state`.
+
+        Position 0's logits of a one-token forward are computed from the carry before that
+        token is seen, so any token serves; one step, the context is never recomputed.
+        """
+        B = state.s.shape[0]
+        probe = torch.zeros(B, 1, dtype=torch.long, device=state.s.device)
+        logits = self.forward(probe, state, return_logits=True).logits
+        assert logits is not None
+        return logits[:, 0]
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

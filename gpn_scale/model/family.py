@@ -1,0 +1,62 @@
+"""GPN / GPN+M as a registered family (gpn_scale/models/registry.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gpn_scale.model.config import GPNConfig
+from gpn_scale.models.protocol import FamilySpec
+
+# The fields a checkpoint must share with the config that resumes it (the model's shape).
+SHAPE_KEYS = (
+    "vocab_size",
+    "d_state",
+    "d_emb",
+    "d_ffn",
+    "n_layers",
+    "memory",
+    "n_heads",
+    "d_key",
+    "d_value",
+    "decoder_bias",
+)
+
+
+def _build(cfg: GPNConfig) -> nn.Module:
+    from gpn_scale.model.gpn import GPN
+
+    return GPN(cfg)
+
+
+def _count_parameters(cfg: GPNConfig) -> int:
+    from gpn_scale.model.counts import count_parameters
+
+    return count_parameters(cfg)
+
+
+def _flops_per_token(cfg: GPNConfig, seq_len: int) -> float:
+    from gpn_scale.model.counts import flops_per_token
+
+    return flops_per_token(cfg, seq_len)
+
+
+def _compat_keys(cfg: GPNConfig) -> dict[str, Any]:
+    values = cfg.to_dict()
+    return {"family": GPNConfig.family_name, **{k: values[k] for k in SHAPE_KEYS}}
+
+
+SPEC = FamilySpec(
+    name=GPNConfig.family_name,
+    config_from_dict=GPNConfig.from_dict,
+    build=_build,
+    count_parameters=_count_parameters,
+    flops_per_token=_flops_per_token,
+    # The forward reads every submodule's parameters directly (engine.py), so FSDP2 must
+    # treat the whole model as one unit.
+    fsdp_units=lambda model: [],
+    compat_keys=_compat_keys,
+    recurrent=True,
+    description="GPN / GPN+M: one wide recurrent state, one FFN, one shared gated-delta memory",
+)

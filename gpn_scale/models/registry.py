@@ -1,0 +1,82 @@
+"""The family registry: a model YAML's `family:` key names the FamilySpec that builds it.
+
+Families load on first use (importing the registry imports no model code), so the CLI, sweeps
+and fits can resolve a family from a config without importing torch-heavy modules they do not
+need. A YAML without `family:` is GPN / GPN+M (every config written before the registry).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
+from gpn_scale.models.protocol import FamilySpec
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+DEFAULT_FAMILY = "gpn"
+
+# name -> module exposing `SPEC: FamilySpec`
+_FAMILY_MODULES: dict[str, str] = {
+    "gpn": "gpn_scale.model.family",
+    "transformer_pp": "gpn_scale.models.transformer_pp",
+    "gated_deltanet": "gpn_scale.models.gated_deltanet",
+}
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(_FAMILY_MODULES)
+
+
+def get_family(name: str) -> FamilySpec:
+    """The spec of a registered family; an unknown name is one ConfigError line."""
+    if name not in _FAMILY_MODULES:
+        raise ConfigError(
+            f"model.family: unknown family {name!r}{closest_key_hint(name, family_names())}; "
+            f"expected one of {', '.join(family_names())}"
+        )
+    spec = importlib.import_module(_FAMILY_MODULES[name]).SPEC
+    assert isinstance(spec, FamilySpec) and spec.name == name, _FAMILY_MODULES[name]
+    return spec
+
+
+def split_family(values: Mapping[str, Any]) -> tuple[FamilySpec, dict[str, Any]]:
+    """(spec, the remaining fields) of a model mapping whose optional `family` key names it."""
+    fields = {str(k): v for k, v in values.items()}
+    name = fields.pop("family", DEFAULT_FAMILY)
+    if not isinstance(name, str):
+        raise ConfigError(f"model.family: expected a family name, got {name!r}")
+    return get_family(name), fields
+
+
+def config_from_dict(values: Mapping[str, Any]) -> tuple[FamilySpec, Any]:
+    """(spec, validated config) from a model mapping (a checkpoint's saved config, a sweep's)."""
+    spec, fields = split_family(values)
+    return spec, spec.config_from_dict(fields)
+
+
+def load_model_config(
+    name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
+) -> tuple[FamilySpec, Any]:
+    """`configs/model/<name>.yaml` (or any YAML path) -> (family spec, validated config).
+
+    The YAML may hold the fields at top level or under a `model:` key; `name` defaults to the
+    file's stem.
+    """
+    path = resolve_named_yaml(name_or_path, CONFIG_DIR, "model config")
+    raw = read_yaml(path, what="model config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of model fields")
+    if "model" in raw and isinstance(raw["model"], dict):
+        raw = raw["model"]
+    raw.setdefault("name", Path(path).stem)
+    if overrides:
+        raw.update(overrides)
+    return config_from_dict(raw)
+
+
+def family_of(config: Any) -> FamilySpec:
+    """The spec of a built config (each family's config has a `family_name` attribute)."""
+    return get_family(getattr(config, "family_name", DEFAULT_FAMILY))
