@@ -1,0 +1,69 @@
+"""Gated DeltaNet as a registered family (gpn_scale/models/registry.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gpn_scale.models.gated_deltanet.config import GatedDeltaNetConfig
+from gpn_scale.models.protocol import FamilySpec
+
+# The fields a checkpoint must share with the config that resumes it (the model's shape).
+SHAPE_KEYS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_key",
+    "d_value",
+    "d_ffn",
+    "conv_size",
+)
+
+
+def _build(cfg: GatedDeltaNetConfig) -> nn.Module:
+    from gpn_scale.models.gated_deltanet.model import GatedDeltaNet
+
+    return GatedDeltaNet(cfg)
+
+
+def _count_parameters(cfg: GatedDeltaNetConfig) -> int:
+    from gpn_scale.models.gated_deltanet.counts import count_parameters
+
+    return count_parameters(cfg)
+
+
+def _flops_per_token(cfg: GatedDeltaNetConfig, seq_len: int) -> float:
+    from gpn_scale.models.gated_deltanet.counts import flops_per_token
+
+    return flops_per_token(cfg, seq_len)
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    # One FSDP2 unit per block (each block's forward runs its own parameters); the embedding,
+    # final norm and head stay with the root unit the caller wraps last.
+    return list(model.layers)  # type: ignore[arg-type]
+
+
+def _compat_keys(cfg: GatedDeltaNetConfig) -> dict[str, Any]:
+    values = cfg.to_dict()
+    return {"family": GatedDeltaNetConfig.family_name, **{k: values[k] for k in SHAPE_KEYS}}
+
+
+SPEC = FamilySpec(
+    name=GatedDeltaNetConfig.family_name,
+    config_from_dict=GatedDeltaNetConfig.from_dict,
+    build=_build,
+    count_parameters=_count_parameters,
+    flops_per_token=_flops_per_token,
+    fsdp_units=_fsdp_units,
+    compat_keys=_compat_keys,
+    recurrent=True,
+    description=(
+        "Gated DeltaNet (Yang et al.): gated delta-rule memory per layer, short convolutions, "
+        "output gate and norm, SwiGLU MLP; fla's kernels on CUDA, our chunkwise op elsewhere"
+    ),
+)
+
+__all__ = ["SPEC", "GatedDeltaNetConfig"]

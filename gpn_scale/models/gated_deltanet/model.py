@@ -1,0 +1,259 @@
+"""Gated DeltaNet (Yang et al., "Gated Delta Networks") as the GPN paper's baseline uses it.
+
+The anchor is flash-linear-attention's GatedDeltaNet layer and GatedDeltaNetForCausalLM (its
+parametrisation and initialisation), written here as our own module because the interface
+needs what fla's HF model does not give: the alignment of protocol.py (position 0 scored from
+a learned start token held as the pending input), a state we carry, detach and read one step
+at a time, module paths our FSDP units and FLOP counts name, and a CPU path (fla's kernels are
+Triton-only; ours is the chunkwise op in ops/memory.py) held equal to fla's reference forms.
+
+Per layer (token mixer), from x (B, T, d):
+    q, k, v  = SiLU(causal depthwise conv_4(W_q x)), ... (W_k x), ... (W_v x)
+    beta     = sigmoid(W_b x)                                   (B, T, H)
+    g        = -exp(A_log) * softplus(W_a x + dt_bias)          log decay, <= 0
+    o        = gated delta rule(l2norm(q), l2norm(k), v, g, beta)   (ops/gated_delta_rule.py)
+    y        = W_o [RMSNorm_dv(o) * w * SiLU(W_g x)]            fla's FusedRMSNormGated
+Blocks: x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); then a final RMSNorm and the head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpn_scale.models.blocks import SwiGLU, lm_loss, shift_in, start_tokens
+from gpn_scale.models.gated_deltanet.config import GatedDeltaNetConfig
+from gpn_scale.models.protocol import LMOutput
+from gpn_scale.ops.gated_delta_rule import gated_delta_rule
+
+
+# The states are plain dataclasses, not NamedTuples, on purpose: FSDP2's mixed precision
+# casts the floating tensors it finds in a unit's forward arguments (pytrees) to param_dtype,
+# which would round the carried float32 memories to bf16 at every block; a dataclass is a leaf.
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's carry: the memory (B, H, dk, dv) and the last conv_size - 1 inputs of each
+    short convolution (B, channels, conv_size - 1), oldest first."""
+
+    memory: Tensor
+    conv_q: Tensor
+    conv_k: Tensor
+    conv_v: Tensor
+
+    def detach(self) -> LayerState:
+        return LayerState(*(t.detach() for t in (self.memory, self.conv_q, self.conv_k, self.conv_v)))
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetState:
+    """Per-layer carries and the pending input token (B,) not yet consumed."""
+
+    layers: tuple[LayerState, ...]
+    pending: Tensor
+
+    def detach(self) -> GatedDeltaNetState:
+        return GatedDeltaNetState(tuple(s.detach() for s in self.layers), self.pending.detach())
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv1d over time, then SiLU (fla's ShortConvolution, no bias).
+
+    The cache holds the previous kernel_size - 1 inputs, so a window continues the last one
+    exactly (zeros before the first token, as a left zero-padding).
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+        full = torch.cat([cache.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
+        y = F.conv1d(full, self.weight.to(x.dtype), groups=full.shape[1])
+        keep = self.kernel_size - 1
+        return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - keep :]
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's dv values, times SiLU(gate) (fla's FusedRMSNormGated, swish),
+    computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNetLayer(nn.Module):
+    """The token mixer (see the module docstring)."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig) -> None:
+        super().__init__()
+        d, H, dk, dv = cfg.d_model, cfg.n_heads, cfg.d_key, cfg.d_value
+        self.cfg = cfg
+        self.q_proj = nn.Linear(d, H * dk, bias=False)
+        self.k_proj = nn.Linear(d, H * dk, bias=False)
+        self.v_proj = nn.Linear(d, H * dv, bias=False)
+        self.a_proj = nn.Linear(d, H, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.q_conv = ShortConv(H * dk, cfg.conv_size)
+        self.k_conv = ShortConv(H * dk, cfg.conv_size)
+        self.v_conv = ShortConv(H * dv, cfg.conv_size)
+        self.g_proj = nn.Linear(d, H * dv, bias=False)
+        self.o_norm = GatedRMSNorm(dv, cfg.norm_eps)
+        self.o_proj = nn.Linear(H * dv, d, bias=False)
+
+    @torch.no_grad()
+    def reset_decay(self) -> None:
+        """fla's init: A ~ U(0, 16), A_log = log A; dt log-uniform in [1e-3, 0.1] (floor 1e-4),
+        dt_bias = softplus^{-1}(dt), so the initial decays exp(-A * dt) span fast to slow."""
+        H = self.A_log.numel()
+        self.A_log.copy_(torch.empty(H).uniform_(0, 16).log())
+        dt_min, dt_max = 1e-3, 0.1
+        dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def initial_state(self, batch_size: int, device: torch.device) -> LayerState:
+        cfg = self.cfg
+        H, dk, dv, keep = cfg.n_heads, cfg.d_key, cfg.d_value, cfg.conv_size - 1
+        dtype = torch.float64 if self.q_proj.weight.dtype == torch.float64 else torch.float32
+
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
+        return LayerState(
+            zeros(batch_size, H, dk, dv),
+            zeros(batch_size, H * dk, keep),
+            zeros(batch_size, H * dk, keep),
+            zeros(batch_size, H * dv, keep),
+        )
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
+        q, conv_q = self.q_conv(self.q_proj(x), state.conv_q)
+        k, conv_k = self.k_conv(self.k_proj(x), state.conv_k)
+        v, conv_v = self.v_conv(self.v_proj(x), state.conv_v)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        o, memory = gated_delta_rule(
+            q.view(B, T, H, dk),
+            k.view(B, T, H, dk),
+            v.view(B, T, H, dv),
+            g,
+            beta,
+            initial_state=state.memory,
+            backend=cfg.backend,
+            chunk_size=cfg.chunk_size,
+        )
+        o = self.o_norm(o, self.g_proj(x).view(B, T, H, dv))
+        return self.o_proj(o.reshape(B, T, H * dv)), LayerState(memory, conv_q, conv_k, conv_v)
+
+
+class GatedDeltaNetBlock(nn.Module):
+    """Pre-RMSNorm token mixer, then pre-RMSNorm SwiGLU MLP, each on the residual stream."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = GatedDeltaNetLayer(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ffn)
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        mixed, state = self.attn(self.attn_norm(x), state)
+        x = x + mixed
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class GatedDeltaNet(nn.Module):
+    """The language model (protocol.LanguageModel). The embedding has V + 1 rows (the start
+    token is id V); the head (untied, fla's default) has V."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size + 1, cfg.d_model)
+        self.layers = nn.ModuleList(GatedDeltaNetBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """fla's GatedDeltaNetForCausalLM init (see GatedDeltaNetConfig.init_std)."""
+        cfg = self.config
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, ShortConv)):
+                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+            elif isinstance(module, (nn.RMSNorm, GatedRMSNorm)):
+                nn.init.ones_(module.weight)
+            if isinstance(module, GatedDeltaNetLayer):
+                module.reset_decay()
+        if cfg.rescale_prenorm_residual:
+            # GPT-2's scheme: the two residual writers per block scaled by 1/sqrt(2L).
+            for block in self.layers:
+                assert isinstance(block, GatedDeltaNetBlock)
+                block.attn.o_proj.weight.div_(math.sqrt(2 * cfg.n_layers))
+                block.mlp.down.weight.div_(math.sqrt(2 * cfg.n_layers))
+
+    def initial_state(
+        self, batch_size: int, device: torch.device | str | None = None
+    ) -> GatedDeltaNetState:
+        dev = torch.device(device) if device is not None else self.embed.weight.device
+        layers = tuple(
+            block.attn.initial_state(batch_size, dev)  # type: ignore[union-attr, operator]
+            for block in self.layers
+        )
+        return GatedDeltaNetState(layers, start_tokens(batch_size, self.config.vocab_size, dev))
+
+    def _trunk(
+        self, inputs: Tensor, states: tuple[LayerState, ...]
+    ) -> tuple[Tensor, tuple[LayerState, ...]]:
+        x = self.embed(inputs)
+        new_states = []
+        for block, state in zip(self.layers, states, strict=True):
+            x, state = block(x, state)
+            new_states.append(state)
+        return self.head(self.norm(x)), tuple(new_states)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        state: GatedDeltaNetState | None = None,
+        *,
+        return_state: bool = False,
+        return_logits: bool = False,
+    ) -> LMOutput:
+        """Mean CE over all B*T positions; logits[:, t] predicts tokens[:, t] (protocol.py)."""
+        if state is None:
+            state = self.initial_state(tokens.shape[0], tokens.device)
+        inputs, pending = shift_in(tokens, state.pending)
+        logits, layers = self._trunk(inputs, state.layers)
+        return LMOutput(
+            lm_loss(logits, tokens),
+            GatedDeltaNetState(layers, pending) if return_state else None,
+            logits if return_logits else None,
+        )
+
+    def next_token_logits(self, state: GatedDeltaNetState) -> Tensor:
+        """(B, V): the pending token through every layer's carried memory and conv cache, one
+        step; the context is never recomputed."""
+        logits, _ = self._trunk(state.pending[:, None], state.layers)
+        return logits[:, 0]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
