@@ -31,6 +31,11 @@ from gpn_scale.models.protocol import LMOutput
 from gpn_scale.ops.gated_delta_rule import gated_delta_rule
 
 
+def _at_least_f32(x: Tensor) -> Tensor:
+    """Gates, norms and the recurrence run in float32 under bf16 (float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 # The states are plain dataclasses, not NamedTuples, on purpose: FSDP2's mixed precision
 # casts the floating tensors it finds in a unit's forward arguments (pytrees) to param_dtype,
 # which would round the carried float32 memories to bf16 at every block; a dataclass is a leaf.
@@ -45,7 +50,9 @@ class LayerState:
     conv_v: Tensor
 
     def detach(self) -> LayerState:
-        return LayerState(*(t.detach() for t in (self.memory, self.conv_q, self.conv_k, self.conv_v)))
+        return LayerState(
+            *(t.detach() for t in (self.memory, self.conv_q, self.conv_k, self.conv_v))
+        )
 
 
 @dataclass(frozen=True)
@@ -88,9 +95,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * F.silu(gate.float())).to(x.dtype)
+        xf = _at_least_f32(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)
+        return (y * F.silu(gate.to(xf.dtype))).to(x.dtype)
 
 
 class GatedDeltaNetLayer(nn.Module):
@@ -147,8 +154,9 @@ class GatedDeltaNetLayer(nn.Module):
         q, conv_q = self.q_conv(self.q_proj(x), state.conv_q)
         k, conv_k = self.k_conv(self.k_proj(x), state.conv_k)
         v, conv_v = self.v_conv(self.v_proj(x), state.conv_v)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(_at_least_f32(self.b_proj(x)))
+        a = _at_least_f32(self.a_proj(x))
+        g = -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
         o, memory = gated_delta_rule(
             q.view(B, T, H, dk),
             k.view(B, T, H, dk),
