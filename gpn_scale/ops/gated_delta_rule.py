@@ -129,6 +129,8 @@ class _FlaRule:
         chunk_size: int,
     ) -> tuple[Tensor, Tensor]:
         h0 = None if initial_state is None else initial_state.float()
+        # As fla's layer passes them: beta in the activations' dtype, log decays in float32.
+        beta = beta.to(v.dtype)
         # fla's layer decodes with the fused recurrent kernel (short, no backward needed).
         kernel = self._recurrent if (q.shape[1] <= 64 and not torch.is_grad_enabled()) else None
         if kernel is not None:

@@ -53,8 +53,32 @@ def main(out: Path) -> None:
     if rank == 0:
         assert len(mean) == STEPS
         torch.save({"losses": mean, "weights": full}, out / "fsdp.pt")
+    check_bf16_keeps_the_carried_memory_float32(mesh, local)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_bf16_keeps_the_carried_memory_float32(mesh, batches: list[torch.Tensor]) -> None:
+    """Under FSDP2 bf16 mixed precision the carried memory reaches each layer in float32
+    (FSDP2 casts the floating tensors of a unit's arguments; the layer state must escape it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    spec, model = make_model()
+    model = model.float()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in spec.fsdp_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    seen: list[torch.dtype] = []
+    for block in model.layers:
+        block.attn.register_forward_pre_hook(lambda mod, args: seen.append(args[1].memory.dtype))
+    state = None
+    for tokens in batches[:2]:
+        out = model(tokens, state, return_state=True)
+        out.loss.backward()
+        state = out.state.detach()
+    assert seen == [torch.float32] * (2 * len(model.layers)), seen
+    assert all(s.memory.dtype == torch.float32 for s in state.layers)
 
 
 if __name__ == "__main__":

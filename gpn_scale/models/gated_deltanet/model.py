@@ -36,23 +36,26 @@ def _at_least_f32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-# The states are plain dataclasses, not NamedTuples, on purpose: FSDP2's mixed precision
-# casts the floating tensors it finds in a unit's forward arguments (pytrees) to param_dtype,
-# which would round the carried float32 memories to bf16 at every block; a dataclass is a leaf.
-@dataclass(frozen=True)
 class LayerState:
     """One layer's carry: the memory (B, H, dk, dv) and the last conv_size - 1 inputs of each
-    short convolution (B, channels, conv_size - 1), oldest first."""
+    short convolution (B, channels, conv_size - 1), oldest first.
 
-    memory: Tensor
-    conv_q: Tensor
-    conv_k: Tensor
-    conv_v: Tensor
+    A plain class on purpose, not a NamedTuple or dataclass: FSDP2's mixed precision casts
+    every floating tensor it finds in a unit's forward arguments (it walks tuples, dicts,
+    NamedTuples and dataclasses) to param_dtype, which would round the float32 memory to
+    bf16 at every block; an object it does not walk reaches the layer as it was made.
+    """
+
+    __slots__ = ("memory", "conv_q", "conv_k", "conv_v")
+
+    def __init__(self, memory: Tensor, conv_q: Tensor, conv_k: Tensor, conv_v: Tensor) -> None:
+        self.memory, self.conv_q, self.conv_k, self.conv_v = memory, conv_q, conv_k, conv_v
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.memory, self.conv_q, self.conv_k, self.conv_v
 
     def detach(self) -> LayerState:
-        return LayerState(
-            *(t.detach() for t in (self.memory, self.conv_q, self.conv_k, self.conv_v))
-        )
+        return LayerState(*(t.detach() for t in self.tensors()))
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,9 @@ class GatedDeltaNet(nn.Module):
         logits, layers = self._trunk(inputs, state.layers)
         return LMOutput(
             lm_loss(logits, tokens),
-            GatedDeltaNetState(layers, pending) if return_state else None,
+            # pending is a view of `tokens`: cloned so a caller's in-place edit of its batch
+            # cannot change the carry (FSDP2 also warns about views among a unit's outputs).
+            GatedDeltaNetState(layers, pending.clone()) if return_state else None,
             logits if return_logits else None,
         )
 
