@@ -41,5 +41,6 @@ def start_tokens(batch_size: int, vocab_size: int, device: torch.device | str | 
 
 
 def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Mean cross-entropy over all B*T positions, computed in float32."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+    """Mean cross-entropy over all B*T positions, in float32 (float64 when the logits are)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), tokens.reshape(-1))
