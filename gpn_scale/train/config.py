@@ -332,7 +332,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.parallel.tp != 1:
         raise ConfigError("parallel.tp: tensor parallelism is not implemented yet; use 1")
     if cfg.analysis.every_steps < 0:
-        raise ConfigError(f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}")
+        raise ConfigError(
+            f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}"
+        )
     if cfg.analysis.rows < 1 or cfg.analysis.tokens < 3:
         raise ConfigError(
             f"analysis.rows / analysis.tokens: need rows >= 1 and tokens >= 3, got "

@@ -26,7 +26,6 @@ def train(corpus: str, run_dir: Path, *overrides: str) -> list[dict]:
 @pytest.mark.slow
 def test_live_analyses_in_metrics_and_wandb(tmp_path, private_tmpdir, monkeypatch):
     from data_tools.default_corpus import build_default_dataset
-
     from gpn_scale.train.metrics import read_offline_run
 
     corpus = build_default_dataset(str(tmp_path / "corpus"), seq_len=SEQ_LEN, seed=0)

@@ -67,9 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="training-split tokens counted for the unigram, when the dataset metadata "
         "holds none (default: 10M; 0 = skip the correlation)",
     )
-    p.add_argument(
-        "--device", default="auto", help="auto | cpu | cuda (default: %(default)s)"
-    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
     p.set_defaults(func=cmd_analyze)
 
 
@@ -149,15 +147,12 @@ def _analyze(args: argparse.Namespace) -> int:
     import resource
     import tempfile
 
-    import numpy as np
     import torch
 
-    from gpn_scale.data import DataConfig, build_loader, read_metadata
+    from gpn_scale.data import read_metadata
     from gpn_scale.data.metadata import check_compatible
     from gpn_scale.eval.analysis.load import checkpoint_family, load_model
-    from gpn_scale.eval.analysis.memory import DEFAULT_FAST_LAG
     from gpn_scale.eval.analysis.report import write_report
-    from gpn_scale.eval.analysis.stream import AnalysisOptions, analyze_states
 
     family, _ = checkpoint_family(args.checkpoint)
     if family != "gpn":
@@ -168,7 +163,8 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is visible; use --device cpu")
     device = torch.device(
-        "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        "cuda"
+        if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         else "cpu"
     )
     t0 = time.perf_counter()
@@ -182,58 +178,12 @@ def _analyze(args: argparse.Namespace) -> int:
         )
     meta = read_metadata(remote)
     check_compatible(meta, vocab_size=cfg.vocab_size)
-    rows_left = args.windows
-    with tempfile.TemporaryDirectory(prefix="gpn_analyze_") as cache:
+    cache = tempfile.mkdtemp(prefix="gpn_analyze_")  # the streamed shards; removed below
+    try:
+        result, unigram_source = _stream(args, loaded, remote, meta, cache, device)
+    finally:
+        _remove(cache)
 
-        def loader(split: str, batch: int):
-            return build_loader(
-                DataConfig(remote=remote, local_cache=str(Path(cache) / split), shuffle=False),
-                split=split,
-                batch_size=batch,
-                rank=0,
-                world_size=1,
-                vocab_size=cfg.vocab_size,
-            )
-
-        unigram, unigram_source = None, "skipped (--unigram-tokens 0)"
-        if isinstance(meta.extra.get("unigram"), list):
-            unigram, unigram_source = np.asarray(meta.extra["unigram"]), "dataset metadata"
-        elif args.unigram_tokens > 0:
-            counts = np.zeros(max(cfg.vocab_size, meta.vocab_size), dtype=np.int64)
-            seen, train = 0, loader("train", 64)
-            try:
-                for batch in train:
-                    flat = batch.reshape(-1).numpy()[: args.unigram_tokens - seen]
-                    counts += np.bincount(flat, minlength=counts.shape[0])[: counts.shape[0]]
-                    seen += flat.shape[0]
-                    if seen >= args.unigram_tokens:
-                        break
-            finally:
-                train.close()
-            unigram, unigram_source = counts, "counted over the train split"
-
-        def windows():
-            nonlocal rows_left
-            held = loader(args.split, args.batch_size)
-            try:
-                for batch in held:
-                    if rows_left <= 0:
-                        break
-                    batch = batch[:rows_left]
-                    rows_left -= batch.shape[0]
-                    yield batch
-            finally:
-                held.close()
-
-        options = AnalysisOptions(
-            max_lag=args.max_lag,
-            memory_max_lag=args.memory_max_lag,
-            fast_lag=args.fast_lag if args.fast_lag is not None else DEFAULT_FAST_LAG,
-            centered_horizon=not args.no_centered_horizon,
-        )
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        result = analyze_states(loaded.model, windows(), options, device=device, unigram=unigram)
     md = result["mean_direction"]
     md["unigram_source"] = unigram_source
     names = _token_names(meta.tokenizer, md["top_ids"])
@@ -276,3 +226,78 @@ def _analyze(args: argparse.Namespace) -> int:
         + f"; peak RSS {result['peak_memory']['rss_mib']:.0f} MiB; wrote {args.out}/report.md"
     )
     return 0
+
+
+def _remove(path: str) -> None:
+    """Remove the shard cache; streaming's download thread may still be finishing a file."""
+    import shutil
+
+    for _ in range(5):
+        shutil.rmtree(path, ignore_errors=True)
+        if not Path(path).exists():
+            return
+        time.sleep(0.2)
+
+
+def _stream(args: argparse.Namespace, loaded: Any, remote: str, meta: Any, cache: str, device):
+    """(analysis result, where the unigram came from): the loaders' part of `analyze`."""
+    import numpy as np
+    import torch
+
+    from gpn_scale.data import DataConfig, build_loader
+    from gpn_scale.eval.analysis.memory import DEFAULT_FAST_LAG
+    from gpn_scale.eval.analysis.stream import AnalysisOptions, analyze_states
+
+    cfg = loaded.config
+    rows_left = args.windows
+
+    def loader(split: str, batch: int):
+        return build_loader(
+            DataConfig(remote=remote, local_cache=str(Path(cache) / split), shuffle=False),
+            split=split,
+            batch_size=batch,
+            rank=0,
+            world_size=1,
+            vocab_size=cfg.vocab_size,
+        )
+
+    unigram, unigram_source = None, "skipped (--unigram-tokens 0)"
+    if isinstance(meta.extra.get("unigram"), list):
+        unigram, unigram_source = np.asarray(meta.extra["unigram"]), "dataset metadata"
+    elif args.unigram_tokens > 0:
+        counts = np.zeros(max(cfg.vocab_size, meta.vocab_size), dtype=np.int64)
+        seen, train = 0, loader("train", 64)
+        try:
+            for batch in train:
+                flat = batch.reshape(-1).numpy()[: args.unigram_tokens - seen]
+                counts += np.bincount(flat, minlength=counts.shape[0])[: counts.shape[0]]
+                seen += flat.shape[0]
+                if seen >= args.unigram_tokens:
+                    break
+        finally:
+            train.close()
+        unigram, unigram_source = counts, "counted over the train split"
+
+    def windows():
+        nonlocal rows_left
+        held = loader(args.split, args.batch_size)
+        try:
+            for batch in held:
+                if rows_left <= 0:
+                    break
+                batch = batch[:rows_left]
+                rows_left -= batch.shape[0]
+                yield batch
+        finally:
+            held.close()
+
+    options = AnalysisOptions(
+        max_lag=args.max_lag,
+        memory_max_lag=args.memory_max_lag,
+        fast_lag=args.fast_lag if args.fast_lag is not None else DEFAULT_FAST_LAG,
+        centered_horizon=not args.no_centered_horizon,
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = analyze_states(loaded.model, windows(), options, device=device, unigram=unigram)
+    return result, unigram_source

@@ -24,12 +24,13 @@ from gpn_scale.eval.analysis.memory import half_life, param_decay
 @contextlib.contextmanager
 def _full_weights(model: nn.Module) -> Iterator[None]:
     """The unsharded weights for the duration (FSDP2 unshard, DeepSpeed ZeRO-3 gather)."""
-    if hasattr(model, "unshard") and hasattr(model, "reshard"):  # FSDP2's FSDPModule
-        model.unshard()
+    fsdp: Any = model
+    if hasattr(fsdp, "unshard") and hasattr(fsdp, "reshard"):  # FSDP2's FSDPModule
+        fsdp.unshard()
         try:
             yield
         finally:
-            model.reshard()
+            fsdp.reshard()
     elif any(hasattr(p, "ds_id") for p in model.parameters()):
         import deepspeed
 

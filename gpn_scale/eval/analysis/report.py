@@ -138,8 +138,7 @@ def markdown(result: dict[str, Any]) -> str:
         "centered states |",
         f"| participation ratio | {_fmt(g['participation_ratio'])} | "
         "(sum lambda)^2 / sum lambda^2 |",
-        f"| mean / std of abs(p) | {_fmt(g['mean_norm'])} / {_fmt(g['std_norm'])} | "
-        "state norm |",
+        f"| mean / std of abs(p) | {_fmt(g['mean_norm'])} / {_fmt(g['std_norm'])} | state norm |",
         "",
         "## Mean direction s_bar = E[p_t]",
         "",
@@ -156,7 +155,8 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "- decoded top-10 tokens: "
         + ", ".join(
-            f"`{t!r}` ({p:.3g})" for t, p in zip(md.get("top_tokens", md["top_ids"]), md["top_probs"])
+            f"`{t!r}` ({p:.3g})"
+            for t, p in zip(md.get("top_tokens", md["top_ids"]), md["top_probs"])
         ),
     ]
     if "spearman_unigram" in md:

@@ -12,6 +12,7 @@ and is exactly zero (no direction, no cosine). Its decay still counts for the me
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from gpn_scale.eval.analysis.mean_direction import (
     mean_direction,
 )
 from gpn_scale.eval.analysis.memory import DEFAULT_FAST_LAG, RetentionAccumulator, memory_horizon
+from gpn_scale.model.reference import StepRecord, reference_forward
 
 NO_MEMORY = "GPN without memory: no memory heads, so no memory horizon"
 
@@ -78,65 +80,64 @@ def analyze_states(
     unigram: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Every analysis over `batches` of (B, T) token windows; a JSON-ready dict."""
-    from gpn_scale.model.reference import reference_forward
-
     model.eval()
     cfg = model.config
     d = cfg.d_state
+    stream = iter(batches)
+    first = next(stream, None)
+    if first is None:
+        raise ValueError("no held-out windows to analyse (is the split empty?)")
+    B0, T0 = first.shape
+    if T0 < 3:
+        raise ValueError(f"windows of {T0} tokens: the analyses need at least 3")
+    lag = min(options.max_lag, T0 - 2)
     cov = CovarianceAccumulator(d, device)
-    mean_acc: MeanDirectionAccumulator | None = None
-    raw: HorizonAccumulator | None = None
-    centered: HorizonAccumulator | None = None
-    retention: RetentionAccumulator | None = None
-    loss_sum, tokens_seen, windows, T0, B0 = 0.0, 0, 0, None, 0
-    for tokens in batches:
+    mean_acc = MeanDirectionAccumulator(d, min(options.running_mean_positions, T0 - 1), device)
+    raw = HorizonAccumulator(lag, device)
+    centered = HorizonAccumulator(lag, device) if options.centered_horizon else None
+    retention = (
+        RetentionAccumulator(cfg.n_heads, min(options.memory_max_lag or T0 - 1, T0 - 1), device)
+        if cfg.memory
+        else None
+    )
+    chunk: list[Tensor] = []
+
+    def first_pass(rec: StepRecord) -> None:
+        if retention is not None and rec.alpha is not None:
+            retention.step(rec.t, rec.alpha)
+        if rec.t == 0:
+            return
+        chunk.append(rec.p)
+        if len(chunk) >= options.chunk_steps:
+            cov.update(torch.cat(chunk))
+            chunk.clear()
+        mean_acc.step(rec.p)
+        raw.step(rec.t, rec.p)
+
+    def second_pass(rec: StepRecord) -> None:
+        if rec.t > 0 and centered is not None:
+            centered.step(rec.t, rec.p)
+
+    loss_sum, tokens_seen, windows = 0.0, 0, 0
+    for tokens in itertools.chain([first], stream):
         tokens = tokens.to(device)
         B, T = tokens.shape
-        if T < 3:
-            raise ValueError(f"windows of {T} tokens: the analyses need at least 3")
-        if T0 is None:
-            T0, B0 = T, B
-            mean_acc = MeanDirectionAccumulator(
-                d, min(options.running_mean_positions, T - 1), device
-            )
-            lag = min(options.max_lag, T - 2)
-            raw = HorizonAccumulator(lag, device)
-            centered = HorizonAccumulator(lag, device) if options.centered_horizon else None
-            if cfg.memory:
-                mem_lag = min(options.memory_max_lag or T - 1, T - 1)
-                retention = RetentionAccumulator(cfg.n_heads, mem_lag, device)
-        assert mean_acc is not None and raw is not None
+        if T != T0:
+            raise ValueError(f"windows of {T} tokens after windows of {T0}: use one length")
         raw.reset()
         if retention is not None:
             retention.reset()
-        chunk: list[Tensor] = []
-
-        def first_pass(rec, chunk=chunk) -> None:
-            if retention is not None and rec.alpha is not None:
-                retention.step(rec.t, rec.alpha)
-            if rec.t == 0:
-                return
-            chunk.append(rec.p)
-            if len(chunk) >= options.chunk_steps:
-                cov.update(torch.cat(chunk))
-                chunk.clear()
-            mean_acc.step(rec.p)
-            raw.step(rec.t, rec.p)
-
         out = reference_forward(model, tokens, on_step=first_pass)
         if chunk:
             cov.update(torch.cat(chunk))
+            chunk.clear()
         seq_means = mean_acc.end_batch()
         if centered is not None:
             centered.reset(seq_means)
-            reference_forward(
-                model, tokens, on_step=lambda rec: rec.t and centered.step(rec.t, rec.p)
-            )
+            reference_forward(model, tokens, on_step=second_pass)
         loss_sum += float(out.loss) * B * T
         tokens_seen += B * T
         windows += B
-    if T0 is None or mean_acc is None or raw is None:
-        raise ValueError("no held-out windows to analyse (is the split empty?)")
 
     geo = geometry(cov, options.dead_tol)
     mean = cov.mean
