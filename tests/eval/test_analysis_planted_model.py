@@ -86,3 +86,41 @@ def test_step_hook_sees_the_decoded_states_and_changes_nothing():
     for r in seen:  # p_t is the state whose decoding gives the logits of x_t
         torch.testing.assert_close(decode_state(model, r.p), plain.logits[:, r.t])
     assert float(seen[0].p.abs().max()) == 0.0  # p_0 comes from the zero carry
+
+
+def test_streamed_analysis_of_a_model_equals_all_at_once():
+    """The driver (chunked covariance, two-pass centered horizon, running mean) against the
+    same figures computed from every state of every window held at once."""
+    import torch.nn.functional as F
+
+    model = tiny()
+    batches = windows(2, B=3, T=24)
+    K = 6
+    result = analyze_states(model, batches, AnalysisOptions(max_lag=K, chunk_steps=5))
+    states = []
+    with torch.no_grad():
+        for tokens in batches:
+            seen = []
+            reference_forward(model, tokens, on_step=seen.append)
+            states.append(torch.stack([r.p for r in seen[1:]], 1).double())  # (B, T-1, d)
+    p = torch.cat(states)
+    flat = p.reshape(-1, p.shape[-1])
+    eig = torch.linalg.eigvalsh(torch.cov(flat.T, correction=0)).flip(0)
+    geo = result["geometry"]
+    assert geo["eigenvalues"] == pytest.approx(eig.tolist(), rel=1e-5, abs=1e-9)
+    assert geo["stable_rank"] == pytest.approx(float(eig.sum() / eig[0]), rel=1e-6)
+    assert geo["participation_ratio"] == pytest.approx(float(eig.sum() ** 2 / eig.pow(2).sum()))
+    for key, x in (("raw", p), ("centered", p - p.mean(1, keepdim=True))):
+        want = [
+            float(F.cosine_similarity(x[:, :-k], x[:, k:], dim=-1).mean()) for k in range(1, K + 1)
+        ]
+        assert result["state_horizon"][key] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    s_bar = flat.mean(0)
+    md = result["mean_direction"]
+    assert md["norm_rel_mean_state_norm"] == pytest.approx(
+        float(s_bar.norm() / flat.norm(dim=1).mean()), rel=1e-6
+    )
+    run = p.cumsum(1) / torch.arange(1, p.shape[1] + 1, dtype=p.dtype)[None, :, None]
+    want_run = F.cosine_similarity(run, s_bar.expand_as(run), dim=-1).mean(0)
+    assert md["running_mean_cos"] == pytest.approx(want_run.tolist(), rel=1e-5)
+    assert md["top_ids"] == decode_state(model, s_bar.float()).topk(10).indices.tolist()
