@@ -264,9 +264,12 @@ def _stream(args: argparse.Namespace, loaded: Any, remote: str, meta: Any, cache
     unigram, unigram_source = None, "skipped (--unigram-tokens 0)"
     if isinstance(meta.extra.get("unigram"), list):
         unigram, unigram_source = np.asarray(meta.extra["unigram"]), "dataset metadata"
+    elif args.unigram_tokens > 0 and getattr(meta.splits.get("train"), "samples", 0) == 0:
+        unigram_source = "skipped (the dataset has no train split to count)"
     elif args.unigram_tokens > 0:
         counts = np.zeros(max(cfg.vocab_size, meta.vocab_size), dtype=np.int64)
-        seen, train = 0, loader("train", 64)
+        # a batch no larger than the split: the loader drops an incomplete last batch
+        seen, train = 0, loader("train", max(1, min(64, meta.splits["train"].samples)))
         try:
             for batch in train:
                 flat = batch.reshape(-1).numpy()[: args.unigram_tokens - seen]
