@@ -53,6 +53,20 @@ def test_live_analyses_in_metrics_and_wandb(tmp_path, private_tmpdir, monkeypatc
     losses = [{r["step"]: r["train/loss"] for r in rs if "train/loss" in r} for rs in (plain, rows)]
     assert losses[0] == losses[1]
 
+    # FSDP2 (a 1-rank group here): the sharded weights are unsharded for the slice
+    sharded = train(
+        corpus,
+        tmp_path / "fsdp2",
+        "analysis.every_steps=1",
+        "analysis.rows=2",
+        "analysis.tokens=32",
+        "parallel.backend=fsdp2",
+    )
+    sharded_live = {r["step"]: r for r in sharded if "analysis/stable_rank" in r}
+    for step, r in live.items():
+        for k in (*keys, "analysis/stable_rank"):
+            assert sharded_live[step][k] == pytest.approx(r[k], rel=1e-5)
+
     wb = read_offline_run(run_dir)
     history = {row.get("_step", row.get("step")): row for row in wb.history if keys[0] in row}
     assert sorted(history) == [1, 2]
