@@ -6,6 +6,9 @@ the engine equal to this; the engine benchmark measures against it. Not for trai
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,6 +53,15 @@ def _read(read: MemoryRead, c: Tensor, M: Tensor, eps: float) -> Tensor:
     )
 
 
+class StepRecord(NamedTuple):
+    """What one step exposes to an observer (`reference_forward(on_step=...)`)."""
+
+    t: int  # position in the window
+    p: Tensor  # (B, d) predicted state: the one decoded into the logits of x_t
+    grounded: Tensor  # (B, d) g = s after x_t is fused in
+    alpha: Tensor | None  # (B, H) memory decay applied at this step's write (None for GPN)
+
+
 def reference_forward(
     model: GPN,
     tokens: Tensor,
@@ -58,8 +70,13 @@ def reference_forward(
     tbptt: int | None = None,
     return_state: bool = False,
     return_logits: bool = False,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> GPNOutput:
-    """Step-by-step GPN / GPN+M. `tbptt` defaults to the model config's."""
+    """Step-by-step GPN / GPN+M. `tbptt` defaults to the model config's.
+
+    `on_step` sees every step's states (the state analyses, gpn_scale/eval/analysis, stream
+    them from here: this path already materialises them, the training engine never does).
+    """
     cfg = model.config
     eps = cfg.norm_eps
     tbptt = cfg.tbptt if tbptt is None else tbptt
@@ -70,6 +87,7 @@ def reference_forward(
     E = model.embedding.weight
     total = s.new_zeros(())
     all_logits = []
+    alpha = None
     for t in range(T):
         if tbptt and t > 0 and t % tbptt == 0:
             s, s_prev = s.detach(), s_prev.detach()
@@ -114,6 +132,8 @@ def reference_forward(
             rms_norm(E[tokens[:, t]], model.fuse_norm_weight, eps), model.fuse.weight
         )
         g = _gate(model.fuse_gate, p, eps) * p + grounding
+        if on_step is not None:
+            on_step(StepRecord(t, p, g, alpha))
         s, s_prev = g, s
     return GPNOutput(
         loss=total / (B * T),

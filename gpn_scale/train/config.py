@@ -121,6 +121,15 @@ class EvalSection:
 
 
 @dataclass
+class AnalysisSection:
+    # Live state analyses (gpn_scale/eval/analysis/live.py, docs/analysis.md): per-head
+    # memory half-lives, stable rank and mean-direction norm of a slice of the batch.
+    every_steps: int = 0  # 0 = off
+    rows: int = 4  # batch rows run through the reference step path
+    tokens: int = 256  # leading tokens of each row
+
+
+@dataclass
 class PreemptionSection:
     enabled: bool = True  # SIGUSR1 / SIGTERM -> save and exit 75
     requeue: bool = False  # under SLURM also `scontrol requeue $SLURM_JOB_ID`
@@ -150,6 +159,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    analysis: AnalysisSection = field(default_factory=AnalysisSection)
     preemption: PreemptionSection = field(default_factory=PreemptionSection)
     debug: DebugSection = field(default_factory=DebugSection)
 
@@ -321,6 +331,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.zero_stage: expected 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.parallel.tp != 1:
         raise ConfigError("parallel.tp: tensor parallelism is not implemented yet; use 1")
+    if cfg.analysis.every_steps < 0:
+        raise ConfigError(
+            f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}"
+        )
+    if cfg.analysis.rows < 1 or cfg.analysis.tokens < 3:
+        raise ConfigError(
+            f"analysis.rows / analysis.tokens: need rows >= 1 and tokens >= 3, got "
+            f"{cfg.analysis.rows} / {cfg.analysis.tokens}"
+        )
     mb = cfg.train.micro_batch_size
     if mb is not None and mb < 1:
         raise ConfigError(f"train.micro_batch_size: must be >= 1, got {mb}")

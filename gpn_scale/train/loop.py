@@ -651,6 +651,12 @@ class Trainer:
                         step,
                         tokens,
                     )
+                if cfg.analysis.every_steps and step % cfg.analysis.every_steps == 0:
+                    from gpn_scale.eval.analysis.live import live_metrics
+
+                    live = live_metrics(backend.model, tokens_b, cfg.analysis)  # {}: not GPN
+                    if live:
+                        self._emit(live, step, tokens)
                 if self._pbar is not None:
                     self._pbar.update(1)
                     self._pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", refresh=False)
