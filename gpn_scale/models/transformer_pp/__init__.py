@@ -31,6 +31,12 @@ def _flops_per_token(cfg: TransformerPPConfig, seq_len: int) -> float:
     return flops_per_token(cfg, seq_len)
 
 
+def _tp_plan(model: nn.Module) -> dict[str, Any]:
+    from gpn_scale.models.transformer_pp.parallelize import tp_plan
+
+    return tp_plan(model)
+
+
 def _compat_keys(cfg: TransformerPPConfig) -> dict[str, Any]:
     return {"family": cfg.family_name, **{k: getattr(cfg, k) for k in SHAPE_KEYS}}
 
@@ -48,7 +54,7 @@ SPEC = FamilySpec(
     fsdp_units=_fsdp_units,
     compat_keys=_compat_keys,
     recurrent=False,
-    tp_plan=lambda model: None,
+    tp_plan=_tp_plan,
     description="Transformer++: LLaMA-style decoder (pre-RMSNorm, RoPE, SwiGLU, no biases)",
 )
 
