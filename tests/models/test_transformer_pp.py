@@ -112,3 +112,14 @@ def test_fsdp_units_are_the_blocks_and_the_state_detaches() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (2, 6))
     state = model(tokens, return_state=True).state
     assert state.keys[0].requires_grad and not state.detach().keys[0].requires_grad
+
+
+def test_info_prints_the_family_and_its_counts(capsys) -> None:
+    from gpn_scale.cli import main
+
+    assert main(["info", "transformer_pp_130m", "--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    spec, cfg = load_model_config("transformer_pp_130m")
+    assert "transformer_pp_130m (transformer_pp, 12 layer(s))" in out
+    assert f"{spec.count_parameters(cfg):,}" in out and "134,106,624" in out
+    assert f"{spec.flops_per_token(cfg, 2048):.4g}" in out

@@ -6,6 +6,7 @@ tests/train/test_train_resume.py, parametrised over families.)"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -48,6 +49,20 @@ def test_loss_falls_over_30_steps_on_the_embedded_corpus(corpus, tmp_path, model
     assert sorted(losses) == list(range(1, 31))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (28, 29, 30)) / 3
     assert last < 0.7 * first, (first, last)  # byte-level: ln(512) ~ 6.2 -> below ~4
+    # `gpn-scale eval` of the final checkpoint reproduces the run's own held-out loss.
+    done = json.loads((run_dir / "checkpoints" / "DONE").read_text())
+    proc = subprocess.run(
+        [PY, "-m", "gpn_scale", "eval", *train_args(corpus, run_dir, f"model={model}")[1:]]
+        + ["--json"],
+        cwd=REPO,
+        env=child_env(tmp_path),
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["step"] == 30 and result["eval/loss"] == done["final_eval_loss"]
 
 
 @pytest.mark.slow
