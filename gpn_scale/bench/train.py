@@ -1,6 +1,10 @@
 """Trainer overhead: tokens/s of `gpn-scale train` vs the bare engine, side by side.
 
-    python -m gpn_scale.bench.train [--config small] [--steps 12] [--threads N]
+    python -m gpn_scale.bench.train [--config small] [--model NAME] [--steps 12] [--threads N]
+
+`--model` swaps the training config's model for any registered family's config
+(models/registry.py; e.g. transformer_pp_10m): the "engine" rows are then that family's bare
+forward + backward (+ AdamW) loop, built by its FamilySpec, against the same trainer.
 
 Rows (same model, batch, sequence length, thread count, one process):
   engine step            forward + backward + AdamW on a fixed batch: the training step that
@@ -33,11 +37,11 @@ import torch
 def _engine_tokens_per_s(
     model_cfg, batch: int, seq_len: int, steps: int, with_optim: bool, warmup: int = 2
 ) -> float:
-    from gpn_scale.model import GPN
+    from gpn_scale.models.registry import family_of
     from gpn_scale.train.optim import build_adamw
 
     torch.manual_seed(0)
-    model = GPN(model_cfg)
+    model = family_of(model_cfg).build(model_cfg)
     opt = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1) if with_optim else None
     tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq_len))
     times = []
@@ -90,24 +94,31 @@ def _trainer_tokens_per_s(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small", help="training config (default small)")
+    p.add_argument(
+        "--model", default=None, help="model config of any family (default: the config's)"
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best is reported")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from gpn_scale.model import load_model_config
+    from gpn_scale.models.registry import load_model_config
     from gpn_scale.train.config import batch_layout, load_train_config
 
-    cfg = load_train_config(args.config)
-    model_cfg = load_model_config(cfg.model, overrides=cfg.model_overrides or None)
+    model_arg = [f"model={args.model}"] if args.model else []
+    cfg = load_train_config(args.config, model_arg)
+    _, model_cfg = load_model_config(cfg.model, overrides=cfg.model_overrides or None)
     micro, accum = batch_layout(cfg, 1)
     batch, seq = micro * accum, cfg.data.seq_len
     with tempfile.TemporaryDirectory() as tmp:
         # Build the data first so that its one-off cost is not in anyone's timing.
         run_dir = Path(tmp) / "run"
-        _trainer_tokens_per_s(args.config, 1, run_dir, warmup=0)  # builds the corpus
-        data = ["data.remote=" + str(next((run_dir / "data").glob("default_corpus_T*")))]
+        _trainer_tokens_per_s(args.config, 1, run_dir, warmup=0, extra=model_arg)  # the corpus
+        data = [
+            "data.remote=" + str(next((run_dir / "data").glob("default_corpus_T*"))),
+            *model_arg,
+        ]
         engs, eng_opts, trainers = [], [], []
         for r in range(args.rounds):
             engs.append(_engine_tokens_per_s(model_cfg, batch, seq, args.steps, with_optim=False))

@@ -27,9 +27,13 @@ def _info(args: argparse.Namespace) -> int:
         forward_flops_per_token,
         non_embedding_parameters,
     )
+    from gpn_scale.models.registry import load_model_config as load_any
 
     if args.batch_size < 1 or args.seq_len < 1:
         raise ConfigError("--batch-size and --seq-len must be >= 1")
+    spec, cfg = load_any(args.config)
+    if spec.name != "gpn":
+        return _print_rows(_family_rows(spec, cfg, args))
     cfg = load_model_config(args.config)
     mem = estimate_training_memory(cfg, args.batch_size, args.seq_len)
     gib = 1024**3
@@ -52,6 +56,25 @@ def _info(args: argparse.Namespace) -> int:
             f"{mem.training_state_bytes / gib:.2f} + activations {mem.activations_bytes / gib:.2f}",
         ),
     ]
+    return _print_rows(rows)
+
+
+def _family_rows(spec, cfg, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """What any registered family's spec can say (models/protocol.py FamilySpec)."""
+    shape = {k: v for k, v in spec.compat_keys(cfg).items() if k != "family"}
+    return [
+        ("model", f"{cfg.name or args.config} ({spec.name}, {cfg.n_layers} layer(s))"),
+        ("shape", " ".join(f"{k}={v}" for k, v in shape.items())),
+        ("parameters", f"{spec.count_parameters(cfg):,}"),
+        (
+            f"training FLOPs/token (T={args.seq_len})",
+            f"{spec.flops_per_token(cfg, args.seq_len):.4g}",
+        ),
+        ("state", "recurrent (fixed size)" if spec.recurrent else "grows with the context"),
+    ]
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -131,6 +131,11 @@ class GPNConfig:
         """Build from a mapping; an unknown key fails naming the closest valid one."""
         valid = cls.field_names()
         values = {k: v for k, v in values.items() if not (k == "family" and v == cls.family_name)}
+        if "family" in values:  # another family's config met by a GPN-only reader
+            raise ConfigError(
+                f"model.family: {values['family']!r} is not GPN; this reads GPN / GPN+M configs "
+                "only (the trainer, info and sweeps read every family)"
+            )
         for key in values:
             if key not in valid:
                 raise ConfigError(f"model.{key}: unknown key{closest_key_hint(key, valid)}")

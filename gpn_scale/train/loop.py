@@ -53,13 +53,11 @@ class TrainingError(RuntimeError):
     """The run cannot continue; the message is one line and says what to do."""
 
 
-def training_flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
-    """The model's own training FLOPs/token (forward x3); 6 x params if counts is absent."""
-    try:
-        from gpn_scale.model.counts import flops_per_token
-    except ImportError:
-        return 6.0 * n_params
-    return float(flops_per_token(model_cfg, seq_len))
+def training_flops_per_token(model_cfg, seq_len: int) -> float:
+    """The model's own training FLOPs/token (forward + backward), from its family's spec."""
+    from gpn_scale.models.registry import family_of
+
+    return float(family_of(model_cfg).flops_per_token(model_cfg, seq_len))
 
 
 def resolve_deterministic(value: bool | str, device: torch.device) -> bool:
@@ -370,7 +368,9 @@ class Trainer:
         self._loaders.append(loader)  # closed when the run ends (run's finally)
         return loader
 
-    def _build_backend(self, model: nn.Module, micro: int, accum: int) -> _Backend:
+    def _build_backend(
+        self, model: nn.Module, micro: int, accum: int, fsdp_units: list[nn.Module]
+    ) -> _Backend:
         cfg, topo = self.cfg, self.topo
         betas = (cfg.optim.beta1, cfg.optim.beta2)
         fused = cfg.optim.fused and topo.device.type == "cuda"
@@ -411,6 +411,7 @@ class Trainer:
             apply_fsdp2(
                 model,
                 topo.dp_mesh,
+                units=fsdp_units,
                 param_dtype=None,
                 reduce_dtype=cfg.parallel.reduce_dtype,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
@@ -468,7 +469,7 @@ class Trainer:
 
     def _run(self) -> RunResult:
         from gpn_scale.checkpoint import CheckpointManager
-        from gpn_scale.model import GPN
+        from gpn_scale.models.registry import family_of
 
         cfg, topo = self.cfg, self.topo
         device = topo.device
@@ -532,10 +533,11 @@ class Trainer:
 
         # Same seed on every rank: identical initial weights before any sharding.
         seed_everything(cfg.seed)
-        model = GPN(model_cfg).to(device)
+        spec = family_of(model_cfg)
+        model = spec.build(model_cfg).to(device)
         n_params = sum(p.numel() for p in model.parameters())
-        flops_tok = training_flops_per_token(model_cfg, seq_len, n_params)
-        backend = self._build_backend(model, micro, accum)
+        flops_tok = training_flops_per_token(model_cfg, seq_len)
+        backend = self._build_backend(model, micro, accum, spec.fsdp_units(model))
         backend.train(True)
 
         step, tokens, skipped, wandb_id = 0, 0, 0, None
@@ -1082,23 +1084,22 @@ def changed_settings(saved: dict | None, current: dict) -> list[str]:
 
 
 def check_model_compatible(saved: dict | None, current, uri: str) -> None:
-    """One line when a checkpoint was written for another model shape."""
+    """One line when a checkpoint was written for another family or model shape (the keys
+    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's)."""
     if not saved:
         return
-    shape_keys = (
-        "vocab_size",
-        "d_state",
-        "d_emb",
-        "d_ffn",
-        "n_layers",
-        "memory",
-        "n_heads",
-        "d_key",
-        "d_value",
-        "decoder_bias",
-    )
-    cur = current.to_dict()
-    diff = [f"{k} {saved.get(k)} != {cur.get(k)}" for k in shape_keys if saved.get(k) != cur.get(k)]
+    from gpn_scale.models.registry import DEFAULT_FAMILY, family_of
+
+    spec = family_of(current)
+    saved_family = saved.get("family", DEFAULT_FAMILY)
+    if saved_family != spec.name:
+        raise ConfigError(
+            f"checkpoint {uri} is a {saved_family} model, not {spec.name} "
+            f"(model={getattr(current, 'name', '') or spec.name}); use a {saved_family} model "
+            "config to resume it, or a fresh checkpoint.root"
+        )
+    keys = {k: v for k, v in spec.compat_keys(current).items() if k != "family"}
+    diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
     if diff:
         raise ConfigError(
             f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "

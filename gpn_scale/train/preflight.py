@@ -17,15 +17,15 @@ from gpn_scale.train.config import TrainConfig
 
 
 def model_config(cfg: TrainConfig) -> Any:
-    """The run's GPNConfig: `cfg.model` + `model_overrides` (+ `train.tbptt` when set, which
-    the schema already checked); an invalid value fails naming the key it came from."""
-    from gpn_scale.model import load_model_config
+    """The run's model config (any registered family, models/registry.py): `cfg.model` +
+    `model_overrides` (+ `train.tbptt` when set, which the schema already checked); an invalid
+    value fails naming the key it came from, and a GPN-only training option another family
+    cannot honour fails naming that option."""
+    from gpn_scale.models.registry import load_model_config
 
     overrides = dict(cfg.model_overrides)
-    if cfg.train.tbptt is not None:
-        overrides["tbptt"] = cfg.train.tbptt
     try:
-        return load_model_config(cfg.model, overrides=overrides or None)
+        spec, model_cfg = load_model_config(cfg.model, overrides=overrides or None)
     except ConfigError as err:
         msg = str(err)
         field, sep, rest = msg.partition(": ")
@@ -37,6 +37,20 @@ def model_config(cfg: TrainConfig) -> Any:
                 f"model={cfg.model} with model_overrides {dict(cfg.model_overrides)}: {msg}"
             ) from None
         raise
+    if cfg.train.tbptt is not None:
+        if spec.name != "gpn":
+            raise ConfigError(
+                f"train.tbptt: truncated BPTT is a GPN option; model={cfg.model} is family "
+                f"{spec.name}, which has no recurrence to truncate; remove train.tbptt"
+            )
+        model_cfg = model_cfg.replace(tbptt=cfg.train.tbptt)
+    if cfg.train.stateful_windows and not spec.recurrent:
+        raise ConfigError(
+            f"train.stateful_windows: model={cfg.model} is family {spec.name}, whose state "
+            "(a KV cache) grows with every window instead of carrying a fixed-size one; set "
+            "train.stateful_windows=false"
+        )
+    return model_cfg
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -120,7 +134,7 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     import copy
 
     from gpn_scale.checkpoint import CheckpointManager
-    from gpn_scale.model import counts
+    from gpn_scale.models.registry import family_of
     from gpn_scale.train.config import DEFAULT_CORPUS, batch_layout, to_yaml
     from gpn_scale.train.env import detect
 
@@ -160,7 +174,7 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     tokens = cfg.schedule.total_steps * cfg.train.global_batch_size * cfg.data.seq_len
     lines += [
         f"model: {model_cfg.name or cfg.model} ({model_cfg.family}), "
-        f"{counts.count_parameters(model_cfg):,} parameters",
+        f"{family_of(model_cfg).count_parameters(model_cfg):,} parameters",
         f"data: {data}",
         f"batch: {cfg.train.global_batch_size} sequences = micro {micro} x accum {accum} x "
         f"world {world}; {cfg.schedule.total_steps} steps, {tokens:,} tokens",

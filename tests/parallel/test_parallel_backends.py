@@ -36,14 +36,30 @@ WEIGHT_REL = 1e-4
 WEIGHT_ATOL = 1e-4
 
 
+# Every registered family's tiny config (models/registry.py); "tiny" is GPN+M.
+FAMILY_MODELS = ["tiny", "transformer_pp_tiny"]
+
+
 @pytest.fixture(scope="module")
-def single(corpus, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single") / "run"
-    run_train(corpus, run_dir, *COMMON)
-    return run_dir
+def singles(corpus, tmp_path_factory):
+    """model -> the single-process run's directory (each run once per module)."""
+    done = {}
+
+    def get(model="tiny"):
+        if model not in done:
+            done[model] = tmp_path_factory.mktemp(f"single_{model}") / "run"
+            run_train(corpus, done[model], *COMMON, f"model={model}")
+        return done[model]
+
+    return get
 
 
-def _compare(ref_dir, run_dir, steps=range(1, TOTAL + 1)):
+@pytest.fixture(scope="module")
+def single(singles):
+    return singles("tiny")
+
+
+def _compare(ref_dir, run_dir, steps=range(1, TOTAL + 1), model="tiny"):
     ref, got = train_losses(ref_dir), train_losses(run_dir)
     for s in steps:
         assert got[s] == pytest.approx(ref[s], rel=LOSS_RTOL, abs=0), (s, got[s], ref[s])
@@ -53,7 +69,7 @@ def _compare(ref_dir, run_dir, steps=range(1, TOTAL + 1)):
     a = torch.load(ref_dir / "model_final.pt")
     b = torch.load(run_dir / "model_final.pt")
     assert a.keys() == b.keys()
-    rel, worst = weight_distance(a, b, initial_weights())
+    rel, worst = weight_distance(a, b, initial_weights(model))
     assert rel < WEIGHT_REL and worst < WEIGHT_ATOL, (rel, worst)
 
 
@@ -62,20 +78,22 @@ def test_single_process_training_moves_weights(single):
     assert max((init[k] - final[k]).abs().max().item() for k in init) > 100 * WEIGHT_ATOL
 
 
-def test_fsdp2_two_ranks_equals_single_and_resumes_on_one(corpus, single, tmp_path):
+@pytest.mark.parametrize("model", FAMILY_MODELS)
+def test_fsdp2_two_ranks_equals_single_and_resumes_on_one(corpus, singles, tmp_path, model):
+    single, family = singles(model), (f"model={model}",)
     run_dir = tmp_path / "fsdp2"
-    proc = run_train(corpus, run_dir, *COMMON, "parallel.backend=fsdp2", nproc=2)
+    proc = run_train(corpus, run_dir, *COMMON, *family, "parallel.backend=fsdp2", nproc=2)
     assert "backend fsdp2, world 2, micro 2" in proc.stdout
-    _compare(single, run_dir)
+    _compare(single, run_dir, model=model)
 
     # 2 -> 1 rank: continue the FSDP2 run's step-4 checkpoint in one process (DCP reshards).
     ck4 = run_dir / "checkpoints" / "step_000000004"
     assert ck4.is_dir()
     one = tmp_path / "one"
-    proc = run_train(corpus, one, *COMMON, "parallel.backend=none", resume=str(ck4))
+    proc = run_train(corpus, one, *COMMON, *family, "parallel.backend=none", resume=str(ck4))
     assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
     assert sorted(train_losses(one)) == [5, 6]
-    _compare(single, one, steps=(5, 6))
+    _compare(single, one, steps=(5, 6), model=model)
 
 
 def test_fsdp2_in_one_process_runs_as_a_one_rank_group(corpus, single, tmp_path):
@@ -89,13 +107,16 @@ def test_fsdp2_in_one_process_runs_as_a_one_rank_group(corpus, single, tmp_path)
     _compare(single, run_dir)
 
 
+@pytest.mark.parametrize("model", FAMILY_MODELS)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_two_ranks_equals_single(corpus, single, tmp_path, stage):
+def test_deepspeed_zero_two_ranks_equals_single(corpus, singles, tmp_path, stage, model):
+    """ZeRO wraps the whole model for every family (ZeRO-3 gathers it at the root)."""
     run_dir = tmp_path / f"zero{stage}"
     proc = run_train(
         corpus,
         run_dir,
         *COMMON,
+        f"model={model}",
         "parallel.backend=deepspeed",
         f"parallel.zero_stage={stage}",
         "parallel.zero3_persistence_threshold=0",
@@ -104,8 +125,9 @@ def test_deepspeed_zero_two_ranks_equals_single(corpus, single, tmp_path, stage)
     )
     assert "backend deepspeed, world 2, micro 2" in proc.stdout
     if stage == 3:  # every parameter really is partitioned (no "persistent" small ones)
-        assert "ZeRO-3 partitions 28 of 28 parameters" in proc.stdout
-    _compare(single, run_dir)
+        n = len(initial_weights(model))  # 28 for GPN+M tiny
+        assert f"ZeRO-3 partitions {n} of {n} parameters" in proc.stdout
+    _compare(singles(model), run_dir, model=model)
     assert any(r.get("event") == "checkpoint" for r in read_metrics(run_dir))
 
 

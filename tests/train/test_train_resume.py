@@ -28,13 +28,30 @@ COMMON = (f"schedule.total_steps={TOTAL}", "checkpoint.every_steps=2", "checkpoi
 SLOW = ("debug.step_sleep=0.4",)
 
 
+# Every registered family's tiny config (models/registry.py); "tiny" is GPN+M.
+FAMILY_MODELS = ["tiny", "transformer_pp_tiny"]
+
+
 @pytest.fixture(scope="module")
-def reference(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_train(corpus, run_dir, *COMMON)
-    losses = train_losses(run_dir)
-    assert sorted(losses) == list(range(1, TOTAL + 1))
-    return losses
+def references(corpus: str, tmp_path_factory: pytest.TempPathFactory):
+    """model -> the uninterrupted run's per-step losses (each run once per module)."""
+    done: dict[str, dict[int, float]] = {}
+
+    def get(model: str = "tiny") -> dict[int, float]:
+        if model not in done:
+            run_dir = tmp_path_factory.mktemp(f"reference_{model}") / "run"
+            run_train(corpus, run_dir, *COMMON, f"model={model}")
+            losses = train_losses(run_dir)
+            assert sorted(losses) == list(range(1, TOTAL + 1))
+            done[model] = losses
+        return done[model]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> dict[int, float]:
+    return references("tiny")
 
 
 def _interrupt_and_resume(
@@ -57,9 +74,10 @@ def _interrupt_and_resume(
     assert done, "the resumed run wrote checkpoints"
 
 
-def test_kill9_then_resume_auto_local(corpus, reference, tmp_path):
+@pytest.mark.parametrize("model", FAMILY_MODELS)
+def test_kill9_then_resume_auto_local(corpus, references, tmp_path, model):
     run_dir = tmp_path / "run"
-    _interrupt_and_resume(corpus, run_dir, reference)
+    _interrupt_and_resume(corpus, run_dir, references(model), extra=(f"model={model}",))
     marker = json.loads((run_dir / "checkpoints" / "DONE").read_text())
     assert marker["step"] == TOTAL and marker["tokens"] == TOTAL * 4 * 64
     assert marker["final_eval_loss"] > 0 and marker["params"] > 0 and marker["flops"] > 0

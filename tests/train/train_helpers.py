@@ -189,9 +189,11 @@ def weight_distance(a: dict, b: dict, init: dict) -> tuple[float, float]:
 
 
 def initial_weights(model: str = "tiny", seed: int = 0) -> dict:
+    """The weights a run of `model` (any registered family) starts from with `seed`."""
     import torch
 
-    from gpn_scale.model import GPN, load_model_config
+    from gpn_scale.models.registry import load_model_config
 
+    spec, cfg = load_model_config(model)
     torch.manual_seed(seed)
-    return GPN(load_model_config(model)).state_dict()
+    return spec.build(cfg).state_dict()

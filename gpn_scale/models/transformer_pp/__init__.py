@@ -1,0 +1,61 @@
+"""Transformer++ (LLaMA-style) as a registered family (gpn_scale/models/registry.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gpn_scale.models.protocol import FamilySpec
+from gpn_scale.models.transformer_pp.config import TransformerPPConfig
+
+# The fields a checkpoint must share with the config that resumes it (the weights' shapes).
+SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ffn", "tie_embeddings")
+
+
+def _build(cfg: TransformerPPConfig) -> nn.Module:
+    from gpn_scale.models.transformer_pp.model import TransformerPP
+
+    return TransformerPP(cfg)
+
+
+def _count_parameters(cfg: TransformerPPConfig) -> int:
+    from gpn_scale.models.transformer_pp.counts import count_parameters
+
+    return count_parameters(cfg)
+
+
+def _flops_per_token(cfg: TransformerPPConfig, seq_len: int) -> float:
+    from gpn_scale.models.transformer_pp.counts import flops_per_token
+
+    return flops_per_token(cfg, seq_len)
+
+
+def _tp_plan(model: nn.Module) -> dict[str, Any]:
+    from gpn_scale.models.transformer_pp.parallelize import tp_plan
+
+    return tp_plan(model)
+
+
+def _compat_keys(cfg: TransformerPPConfig) -> dict[str, Any]:
+    return {"family": cfg.family_name, **{k: getattr(cfg, k) for k in SHAPE_KEYS}}
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    return list(model.layers)  # type: ignore[arg-type]  # one FSDP2 unit per block
+
+
+SPEC = FamilySpec(
+    name=TransformerPPConfig.family_name,
+    config_from_dict=TransformerPPConfig.from_dict,
+    build=_build,
+    count_parameters=_count_parameters,
+    flops_per_token=_flops_per_token,
+    fsdp_units=_fsdp_units,
+    compat_keys=_compat_keys,
+    recurrent=False,
+    tp_plan=_tp_plan,
+    description="Transformer++: LLaMA-style decoder (pre-RMSNorm, RoPE, SwiGLU, no biases)",
+)
+
+__all__ = ["SPEC", "TransformerPPConfig"]

@@ -1,0 +1,30 @@
+"""Transformer++ tensor-parallel plan (DTensor, Megatron's split of a block).
+
+Per block: q, k, v and the SwiGLU's gate/up are column-parallel (each rank holds H/tp heads
+and f/tp hidden units, so attention and the SiLU product run on local shards with no
+communication), o and down are row-parallel (one all-reduce each, after the block's two
+halves). Norms, the embedding and the head stay replicated: the head's V x d matmul is a
+candidate for loss-parallel (vocabulary-sharded logits + torch's loss_parallel), which the
+trainer does not use yet. `Attention` reads its head count from the projection's local
+width, so the same module runs sharded or whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def tp_plan(model: nn.Module) -> dict[str, Any]:
+    """module path -> ParallelStyle for `torch.distributed.tensor.parallel.parallelize_module`."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(len(model.layers)):  # type: ignore[arg-type]
+        prefix = f"layers.{i}"
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        for name in ("attn.o", "mlp.down"):
+            plan[f"{prefix}.{name}"] = RowwiseParallel()
+    return plan
