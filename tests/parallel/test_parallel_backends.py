@@ -37,7 +37,7 @@ WEIGHT_ATOL = 1e-4
 
 
 # Every registered family's tiny config (models/registry.py); "tiny" is GPN+M.
-FAMILY_MODELS = ["tiny", "transformer_pp_tiny"]
+FAMILY_MODELS = ["tiny", "transformer_pp_tiny", "gated_deltanet_tiny"]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from train_helpers import PY, REPO, child_env, run_train, train_args, train_losses
 
-FAMILY_MODELS = ["transformer_pp_tiny"]
+FAMILY_MODELS = ["transformer_pp_tiny", "gated_deltanet_tiny"]
 
 
 def _one_line(proc: subprocess.CompletedProcess) -> str:

@@ -94,7 +94,7 @@ class GatedDeltaNetConfig:
         return self.family_name
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"family": self.family_name, **dataclasses.asdict(self)}
 
     def replace(self, **changes: Any) -> GatedDeltaNetConfig:
         return dataclasses.replace(self, **changes)
