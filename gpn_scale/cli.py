@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "gpn_scale.model.commands",  # info, sample
     "data_tools.commands",  # data …
     "gpn_scale.train.commands",  # train, demo, eval
+    "gpn_scale.eval.commands",  # generate (eval's --task / --lm-eval side)
     "gpn_scale.scaling.commands",  # sweep …, fit
 )
 

@@ -54,3 +54,11 @@ def byte_model(request: pytest.FixtureRequest) -> torch.nn.Module:
 def checkpoint(tmp_path: Path, byte_model: torch.nn.Module) -> str:
     data = byte_dataset(tmp_path / "data")
     return save_checkpoint(tmp_path / "run", byte_model, data)
+
+
+@pytest.fixture
+def gpn_m_checkpoint(tmp_path: Path) -> str:
+    """One family only, for the slower CLI tests."""
+    cfg = tiny_config(vocab_size=257)
+    model = perturbed_model(cfg, dtype=torch.float32, scale=0.3).eval()
+    return save_checkpoint(tmp_path / "run", model, byte_dataset(tmp_path / "data"))
