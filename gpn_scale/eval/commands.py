@@ -247,7 +247,8 @@ def _task_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, default=str))
     else:
-        print(f"{line} (step {loaded.step}) -> {out}")
+        step = f" (step {loaded.step})" if loaded.step is not None else ""
+        print(f"{line}{step} -> {out}")
     return 0
 
 

@@ -28,7 +28,8 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-from lm_eval.api.model import LM
+import lm_eval.models  # noqa: F401 - the harness registers its own models only while its
+from lm_eval.api.model import LM  # registry is empty: let it do so before ours lands in it
 from lm_eval.api.registry import register_model
 
 from gpn_scale.eval.generate import Sampling, generate

@@ -220,7 +220,16 @@ def load(
     model = spec.build(cfg)
     if kind == "dcp":
         sd = model.state_dict()
-        CheckpointManager(uri.rstrip("/").rsplit("/", 1)[0] or "/").load(uri, {"model": sd})
+        mgr = CheckpointManager(uri.rstrip("/").rsplit("/", 1)[0] or "/")
+        try:
+            mgr.load(uri, {"model": sd})
+        except ConfigError as err:
+            if "it is a deepspeed checkpoint" not in str(err):
+                raise
+            raise ConfigError(
+                f"checkpoint {uri} is a DeepSpeed checkpoint, which only a DeepSpeed engine "
+                f"reads; evaluate the run's {FINAL_WEIGHTS} (checkpoint.export_final=true)"
+            ) from None
         state = sd
     else:
         state = _weights_from_final(uri)
