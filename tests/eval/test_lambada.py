@@ -100,3 +100,19 @@ def test_bad_data_is_one_line(tmp_path: Path) -> None:
         read_texts(str(bad))
     with pytest.raises(ConfigError, match="at least two words"):
         encode_example(ByteTokenizer(), "lonely")
+
+
+def test_hf_data_without_datasets_or_offline_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("datasets")
+    with pytest.raises(ConfigError, match=r"^--data hf:no-such/dataset: cannot load it") as err:
+        read_texts("hf:no-such/dataset")
+    assert "\n" not in str(err.value)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if the extra were not installed
+    with pytest.raises(ConfigError, match=r"`datasets` library is not installed.*\[eval\]"):
+        read_texts("hf:EleutherAI/lambada_openai")
