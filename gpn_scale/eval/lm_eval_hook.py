@@ -6,7 +6,8 @@ and editable installs) imports this module at interpreter start. It imports noth
 it waits for `lm_eval.api.registry` to be imported and then registers `gpn_scale` as a lazy
 entry ("module:Class", loaded only when a run asks for that model). It also imports
 `lm_eval.models`, whose import registers the harness's own models, since the harness loads
-those only while its registry is empty.
+those only while its registry is empty. Importing this module imports gpn_scale/__init__.py
+and gpn_scale/eval/__init__.py too: keep both free of heavy imports (a test checks).
 """
 
 from __future__ import annotations

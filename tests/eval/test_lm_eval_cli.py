@@ -110,3 +110,18 @@ def test_gpn_scale_eval_lm_eval_writes_the_harness_results(
     saved = json.loads(Path(gpn_m_checkpoint + ".lm_eval.gpn_tiny_choice.json").read_text())
     assert saved["tasks"] == ["gpn_tiny_choice"] and saved["step"] == 7
     assert 0.0 <= saved["results"]["gpn_tiny_choice"]["acc,none"] <= 1.0
+
+
+def test_the_startup_hook_imports_nothing_heavy() -> None:
+    """The .pth runs the hook in every interpreter of the environment: it must stay cheap
+    (no torch, no lm_eval) until lm_eval's registry is actually imported."""
+    code = (
+        "import sys, gpn_scale.eval.lm_eval_hook as h; "
+        "heavy = [m for m in ('torch', 'lm_eval', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy; "
+        "from lm_eval.api.registry import get_model; print(get_model('gpn_scale').__name__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "GPNScaleLM"
