@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     g.add_argument("--prompt-file", default=None, help="a text file with one prompt a line")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="(default %(default)s)")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=64, help="per prompt, at most (default %(default)s)"
+    )
     g.add_argument(
         "--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)"
     )
