@@ -8,13 +8,16 @@ tokens before t, so padding after a continuation cannot change its scores, for a
 
 The state is opaque (models/protocol.py); to score several continuations of one context
 from one run of it, `select_state` indexes its batch dimension, which works for every state
-built of tensors with the batch first (GPN's (s, s_prev, M), caches, pending tokens). A state
+built of tensors with the batch first, in tuples, lists, dicts, dataclasses or plain
+classes (GPN's (s, s_prev, M), key/value caches, Gated DeltaNet's per-layer carries, pending
+tokens; plain ints such as a cache length are kept). A state
 it cannot index falls back to re-running the context with each continuation (`reuse=False`
 does the same on purpose, for tests).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
@@ -49,6 +52,15 @@ def select_state(state: Any, index: Tensor, batch: int) -> Any:
             for f in dataclasses.fields(state)
         }
         return dataclasses.replace(state, **changes)
+    slots = getattr(type(state), "__slots__", None)
+    if slots is not None or hasattr(state, "__dict__"):  # a plain class of tensors
+        names = [slots] if isinstance(slots, str) else list(slots or vars(state))
+        if not names:
+            raise StateNotIndexable(f"a state part of type {type(state).__name__}")
+        new = copy.copy(state)
+        for name in names:
+            object.__setattr__(new, name, select_state(getattr(state, name), index, batch))
+        return new
     raise StateNotIndexable(f"a state part of type {type(state).__name__}")
 
 

@@ -116,3 +116,37 @@ def test_hf_data_without_datasets_or_offline_is_one_line(
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if the extra were not installed
     with pytest.raises(ConfigError, match=r"`datasets` library is not installed.*\[eval\]"):
         read_texts("hf:EleutherAI/lambada_openai")
+
+
+class _SlotState:
+    """Like Gated DeltaNet's per-layer carry: a plain class with __slots__."""
+
+    __slots__ = ("memory", "conv")
+
+    def __init__(self, memory: torch.Tensor, conv: torch.Tensor) -> None:
+        self.memory, self.conv = memory, conv
+
+
+def test_select_state_indexes_every_state_shape_of_the_families() -> None:
+    from dataclasses import dataclass
+
+    from gpn_scale.eval.scoring import StateNotIndexable, select_state
+
+    @dataclass(frozen=True)
+    class Outer:
+        layers: tuple
+        pending: torch.Tensor
+        length: int
+
+    B = 3
+    state = Outer(
+        (_SlotState(torch.arange(B * 4.0).reshape(B, 2, 2), torch.arange(B * 5.0).reshape(B, 5)),),
+        torch.tensor([7, 8, 9]),
+        11,
+    )
+    sub = select_state(state, torch.tensor([2, 0]), B)
+    assert sub.length == 11 and sub.pending.tolist() == [9, 7]
+    torch.testing.assert_close(sub.layers[0].memory, state.layers[0].memory[[2, 0]])
+    torch.testing.assert_close(sub.layers[0].conv, state.layers[0].conv[[2, 0]])
+    with pytest.raises(StateNotIndexable):  # a tensor without the batch first
+        select_state((torch.zeros(B, 2), torch.zeros(2, B)), torch.tensor([0]), B)
