@@ -10,9 +10,8 @@ The state is opaque (models/protocol.py); to score several continuations of one 
 from one run of it, `select_state` indexes its batch dimension, which works for every state
 built of tensors with the batch first, in tuples, lists, dicts, dataclasses or plain
 classes (GPN's (s, s_prev, M), key/value caches, Gated DeltaNet's per-layer carries, pending
-tokens; plain ints such as a cache length are kept). A state
-it cannot index falls back to re-running the context with each continuation (`reuse=False`
-does the same on purpose, for tests).
+tokens; plain ints such as a cache length are kept). A state it cannot index falls back
+to re-running the context with each continuation (`reuse=False` does that on purpose).
 """
 
 from __future__ import annotations
