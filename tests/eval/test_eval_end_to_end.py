@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import byte_dataset, save_checkpoint
+from eval_helpers import byte_dataset, save_checkpoint
 
 from gpn_scale.cli import main
 from gpn_scale.eval.load import load

@@ -3,62 +3,18 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import ROLL_DOCS, write_tasks
 from fake_lm import V, bigram
 
 lm_eval = pytest.importorskip("lm_eval")
 
 from gpn_scale.eval.lm_eval_adapter import GPNScaleLM  # noqa: E402
 from gpn_scale.eval.tokenizer import ByteTokenizer  # noqa: E402
-
-CHOICE_DOCS = [  # after " " the model prefers "c": the answer starting with "c" wins
-    {"context": "pick one:", "choices": [" ab", " cd", " ef"], "label": 1},
-    {"context": "again:", "choices": [" cx", " zz"], "label": 1},
-]
-GEN_DOCS = [{"prompt": "a", "answer": "bcd"}, {"prompt": "k", "answer": "lmn"}]
-ROLL_DOCS = [{"text": "abc"}, {"text": "hello"}]
-
-
-def write_tasks(root: Path) -> Path:
-    """Three tasks: multiple choice (loglikelihood), generate_until, loglikelihood_rolling."""
-    tasks = root / "tasks"
-    tasks.mkdir(parents=True)
-    cache = root / "hf_cache"
-    specs = {
-        "gpn_tiny_choice": (
-            CHOICE_DOCS,
-            "output_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
-            "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n"
-            "target_delimiter: ''\nmetric_list:\n  - metric: acc\n",
-        ),
-        "gpn_tiny_gen": (
-            GEN_DOCS,
-            "output_type: generate_until\ndoc_to_text: '{{prompt}}'\n"
-            "doc_to_target: '{{answer}}'\ntarget_delimiter: ''\n"
-            "generation_kwargs:\n  until: ['e', 'o']\n  max_gen_toks: 8\n"
-            "metric_list:\n  - metric: exact_match\n",
-        ),
-        "gpn_tiny_roll": (
-            ROLL_DOCS,
-            "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
-            "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n"
-            "  - metric: bits_per_byte\n",
-        ),
-    }
-    for name, (docs, body) in specs.items():
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-        (tasks / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n"
-            f"  data_files:\n    test: {data}\n  cache_dir: {cache}\n"
-            f"test_split: test\n{body}"
-        )
-    return tasks
 
 
 def alphabet_model():

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_lm_eval import write_tasks
+from eval_helpers import write_tasks
 
 pytest.importorskip("lm_eval")
 
