@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "data_tools.commands",  # data …
     "gpn_scale.train.commands",  # train, demo, eval
     "gpn_scale.eval.analysis.commands",  # analyze
+    "gpn_scale.eval.commands",  # generate (eval's --task / --lm-eval side)
     "gpn_scale.scaling.commands",  # sweep …, fit
 )
 

@@ -114,12 +114,18 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
 
     e = subparsers.add_parser(
         "eval",
-        help="held-out loss / perplexity of a checkpoint",
+        help="held-out loss / perplexity of a checkpoint; LAMBADA; lm-eval tasks",
         description="Evaluate a checkpoint on the validation split (fixed windows: the "
-        "first eval.batches batches). Writes nothing. Exit codes: 0 done, 2 bad "
+        "first eval.batches batches; writes nothing), or with --task / --lm-eval "
+        "(`gpn-scale eval CHECKPOINT --task lambada --data FILE`) score CHECKPOINT on a "
+        "task and write the result JSON beside it. Exit codes: 0 done, 2 bad "
         "input (one line on stderr).",
     )
-    e.add_argument("config", help="the training config the checkpoint was trained with")
+    e.add_argument(
+        "config",
+        help="the training config the checkpoint was trained with; with --task / --lm-eval "
+        "the CHECKPOINT (step dir, checkpoint root, run dir or model_final.pt)",
+    )
     e.add_argument(
         "overrides",
         nargs="*",
@@ -143,6 +149,10 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         help="print one JSON object (eval/loss, eval/ppl, eval/tokens, checkpoint, "
         "step, tokens) on stdout; log lines go to stderr",
     )
+    from gpn_scale.eval.commands import add_model_flags, add_task_flags
+
+    add_task_flags(e)
+    add_model_flags(e)
     e.set_defaults(func=cmd_eval)
 
 
@@ -234,6 +244,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.task or args.lm_eval is not None:  # a task on a checkpoint: gpn_scale/eval
+        from gpn_scale.eval.commands import cmd_task_eval
+
+        return cmd_task_eval(args)
     from gpn_scale.train.config import load_train_config
 
     errors = _errors()

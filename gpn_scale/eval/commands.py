@@ -1,0 +1,377 @@
+"""`gpn-scale generate` and the task side of `gpn-scale eval CHECKPOINT --task / --lm-eval`
+(the held-out side of `eval` stays in train/commands.py, which hands over to `cmd_task_eval`).
+
+Exit codes: 0 done; 2 bad input (one line on stderr naming the flag or file and the fix).
+A result file is never replaced unless --overwrite says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+from gpn_scale.core.config import ConfigError, closest_key_hint
+
+TASKS = ("lambada",)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="sample from a checkpoint (any family), decoding with the carried state",
+        description="Continue each --prompt with the checkpoint's model: the prompt runs "
+        "once, then one step per new token from the carried state. Prompts are batched "
+        "with prompts of the same token length. Writes nothing. Exit codes: 0 done, 2 bad "
+        "input (one line on stderr).",
+    )
+    g.add_argument(
+        "checkpoint", help="a step directory, checkpoint root, run dir or model_final.pt"
+    )
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    g.add_argument("--prompt-file", default=None, help="a text file with one prompt a line")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=64, help="per prompt, at most (default %(default)s)"
+    )
+    g.add_argument(
+        "--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)"
+    )
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default %(default)s)")
+    g.add_argument(
+        "--seed", type=int, default=0, help="prompt i samples with seed+i (default %(default)s)"
+    )
+    g.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable; cut from the text)"
+    )
+    g.add_argument(
+        "--stop-token",
+        action="append",
+        type=int,
+        default=[],
+        help="stop token id (repeatable; the tokenizer's end-of-document always stops)",
+    )
+    add_model_flags(g)
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON list (prompt, text, tokens, stopped)"
+    )
+    g.set_defaults(func=cmd_generate)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every checkpoint-reading command shares (eval/load.py)."""
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' or a tokenizer.json (default: the training data's, from its metadata)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="a model config name / YAML (default: the one saved with the checkpoint)",
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
+
+
+def add_task_flags(p: argparse.ArgumentParser) -> None:
+    """`gpn-scale eval CHECKPOINT --task ... | --lm-eval ...` (registered by train/commands)."""
+    p.add_argument(
+        "--task", default=None, help=f"a built-in task on CHECKPOINT: {', '.join(TASKS)}"
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="--task data: a JSONL file ({'text': ...} a line) or hf:NAME[:CONFIG] "
+        "(the `datasets` library, split test)",
+    )
+    p.add_argument(
+        "--lm-eval",
+        default=None,
+        metavar="TASKS",
+        help="lm-evaluation-harness tasks on CHECKPOINT, comma-separated",
+    )
+    p.add_argument(
+        "--include-path", default=None, help="--lm-eval: a directory of extra task YAMLs"
+    )
+    p.add_argument("--num-fewshot", type=int, default=None, help="--lm-eval: few-shot examples")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the result JSON (default: beside the checkpoint, "
+        "step_N.<task>.json / model_final.<task>.json)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing result file")
+
+
+def _fail(err: BaseException | str) -> int:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"gpn-scale: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from gpn_scale.data import DataError
+
+    return (ConfigError, DataError)
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name} {value}: must be >= 1")
+
+
+# ------------------------------------------------------------------------------ results
+def default_result_uri(checkpoint: str, task: str) -> str:
+    """`<root>/step_N.<task>.json` for a step dir, `<dir>/model_final.<task>.json`."""
+    base = checkpoint.rstrip("/")
+    if base.endswith(".pt"):
+        base = base[: -len(".pt")]
+    return f"{base}.{task}.json"
+
+
+def _split(uri: str) -> tuple[Any, str]:
+    from gpn_scale.io.storage import open_storage
+
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    return open_storage(parent or ".", error=ConfigError, subject="result directory"), name
+
+
+def check_writable(uri: str, overwrite: bool) -> None:
+    """Before any work: refuse to replace a result unless asked."""
+    storage, name = _split(uri)
+    if storage.exists(name) and not overwrite:
+        raise ConfigError(f"{uri} exists; pass --overwrite to replace it, or --out another file")
+
+
+def write_result(uri: str, result: dict[str, Any]) -> None:
+    storage, name = _split(uri)
+    storage.put_bytes(name, (json.dumps(result, indent=1, default=str) + "\n").encode())
+
+
+def _header(loaded: Any, task: str) -> dict[str, Any]:
+    return {
+        "task": task,
+        "checkpoint": loaded.checkpoint,
+        "step": loaded.step,
+        "family": loaded.spec.name,
+        "model": loaded.name,
+        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "tokenizer": loaded.tokenizer.identity(),
+        "device": str(loaded.device),
+        "created_unix": time.time(),
+    }
+
+
+# ------------------------------------------------------------------------------ eval
+def cmd_task_eval(args: argparse.Namespace) -> int:
+    """`gpn-scale eval CHECKPOINT --task lambada --data PATH` / `--lm-eval TASKS`."""
+    try:
+        return _task_eval(args)
+    except _errors() as err:
+        return _fail(err)
+
+
+def _task_eval(args: argparse.Namespace) -> int:
+    from gpn_scale.eval.load import load, pick_device, resolve
+
+    if args.overrides:
+        raise ConfigError(
+            f"{args.overrides[0]}: --task / --lm-eval take a CHECKPOINT and flags only "
+            "(key=value overrides are for the held-out eval of a training config)"
+        )
+    if args.task and args.lm_eval:
+        raise ConfigError("--task and --lm-eval: pick one per run")
+    if args.task and args.task not in TASKS:
+        raise ConfigError(
+            f"--task {args.task}: unknown task{closest_key_hint(args.task, TASKS)}; "
+            f"expected one of {', '.join(TASKS)} (or --lm-eval TASKS for the harness)"
+        )
+    if args.task and not args.data:
+        raise ConfigError(f"--task {args.task} needs --data PATH.jsonl or --data hf:NAME")
+    _check_positive("--batch-size", args.batch_size)
+    _check_positive("--limit", args.limit)
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be >= 0")
+    tasks = [t.strip() for t in (args.lm_eval or "").split(",") if t.strip()]
+    if args.lm_eval is not None and not tasks:
+        raise ConfigError("--lm-eval: name at least one task, e.g. --lm-eval lambada_openai")
+    name = args.task or "lm_eval." + "+".join(tasks)
+    pick_device(args.device)  # a bad --device fails before anything loads
+    _, ckpt = resolve(args.config)
+    texts = None
+    if args.task == "lambada":
+        from gpn_scale.eval.lambada import read_texts
+
+        texts = read_texts(args.data, args.limit)  # bad data fails before the model loads
+    elif tasks:
+        _check_lm_eval(tasks, args.include_path)
+    out = args.out or default_result_uri(ckpt, name)
+    check_writable(out, args.overwrite)
+    log = sys.stderr if args.json else sys.stdout
+    loaded = load(
+        args.config, device=args.device, tokenizer=args.tokenizer, model_config=args.model_config
+    )
+    print(f"eval: {name} on {loaded.checkpoint} ({loaded.spec.name})", file=log, flush=True)
+    result = _header(loaded, name)
+    if texts is not None:
+        from gpn_scale.eval.lambada import evaluate_lambada
+
+        metrics = evaluate_lambada(
+            loaded.model,
+            loaded.tokenizer,
+            texts,
+            batch_size=args.batch_size,
+            device=loaded.device,
+        )
+        result.update(data=args.data, metrics=metrics)
+        line = (
+            f"lambada: accuracy {metrics['accuracy']:.4f}, ppl {metrics['ppl']:.2f} over "
+            f"{metrics['examples']:,} passages"
+        )
+    else:
+        result.update(_run_lm_eval(loaded, args, tasks))
+        line = "lm-eval: " + "; ".join(
+            f"{task} "
+            + ", ".join(
+                f"{k.split(',')[0]} {v:.4f}"
+                for k, v in metrics.items()
+                if isinstance(v, float) and "stderr" not in k
+            )
+            for task, metrics in result["results"].items()
+        )
+    write_result(out, result)
+    result["result_file"] = out
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        step = f" (step {loaded.step})" if loaded.step is not None else ""
+        print(f"{line}{step} -> {out}")
+    return 0
+
+
+def _check_lm_eval(tasks: list[str], include_path: str | None) -> None:
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError(
+            "--lm-eval: lm-evaluation-harness is not installed; pip install 'gpn_scale[eval]'"
+        ) from None
+    import os
+
+    if include_path is not None and not os.path.isdir(include_path):
+        raise ConfigError(f"--include-path {include_path}: not a directory")
+    manager = TaskManager(include_path=include_path)
+    known = set(manager.all_tasks)
+    for task in tasks:
+        if task not in known:
+            raise ConfigError(
+                f"--lm-eval {task}: unknown lm-eval task{closest_key_hint(task, sorted(known))}"
+                "; list them with `lm_eval ls tasks` (or --include-path DIR for your own)"
+            )
+
+
+def _run_lm_eval(loaded: Any, args: argparse.Namespace, tasks: list[str]) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from gpn_scale.eval.lm_eval_adapter import GPNScaleLM
+
+    lm = GPNScaleLM(
+        checkpoint=loaded.checkpoint,
+        model=loaded.model,
+        tok=loaded.tokenizer,
+        device=str(loaded.device),
+        batch_size=args.batch_size,
+    )
+    out = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        task_manager=TaskManager(include_path=args.include_path),
+        log_samples=False,
+    )
+    if out is None:  # non-zero ranks; we run one process
+        raise ConfigError("lm-eval returned no results")
+    return {
+        "tasks": tasks,
+        "results": out.get("results", {}),
+        "versions": out.get("versions", {}),
+        "n-shot": out.get("n-shot", {}),
+        "lm_eval": {"num_fewshot": args.num_fewshot, "limit": args.limit},
+    }
+
+
+# ------------------------------------------------------------------------------ generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except _errors() as err:
+        return _fail(err)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpn_scale.eval.generate import Sampling, generate
+    from gpn_scale.eval.load import load, pick_device
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompt-file {path}: not found; give a text file")
+        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+    if not prompts:
+        raise ConfigError("give at least one --prompt TEXT (or --prompt-file FILE)")
+    _check_positive("--batch-size", args.batch_size)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_strings=tuple(args.stop),
+    )
+    pick_device(args.device)
+    loaded = load(
+        args.checkpoint,
+        device=args.device,
+        tokenizer=args.tokenizer,
+        model_config=args.model_config,
+    )
+    tok = loaded.tokenizer
+    for t in args.stop_token:
+        if not 0 <= t < tok.vocab_size:
+            raise ConfigError(f"--stop-token {t}: not a token id (0..{tok.vocab_size - 1})")
+    sampling = dataclasses.replace(
+        sampling, stop_tokens=frozenset({tok.eod_token_id, *args.stop_token})
+    )
+    gens = generate(
+        loaded.model,
+        [tok.encode(p) for p in prompts],
+        sampling,
+        decode=tok.decode,
+        batch_size=args.batch_size,
+        device=loaded.device,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {"prompt": p, "text": g.text, "tokens": g.tokens, "stopped": g.stopped}
+                    for p, g in zip(prompts, gens)
+                ]
+            )
+        )
+        return 0
+    for i, (p, g) in enumerate(zip(prompts, gens)):
+        if len(prompts) > 1:
+            print(f"--- prompt {i + 1} ({len(g.tokens)} new tokens, stopped: {g.stopped})")
+        print(p + g.text)
+    return 0
