@@ -40,11 +40,17 @@ class LoadedModel:
     spec: FamilySpec
     config: Any
     model: nn.Module  # on `device`, in eval mode, no gradients
-    tokenizer: Tokenizer
+    loaded_tokenizer: Tokenizer | None  # None when loaded with_tokenizer=False
     checkpoint: str  # the resolved step directory URI or model_final.pt path
     step: int | None  # training step of the weights (None when unknown)
     device: torch.device
     meta: dict[str, Any] = field(default_factory=dict)  # the checkpoint's saved meta
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.loaded_tokenizer is None:
+            raise ConfigError(f"checkpoint {self.checkpoint}: loaded without its tokenizer")
+        return self.loaded_tokenizer
 
     @property
     def name(self) -> str:
@@ -161,12 +167,15 @@ def load(
     tokenizer: str | None = None,
     model_config: str | None = None,
     dtype: torch.dtype | None = None,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a checkpoint for inference (see the module docstring for what `ref` may be).
 
     `tokenizer`: "byte" or a tokenizer.json path instead of the dataset's; `model_config`:
     a model config name / YAML instead of the saved one (a model_final.pt without its run's
-    config.yaml needs it). A one-line ConfigError for anything that does not fit.
+    config.yaml needs it). `with_tokenizer=False`: for a caller that reads its own data's
+    tokenizer (the analyses), so the training data need not be reachable. A one-line
+    ConfigError for anything that does not fit.
     """
     from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.models.registry import config_from_dict, load_model_config
@@ -209,9 +218,11 @@ def load(
             values.setdefault("family", meta["model_family"])
         spec, cfg = config_from_dict(values)
 
-    tok = from_name(tokenizer) if tokenizer else _tokenizer_for(train_cfg, f"checkpoint {uri}")
+    tok: Tokenizer | None = None
+    if with_tokenizer:
+        tok = from_name(tokenizer) if tokenizer else _tokenizer_for(train_cfg, f"checkpoint {uri}")
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
-    if vocab and tok.vocab_size > vocab:
+    if tok is not None and vocab and tok.vocab_size > vocab:
         raise ConfigError(
             f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocab_size is "
             f"{vocab}; pass the tokenizer the model was trained with (--tokenizer)"

@@ -23,18 +23,16 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_default_dataset(str(base / f"corpus_T{SEQ_LEN}"), seq_len=SEQ_LEN, seed=0)
 
 
-def save_checkpoint(root: Path, model_name: str = "tiny", family: str | None = None) -> str:
+def save_checkpoint(root: Path, model_name: str = "tiny") -> str:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from gpn_scale.checkpoint import CheckpointManager
-    from gpn_scale.model.config import load_model_config
-    from gpn_scale.model.gpn import GPN
+    from gpn_scale.models.registry import load_model_config
 
-    cfg = load_model_config(model_name)
+    spec, cfg = load_model_config(model_name)
     torch.manual_seed(0)
-    model = GPN(cfg)
-    model_config = cfg.to_dict() if family is None else {"family": family, **cfg.to_dict()}
-    meta = {"step": 3, "tokens": 0, "model_config": model_config, "config": {}}
+    model = spec.build(cfg)
+    meta = {"step": 3, "tokens": 0, "model_config": cfg.to_dict(), "config": {}}
     return CheckpointManager(str(root)).save(3, {"model": get_model_state_dict(model)}, meta=meta)
 
 
@@ -100,7 +98,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case, corpus, tmp_path, privat
         args = [str(tmp_path / "nowhere"), *data]
         want = "no such file"
     elif case == "non_gpn":
-        args = [save_checkpoint(tmp_path / "c", family="transformer_pp"), *data]
+        args = [save_checkpoint(tmp_path / "c", "transformer_pp_tiny"), *data]
         want = "transformer_pp checkpoint"
     elif case == "empty_root":
         (tmp_path / "empty").mkdir()

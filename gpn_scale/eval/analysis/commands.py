@@ -151,15 +151,9 @@ def _analyze(args: argparse.Namespace) -> int:
 
     from gpn_scale.data import read_metadata
     from gpn_scale.data.metadata import check_compatible
-    from gpn_scale.eval.analysis.load import checkpoint_family, load_model
     from gpn_scale.eval.analysis.report import write_report
+    from gpn_scale.eval.load import load
 
-    family, _ = checkpoint_family(args.checkpoint)
-    if family != "gpn":
-        return _fail(
-            f"{args.checkpoint} is a {family} checkpoint; the state analyses read GPN / "
-            "GPN+M's single recurrent state and memory heads (use `gpn-scale eval` for it)"
-        )
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is visible; use --device cpu")
     device = torch.device(
@@ -168,12 +162,17 @@ def _analyze(args: argparse.Namespace) -> int:
         else "cpu"
     )
     t0 = time.perf_counter()
-    loaded = load_model(args.checkpoint, device)
+    loaded = load(args.checkpoint, device=device, with_tokenizer=False)
+    if loaded.spec.name != "gpn":
+        return _fail(
+            f"{args.checkpoint} is a {loaded.spec.name} checkpoint; the state analyses read "
+            "GPN / GPN+M's single recurrent state and memory heads (use `gpn-scale eval` for it)"
+        )
     cfg = loaded.config
     remote = args.data or _default_data(loaded.meta)
     if not remote:
         return _fail(
-            f"{loaded.uri}: its training data is not at hand; pass --data with a dataset "
+            f"{loaded.checkpoint}: its training data is not at hand; pass --data with a dataset "
             "root written by `gpn-data build`"
         )
     meta = read_metadata(remote)
@@ -190,7 +189,7 @@ def _analyze(args: argparse.Namespace) -> int:
     if names is not None:
         md["top_tokens"] = names
     result["source"] = {
-        "checkpoint": loaded.uri,
+        "checkpoint": loaded.checkpoint,
         "step": loaded.meta.get("step"),
         "model": cfg.to_dict(),
         "data": remote,
