@@ -270,28 +270,26 @@ def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
 
 
 def _family_of(model: str) -> str:
-    from gpn_scale.model.config import load_model_config
+    """The run's family label (gpn_scale.scaling.families), "" when its config is unreadable."""
+    from gpn_scale.scaling.families import model_facts
 
     try:
-        return load_model_config(model).family
+        return model_facts(model, 2048).label
     except ConfigError:
         return ""
 
 
 def _counts_of(model: Any, seq_len: Any) -> tuple[float | None, float | None]:
+    """(parameters, training FLOPs per token) from the run's family's FamilySpec."""
     if not isinstance(model, str):
         return None, None
-    try:
-        from gpn_scale.model import counts
-        from gpn_scale.model.config import load_model_config
+    from gpn_scale.scaling.families import model_facts
 
-        cfg = load_model_config(model)
-        return (
-            float(counts.count_parameters(cfg)),
-            float(counts.flops_per_token(cfg, int(seq_len or 2048))),
-        )
+    try:
+        facts = model_facts(model, int(seq_len or 2048))
     except (ConfigError, ImportError):
         return None, None
+    return float(facts.params), facts.flops_per_token
 
 
 # ----------------------------------------------------------------------------- sources
