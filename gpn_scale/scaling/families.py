@@ -22,6 +22,7 @@ imports a family's modules beyond what the registry loads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,13 @@ class ModelFacts:
     flops_per_token: float  # training FLOPs per token (3 x forward) at `seq_len`
 
 
-def model_facts(model: str | Path, seq_len: int) -> ModelFacts:
-    """Load `model` (a configs/model name or a YAML path) with its own family's config class
-    and count it; a bad config raises ConfigError (one line naming the field)."""
-    spec, cfg = load_model_config(model)
+def model_facts(
+    model: str | Path, seq_len: int, overrides: Mapping[str, Any] | None = None
+) -> ModelFacts:
+    """Load `model` (a configs/model name or a YAML path; `overrides` replace fields) with its
+    own family's config class and count it; a bad config raises ConfigError (one line naming
+    the field)."""
+    spec, cfg = load_model_config(model, overrides)
     return ModelFacts(
         registry_name=spec.name,
         label=family_label(cfg),

@@ -25,6 +25,10 @@ A sweep file (`configs/sweeps/*.yaml`, OmegaConf YAML) looks like
     models:
       - {config: gpn_m_25m, lr: 1.0e-3}
       - {config: gpn_m_130m, family: gpn+m}
+      - {config: tiny, name: tiny-f448, model_overrides: {d_ffn: 448}}   # a size variant
+
+`model_overrides` changes fields of that model's config (validated, and counted, with its own
+family's config class) and reaches the trainer as `model_overrides.<field>=<value>`.
 
 `expand_sweep(path)` validates everything and returns one `RunSpec` per (size, token
 budget, seed); `RunSpec.train_overrides()` is the dotlist for `gpn-scale train`.
@@ -81,7 +85,7 @@ RULE_KEYS = (
     "min_lr_ratio",
     "overrides",
 )
-MODEL_KEYS = ("config", "name", "family") + RULE_KEYS
+MODEL_KEYS = ("config", "name", "family", "model_overrides") + RULE_KEYS
 REQUIRED_RULES = ("global_batch_size", "lr", "warmup_steps")
 
 
@@ -115,6 +119,7 @@ class RunSpec:
     gpu_hours: float  # flops / (peak * mfu)
     base_config: str | None = None
     extra_overrides: tuple[str, ...] = ()
+    model_overrides: tuple[tuple[str, Any], ...] = ()  # (field, value) of the model config
 
     def train_overrides(self) -> list[str]:
         """OmegaConf dotlist overrides for `gpn-scale train [base_config] <overrides>`."""
@@ -133,6 +138,7 @@ class RunSpec:
             f"logging.wandb.group={self.wandb_group}",
             f"logging.wandb.job_type={self.wandb_job_type}",
         ]
+        out += [f"model_overrides.{k}={_dotlist_value(v)}" for k, v in self.model_overrides]
         if self.min_lr_ratio is not None:
             out.append(f"schedule.min_lr_ratio={self.min_lr_ratio!r}")
         if self.run_dir is not None:
@@ -146,6 +152,7 @@ class RunSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["extra_overrides"] = list(self.extra_overrides)
+        d["model_overrides"] = dict(self.model_overrides)
         d["train_overrides"] = self.train_overrides()
         return d
 
@@ -243,6 +250,13 @@ def _beside(sweep_path: Path, value: str) -> str:
     if value == "default" or "://" in value or Path(value).is_absolute():
         return value
     return str((sweep_path.resolve().parent / value).resolve())
+
+
+def _dotlist_value(value: Any) -> str:
+    """A model field's value as OmegaConf's dotlist parses it back (null, true, 1e-05, ...)."""
+    import json
+
+    return "null" if value is None else json.dumps(value) if isinstance(value, bool) else str(value)
 
 
 def _join(root: str, name: str) -> str:
@@ -418,11 +432,24 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
         size = entry.get("name") or Path(config).stem
         if not isinstance(size, str) or not RUN_NAME_RE.match(size):
             raise SweepError(f"{where}.name: letters/digits/._- only, got {size!r}")
+        model_overrides = _mapping(f"{where}.model_overrides", entry.get("model_overrides"))
+        for key, value in model_overrides.items():
+            if not isinstance(value, (int, float, str, bool)) and value is not None:
+                raise SweepError(
+                    f"{where}.model_overrides.{key}: expected a number, string, bool or null, "
+                    f"got {value!r}"
+                )
         try:  # each model with its own family's config class (a mixed sweep mixes classes)
-            facts = model_facts(model_ref, seq_len)
+            facts = model_facts(model_ref, seq_len, model_overrides)
         except ConfigError as err:
-            detail = str(err) if config in str(err) else f"{config}: {err}"
-            raise SweepError(f"{where}.config: {detail} (runs {name}-{size}-s*)") from None
+            msg = str(err)
+            field_ = re.split(r"[:\s]", msg.removeprefix("model."), maxsplit=1)[0]
+            if field_ in model_overrides or "unknown key" in msg and model_overrides:
+                key = f"{where}.model_overrides"  # the entry's own change is at fault
+            else:
+                key = f"{where}.config"
+            detail = msg if config in msg else f"{config}: {msg}"
+            raise SweepError(f"{key}: {detail} (runs {name}-{size}-s*)") from None
         family = entry.get("family") or facts.label
         if not isinstance(family, str):
             raise SweepError(f"{where}.family: expected a string, got {family!r}")
@@ -531,6 +558,7 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
                         gpu_hours=flops / (peak * 1e12 * run_mfu) / 3600.0,
                         base_config=base_config,
                         extra_overrides=tuple(extra),
+                        model_overrides=tuple(model_overrides.items()),
                     )
                 )
     if predicted_gpu is not None:
