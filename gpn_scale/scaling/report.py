@@ -166,7 +166,7 @@ def gap_lines(comparison: Comparison) -> list[str]:
     ]
     for g in comparison.gaps:
         extra = (
-            f" ({g.unreachable_fraction:.0%} of resamples unreachable)"
+            f" ({g.unreachable_fraction:.1%} of resamples unreachable)"
             if g.unreachable_fraction
             else ""
         )
