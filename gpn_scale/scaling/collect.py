@@ -204,9 +204,7 @@ def read_run(
         if seed is None and isinstance(config.get("seed"), int):
             seed = config["seed"]
         if params is None or flops_per_token is None:
-            p, f = _counts_of(
-                config.get("model"), config.get("data", {}).get("seq_len"), overrides
-            )
+            p, f = _counts_of(config.get("model"), config.get("data", {}).get("seq_len"), overrides)
             params = params if params is not None else p
             flops_per_token = flops_per_token if flops_per_token is not None else f
     if seed is None:

@@ -289,7 +289,9 @@ def compare(
 
     for law in laws:
         if (ref, law) not in by:
-            notes.append(f"no {law} gaps: the reference '{ref}' has no {law} fit: {why_missing(ref, law)}")
+            notes.append(
+                f"no {law} gaps: the reference '{ref}' has no {law} fit: {why_missing(ref, law)}"
+            )
             continue
         measures = [m for m, (ml, _) in MEASURES.items() if ml == law]
         for family in families:
@@ -301,7 +303,14 @@ def compare(
             for pt in points[law]:
                 for m in measures:
                     gaps.append(
-                        gap(by[(family, law)], by[(ref, law)], m, pt["at"], where=pt["where"], rng=rng)
+                        gap(
+                            by[(family, law)],
+                            by[(ref, law)],
+                            m,
+                            pt["at"],
+                            where=pt["where"],
+                            rng=rng,
+                        )
                     )
     if any(g.extrapolated for g in gaps):
         notes.append(

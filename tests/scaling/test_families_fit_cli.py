@@ -71,8 +71,7 @@ def finish_runs(sweep_path, noise=0.002):
         )
         overrides = "".join(f"\n  {k}: {v}" for k, v in r.model_overrides)
         (run_dir / "config.yaml").write_text(
-            f"model: {r.model}\nmodel_overrides:{overrides}\nseed: {r.seed}\n"
-            "data:\n  seq_len: 64\n"
+            f"model: {r.model}\nmodel_overrides:{overrides}\nseed: {r.seed}\ndata:\n  seq_len: 64\n"
         )
         (ck / "DONE").write_text(
             json.dumps(
@@ -121,7 +120,10 @@ def test_plan_labels_and_per_family_rows(sweep_path, capsys):
     assert main(["sweep", "plan", str(sweep_path)]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["gpn+m"], ["gpn"])]
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("gpn+m", "gpn", "4", "12"), ("gpn", "gpn", "4", "12")]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("gpn+m", "gpn", "4", "12"),
+        ("gpn", "gpn", "4", "12"),
+    ]
     assert any(line.startswith("gpn+m-2l  ") and " 4    12 " in line for line in out.splitlines())
 
 
@@ -160,7 +162,9 @@ def test_fit_reports_every_family_and_the_gaps(sweep_path, tmp_path, capsys):
         assert g["ci_low"] <= g["value"] <= g["ci_high"], (fam, g)  # coverage: test_gaps.py
         assert got[(fam, "loss_ratio_N", "target")]["extrapolated"]
     # worse than gpn+m (gpn) needs more compute, better (gpn+m-2l, transformer++) less
-    mult = {f: got[(f, "compute_multiplier", "largest in sweep")]["value"] for f in fams - {"gpn+m"}}
+    mult = {
+        f: got[(f, "compute_multiplier", "largest in sweep")]["value"] for f in fams - {"gpn+m"}
+    }
     assert mult["gpn"] > 1 > max(mult["gpn+m-2l"], mult["transformer++"])
 
     report = (out / "report.md").read_text()

@@ -64,7 +64,10 @@ def test_mixed_family_sweep_through_sweep_sh_ends_in_a_fit_with_every_familys_ga
     runs = json.loads(plan.stdout)["runs"]
     assert {r["family"] for r in runs} == FAMILIES and len(runs) == 15
 
-    proc = _run(["sbatch", "--parsable", "-o", tmp_path / "driver.out", REPO / "slurm" / "sweep.sh", sweep], env)
+    proc = _run(
+        ["sbatch", "--parsable", "-o", tmp_path / "driver.out", REPO / "slurm" / "sweep.sh", sweep],
+        env,
+    )
     assert proc.returncode == 0, proc.stderr
     driver = proc.stdout.strip().split(";")[0]
     assert slurm_env.wait(driver, timeout=180) == "COMPLETED", (tmp_path / "driver.out").read_text()
