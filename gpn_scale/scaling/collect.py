@@ -197,12 +197,14 @@ def read_run(
             config = _parse_config(raw, f"{loc.rstrip('/')}/{CONFIG}")
             break
     if config:
+        overrides = config.get("model_overrides")
+        overrides = overrides if isinstance(overrides, dict) else None
         if family is None and isinstance(config.get("model"), str):
-            family = _family_of(config["model"])
+            family = _family_of(config["model"], overrides)
         if seed is None and isinstance(config.get("seed"), int):
             seed = config["seed"]
         if params is None or flops_per_token is None:
-            p, f = _counts_of(config.get("model"), config.get("data", {}).get("seq_len"))
+            p, f = _counts_of(config.get("model"), config.get("data", {}).get("seq_len"), overrides)
             params = params if params is not None else p
             flops_per_token = flops_per_token if flops_per_token is not None else f
     if seed is None:
@@ -269,29 +271,29 @@ def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
     return {str(k): v for k, v in value.items()} if isinstance(value, dict) else {}
 
 
-def _family_of(model: str) -> str:
-    from gpn_scale.model.config import load_model_config
+def _family_of(model: str, overrides: dict[str, Any] | None = None) -> str:
+    """The run's family label (gpn_scale.scaling.families), "" when its config is unreadable."""
+    from gpn_scale.scaling.families import model_facts
 
     try:
-        return load_model_config(model).family
+        return model_facts(model, 2048, overrides).label
     except ConfigError:
         return ""
 
 
-def _counts_of(model: Any, seq_len: Any) -> tuple[float | None, float | None]:
+def _counts_of(
+    model: Any, seq_len: Any, overrides: dict[str, Any] | None = None
+) -> tuple[float | None, float | None]:
+    """(parameters, training FLOPs per token) from the run's family's FamilySpec."""
     if not isinstance(model, str):
         return None, None
-    try:
-        from gpn_scale.model import counts
-        from gpn_scale.model.config import load_model_config
+    from gpn_scale.scaling.families import model_facts
 
-        cfg = load_model_config(model)
-        return (
-            float(counts.count_parameters(cfg)),
-            float(counts.flops_per_token(cfg, int(seq_len or 2048))),
-        )
+    try:
+        facts = model_facts(model, int(seq_len or 2048), overrides)
     except (ConfigError, ImportError):
         return None, None
+    return float(facts.params), facts.flops_per_token
 
 
 # ----------------------------------------------------------------------------- sources

@@ -372,7 +372,31 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
         default=["L(N)", "L(C)", "L(N,D)"],
         help="laws to fit [L(N) L(C) L(N,D)]",
     )
-    fit.add_argument("--families", nargs="+", help="only these families")
+    fit.add_argument("--families", nargs="+", help="only these families (labels)")
+    fit.add_argument(
+        "--reference",
+        metavar="FAMILY",
+        help="the family the others' gaps are measured against [gpn+m when it has runs, "
+        "else the first family in sorted order]",
+    )
+    fit.add_argument(
+        "--at-N",
+        dest="at_N",
+        type=float,
+        action="append",
+        default=[],
+        metavar="N",
+        help="also evaluate the gaps at this parameter count (an extrapolation target; repeatable)",
+    )
+    fit.add_argument(
+        "--at-C",
+        dest="at_C",
+        type=float,
+        action="append",
+        default=[],
+        metavar="C",
+        help="also evaluate the gaps at this training compute in FLOPs (a target; repeatable)",
+    )
     fit.add_argument(
         "--resamples", type=int, default=1000, help="bootstrap resamples, >= 1000 [1000]"
     )
@@ -393,7 +417,8 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from gpn_scale.scaling import collect as C
-    from gpn_scale.scaling.fit import FitError, fit_observations
+    from gpn_scale.scaling.fit import FitError, aggregate, fit_observations
+    from gpn_scale.scaling.gaps import MEASURES, compare, format_point, format_value
     from gpn_scale.scaling.report import write_outputs
     from gpn_scale.scaling.sweep import load_sweep
 
@@ -432,8 +457,18 @@ def cmd_fit(args: argparse.Namespace) -> int:
         seed=args.seed,
         ci_level=args.ci,
     )
+    cells = [
+        c
+        for c in aggregate(collection.observations())
+        if not args.families or c.family in args.families
+    ]
+    comparison = compare(
+        fits, cells, reference=args.reference, at_N=args.at_N, at_C=args.at_C, seed=args.seed
+    )
     settings = {"resamples": args.resamples, "seed": args.seed, "ci_level": args.ci}
-    paths = write_outputs(args.out, fits, notes, collection, settings)
+    if comparison is not None:
+        settings["reference"] = comparison.reference
+    paths = write_outputs(args.out, fits, notes, collection, settings, comparison)
     for f in fits:
         ci = f.ci
         vals = ", ".join(
@@ -442,7 +477,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
         )
         how = " = parameters: interpolates, no interval" if f.interpolates else ""
         print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points{how}): {vals}")
-    for n in notes:
+    if comparison is not None:
+        for g in comparison.gaps:
+            print(
+                f"{g.family:>16} vs {g.reference}: {MEASURES[g.measure][1]} at "
+                f"{format_point(g)}: {format_value(g)}"
+            )
+    for n in notes + (comparison.notes if comparison is not None else []):
         print(f"note: {n}")
     if missing:
         print(f"note: {len(missing)} runs missing (see report)", file=sys.stderr)

@@ -39,12 +39,31 @@ def family_colours(families: Sequence[str]) -> dict[str, str]:
 
 
 def plot_loss_vs(
-    var: str, fits: Sequence[FitResult], cells: Sequence[Cell], path: Path, colours: dict[str, str]
+    var: str,
+    fits: Sequence[FitResult],
+    cells: Sequence[Cell],
+    path: Path,
+    colours: dict[str, str],
+    marks: Sequence[tuple[float, str]] = (),
 ) -> Path:
-    """Cell means (error bars: seed std) against N or C, with the L(var) fit and its band."""
+    """Cell means (error bars: seed std) against N or C, with every family's L(var) fit and
+    its band in one plot; `marks` (value, label) are dashed verticals (the points the gaps
+    between families are evaluated at), and the curves extend to reach them."""
     plt = _pyplot()
     law = f"L({var})"
     fig, ax = plt.subplots(figsize=(7, 5))
+    reach = max((m for m, _ in marks), default=0.0)
+    for value, label in dict.fromkeys(marks):
+        ax.axvline(value, color="k", ls="--", lw=0.8, alpha=0.6)
+        ax.annotate(
+            f"{label}: {var}={value:.3g}",
+            (value, 0.02),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=6,
+            ha="right",
+            va="bottom",
+        )
     for family in sorted({c.family for c in cells}):
         fam = [c for c in cells if c.family == family]
         col = colours[family]
@@ -71,7 +90,7 @@ def plot_loss_vs(
         if fit is None:
             continue
         x = np.array([c.value(var) for c in fit.cells])
-        grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
+        grid = np.geomspace(x.min() / 1.5, max(x.max() * 1.5, reach * 1.1), 200)
         lo, hi = fit.band(**{var: grid})
         p = fit.params
         ax.plot(

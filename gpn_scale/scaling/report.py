@@ -11,6 +11,7 @@ from typing import Any
 
 from gpn_scale.scaling.collect import Collection
 from gpn_scale.scaling.fit import HUBER_DELTA, Cell, FitResult, aggregate
+from gpn_scale.scaling.gaps import MEASURES, Comparison, format_point, format_value
 
 
 def _g(x: float | None, digits: int = 4) -> str:
@@ -25,6 +26,7 @@ def build_json(
     notes: Sequence[str],
     collection: Collection,
     settings: dict[str, Any],
+    comparison: Comparison | None = None,
 ) -> dict[str, Any]:
     return {
         "generated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -38,6 +40,7 @@ def build_json(
         },
         "sources": collection.sources,
         "fits": [f.to_dict() for f in fits],
+        "gaps": comparison.to_dict() if comparison is not None else None,
         "cells": [
             {
                 "family": c.family,
@@ -65,6 +68,7 @@ def build_markdown(
     collection: Collection,
     settings: dict[str, Any],
     plots: Sequence[Path],
+    comparison: Comparison | None = None,
 ) -> str:
     lvl = fits[0].ci_level if fits else 0.95
     lines = ["# Scaling-law fits", ""]
@@ -118,6 +122,8 @@ def build_markdown(
                     "to fit and were dropped"
                 )
         lines.append("")
+    if comparison is not None:
+        lines += gap_lines(comparison)
     lines += [
         "## Data (seed-aggregated)",
         "",
@@ -140,12 +146,49 @@ def build_markdown(
     return "\n".join(lines)
 
 
+def gap_lines(comparison: Comparison) -> list[str]:
+    """The report's section on the gaps between families (gpn_scale.scaling.gaps)."""
+    ref = comparison.reference
+    lvl = comparison.gaps[0].ci_level if comparison.gaps else 0.95
+    lines = [
+        f"## Gaps against {ref}",
+        "",
+        f"Each family's fitted law against the reference family '{ref}' (`--reference`): the "
+        "loss ratio L_family / L_ref at equal N (from L(N)), at equal C (from L(C)) and at "
+        "equal N and D (from L(N,D), where fitted), and the compute multiplier C_family / C "
+        f"with L_family(C_family) = L_ref(C) (from L(C)). Above 1: worse than {ref}. "
+        f"Brackets: {lvl:.0%} seed-bootstrap intervals (each family's refits, paired "
+        "independently). Points: the largest N / C in the data, then the `--at-N` / `--at-C` "
+        "targets.",
+        "",
+        "| family | measure | at | value [CI] |",
+        "|---|---|---|---|",
+    ]
+    for g in comparison.gaps:
+        extra = (
+            f" ({g.unreachable_fraction:.1%} of resamples unreachable)"
+            if g.unreachable_fraction
+            else ""
+        )
+        lines.append(
+            f"| {g.family} | {MEASURES[g.measure][1]} | {format_point(g)} | "
+            f"{format_value(g)}{extra} |"
+        )
+    if not comparison.gaps:
+        lines.append("| — | no gap could be computed (see the notes below) | | |")
+    lines.append("")
+    lines += [f"- {n}" for n in comparison.notes]
+    lines.append("")
+    return lines
+
+
 def write_outputs(
     out_dir: str | Path,
     fits: Sequence[FitResult],
     notes: Sequence[str],
     collection: Collection,
     settings: dict[str, Any],
+    comparison: Comparison | None = None,
 ) -> dict[str, Path]:
     """fit.json, report.md and the PNGs into `out_dir`; returns their paths by role."""
     from gpn_scale.scaling import plots as P
@@ -157,8 +200,12 @@ def write_outputs(
     paths: dict[str, Path] = {}
     for var in ("N", "C"):
         if any(f.form.key == f"L({var})" for f in fits):
+            marks = [  # the points the gaps are evaluated at
+                (float(p["at"][var]), str(p["where"]))
+                for p in (comparison.points.get(f"L({var})", []) if comparison else [])
+            ]
             paths[f"loss_vs_{var}"] = P.plot_loss_vs(
-                var, fits, cells, out / f"loss_vs_{var}.png", colours
+                var, fits, cells, out / f"loss_vs_{var}.png", colours, marks=marks
             )
     for f in fits:
         if f.form.key == "L(N,D)":
@@ -166,10 +213,10 @@ def write_outputs(
             paths[f"loss_vs_D_{f.family}"] = P.plot_loss_vs_tokens(f, out / f"loss_vs_D_{safe}.png")
     if fits:
         paths["residuals"] = P.plot_residuals(fits, out / "residuals.png", colours)
-    data = build_json(fits, cells, notes, collection, settings)
+    data = build_json(fits, cells, notes, collection, settings, comparison)
     (out / "fit.json").write_text(json.dumps(_clean(data), indent=1, allow_nan=False))
     paths["json"] = out / "fit.json"
-    md = build_markdown(fits, cells, notes, collection, settings, list(paths.values()))
+    md = build_markdown(fits, cells, notes, collection, settings, list(paths.values()), comparison)
     (out / "report.md").write_text(md)
     paths["report"] = out / "report.md"
     return paths

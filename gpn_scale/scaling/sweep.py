@@ -25,6 +25,10 @@ A sweep file (`configs/sweeps/*.yaml`, OmegaConf YAML) looks like
     models:
       - {config: gpn_m_25m, lr: 1.0e-3}
       - {config: gpn_m_130m, family: gpn+m}
+      - {config: tiny, name: tiny-f448, model_overrides: {d_ffn: 448}}   # a size variant
+
+`model_overrides` changes fields of that model's config (validated, and counted, with its own
+family's config class) and reaches the trainer as `model_overrides.<field>=<value>`.
 
 `expand_sweep(path)` validates everything and returns one `RunSpec` per (size, token
 budget, seed); `RunSpec.train_overrides()` is the dotlist for `gpn-scale train`.
@@ -81,7 +85,7 @@ RULE_KEYS = (
     "min_lr_ratio",
     "overrides",
 )
-MODEL_KEYS = ("config", "name", "family") + RULE_KEYS
+MODEL_KEYS = ("config", "name", "family", "model_overrides") + RULE_KEYS
 REQUIRED_RULES = ("global_batch_size", "lr", "warmup_steps")
 
 
@@ -91,12 +95,12 @@ class RunSpec:
 
     name: str
     sweep: str
-    family: str
+    family: str  # the label fits compare (gpn_scale.scaling.families.family_label)
+    registry_family: str  # the FamilySpec that builds it ("gpn", "transformer_pp", ...)
     size: str  # the size's label (default: model config name)
     model: str  # model config name (configs/model/<model>.yaml) or a path
     seed: int
     params: int  # all parameters, embedding included
-    non_embedding_params: int
     tokens: int  # steps * global_batch_size * seq_len
     tokens_per_param: float
     total_steps: int
@@ -115,6 +119,7 @@ class RunSpec:
     gpu_hours: float  # flops / (peak * mfu)
     base_config: str | None = None
     extra_overrides: tuple[str, ...] = ()
+    model_overrides: tuple[tuple[str, Any], ...] = ()  # (field, value) of the model config
 
     def train_overrides(self) -> list[str]:
         """OmegaConf dotlist overrides for `gpn-scale train [base_config] <overrides>`."""
@@ -133,6 +138,7 @@ class RunSpec:
             f"logging.wandb.group={self.wandb_group}",
             f"logging.wandb.job_type={self.wandb_job_type}",
         ]
+        out += [f"model_overrides.{k}={_dotlist_value(v)}" for k, v in self.model_overrides]
         if self.min_lr_ratio is not None:
             out.append(f"schedule.min_lr_ratio={self.min_lr_ratio!r}")
         if self.run_dir is not None:
@@ -146,6 +152,7 @@ class RunSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["extra_overrides"] = list(self.extra_overrides)
+        d["model_overrides"] = dict(self.model_overrides)
         d["train_overrides"] = self.train_overrides()
         return d
 
@@ -245,6 +252,13 @@ def _beside(sweep_path: Path, value: str) -> str:
     return str((sweep_path.resolve().parent / value).resolve())
 
 
+def _dotlist_value(value: Any) -> str:
+    """A model field's value as OmegaConf's dotlist parses it back (null, true, 1e-05, ...)."""
+    import json
+
+    return "null" if value is None else json.dumps(value) if isinstance(value, bool) else str(value)
+
+
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
@@ -310,8 +324,7 @@ def expand_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> 
 
 
 def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bool = True) -> Sweep:
-    from gpn_scale.model import counts
-    from gpn_scale.model.config import load_model_config
+    from gpn_scale.scaling.families import model_facts
 
     _check_keys("", raw, TOP_KEYS)
     name = raw.get("name")
@@ -416,14 +429,28 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
         if not isinstance(config, str) or not config:
             raise SweepError(f"{where}.config: required, a model config name from configs/model/")
         model_ref = _resolve_model_ref(config, path)
-        try:
-            cfg = load_model_config(model_ref)
-        except ConfigError as err:
-            raise SweepError(f"{where}.config: {err}") from None
         size = entry.get("name") or Path(config).stem
-        family = entry.get("family") or cfg.family
         if not isinstance(size, str) or not RUN_NAME_RE.match(size):
             raise SweepError(f"{where}.name: letters/digits/._- only, got {size!r}")
+        model_overrides = _mapping(f"{where}.model_overrides", entry.get("model_overrides"))
+        for key, value in model_overrides.items():
+            if not isinstance(value, (int, float, str, bool)) and value is not None:
+                raise SweepError(
+                    f"{where}.model_overrides.{key}: expected a number, string, bool or null, "
+                    f"got {value!r}"
+                )
+        try:  # each model with its own family's config class (a mixed sweep mixes classes)
+            facts = model_facts(model_ref, seq_len, model_overrides)
+        except ConfigError as err:
+            msg = str(err)
+            field_ = re.split(r"[:\s]", msg.removeprefix("model."), maxsplit=1)[0]
+            if field_ in model_overrides or "unknown key" in msg and model_overrides:
+                key = f"{where}.model_overrides"  # the entry's own change is at fault
+            else:
+                key = f"{where}.config"
+            detail = msg if config in msg else f"{config}: {msg}"
+            raise SweepError(f"{key}: {detail} (runs {name}-{size}-s*)") from None
+        family = entry.get("family") or facts.label
         if not isinstance(family, str):
             raise SweepError(f"{where}.family: expected a string, got {family!r}")
         rules = {k: v for k, v in defaults.items()}
@@ -467,13 +494,19 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
             if o.split("=", 1)[0].strip() in reserved:
                 raise SweepError(f"{where}.overrides: '{o}' is set by the sweep itself; remove it")
 
-        params = int(counts.count_parameters(cfg))
-        non_emb = int(counts.non_embedding_parameters(cfg))
-        per_token = float(counts.flops_per_token(cfg, seq_len))
+        params, per_token = facts.params, facts.flops_per_token
         run_mfu = mfu
         if predicted_gpu is not None:
+            if facts.registry_name != "gpn":
+                raise SweepError(
+                    f"hardware.mfu: 'predicted' is GPN's launch accounting only, but "
+                    f"{where} ({config}) is family {facts.registry_name}; give a measured "
+                    "fraction (hardware.mfu: 0.4)"
+                )
             run_mfu = (
-                _predicted_mfu(cfg, seqs_per_gpu, seq_len, predicted_gpu) if price else float("nan")
+                _predicted_mfu(facts.config, seqs_per_gpu, seq_len, predicted_gpu)
+                if price
+                else float("nan")
             )
             predicted[size] = run_mfu
         tokens_per_step = gbs * seq_len
@@ -502,11 +535,11 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
                         name=run_name,
                         sweep=name,
                         family=family,
+                        registry_family=facts.registry_name,
                         size=size,
                         model=model_ref,
                         seed=seed,
                         params=params,
-                        non_embedding_params=non_emb,
                         tokens=tokens,
                         tokens_per_param=tokens / params,
                         total_steps=steps,
@@ -525,6 +558,7 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
                         gpu_hours=flops / (peak * 1e12 * run_mfu) / 3600.0,
                         base_config=base_config,
                         extra_overrides=tuple(extra),
+                        model_overrides=tuple(model_overrides.items()),
                     )
                 )
     if predicted_gpu is not None:
@@ -645,8 +679,41 @@ def format_plan(sweep: Sweep) -> str:
         f"{run_dirs}"
         f"; W&B {r0.wandb_project}/{r0.wandb_group} ({r0.wandb_job_type})",
     ]
+    lines += ["", *format_family_rows(sweep)]
     lines += [f"NOTE: {n}" for n in sweep.notes]
     return "\n".join(lines)
+
+
+def format_family_rows(sweep: Sweep) -> list[str]:
+    """One row per family label: its registry family, sizes, runs, parameter range, FLOPs and
+    GPU-hours (what a families sweep spends on each curve)."""
+    rows = [("family", "registry", "sizes", "runs", "params", "FLOPs", "GPU-h")]
+    for fam in dict.fromkeys(r.family for r in sweep.runs):
+        runs = [r for r in sweep.runs if r.family == fam]
+        lo, hi = min(r.params for r in runs), max(r.params for r in runs)
+        rows.append(
+            (
+                fam,
+                ",".join(dict.fromkeys(r.registry_family for r in runs)),
+                str(len({r.size for r in runs})),
+                str(len(runs)),
+                _short(lo) if lo == hi else f"{_short(lo)}-{_short(hi)}",
+                f"{sum(r.flops for r in runs):.3g}",
+                f"{sum(r.gpu_hours for r in runs):.4g}",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    out = []
+    for i, row in enumerate(rows):
+        out.append(
+            "  ".join(
+                cell.ljust(w) if c < 2 else cell.rjust(w)
+                for c, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
 
 
 def validate_with_trainer(sweep: Sweep) -> None:

@@ -70,7 +70,12 @@ def sweep_setup(slurm_env, s3_endpoint, tmp_path, monkeypatch):
         tmp_path / "ci_slurm.yaml",
         checkpoint_root=f"{bucket}/ci/checkpoints",
         run_root=tmp_path / "runs",
-        models=[{"config": "tiny"}, {"config": "tiny_2l"}, {"config": "tiny_wide.yaml"}],
+        # three sizes of one family label: 2-layer GPN+M would be its own family, gpn+m-2l
+        models=[
+            {"config": "tiny"},
+            {"config": "tiny", "name": "tiny_f640", "model_overrides": {"d_ffn": 640}},
+            {"config": "tiny_wide.yaml"},
+        ],
         overrides=["debug.step_sleep=0.3", "logging.wandb.mode=offline"],
     )
     env = job_env(
