@@ -124,6 +124,9 @@ class EvalSection:
 class PreemptionSection:
     enabled: bool = True  # SIGUSR1 / SIGTERM -> save and exit 75
     requeue: bool = False  # under SLURM also `scontrol requeue $SLURM_JOB_ID`
+    # Save and exit 75 this many seconds before SLURM_JOB_END_TIME (epoch seconds; set by
+    # SLURM >= 23.02, by slurm/train.sbatch otherwise), whatever the signals do; 0: off.
+    end_margin_s: float = 180.0
 
 
 @dataclass
@@ -133,6 +136,8 @@ class DebugSection:
     inject_nan_from: int | None = None
     # Sleep this many seconds after each step (tests that signal a running job).
     step_sleep: float = 0.0
+    # Sleep this many seconds inside each held-out eval (tests that signal the final eval).
+    eval_sleep: float = 0.0
 
 
 @dataclass

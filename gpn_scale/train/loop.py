@@ -42,6 +42,7 @@ from gpn_scale.train.signals import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
     PreemptionFlag,
+    job_deadline,
     request_slurm_requeue,
 )
 
@@ -444,7 +445,21 @@ class Trainer:
         )
         self._started = False
         self._loaders: list = []
-        self._setup_topology()
+        # Installed before the setup and kept through the final eval, save and DONE: a
+        # preemption signal in any of those windows is acted on, never fatal.
+        self._flag = PreemptionFlag().install() if cfg.preemption.enabled else None
+        self._deadline = (
+            job_deadline(os.environ, cfg.preemption.end_margin_s)
+            if cfg.preemption.enabled
+            else None
+        )
+        self._deadline_hit = False
+        try:
+            self._setup_topology()
+        except BaseException:
+            if self._flag is not None:
+                self._flag.uninstall()
+            raise
         topo = self.topo
         try:
             result = self._run()
@@ -464,6 +479,8 @@ class Trainer:
             for loader in self._loaders:
                 with contextlib.suppress(Exception):
                     loader.close()
+            if self._flag is not None:
+                self._flag.uninstall()
             topo.destroy()
 
     def _run(self) -> RunResult:
@@ -567,7 +584,7 @@ class Trainer:
             f"run dir {self.run_dir}; checkpoints {cfg.resolved_checkpoint_root}"
         )
 
-        flag = PreemptionFlag().install() if cfg.preemption.enabled else None
+        flag = self._flag
         self._pbar = self._progress(step, total)
         data = self._batches(train_loader)
         t_loop, step0 = time.perf_counter(), step  # for the ETA of the plain progress lines
@@ -679,10 +696,16 @@ class Trainer:
                         message=msg,
                     )
 
-                preempt = flag is not None and topo.all_reduce_max(float(flag.requested)) > 0
+                # The preemption save comes first: a scheduled eval must not spend the grace.
+                if self._stop_requested():
+                    if last_ckpt_step(last_ckpt) != step:
+                        last_ckpt = self._save(
+                            mgr, backend, step, tokens, skipped, train_loader, model_cfg
+                        )
+                    return self._preempted(step, tokens, skipped, last_ckpt)
                 if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
                     final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
-                if preempt or (
+                if (
                     cfg.checkpoint.every_steps
                     and step % cfg.checkpoint.every_steps == 0
                     and step < total
@@ -690,35 +713,22 @@ class Trainer:
                     last_ckpt = self._save(
                         mgr, backend, step, tokens, skipped, train_loader, model_cfg
                     )
-                if preempt:
-                    self.log(
-                        f"preempted (signal {flag.signum or 'on another rank'}) at step "
-                        f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
-                        "with --resume auto"
-                    )
-                    self._emit({"event": "preempted"}, step, tokens)
-                    if cfg.preemption.requeue and topo.is_main and not flag.interrupted:
-                        request_slurm_requeue(self.log)
-                    return RunResult(
-                        EXIT_PREEMPTED,
-                        step,
-                        tokens,
-                        self.run_dir,
-                        last_ckpt,
-                        skipped_steps=skipped,
-                        message="preempted",
-                    )
         finally:
-            if flag is not None:
-                flag.uninstall()
             if self._pbar is not None:  # the bar ends with the steps; the summary follows it
                 self._pbar.close()
                 self._pbar = None
 
         # ---- finish: eval, final checkpoint, DONE marker ------------------------------
+        if cfg.eval.at_end and self._stop_requested():  # (a resumed run evaluates later)
+            if last_ckpt_step(last_ckpt) != step:
+                last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader, model_cfg)
+            return self._preempted(step, tokens, skipped, last_ckpt)
         if cfg.eval.at_end:
             final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
-        if cfg.checkpoint.save_final and last_ckpt_step(last_ckpt) != step:
+        # A signal during the final eval (still handled): the save below and DONE follow
+        # at once, so the run finishes within the grace; save_final=false saves then too.
+        late_stop = self._stop_requested()
+        if (cfg.checkpoint.save_final or late_stop) and last_ckpt_step(last_ckpt) != step:
             last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader, model_cfg)
         if cfg.checkpoint.export_final:
             sd = backend.full_state_dict()
@@ -749,6 +759,48 @@ class Trainer:
         return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
 
     # ------------------------------------------------------------------ pieces
+    def _stop_requested(self) -> bool:
+        """All ranks agree (one all-reduce MAX) whether to stop now: a preemption signal on
+        any rank, or the job's wall-clock deadline passed on any rank."""
+        if self._flag is None:
+            return False
+        local = self._flag.requested
+        if self._deadline is not None and time.time() >= self._deadline:
+            local = self._deadline_hit = True
+        return self.topo.all_reduce_max(float(local)) > 0
+
+    def _preempted(self, step: int, tokens: int, skipped: int, last_ckpt: str | None) -> RunResult:
+        flag, cfg = self._flag, self.cfg
+        why = (
+            f"signal {flag.signum}"
+            if flag.signum
+            else (
+                f"the job's time limit is {cfg.preemption.end_margin_s:.0f}s away "
+                "(SLURM_JOB_END_TIME)"
+                if self._deadline_hit
+                else "signal on another rank"
+            )
+        )
+        self.log(
+            f"preempted ({why}) at step {step}: saved {last_ckpt}; exiting "
+            f"{EXIT_PREEMPTED}; continue with --resume auto"
+        )
+        self._emit({"event": "preempted"}, step, tokens)
+        if cfg.preemption.requeue and self.topo.is_main and not flag.interrupted:
+            request_slurm_requeue(self.log)
+        # No rank exits before every rank is past the save: with srun --kill-on-bad-exit
+        # the first exit 75 kills the others.
+        self.topo.barrier()
+        return RunResult(
+            EXIT_PREEMPTED,
+            step,
+            tokens,
+            self.run_dir,
+            last_ckpt,
+            skipped_steps=skipped,
+            message="preempted",
+        )
+
     def _check_existing_run(self, mgr, resume_uri: str | None) -> RunResult | None:
         """Refuse to start over existing checkpoints without --fresh; a finished run is
         left as it is (a RunResult: nothing to do). None: go on."""
@@ -879,6 +931,8 @@ class Trainer:
         from gpn_scale.eval.heldout import heldout_loss
 
         val_loader.load_state_dict(val_start)
+        if self.cfg.debug.eval_sleep:
+            time.sleep(self.cfg.debug.eval_sleep)
         backend.train(False)
         try:
             result = heldout_loss(
