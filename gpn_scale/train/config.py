@@ -97,7 +97,10 @@ class CheckpointSection:
 
 @dataclass
 class WandbSection:
-    mode: str = "disabled"  # online | offline | disabled
+    mode: str = "disabled"  # online | offline | auto (online, else offline) | disabled
+    # The W&B run id (sweeps derive it from sweep + run name: one W&B run per run, across
+    # requeues and re-submissions); a checkpoint's recorded id wins on resume. None: new.
+    run_id: str | None = None
     project: str = "gpn-scale"
     entity: str | None = None
     group: str | None = None
@@ -176,7 +179,7 @@ _ENUMS = {
     "train.precision": ("auto", "fp32", "bf16"),
     "parallel.backend": ("auto", "none", "fsdp2", "deepspeed"),
     "parallel.reduce_dtype": ("fp32", "bf16"),
-    "logging.wandb.mode": ("online", "offline", "disabled"),
+    "logging.wandb.mode": ("online", "offline", "auto", "disabled"),
 }
 # Keys whose value is a free mapping (validated elsewhere: model_overrides by GPNConfig).
 _FREE_MAPPINGS = {"model_overrides"}

@@ -1042,18 +1042,34 @@ class Trainer:
             config = scrub_secrets(
                 {**self.cfg.to_dict(), "model_config": model_cfg.to_dict(), "params": n_params}
             )
-            sink = WandbSink(
-                project=wb.project,
-                group=wb.group,
-                job_type=wb.job_type,
-                name=self.cfg.run_name,
-                config=config,
-                mode=wb.mode,
-                dir=wb.dir or str(run_dir),
-                resume_id=wandb_id,
-                init_timeout=wb.init_timeout,
-                log=self.log,
-            )
+
+            def open_wandb(mode: str) -> WandbSink:
+                return WandbSink(
+                    project=wb.project,
+                    group=wb.group,
+                    job_type=wb.job_type,
+                    name=self.cfg.run_name,
+                    config=config,
+                    mode=mode,
+                    dir=wb.dir or str(run_dir),
+                    resume_id=wandb_id or wb.run_id,
+                    init_timeout=wb.init_timeout,
+                    log=self.log,
+                )
+
+            try:
+                sink = open_wandb("online" if wb.mode == "auto" else wb.mode)
+            except ConfigError as err:
+                if wb.mode != "auto":
+                    raise
+                # compute nodes often have no internet: log offline, upload from a login node
+                self.log(f"W&B: online failed ({err}); logging.wandb.mode=auto: offline instead")
+                sink = open_wandb("offline")
+            if sink.offline:
+                self.log(
+                    f"W&B: offline run {sink.run_id} in {sink.dir}; upload it with "
+                    f"`wandb sync {Path(sink.dir).parent}`"
+                )
             self._wandb_id = sink.run_id
             self._sinks.append(sink)
 

@@ -64,9 +64,7 @@ def test_job_end_time_makes_the_trainer_save_and_exit_75(corpus, tmp_path):
     over = ("schedule.total_steps=6", "checkpoint.every_steps=0")
     # the limit is 100 s away, the margin 1000 s: past the deadline at the first step's end
     env = child_env(tmp_path, SLURM_JOB_END_TIME=str(int(time.time()) + 100))
-    proc = run_train(
-        corpus, run_dir, *over, "preemption.end_margin_s=1000", env=env, check=False
-    )
+    proc = run_train(corpus, run_dir, *over, "preemption.end_margin_s=1000", env=env, check=False)
     assert proc.returncode == EXIT_PREEMPTED, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "SLURM_JOB_END_TIME" in proc.stdout
     assert _saved_steps(run_dir) == [1]
