@@ -584,7 +584,6 @@ class Trainer:
             f"run dir {self.run_dir}; checkpoints {cfg.resolved_checkpoint_root}"
         )
 
-        flag = self._flag
         self._pbar = self._progress(step, total)
         data = self._batches(train_loader)
         t_loop, step0 = time.perf_counter(), step  # for the ETA of the plain progress lines
