@@ -8,8 +8,12 @@
 # minutes) that runs `sbatch --array=...` from inside the allocation and exits; it never
 # trains. So the same file works from a login node (bash) and as a job (sbatch), and
 # re-running it is always safe: runs that already have a DONE marker beside their
-# checkpoints (local or s3://) are left out of the array (`gpn-scale sweep pending`), and a
-# task whose run finished in the meantime exits 0 at once.
+# checkpoints (local or s3://), and runs with a live job (in squeue: queued, running,
+# requeued; or a live lease in their checkpoint root) are left out of the array
+# (`gpn-scale sweep pending`), and a task whose run finished in the meantime exits 0 at once.
+# The tasks read their argv from a table frozen at submit time
+# (<logs>/gpn-<sweep>-<time>.argv.json, `gpn-scale sweep snapshot`): editing or pulling the
+# sweep YAML afterwards never remaps a queued task.
 #
 # Flags (each also read from the environment; flags win):
 #   -p|--partition P   SWEEP_PARTITION   [the driver job's partition under sbatch, else default]
@@ -116,9 +120,10 @@ fi
 INFO="$("$PY" -m gpn_scale.cli sweep pending "$SWEEP" --validate --shell)" || exit 2
 NAME="$(sed -n 's/^SWEEP_NAME=//p' <<< "$INFO")"
 PENDING="$(sed -n 's/^PENDING=//p' <<< "$INFO")"
+LIVE="$(sed -n 's/^LIVE=//p' <<< "$INFO")"
 [[ -n "$NAME" ]] || die "gpn-scale sweep pending printed no sweep name: $INFO"
 if [[ -z "$PENDING" ]]; then
-  echo "nothing to submit: every run of sweep $NAME is finished (DONE markers present)"
+  echo "nothing to submit: every run of sweep $NAME is finished (DONE markers present)${LIVE:+ or has a live job (runs $LIVE)}"
   exit 0
 fi
 N_PENDING=$(tr ',' '\n' <<< "$PENDING" | wc -l)
@@ -141,11 +146,13 @@ else
 fi
 export GPN_SHUTDOWN_TIMEOUT="$GRACE"
 
+TABLE="$LOGS/gpn-$NAME-$(date -u +%Y%m%dT%H%M%S)-$$.argv.json"
 if [[ $DRY -eq 1 ]]; then
-  echo "sbatch ${ARGS[*]} ${EXTRA[*]} $TRAIN_SBATCH --sweep $SWEEP"
+  echo "sbatch ${ARGS[*]} ${EXTRA[*]} $TRAIN_SBATCH --sweep $TABLE   (the argv table of $SWEEP)"
   exit 0
 fi
 mkdir -p "$LOGS"
+"$PY" -m gpn_scale.cli sweep snapshot "$SWEEP" "$TABLE" >/dev/null || exit 2
 # Inside the driver job: drop its SLURM_* variables so the array tasks do not inherit them
 # (sbatch sets fresh ones); keep SLURM_CONF.
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
@@ -153,7 +160,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     [[ "$v" == SLURM_CONF ]] || unset "$v"
   done
 fi
-JOB="$(sbatch "${ARGS[@]}" "${EXTRA[@]}" "$TRAIN_SBATCH" --sweep "$SWEEP")" || die "sbatch failed (see above)"
+JOB="$(sbatch "${ARGS[@]}" "${EXTRA[@]}" "$TRAIN_SBATCH" --sweep "$TABLE")" || die "sbatch failed (see above)"
 JOB="${JOB%%;*}"
-echo "submitted sweep $NAME: $N_PENDING of its runs ($PENDING) as array job $JOB (at most $CONCURRENCY at once); logs in $LOGS"
+echo "submitted sweep $NAME: $N_PENDING of its runs ($PENDING) as array job $JOB (at most $CONCURRENCY at once); logs in $LOGS; argv table $TABLE${LIVE:+; skipped runs with a live job: $LIVE}"
 echo "ARRAY_JOB_ID=$JOB"

@@ -89,6 +89,9 @@ class CheckpointSection:
     root: str | None = None  # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
     every_steps: int = 0  # 0 = only on preemption and at the end
     keep_last: int = 2
+    # The run's lease (<root>/LEASE: one job at a time): stale after this many seconds
+    # without a heartbeat; 0 = no lease.
+    lease_ttl_s: float = 300.0
     save_final: bool = True
     # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
     # (gathered from FSDP2 / ZeRO shards), loadable with GPN(cfg).load_state_dict.

@@ -267,11 +267,14 @@ class Trainer:
         log: Callable[[str], None] | None = None,
         eval_only: bool = False,
         fresh: bool = False,
+        take_over: bool = False,
     ) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
         self.fresh = fresh
+        self.take_over = take_over  # replace another job's live lease on the run
+        self._lease: Any = None
         self._log = log or (lambda msg: print(msg, flush=True))
         self._log_is_print = log is None
 
@@ -479,6 +482,8 @@ class Trainer:
             for loader in self._loaders:
                 with contextlib.suppress(Exception):
                     loader.close()
+            if self._lease is not None:
+                self._lease.release()
             if self._flag is not None:
                 self._flag.uninstall()
             topo.destroy()
@@ -527,6 +532,7 @@ class Trainer:
             finished = self._check_existing_run(mgr, resume_uri)
             if finished is not None:
                 return finished
+            self._take_lease(mgr)
 
         if topo.is_main and not self.eval_only:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -799,6 +805,25 @@ class Trainer:
             skipped_steps=skipped,
             message="preempted",
         )
+
+    def _take_lease(self, mgr) -> None:
+        """Rank 0 takes the run's lease before anything is written; every rank agrees."""
+        if not self.cfg.checkpoint.lease_ttl_s:
+            return
+        from gpn_scale.checkpoint.lease import LeaseHeld, RunLease
+
+        error = None
+        if self.topo.is_main:
+            lease = RunLease(mgr.storage, self.cfg.checkpoint.lease_ttl_s)
+            try:
+                note = lease.acquire(take_over=self.take_over)
+                self._lease = lease
+                if note:
+                    self.log(note)
+            except LeaseHeld as err:
+                error = str(err)
+        if self.topo.all_reduce_max(1.0 if error else 0.0) > 0:
+            raise LeaseHeld(error or "another job holds this run's lease (see rank 0)")
 
     def _check_existing_run(self, mgr, resume_uri: str | None) -> RunResult | None:
         """Refuse to start over existing checkpoints without --fresh; a finished run is
