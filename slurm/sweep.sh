@@ -24,8 +24,9 @@
 #                                        [D-]HH:MM:SS (24:00:00, 1-00:00:00) [partition default]
 #   -N|--nodes N       SWEEP_NODES       nodes per run [1]
 #   -g|--gpus G        SWEEP_GPUS        GPUs per node (0: CPU, GPN_NPROC_PER_NODE procs) [8]
-#   -c|--cpus C        SWEEP_CPUS        CPUs per task (the node's torchrun) [unset]
-#   --mem M            SWEEP_MEM         memory per node, e.g. 200G [unset]
+#   -c|--cpus C        SWEEP_CPUS        CPUs per task (the node's torchrun) [GPU runs: the
+#                                        whole node (--exclusive); CPU runs: unset]
+#   --mem M            SWEEP_MEM         memory per node, e.g. 200G [GPU runs: 0 = all of it]
 #   -k|--concurrency K SWEEP_CONCURRENCY at most K runs at once (--array=...%K) [4]
 #   --grace S          SWEEP_GRACE       seconds of warning before the time limit (USR1) [300]
 #   --logs DIR         SWEEP_LOG_DIR     task logs <DIR>/<job>-<array>_<task>.out [./slurm-logs]
@@ -88,7 +89,7 @@ while [[ $# -gt 0 ]]; do
     --logs) LOGS="${2:?}"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) die "unknown flag $1; see the header of slurm/sweep.sh (--help)" ;;
     *) [[ -z "$SWEEP" ]] || die "one sweep file only (got '$SWEEP' and '$1')"; SWEEP="$1"; shift ;;
   esac
@@ -140,11 +141,16 @@ ARGS=(--parsable --job-name="gpn-$NAME" --array="$PENDING%$CONCURRENCY"
 [[ -n "$MEM" ]] && ARGS+=(--mem="$MEM")
 if [[ "$GPUS" -gt 0 ]]; then
   ARGS+=(--gpus-per-node="$GPUS")
+  # GPU runs take whole nodes unless told otherwise: without --cpus-per-task/--mem SLURM
+  # gives one CPU and DefMemPerCPU (the trainers and their data loaders then starve or OOM)
+  [[ -z "$CPUS" ]] && ARGS+=(--exclusive)
+  [[ -z "$MEM" ]] && ARGS+=(--mem=0)
   export GPUS_PER_NODE="$GPUS"
 else
   unset GPUS_PER_NODE
 fi
 export GPN_SHUTDOWN_TIMEOUT="$GRACE"
+export GPN_RANK_LOG_DIR="${GPN_RANK_LOG_DIR:-$LOGS/ranks}"
 
 TABLE="$LOGS/gpn-$NAME-$(date -u +%Y%m%dT%H%M%S)-$$.argv.json"
 if [[ $DRY -eq 1 ]]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # slurm/local/two_nodes.sh start|stop - a real TWO-node SLURM cluster on this machine: each
 # node is a network + UTS namespace of its own (its own address on a veth link and its own
-# host name), both sharing this machine's file system the way compute nodes share NFS.
+# host name; its own /dev/shm and IPC), both sharing this machine's file system the way compute nodes share NFS.
 #
 #   node n1: netns <tag>a, address 10.<x>.<y>.1 on interface gpn0, host name <tag>n1;
 #            runs slurmctld and slurmd -N n1
@@ -148,16 +148,19 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=01:00:00 State=UP
 CONF
 printf 'export SLURM_CONF=%q\nexport PATH="$PATH:/usr/sbin"\n' "$SLURM_CONF" >"$BASE/env.sh"
 
+# Each node gets its own /dev/shm and SysV IPC (a mount + IPC namespace), as real nodes
+# have: streaming coordinates the processes of one node through shared memory there.
+PRIVATE_SHM="mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm"
 # --- daemons, each started inside its node's namespaces (a fresh UTS namespace per node
 # gives it its own host name; the daemons keep the namespaces they were started in)
 if ! is_up "$RUN/slurmctld.pid" slurmctld || ! is_up "$RUN/slurmd-n1.pid" slurmd; then
-  on "$A" unshare --uts sh -c "hostname ${TAG}n1
+  on "$A" unshare --uts --ipc --mount --propagation private sh -c "$PRIVATE_SHM; hostname ${TAG}n1
     $(is_up "$RUN/slurmctld.pid" slurmctld || echo slurmctld)
     slurmd -N n1" || fail "slurmd n1 did not start; see $LOG/slurmd-n1.log"
 fi
 retry 30 on "$A" scontrol ping || fail "slurmctld does not answer; see $LOG/slurmctld.log"
 if ! is_up "$RUN/slurmd-n2.pid" slurmd; then
-  on "$B" unshare --uts sh -c "hostname ${TAG}n2; slurmd -N n2" \
+  on "$B" unshare --uts --ipc --mount --propagation private sh -c "$PRIVATE_SHM; hostname ${TAG}n2; slurmd -N n2" \
     || fail "slurmd n2 did not start; see $LOG/slurmd-n2.log"
 fi
 until_=$((SECONDS + 60))
