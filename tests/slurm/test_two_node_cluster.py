@@ -112,10 +112,8 @@ def test_two_nodes_train_preempt_one_node_requeue_and_resume_exactly(two_nodes, 
     rows = read_jsonl(victim_dir / "metrics.jsonl")
     assert [r["event"] for r in rows if "event" in r].count("preempted") == 1
     # the rendezvous ran on n1's veth address, not on a host name
-    assert (
-        f"rendezvous {two_nodes.run(['scontrol', 'show', 'node', 'n1']).stdout.split('NodeAddr=')[1].split()[0]}:"
-        in out
-    )
+    node = two_nodes.run(["scontrol", "show", "node", "n1"]).stdout
+    assert f"rendezvous {node.split('NodeAddr=')[1].split()[0]}:" in out
     got, want = _losses(victim_dir), _losses(tmp_path / "twin")
     assert sorted(want) == list(range(1, 13)) and got == want
     assert list((tmp_path / "scratch").iterdir()) == []  # node-local scratch cleaned
