@@ -271,8 +271,10 @@ def cmd_sweep_pending(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_run_argv(args: argparse.Namespace) -> int:
-    from gpn_scale.scaling.slurm_launch import is_done, load, run_at, table_run_at
+    from gpn_scale.scaling.slurm_launch import TableRun, is_done, load, run_at, table_run_at
+    from gpn_scale.scaling.sweep import RunSpec
 
+    run: RunSpec | TableRun
     if args.sweep.endswith(".json"):  # the table snapshotted at submit time
         run = table_run_at(args.sweep, args.index)
     else:

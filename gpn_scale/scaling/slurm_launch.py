@@ -93,7 +93,7 @@ def live_runs(sweep: Sweep) -> dict[int, str]:
             lease = read_lease(open_storage(run.checkpoint_root))
         except Exception:  # noqa: BLE001 - an unreadable root is judged by the trainer
             continue
-        if is_live(lease):
+        if lease is not None and is_live(lease):
             live[i] = f"leased by {describe(lease)}"
     return live
 
