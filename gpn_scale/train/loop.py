@@ -1088,6 +1088,9 @@ class Trainer:
                     raise
                 # compute nodes often have no internet: log offline, upload from a login node
                 self.log(f"W&B: online failed ({err}); logging.wandb.mode=auto: offline instead")
+                import wandb
+
+                wandb.teardown()  # else the failed online attempt still holds the run id
                 sink = open_wandb("offline")
             if sink.offline:
                 self.log(
