@@ -8,8 +8,12 @@
 # minutes) that runs `sbatch --array=...` from inside the allocation and exits; it never
 # trains. So the same file works from a login node (bash) and as a job (sbatch), and
 # re-running it is always safe: runs that already have a DONE marker beside their
-# checkpoints (local or s3://) are left out of the array (`gpn-scale sweep pending`), and a
-# task whose run finished in the meantime exits 0 at once.
+# checkpoints (local or s3://), and runs with a live job (in squeue: queued, running,
+# requeued; or a live lease in their checkpoint root) are left out of the array
+# (`gpn-scale sweep pending`), and a task whose run finished in the meantime exits 0 at once.
+# The tasks read their argv from a table frozen at submit time
+# (<logs>/gpn-<sweep>-<time>.argv.json, `gpn-scale sweep snapshot`): editing or pulling the
+# sweep YAML afterwards never remaps a queued task.
 #
 # Flags (each also read from the environment; flags win):
 #   -p|--partition P   SWEEP_PARTITION   [the driver job's partition under sbatch, else default]
@@ -20,8 +24,9 @@
 #                                        [D-]HH:MM:SS (24:00:00, 1-00:00:00) [partition default]
 #   -N|--nodes N       SWEEP_NODES       nodes per run [1]
 #   -g|--gpus G        SWEEP_GPUS        GPUs per node (0: CPU, GPN_NPROC_PER_NODE procs) [8]
-#   -c|--cpus C        SWEEP_CPUS        CPUs per task (the node's torchrun) [unset]
-#   --mem M            SWEEP_MEM         memory per node, e.g. 200G [unset]
+#   -c|--cpus C        SWEEP_CPUS        CPUs per task (the node's torchrun) [GPU runs: the
+#                                        whole node (--exclusive); CPU runs: unset]
+#   --mem M            SWEEP_MEM         memory per node, e.g. 200G [GPU runs: 0 = all of it]
 #   -k|--concurrency K SWEEP_CONCURRENCY at most K runs at once (--array=...%K) [4]
 #   --grace S          SWEEP_GRACE       seconds of warning before the time limit (USR1) [300]
 #   --logs DIR         SWEEP_LOG_DIR     task logs <DIR>/<job>-<array>_<task>.out [./slurm-logs]
@@ -84,7 +89,7 @@ while [[ $# -gt 0 ]]; do
     --logs) LOGS="${2:?}"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) die "unknown flag $1; see the header of slurm/sweep.sh (--help)" ;;
     *) [[ -z "$SWEEP" ]] || die "one sweep file only (got '$SWEEP' and '$1')"; SWEEP="$1"; shift ;;
   esac
@@ -116,9 +121,10 @@ fi
 INFO="$("$PY" -m gpn_scale.cli sweep pending "$SWEEP" --validate --shell)" || exit 2
 NAME="$(sed -n 's/^SWEEP_NAME=//p' <<< "$INFO")"
 PENDING="$(sed -n 's/^PENDING=//p' <<< "$INFO")"
+LIVE="$(sed -n 's/^LIVE=//p' <<< "$INFO")"
 [[ -n "$NAME" ]] || die "gpn-scale sweep pending printed no sweep name: $INFO"
 if [[ -z "$PENDING" ]]; then
-  echo "nothing to submit: every run of sweep $NAME is finished (DONE markers present)"
+  echo "nothing to submit: every run of sweep $NAME is finished (DONE markers present)${LIVE:+ or has a live job (runs $LIVE)}"
   exit 0
 fi
 N_PENDING=$(tr ',' '\n' <<< "$PENDING" | wc -l)
@@ -135,17 +141,24 @@ ARGS=(--parsable --job-name="gpn-$NAME" --array="$PENDING%$CONCURRENCY"
 [[ -n "$MEM" ]] && ARGS+=(--mem="$MEM")
 if [[ "$GPUS" -gt 0 ]]; then
   ARGS+=(--gpus-per-node="$GPUS")
+  # GPU runs take whole nodes unless told otherwise: without --cpus-per-task/--mem SLURM
+  # gives one CPU and DefMemPerCPU (the trainers and their data loaders then starve or OOM)
+  [[ -z "$CPUS" ]] && ARGS+=(--exclusive)
+  [[ -z "$MEM" ]] && ARGS+=(--mem=0)
   export GPUS_PER_NODE="$GPUS"
 else
   unset GPUS_PER_NODE
 fi
 export GPN_SHUTDOWN_TIMEOUT="$GRACE"
+export GPN_RANK_LOG_DIR="${GPN_RANK_LOG_DIR:-$LOGS/ranks}"
 
+TABLE="$LOGS/gpn-$NAME-$(date -u +%Y%m%dT%H%M%S)-$$.argv.json"
 if [[ $DRY -eq 1 ]]; then
-  echo "sbatch ${ARGS[*]} ${EXTRA[*]} $TRAIN_SBATCH --sweep $SWEEP"
+  echo "sbatch ${ARGS[*]} ${EXTRA[*]} $TRAIN_SBATCH --sweep $TABLE   (the argv table of $SWEEP)"
   exit 0
 fi
 mkdir -p "$LOGS"
+"$PY" -m gpn_scale.cli sweep snapshot "$SWEEP" "$TABLE" >/dev/null || exit 2
 # Inside the driver job: drop its SLURM_* variables so the array tasks do not inherit them
 # (sbatch sets fresh ones); keep SLURM_CONF.
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
@@ -153,7 +166,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     [[ "$v" == SLURM_CONF ]] || unset "$v"
   done
 fi
-JOB="$(sbatch "${ARGS[@]}" "${EXTRA[@]}" "$TRAIN_SBATCH" --sweep "$SWEEP")" || die "sbatch failed (see above)"
+JOB="$(sbatch "${ARGS[@]}" "${EXTRA[@]}" "$TRAIN_SBATCH" --sweep "$TABLE")" || die "sbatch failed (see above)"
 JOB="${JOB%%;*}"
-echo "submitted sweep $NAME: $N_PENDING of its runs ($PENDING) as array job $JOB (at most $CONCURRENCY at once); logs in $LOGS"
+echo "submitted sweep $NAME: $N_PENDING of its runs ($PENDING) as array job $JOB (at most $CONCURRENCY at once); logs in $LOGS; argv table $TABLE${LIVE:+; skipped runs with a live job: $LIVE}"
 echo "ARRAY_JOB_ID=$JOB"

@@ -71,12 +71,24 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     )
     pend.set_defaults(func=cmd_sweep_pending)
 
+    snap = sub.add_parser(
+        "snapshot",
+        help="freeze every run's train argv into a JSON table (slurm/sweep.sh)",
+        description="Write the `gpn-scale train` argv of every run of SWEEP to OUT (JSON), "
+        "so that queued array tasks keep their runs whatever happens to the YAML.",
+    )
+    snap.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
+    snap.add_argument("out", metavar="OUT", help="the table to write (.json)")
+    snap.set_defaults(func=cmd_sweep_snapshot)
+
     argv = sub.add_parser(
         "run-argv",
         help="the `gpn-scale train` arguments of run INDEX (for slurm/train.sbatch)",
         description="Print the `gpn-scale train` arguments of SWEEP's run INDEX, one per line.",
     )
-    argv.add_argument("sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml or a path")
+    argv.add_argument(
+        "sweep", metavar="SWEEP", help="configs/sweeps/<name>.yaml, a path, or a snapshot .json"
+    )
     argv.add_argument("index", metavar="INDEX", type=int, help="run index (SLURM_ARRAY_TASK_ID)")
     argv.add_argument(
         "--if-pending",
@@ -235,17 +247,21 @@ def cmd_sweep_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_pending(args: argparse.Namespace) -> int:
-    from gpn_scale.scaling.slurm_launch import load, pending_indices
+    from gpn_scale.scaling.slurm_launch import live_runs, load, pending_indices
 
     sweep = load(args.sweep)
     if args.validate:
         from gpn_scale.scaling.sweep import validate_with_trainer
 
         validate_with_trainer(sweep)
-    todo = pending_indices(sweep)
+    live = live_runs(sweep)
+    todo = pending_indices(sweep, live)
+    for i, why in sorted(live.items()):
+        print(f"skipping run {i} ({sweep.runs[i].name}): {why}", file=sys.stderr)
     if args.shell:
         print(f"SWEEP_NAME={sweep.name}")
         print(f"PENDING={','.join(str(i) for i in todo)}")
+        print(f"LIVE={','.join(str(i) for i in sorted(live))}")
     elif args.names:
         for i in todo:
             print(f"{i} {sweep.runs[i].name}")
@@ -255,10 +271,14 @@ def cmd_sweep_pending(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_run_argv(args: argparse.Namespace) -> int:
-    from gpn_scale.scaling.slurm_launch import is_done, load, run_at
+    from gpn_scale.scaling.slurm_launch import TableRun, is_done, load, run_at, table_run_at
+    from gpn_scale.scaling.sweep import RunSpec
 
-    sweep = load(args.sweep)
-    run = run_at(sweep, args.index)
+    run: RunSpec | TableRun
+    if args.sweep.endswith(".json"):  # the table snapshotted at submit time
+        run = table_run_at(args.sweep, args.index)
+    else:
+        run = run_at(load(args.sweep), args.index)
     if args.if_pending and is_done(run):
         print(
             f"run {args.index} ({run.name}) is already finished ({run.checkpoint_root}/DONE)",
@@ -266,6 +286,16 @@ def cmd_sweep_run_argv(args: argparse.Namespace) -> int:
         )
         return 0
     print("\n".join(run.train_argv()))
+    return 0
+
+
+def cmd_sweep_snapshot(args: argparse.Namespace) -> int:
+    from gpn_scale.scaling.slurm_launch import load, write_table
+
+    if not args.out.endswith(".json"):
+        raise ConfigError(f"snapshot: OUT must end in .json, got {args.out!r}")
+    write_table(load(args.sweep), args.out)
+    print(args.out)
     return 0
 
 
@@ -291,7 +321,7 @@ def cmd_sweep_submit(args: argparse.Namespace) -> int:
     kind, jobs = submit_sweep(sweep, opts)
     if not jobs:
         print(
-            f"nothing to submit: every run of sweep {sweep.name} is finished"
+            f"nothing to submit: every run of sweep {sweep.name} is finished or has a live job"
             + (" (of --only)" if args.only else "")
         )
         return 0

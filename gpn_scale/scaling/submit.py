@@ -34,6 +34,8 @@ from gpn_scale.scaling.status import single_job_name
 from gpn_scale.scaling.sweep import Sweep, SweepError
 
 EXIT_PREEMPTED = 75
+# submitit's default (3) ends a run at its 4th time limit; a long run is requeued many times.
+MAX_NUM_TIMEOUT = 1000
 
 
 def _ignore_usr2() -> None:
@@ -67,18 +69,36 @@ class TrainRun:
         state["_proc"] = None
         return state
 
+    @staticmethod
+    def child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+        """The trainer's environment: under SLURM without MASTER_ADDR/MASTER_PORT, which sbatch
+        copied from the submitting shell (a stale rendezvous of an earlier job); the trainer
+        derives both from the job (first node, a port from the job id)."""
+        env = dict(os.environ if environ is None else environ)
+        if env.get("SLURM_JOB_ID") and "RANK" not in env:
+            env.pop("MASTER_ADDR", None)
+            env.pop("MASTER_PORT", None)
+        return env
+
     def __call__(self) -> int:
         # SLURM delivers submitit's USR2 (`--signal=USR2@delay`, no B:) to every process of the
         # step; the trainer must not die of it (USR2's default action) but save on the USR1
         # that `checkpoint` sends. Its helpers inherit the ignore as well.
-        self._proc = subprocess.Popen(self.command(), preexec_fn=_ignore_usr2)
+        self._proc = subprocess.Popen(self.command(), preexec_fn=_ignore_usr2, env=self.child_env())
         # Poll rather than block in Popen.wait(): a blocking wait holds Popen's waitpid lock,
         # and submitit's signal handler (-> checkpoint) runs inside it and must reap the child.
         while (rc := self._proc.poll()) is None:
             time.sleep(0.5)
         if rc == EXIT_PREEMPTED:
-            # preempted without submitit's own signal (e.g. a SIGTERM): the checkpoint is
-            # saved; submitting the sweep again resumes the run
+            job = os.environ.get("SLURM_JOB_ID")
+            if job and shutil.which("scontrol"):
+                # preempted without submitit's own signal (SLURM's preemption SIGTERM): requeue
+                # the same submission as submitit does for its USR2 (the requeued job resumes
+                # from the checkpoint) and end without a result, so the job is not FAILED
+                if os.environ.get("SLURM_PROCID", "0") == "0":
+                    subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
+                sys.stdout.flush()
+                os._exit(0)
             raise RuntimeError(
                 f"trainer was preempted (exit {rc}); checkpoint saved, resubmit to continue"
             )
@@ -143,7 +163,9 @@ def make_executor(sweep: Sweep, opts: SubmitOptions):
 
     kind = resolve_executor(opts.executor)
     folder = opts.folder or str(Path(sweep.runs[0].run_dir or ".").parent / "submitit")
-    ex = submitit.AutoExecutor(folder=str(Path(folder) / "%j"), cluster=kind)
+    ex = submitit.AutoExecutor(
+        folder=str(Path(folder) / "%j"), cluster=kind, slurm_max_num_timeout=MAX_NUM_TIMEOUT
+    )
     tasks = max(1, opts.gpus_per_node)
     params: dict[str, Any] = dict(timeout_min=opts.time_min, nodes=opts.nodes, tasks_per_node=tasks)
     if opts.cpus_per_task:

@@ -227,6 +227,79 @@ class LocalSlurm:
         raise TimeoutError(f"job {job_id} not finished after {timeout:.0f}s (state {state})")
 
 
+class TwoNodeSlurm(LocalSlurm):
+    """A two-node cluster on this machine (`slurm/local/two_nodes.sh`): nodes n1 and n2 are
+    network + UTS + mount/IPC namespaces joined by a veth link (own addresses, host names and
+    /dev/shm), sharing the file system. No accounting. Clients run inside n1's network
+    namespace (`run`, `sbatch`, `popen` do that); `node_pids(node)` finds a node's processes."""
+
+    def __init__(self, state_dir: str | Path | None = None, *, cpus: int = 4, **kw) -> None:
+        super().__init__(state_dir, with_dbd=False, cpus=cpus, **kw)
+        self.tag = f"g{os.getpid() % 100000}"
+
+    @property
+    def interface(self) -> str:
+        return "gpn0"  # the veth's name inside both nodes (GPN_SOCKET_IFNAME)
+
+    def netns(self, node: str) -> str:
+        return f"{self.tag}{'a' if node == 'n1' else 'b'}"
+
+    def prefix(self, node: str = "n1") -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.netns(node)}"]
+
+    def start(self) -> TwoNodeSlurm:
+        env = self._script_env()
+        env.update(SLURM_LOCAL_TAG=self.tag, SLURM_LOCAL_CPUS=str(self.cpus or 4))
+        self.started = True
+        try:
+            proc = subprocess.run(
+                ["bash", str(SCRIPTS / "two_nodes.sh"), "start"],
+                env=env,
+                text=True,
+                capture_output=True,
+                timeout=self.timeout_s,
+            )
+        except subprocess.TimeoutExpired as err:
+            raise SlurmStartError(f"two_nodes.sh start took over {self.timeout_s:.0f}s") from err
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise SlurmStartError(f"slurm/local/two_nodes.sh failed: {tail}")
+        return self
+
+    def stop(self, purge: bool = False) -> str:
+        proc = subprocess.run(
+            ["bash", str(SCRIPTS / "two_nodes.sh"), "stop"],
+            env=self._script_env(),
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
+        self.started = False
+        return proc.stdout + proc.stderr
+
+    def run(
+        self, args: Sequence[str], check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        return super().run([*self.prefix(), *args], check=check, timeout=timeout)
+
+    def node_pids(self, node: str, needle: str) -> list[int]:
+        """Processes in `node`'s network namespace whose command line contains `needle`."""
+        target = os.stat(f"/run/netns/{self.netns(node)}").st_ino
+        out = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.stat(entry / "ns" / "net").st_ino != target:
+                    continue
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if needle in cmd:
+                out.append(int(entry.name))
+        return out
+
+
 def probe(x: int) -> dict:
     """A job payload for executor tests (importable by the job, unlike a test module's
     functions): 2*x, the SLURM job id and rank it ran under, and the host."""

@@ -88,6 +88,19 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         "succeeds); implies --resume none",
     )
     p.add_argument(
+        "--latest-step",
+        action="store_true",
+        help="print the step of the newest complete checkpoint under checkpoint.root "
+        "(-1: none; 'done' when the run finished) and exit: slurm/train.sbatch requeues "
+        "only when it advanced",
+    )
+    p.add_argument(
+        "--take-over",
+        action="store_true",
+        help="train even though another job holds a live lease on the run "
+        "(<checkpoint.root>/LEASE); only once that job has stopped",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="resolve and check the config, model, data and checkpoint locations "
@@ -207,12 +220,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = args.resume or ("none" if args.fresh else "auto")
     try:
         cfg = load_train_config(*_config_and_overrides(args))
+        if getattr(args, "latest_step", False):
+            print(_latest_step(cfg))
+            return 0
         if args.dry_run:
             from gpn_scale.train.preflight import dry_run
 
             print(dry_run(cfg, resume))
             return 0
-        result = Trainer(cfg, resume=resume, fresh=args.fresh).run()
+        result = Trainer(
+            cfg, resume=resume, fresh=args.fresh, take_over=getattr(args, "take_over", False)
+        ).run()
     except errors as err:
         return _fail(err)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and exits 75)
@@ -231,6 +249,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.exit_code not in (0,):
         print(f"gpn-scale: {result.message}", file=sys.stderr, flush=True)
     return result.exit_code
+
+
+def _latest_step(cfg) -> str:
+    from gpn_scale.checkpoint import CheckpointManager
+    from gpn_scale.train.loop import DONE_MARKER, last_ckpt_step
+
+    mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
+    if mgr.storage.exists(DONE_MARKER):
+        return "done"
+    step = last_ckpt_step(mgr.latest())
+    return str(-1 if step is None else step)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

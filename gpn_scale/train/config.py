@@ -89,6 +89,9 @@ class CheckpointSection:
     root: str | None = None  # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
     every_steps: int = 0  # 0 = only on preemption and at the end
     keep_last: int = 2
+    # The run's lease (<root>/LEASE: one job at a time): stale after this many seconds
+    # without a heartbeat; 0 = no lease.
+    lease_ttl_s: float = 300.0
     save_final: bool = True
     # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
     # (gathered from FSDP2 / ZeRO shards), loadable with GPN(cfg).load_state_dict.
@@ -97,7 +100,10 @@ class CheckpointSection:
 
 @dataclass
 class WandbSection:
-    mode: str = "disabled"  # online | offline | disabled
+    mode: str = "disabled"  # online | offline | auto (online, else offline) | disabled
+    # The W&B run id (sweeps derive it from sweep + run name: one W&B run per run, across
+    # requeues and re-submissions); a checkpoint's recorded id wins on resume. None: new.
+    run_id: str | None = None
     project: str = "gpn-scale"
     entity: str | None = None
     group: str | None = None
@@ -133,6 +139,9 @@ class AnalysisSection:
 class PreemptionSection:
     enabled: bool = True  # SIGUSR1 / SIGTERM -> save and exit 75
     requeue: bool = False  # under SLURM also `scontrol requeue $SLURM_JOB_ID`
+    # Save and exit 75 this many seconds before SLURM_JOB_END_TIME (epoch seconds; set by
+    # SLURM >= 23.02, by slurm/train.sbatch otherwise), whatever the signals do; 0: off.
+    end_margin_s: float = 180.0
 
 
 @dataclass
@@ -142,6 +151,8 @@ class DebugSection:
     inject_nan_from: int | None = None
     # Sleep this many seconds after each step (tests that signal a running job).
     step_sleep: float = 0.0
+    # Sleep this many seconds inside each held-out eval (tests that signal the final eval).
+    eval_sleep: float = 0.0
 
 
 @dataclass
@@ -181,7 +192,7 @@ _ENUMS = {
     "train.precision": ("auto", "fp32", "bf16"),
     "parallel.backend": ("auto", "none", "fsdp2", "deepspeed"),
     "parallel.reduce_dtype": ("fp32", "bf16"),
-    "logging.wandb.mode": ("online", "offline", "disabled"),
+    "logging.wandb.mode": ("online", "offline", "auto", "disabled"),
 }
 # Keys whose value is a free mapping (validated elsewhere: model_overrides by GPNConfig).
 _FREE_MAPPINGS = {"model_overrides"}

@@ -92,8 +92,9 @@ def detect(environ: dict[str, str] | None = None) -> DistEnv:
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        # A port derived from the job id: distinct per job on shared nodes, same on all ranks.
-        port = int(env.get("MASTER_PORT") or 20000 + int(job or 0) % 20000)
+        # A port derived from the job id: distinct per job on shared nodes, same on all ranks,
+        # below Linux's ephemeral range (32768-60999) that outgoing connections draw from.
+        port = int(env.get("MASTER_PORT") or 20000 + int(job or 0) % 12000)
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env["SLURM_NTASKS"]),

@@ -42,6 +42,7 @@ from gpn_scale.train.signals import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
     PreemptionFlag,
+    job_deadline,
     request_slurm_requeue,
 )
 
@@ -264,11 +265,14 @@ class Trainer:
         log: Callable[[str], None] | None = None,
         eval_only: bool = False,
         fresh: bool = False,
+        take_over: bool = False,
     ) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
         self.fresh = fresh
+        self.take_over = take_over  # replace another job's live lease on the run
+        self._lease: Any = None
         self._log = log or (lambda msg: print(msg, flush=True))
         self._log_is_print = log is None
 
@@ -445,7 +449,21 @@ class Trainer:
         )
         self._started = False
         self._loaders: list = []
-        self._setup_topology()
+        # Installed before the setup and kept through the final eval, save and DONE: a
+        # preemption signal in any of those windows is acted on, never fatal.
+        self._flag = PreemptionFlag().install() if cfg.preemption.enabled else None
+        self._deadline = (
+            job_deadline(os.environ, cfg.preemption.end_margin_s)
+            if cfg.preemption.enabled
+            else None
+        )
+        self._deadline_hit = False
+        try:
+            self._setup_topology()
+        except BaseException:
+            if self._flag is not None:
+                self._flag.uninstall()
+            raise
         topo = self.topo
         try:
             result = self._run()
@@ -465,6 +483,10 @@ class Trainer:
             for loader in self._loaders:
                 with contextlib.suppress(Exception):
                     loader.close()
+            if self._lease is not None:
+                self._lease.release()
+            if self._flag is not None:
+                self._flag.uninstall()
             topo.destroy()
 
     def _run(self) -> RunResult:
@@ -511,6 +533,7 @@ class Trainer:
             finished = self._check_existing_run(mgr, resume_uri)
             if finished is not None:
                 return finished
+            self._take_lease(mgr)
 
         if topo.is_main and not self.eval_only:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -569,7 +592,6 @@ class Trainer:
             f"run dir {self.run_dir}; checkpoints {cfg.resolved_checkpoint_root}"
         )
 
-        flag = PreemptionFlag().install() if cfg.preemption.enabled else None
         self._pbar = self._progress(step, total)
         data = self._batches(train_loader)
         t_loop, step0 = time.perf_counter(), step  # for the ETA of the plain progress lines
@@ -687,10 +709,16 @@ class Trainer:
                         message=msg,
                     )
 
-                preempt = flag is not None and topo.all_reduce_max(float(flag.requested)) > 0
+                # The preemption save comes first: a scheduled eval must not spend the grace.
+                if self._stop_requested():
+                    if last_ckpt_step(last_ckpt) != step:
+                        last_ckpt = self._save(
+                            mgr, backend, step, tokens, skipped, train_loader, model_cfg
+                        )
+                    return self._preempted(step, tokens, skipped, last_ckpt)
                 if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
                     final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
-                if preempt or (
+                if (
                     cfg.checkpoint.every_steps
                     and step % cfg.checkpoint.every_steps == 0
                     and step < total
@@ -698,35 +726,22 @@ class Trainer:
                     last_ckpt = self._save(
                         mgr, backend, step, tokens, skipped, train_loader, model_cfg
                     )
-                if preempt:
-                    self.log(
-                        f"preempted (signal {flag.signum or 'on another rank'}) at step "
-                        f"{step}: saved {last_ckpt}; exiting {EXIT_PREEMPTED}; continue "
-                        "with --resume auto"
-                    )
-                    self._emit({"event": "preempted"}, step, tokens)
-                    if cfg.preemption.requeue and topo.is_main and not flag.interrupted:
-                        request_slurm_requeue(self.log)
-                    return RunResult(
-                        EXIT_PREEMPTED,
-                        step,
-                        tokens,
-                        self.run_dir,
-                        last_ckpt,
-                        skipped_steps=skipped,
-                        message="preempted",
-                    )
         finally:
-            if flag is not None:
-                flag.uninstall()
             if self._pbar is not None:  # the bar ends with the steps; the summary follows it
                 self._pbar.close()
                 self._pbar = None
 
         # ---- finish: eval, final checkpoint, DONE marker ------------------------------
+        if cfg.eval.at_end and self._stop_requested():  # (a resumed run evaluates later)
+            if last_ckpt_step(last_ckpt) != step:
+                last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader, model_cfg)
+            return self._preempted(step, tokens, skipped, last_ckpt)
         if cfg.eval.at_end:
             final_eval = self._evaluate(backend, val_loader, val_start, step, tokens)
-        if cfg.checkpoint.save_final and last_ckpt_step(last_ckpt) != step:
+        # A signal during the final eval (still handled): the save below and DONE follow
+        # at once, so the run finishes within the grace; save_final=false saves then too.
+        late_stop = self._stop_requested()
+        if (cfg.checkpoint.save_final or late_stop) and last_ckpt_step(last_ckpt) != step:
             last_ckpt = self._save(mgr, backend, step, tokens, skipped, train_loader, model_cfg)
         if cfg.checkpoint.export_final:
             sd = backend.full_state_dict()
@@ -757,6 +772,67 @@ class Trainer:
         return RunResult(0, step, tokens, self.run_dir, last_ckpt, final_eval, skipped)
 
     # ------------------------------------------------------------------ pieces
+    def _stop_requested(self) -> bool:
+        """All ranks agree (one all-reduce MAX) whether to stop now: a preemption signal on
+        any rank, or the job's wall-clock deadline passed on any rank."""
+        if self._flag is None:
+            return False
+        local = self._flag.requested
+        if self._deadline is not None and time.time() >= self._deadline:
+            local = self._deadline_hit = True
+        return self.topo.all_reduce_max(float(local)) > 0
+
+    def _preempted(self, step: int, tokens: int, skipped: int, last_ckpt: str | None) -> RunResult:
+        flag, cfg = self._flag, self.cfg
+        why = (
+            f"signal {flag.signum}"
+            if flag.signum
+            else (
+                f"the job's time limit is {cfg.preemption.end_margin_s:.0f}s away "
+                "(SLURM_JOB_END_TIME)"
+                if self._deadline_hit
+                else "signal on another rank"
+            )
+        )
+        self.log(
+            f"preempted ({why}) at step {step}: saved {last_ckpt}; exiting "
+            f"{EXIT_PREEMPTED}; continue with --resume auto"
+        )
+        self._emit({"event": "preempted"}, step, tokens)
+        if cfg.preemption.requeue and self.topo.is_main and not flag.interrupted:
+            request_slurm_requeue(self.log)
+        # No rank exits before every rank is past the save: with srun --kill-on-bad-exit
+        # the first exit 75 kills the others.
+        self.topo.barrier()
+        return RunResult(
+            EXIT_PREEMPTED,
+            step,
+            tokens,
+            self.run_dir,
+            last_ckpt,
+            skipped_steps=skipped,
+            message="preempted",
+        )
+
+    def _take_lease(self, mgr) -> None:
+        """Rank 0 takes the run's lease before anything is written; every rank agrees."""
+        if not self.cfg.checkpoint.lease_ttl_s:
+            return
+        from gpn_scale.checkpoint.lease import LeaseHeld, RunLease
+
+        error = None
+        if self.topo.is_main:
+            lease = RunLease(mgr.storage, self.cfg.checkpoint.lease_ttl_s)
+            try:
+                note = lease.acquire(take_over=self.take_over)
+                self._lease = lease
+                if note:
+                    self.log(note)
+            except LeaseHeld as err:
+                error = str(err)
+        if self.topo.all_reduce_max(1.0 if error else 0.0) > 0:
+            raise LeaseHeld(error or "another job holds this run's lease (see rank 0)")
+
     def _check_existing_run(self, mgr, resume_uri: str | None) -> RunResult | None:
         """Refuse to start over existing checkpoints without --fresh; a finished run is
         left as it is (a RunResult: nothing to do). None: go on."""
@@ -887,6 +963,8 @@ class Trainer:
         from gpn_scale.eval.heldout import heldout_loss
 
         val_loader.load_state_dict(val_start)
+        if self.cfg.debug.eval_sleep:
+            time.sleep(self.cfg.debug.eval_sleep)
         backend.train(False)
         try:
             result = heldout_loss(
@@ -996,18 +1074,37 @@ class Trainer:
             config = scrub_secrets(
                 {**self.cfg.to_dict(), "model_config": model_cfg.to_dict(), "params": n_params}
             )
-            sink = WandbSink(
-                project=wb.project,
-                group=wb.group,
-                job_type=wb.job_type,
-                name=self.cfg.run_name,
-                config=config,
-                mode=wb.mode,
-                dir=wb.dir or str(run_dir),
-                resume_id=wandb_id,
-                init_timeout=wb.init_timeout,
-                log=self.log,
-            )
+
+            def open_wandb(mode: str) -> WandbSink:
+                return WandbSink(
+                    project=wb.project,
+                    group=wb.group,
+                    job_type=wb.job_type,
+                    name=self.cfg.run_name,
+                    config=config,
+                    mode=mode,
+                    dir=wb.dir or str(run_dir),
+                    resume_id=wandb_id or wb.run_id,
+                    init_timeout=wb.init_timeout,
+                    log=self.log,
+                )
+
+            try:
+                sink = open_wandb("online" if wb.mode == "auto" else wb.mode)
+            except ConfigError as err:
+                if wb.mode != "auto":
+                    raise
+                # compute nodes often have no internet: log offline, upload from a login node
+                self.log(f"W&B: online failed ({err}); logging.wandb.mode=auto: offline instead")
+                import wandb
+
+                wandb.teardown()  # else the failed online attempt still holds the run id
+                sink = open_wandb("offline")
+            if sink.offline:
+                self.log(
+                    f"W&B: offline run {sink.run_id} in {sink.dir}; upload it with "
+                    f"`wandb sync {Path(sink.dir).parent}`"
+                )
             self._wandb_id = sink.run_id
             self._sinks.append(sink)
 

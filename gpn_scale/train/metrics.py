@@ -350,6 +350,10 @@ class WandbSink:
     def dir(self) -> str:
         return str(self._run.dir)
 
+    @property
+    def offline(self) -> bool:
+        return self._run.settings.mode == "offline"
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         try:
             self._run.log({str(k): _plain_wandb(v) for k, v in metrics.items()}, step=int(step))

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again" — the job saved its state and
 # wants to be restarted with `--resume auto`. Launchers (slurm/, sweeps) test for it.
@@ -65,6 +66,16 @@ class PreemptionFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+
+def job_deadline(environ: Mapping[str, str], margin_s: float) -> float | None:
+    """When to save and exit (epoch seconds): `margin_s` before SLURM_JOB_END_TIME, or None
+    (no end time, an unparsable one, or margin 0). Every rank of a job sees the same value;
+    the loop still agrees on the decision with one all-reduce (clocks differ a little)."""
+    raw = environ.get("SLURM_JOB_END_TIME", "").strip()
+    if margin_s <= 0 or not raw.isdigit() or int(raw) <= 0:
+        return None
+    return int(raw) - float(margin_s)
 
 
 def request_slurm_requeue(log=print) -> bool:

@@ -308,3 +308,34 @@ def test_sweep_sh_time_is_checked_and_passed_to_sbatch(tmp_path):
     ok = sweep_sh("-t", "90")
     assert ok.returncode == 0, ok.stderr
     assert " --time=90 " in ok.stdout
+
+
+@pytest.mark.parametrize("name", ["gpn_m_ladder", "gpn_m_isoflop"])
+def test_shipped_sweeps_checkpoint_periodically_and_log_to_wandb(name):
+    from gpn_scale.train.config import load_train_config
+
+    for r in load_sweep(name, price=False).runs:
+        cfg = load_train_config(r.base_config, r.train_overrides())
+        # every 5% of the run: at most 1/20 of it lost to a node failure
+        assert cfg.checkpoint.every_steps == math.ceil(r.total_steps / 20) > 0
+        assert cfg.logging.wandb.mode == "auto"
+        assert cfg.logging.wandb.run_id == r.wandb_run_id
+
+
+def test_wandb_run_id_is_stable_and_distinct_per_run():
+    a, b = load_sweep("ci").runs[:2], load_sweep("ci").runs[:2]
+    assert [r.wandb_run_id for r in a] == [r.wandb_run_id for r in b]
+    assert a[0].wandb_run_id != a[1].wandb_run_id
+    assert a[0].wandb_run_id.startswith(a[0].name)
+
+
+def test_sweep_checkpoint_every_and_wandb_mode_are_checked(sweep_dir):
+    one_line_error(
+        write_sweep(sweep_dir, **{"wandb: {project: proj}": "wandb: {project: proj, mode: loud}"}),
+        "wandb.mode: one of",
+    )
+    bad = {"wandb: {project: proj}": "wandb: {project: proj}\ncheckpoint_every_steps: -1"}
+    one_line_error(write_sweep(sweep_dir, **bad), "checkpoint_every_steps")
+    ok = {"wandb: {project: proj}": "wandb: {project: proj}\ncheckpoint_every_steps: 7"}
+    sweep = load_sweep(write_sweep(sweep_dir, **ok), price=False)
+    assert {r.checkpoint_every_steps for r in sweep.runs} == {7}
