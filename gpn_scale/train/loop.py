@@ -1078,6 +1078,7 @@ class Trainer:
             def open_wandb(mode: str) -> WandbSink:
                 return WandbSink(
                     project=wb.project,
+                    entity=wb.entity,
                     group=wb.group,
                     job_type=wb.job_type,
                     name=self.cfg.run_name,

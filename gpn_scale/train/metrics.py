@@ -300,6 +300,7 @@ class WandbSink:
         resume_id: str | None = None,
         *,
         tags: list[str] | None = None,
+        entity: str | None = None,
         settings: dict[str, Any] | None = None,
         init_timeout: float = DEFAULT_INIT_TIMEOUT_S,
         log: Callable[[str], None] | None = None,
@@ -323,6 +324,7 @@ class WandbSink:
         try:
             self._run = wandb.init(
                 project=project,
+                entity=entity,
                 group=group,
                 job_type=job_type,
                 name=name,
@@ -475,6 +477,7 @@ class OfflineRun:
     history: list[dict[str, Any]]
     summary: dict[str, Any]
     project: str | None = None
+    entity: str | None = None
     group: str | None = None
     job_type: str | None = None
     name: str | None = None
@@ -522,6 +525,7 @@ def read_offline_run(wandb_dir: str | os.PathLike[str], run_id: str | None = Non
             if kind == "run":
                 r = rec.run
                 run.project = r.project or run.project
+                run.entity = r.entity or run.entity
                 run.group = r.run_group or run.group
                 run.job_type = r.job_type or run.job_type
                 run.name = r.display_name or run.name

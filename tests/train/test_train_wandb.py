@@ -23,6 +23,7 @@ def test_wandb_offline_run_holds_metrics_and_resume_keeps_run_id(corpus, tmp_pat
     wb = (
         "logging.wandb.mode=offline",
         "logging.wandb.project=gpn-test",
+        "logging.wandb.entity=gpn-team",
         "logging.wandb.group=sweep-a",
         "logging.wandb.job_type=train",
         "run_name=r1",
@@ -33,8 +34,9 @@ def test_wandb_offline_run_holds_metrics_and_resume_keeps_run_id(corpus, tmp_pat
     first = read_offline_run(run_dir)
     steps = [row.get("_step", row.get("step")) for row in first.history if "train/loss" in row]
     assert steps == [1, 2, 3]
-    assert (first.project, first.group, first.job_type, first.name) == (
+    assert (first.project, first.entity, first.group, first.job_type, first.name) == (
         "gpn-test",
+        "gpn-team",
         "sweep-a",
         "train",
         "r1",
