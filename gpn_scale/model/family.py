@@ -47,6 +47,12 @@ def _compat_keys(cfg: GPNConfig) -> dict[str, Any]:
     return {"family": GPNConfig.family_name, **{k: values[k] for k in SHAPE_KEYS}}
 
 
+def _tp_plan(model: nn.Module) -> dict[str, Any]:
+    from gpn_scale.model.parallelize import tp_plan
+
+    return dict(tp_plan(model))
+
+
 SPEC = FamilySpec(
     name=GPNConfig.family_name,
     config_from_dict=GPNConfig.from_dict,
@@ -58,5 +64,6 @@ SPEC = FamilySpec(
     fsdp_units=lambda model: [],
     compat_keys=_compat_keys,
     recurrent=True,
+    tp_plan=_tp_plan,
     description="GPN / GPN+M: one wide recurrent state, one FFN, one shared gated-delta memory",
 )
