@@ -358,16 +358,28 @@ class Trainer:
             num_canonical_nodes=cfg.data.num_canonical_nodes,
             num_workers=cfg.data.num_workers,
         )
+        topo = self.topo
+        tp = topo.tp_size
+        if batch % tp:
+            raise ConfigError(
+                f"parallel.tp: {tp} does not divide the {split} micro batch {batch} per data-"
+                "parallel rank (a tp group reads it in tp pieces); change the batch or tp"
+            )
         loader = build_loader(
             dcfg,
             split=split,
-            batch_size=batch,
-            rank=self.topo.dp_rank,
-            world_size=self.topo.dp_size,
+            batch_size=batch // tp,
+            # Under TP every rank reads 1/tp of its group's batch (parallel/tp.py).
+            rank=topo.dp_rank if tp == 1 else topo.rank,
+            world_size=topo.dp_size if tp == 1 else topo.world_size,
             seq_len=cfg.data.seq_len,
             vocab_size=vocab,
         )
         self._loaders.append(loader)  # closed when the run ends (run's finally)
+        if tp > 1:
+            from gpn_scale.parallel.tp import TPGroupBatches
+
+            return TPGroupBatches(loader, topo.tp_mesh.get_group(), tp)
         return loader
 
     def _build_backend(self, model: nn.Module, micro: int, accum: int) -> _Backend:
@@ -404,6 +416,12 @@ class Trainer:
             return _DeepSpeedBackend(engine, ds_opt)
         if self.backend_name == "fsdp2":
             from gpn_scale.parallel.fsdp import apply_fsdp2
+
+            if topo.tp_size > 1:  # TP first, then FSDP2 over "dp" of the same parent mesh
+                from gpn_scale.model.parallelize import tp_plan
+                from gpn_scale.parallel.tp import apply_tp
+
+                apply_tp(model, topo.tp_mesh, tp_plan(model))
 
             # Compute dtype comes from autocast (bf16 on GPU), not from FSDP's param_dtype:
             # fp32 weights + autocast is what the model's fp32-state rule is written for
@@ -487,6 +505,10 @@ class Trainer:
             )
         micro, accum = batch_layout(cfg, topo.dp_size)
         model_cfg = self._model_config()
+        if topo.tp_size > 1:
+            from gpn_scale.model.parallelize import check_tp
+
+            check_tp(model_cfg, topo.tp_size)
         seq_len = cfg.data.seq_len
 
         # Checkpoint storage first: a bad path or missing credentials fails before any work.
