@@ -1,0 +1,160 @@
+"""Tensor parallelism (parallel.tp) of GPN+M's wide state, on CPU with gloo, real processes.
+
+- The engine with its parameters sharded over tp = 2 and tp = 4 ranks equals one process in
+  float64: two windows with the carry between them (1 and 2 layers, GPN without memory,
+  truncated BPTT), every gradient and the final carry (`tp_engine_worker.py`).
+- The trainer at tp = 2 and at dp = 2 x tp = 2 (4 processes) gives the single process's
+  losses and gradient norms at every step and its final weights (fp32, the tolerances of
+  test_parallel_backends.py); a 2-layer model with truncated BPTT and the state carried
+  from batch to batch too.
+- Bad configs fail in one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import (
+    PY,
+    REPO,
+    child_env,
+    grad_norms,
+    initial_weights,
+    run_train,
+    train_args,
+    train_losses,
+    weight_distance,
+)
+
+from gpn_scale.core.config import ConfigError
+
+TOTAL = 4
+COMMON = (
+    f"schedule.total_steps={TOTAL}",
+    "checkpoint.every_steps=2",
+    "checkpoint.export_final=true",
+    "train.global_batch_size=4",
+)
+# 2 layers, truncated BPTT inside the 64-token window, the state carried across batches.
+STATEFUL = ("model_overrides.n_layers=2", "train.tbptt=24", "train.stateful_windows=true")
+LOSS_RTOL = 2e-6
+GRAD_NORM_RTOL = 1e-5
+WEIGHT_REL = 1e-4
+WEIGHT_ATOL = 1e-4
+
+
+def _compare(ref_dir: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> None:
+    ref, got = train_losses(ref_dir), train_losses(run_dir)
+    assert sorted(got) == list(range(1, TOTAL + 1))
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=LOSS_RTOL, abs=0), (s, got[s], ref[s])
+    ref_g, got_g = grad_norms(ref_dir), grad_norms(run_dir)
+    for s in got_g:  # replicated parameters counted once, shards all counted
+        assert got_g[s] == pytest.approx(ref_g[s], rel=GRAD_NORM_RTOL), (s, got_g[s], ref_g[s])
+    a = torch.load(ref_dir / "model_final.pt")
+    b = torch.load(run_dir / "model_final.pt")  # gathered to the full (logical) tensors
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    init = initial_weights() if not overrides else a  # (the 2-layer run: equality only)
+    if overrides:
+        worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert worst < WEIGHT_ATOL, worst
+        return
+    rel, worst = weight_distance(a, b, init)
+    assert rel < WEIGHT_REL and worst < WEIGHT_ATOL, (rel, worst)
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tp_single") / "run"
+    run_train(corpus, run_dir, *COMMON)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_engine_equals_one_process_float64(tmp_path, tp):
+    out = tmp_path / "errors.json"
+    worker = Path(__file__).with_name("tp_engine_worker.py")
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"]
+    proc = subprocess.run(
+        [*cmd, str(worker), str(out)],
+        cwd=REPO,
+        env=child_env(tmp_path),
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for case, errors in json.loads(out.read_text()).items():
+        assert len(errors) > 10, case  # loss, state, memory and every gradient
+        for what, err in errors.items():
+            assert err < 1e-9, (case, what, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
+def test_tp_training_equals_single_process(corpus, single, tmp_path, layout):
+    run_dir = tmp_path / layout
+    nproc = 2 if layout == "tp2" else 4
+    proc = run_train(corpus, run_dir, *COMMON, "parallel.tp=2", nproc=nproc, timeout=600)
+    dp = nproc // 2
+    assert f"backend fsdp2, world {nproc}, micro {4 // dp}" in proc.stdout, proc.stdout[-2000:]
+    _compare(single, run_dir)
+
+
+@pytest.mark.slow
+def test_tp2_two_layers_tbptt_carried_state_equals_single(corpus, tmp_path):
+    ref, run_dir = tmp_path / "single", tmp_path / "tp2"
+    run_train(corpus, ref, *COMMON, *STATEFUL)
+    run_train(corpus, run_dir, *COMMON, *STATEFUL, "parallel.tp=2", nproc=2)
+    _compare(ref, run_dir, STATEFUL)
+
+
+# ------------------------------------------------------------------ bad configs
+def test_model_that_does_not_split_names_the_field():
+    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.testing.models import tiny_config
+
+    check_tp(tiny_config(n_heads=4, d_ffn=24), 4)
+    with pytest.raises(ConfigError, match=r"^model\.n_heads: 2 heads do not split over parallel\.tp=4"):
+        check_tp(tiny_config(), 4)
+    with pytest.raises(ConfigError, match=r"^model\.d_ffn: 26 does not split over parallel\.tp=4"):
+        check_tp(tiny_config(n_heads=4, d_ffn=26), 4)
+    check_tp(tiny_config(memory=False, d_ffn=24), 8)  # GPN: no heads to split
+
+
+def test_world_not_divisible_and_wrong_backend_name_the_field():
+    from gpn_scale.parallel.topology import check_world
+    from gpn_scale.train.config import TrainConfig, validate
+
+    check_world(4, 2)
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: 2 does not divide the world size 3"):
+        check_world(3, 2)
+    cfg = TrainConfig()
+    cfg.parallel.tp, cfg.parallel.backend = 2, "deepspeed"
+    with pytest.raises(ConfigError, match=r"^parallel\.tp=2: .* fsdp2"):
+        validate(cfg)
+
+
+def test_tp_in_one_process_is_one_line(corpus, tmp_path):
+    proc = subprocess.run(
+        [PY, "-m", "gpn_scale", *train_args(corpus, tmp_path / "run", "parallel.tp=2")],
+        cwd=REPO,
+        env=child_env(tmp_path),
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("gpn-scale: error: parallel.tp: 2 does not divide the world size 1")
+    assert not (tmp_path / "run").exists()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
