@@ -115,6 +115,74 @@ def test_tp2_two_layers_tbptt_carried_state_equals_single(corpus, tmp_path):
     _compare(ref, run_dir, STATEFUL)
 
 
+# ------------------------------------------------------------------ checkpoints
+HEADS4 = (*COMMON, "model_overrides.n_heads=4")  # splits over tp = 4 as well
+
+
+@pytest.fixture(scope="module")
+def tp2_heads4(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tp2_heads4") / "run"
+    run_train(corpus, run_dir, *HEADS4, "parallel.tp=2", nproc=2)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 4])
+def test_tp2_checkpoint_resumes_at_another_tp(corpus, tp2_heads4, tmp_path, tp):
+    """DCP holds the logical tensors: a tp = 2 checkpoint continues at tp = 1 (one process)
+    and at tp = 4 with the uninterrupted run's next losses."""
+    ck2 = tp2_heads4 / "checkpoints" / "step_000000002"
+    assert ck2.is_dir()
+    run_dir = tmp_path / f"tp{tp}"
+    args = ("parallel.tp=4",) if tp == 4 else ()
+    proc = run_train(
+        corpus, run_dir, *HEADS4, *args, nproc=tp, resume=str(ck2), timeout=600
+    )
+    assert "at step 2" in proc.stdout
+    ref, got = train_losses(tp2_heads4), train_losses(run_dir)
+    assert sorted(got) == [3, 4]
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=LOSS_RTOL, abs=0), (s, got[s], ref[s])
+
+
+@pytest.mark.slow
+def test_kill9_under_tp2_then_resume_auto_reproduces_the_losses(corpus, tp2_heads4, tmp_path):
+    import os
+    import signal
+    import time
+
+    from train_helpers import cli
+
+    run_dir = tmp_path / "run"
+    cmd = cli(2) + train_args(
+        corpus, run_dir, *HEADS4, "parallel.tp=2", "debug.step_sleep=3"
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=child_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while max(train_losses(run_dir), default=0) < 3:  # past the step-2 checkpoint
+            assert proc.poll() is None and time.time() < deadline, "no step 3"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent and both ranks, no chance to save
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = run_train(corpus, run_dir, *HEADS4, "parallel.tp=2", nproc=2, resume="auto")
+    assert "at step 2" in out.stdout
+    ref, got = train_losses(tp2_heads4), train_losses(run_dir)
+    assert sorted(got) == list(range(1, TOTAL + 1))
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=LOSS_RTOL, abs=0), (s, got[s], ref[s])
+
+
 # ------------------------------------------------------------------ bad configs
 def test_model_that_does_not_split_names_the_field():
     from gpn_scale.model.parallelize import check_tp
