@@ -196,6 +196,16 @@ def test_model_that_does_not_split_names_the_field():
     check_tp(tiny_config(memory=False, d_ffn=24), 8)  # GPN: no heads to split
 
 
+@pytest.mark.parametrize("name", ["gpn_m_350m", "gpn_m_760m", "gpn_m_1b"])
+def test_ladder_from_350m_splits_over_tp8(name):
+    from gpn_scale.model.config import load_model_config
+    from gpn_scale.model.parallelize import check_tp
+
+    cfg = load_model_config(name)
+    check_tp(cfg, 8)
+    assert cfg.vocab_size % 8 == 0 and cfg.d_state % 8 == 0
+
+
 def test_world_not_divisible_and_wrong_backend_name_the_field():
     from gpn_scale.parallel.topology import check_world
     from gpn_scale.train.config import TrainConfig, validate
