@@ -50,9 +50,7 @@ class TpPrediction:
     step_seconds: dict[str, float]  # optimizer step over the global batch, per collective kind
 
 
-def loop_weight_bytes(
-    cfg: GPNConfig, tp: int, shard_gates: bool = False
-) -> tuple[float, float]:
+def loop_weight_bytes(cfg: GPNConfig, tp: int, shard_gates: bool = False) -> tuple[float, float]:
     """(sharded bytes per GPU, replicated bytes) of the loop weights in bf16. shard_gates:
     the predict and fuse gates column-sharded along d too (not built: see the docs)."""
     d, f, L = cfg.d_state, cfg.d_ffn, cfg.n_layers
@@ -121,7 +119,8 @@ def tp_table(
     p = predict(acc, GPUS[gpu], graphs=True, cfg=cfg)
     launches = sum(acc.launches_per_step(ph) for ph in SEQUENTIAL)
     chunk = sum(
-        s for ph, s in p.per_phase_seconds.items()
+        s
+        for ph, s in p.per_phase_seconds.items()
         if ph not in SEQUENTIAL and ph not in REPLICATED_PHASES
     )
     rep = sum(p.per_phase_seconds.get(ph, 0.0) for ph in REPLICATED_PHASES)
@@ -140,8 +139,9 @@ def report(cfg: GPNConfig, name: str, per_gpu: int, seq_len: int, gpus: list[str
         f"# Tensor parallelism on one 8-GPU node: {name}, {per_gpu} sequences per GPU "
         f"(global batch {8 * per_gpu}), T = {seq_len}",
         "",
-        "| GPU | gates | tp | sequences per group | loop weights per GPU (MB) | in L2 | all-reduces "
-        "per step | all-reduce MB per step | s/step NCCL | s/step symm-mem | speed-up (NCCL) |",
+        "| GPU | gates | tp | sequences per group | loop weights per GPU (MB) | in L2 | "
+        "all-reduces per step | all-reduce MB per step | s/step NCCL | s/step symm-mem | "
+        "speed-up (NCCL) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for gpu, shard_gates in [(g, sg) for g in gpus for sg in (False, True)]:
@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--gpu", default="h100,h200")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=INT",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
         help="override an integer model field (e.g. n_heads=16: the 130M's 15 heads do not split)",
     )
     args = parser.parse_args(argv)
@@ -186,14 +189,22 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = item.partition("=")
         overrides[key] = int(value)
     if "n_heads" in overrides:  # the config's redundant cell count would contradict it
-        overrides.setdefault("memory_cells", None)  # type: ignore[arg-type]
+        overrides.setdefault("memory_cells", None)
     try:
         cfg = load_model_config(args.config, overrides or None)
     except ConfigError as err:
         print(f"tp_model: {err}", file=sys.stderr)
         return 2
     gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
-    print(report(cfg, args.config + "".join(f" {k}={v}" for k, v in overrides.items()), args.per_gpu, args.seq_len, gpus))
+    print(
+        report(
+            cfg,
+            args.config + "".join(f" {k}={v}" for k, v in overrides.items()),
+            args.per_gpu,
+            args.seq_len,
+            gpus,
+        )
+    )
     return 0
 
 

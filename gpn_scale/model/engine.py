@@ -211,7 +211,9 @@ def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights
         b_in.append(torch.cat(biases))
         outs = []
         if layer.read is not None:
-            outs.append(local(layer.read.out_norm_weight)[:, None] * local(layer.read.out.weight).t())
+            outs.append(
+                local(layer.read.out_norm_weight)[:, None] * local(layer.read.out.weight).t()
+            )
         outs.append(local(layer.ffn.w2.weight).t())
         w_out.append(torch.cat(outs, dim=0))
     fg = model.fuse_gate

@@ -135,9 +135,7 @@ def test_tp2_checkpoint_resumes_at_another_tp(corpus, tp2_heads4, tmp_path, tp):
     assert ck2.is_dir()
     run_dir = tmp_path / f"tp{tp}"
     args = ("parallel.tp=4",) if tp == 4 else ()
-    proc = run_train(
-        corpus, run_dir, *HEADS4, *args, nproc=tp, resume=str(ck2), timeout=600
-    )
+    proc = run_train(corpus, run_dir, *HEADS4, *args, nproc=tp, resume=str(ck2), timeout=600)
     assert "at step 2" in proc.stdout
     ref, got = train_losses(tp2_heads4), train_losses(run_dir)
     assert sorted(got) == [3, 4]
@@ -154,9 +152,7 @@ def test_kill9_under_tp2_then_resume_auto_reproduces_the_losses(corpus, tp2_head
     from train_helpers import cli
 
     run_dir = tmp_path / "run"
-    cmd = cli(2) + train_args(
-        corpus, run_dir, *HEADS4, "parallel.tp=2", "debug.step_sleep=3"
-    )
+    cmd = cli(2) + train_args(corpus, run_dir, *HEADS4, "parallel.tp=2", "debug.step_sleep=3")
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -189,7 +185,9 @@ def test_model_that_does_not_split_names_the_field():
     from gpn_scale.testing.models import tiny_config
 
     check_tp(tiny_config(n_heads=4, d_ffn=24), 4)
-    with pytest.raises(ConfigError, match=r"^model\.n_heads: 2 heads do not split over parallel\.tp=4"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.n_heads: 2 heads do not split over parallel\.tp=4"
+    ):
         check_tp(tiny_config(), 4)
     with pytest.raises(ConfigError, match=r"^model\.d_ffn: 26 does not split over parallel\.tp=4"):
         check_tp(tiny_config(n_heads=4, d_ffn=26), 4)

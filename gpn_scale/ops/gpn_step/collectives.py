@@ -78,12 +78,12 @@ class _SumGradOverGroup(torch.autograd.Function):
     is its columns' share, and the replicated parameter needs the whole."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: object) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group: object) -> Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
