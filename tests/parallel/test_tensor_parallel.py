@@ -204,6 +204,32 @@ def test_ladder_from_350m_splits_over_tp8(name):
     assert cfg.vocab_size % 8 == 0 and cfg.d_state % 8 == 0
 
 
+def test_sweep_plan_checks_tp_against_each_size(tmp_path):
+    from gpn_scale.scaling.sweep import SweepError, expand_sweep
+
+    text = (REPO / "configs" / "sweeps" / "ci.yaml").read_text()
+    text = text.replace("checkpoint_root: ../../runs", f"checkpoint_root: {tmp_path}/runs")
+    text = text.replace("run_root: ../../runs", f"run_root: {tmp_path}/runs")
+    ok = tmp_path / "tp2.yaml"  # tiny: 2 heads, d_ffn 320
+    ok.write_text(
+        text.replace(
+            "  min_lr_ratio: 0.1\n", "  min_lr_ratio: 0.1\n  overrides: [parallel.tp=2]\n", 1
+        )
+    )
+    runs = expand_sweep(ok)
+    assert runs and all("parallel.tp=2" in r.train_overrides() for r in runs)
+    bad = tmp_path / "tp4.yaml"
+    bad.write_text(
+        text.replace(
+            "  min_lr_ratio: 0.1\n", "  min_lr_ratio: 0.1\n  overrides: [parallel.tp=4]\n", 1
+        )
+    )
+    with pytest.raises(
+        SweepError, match=r"overrides: model\.n_heads: 2 heads do not split over parallel\.tp=4"
+    ):
+        expand_sweep(bad)
+
+
 def test_world_not_divisible_and_wrong_backend_name_the_field():
     from gpn_scale.parallel.topology import check_world
     from gpn_scale.train.config import TrainConfig, validate
