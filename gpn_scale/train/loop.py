@@ -927,7 +927,10 @@ class Trainer:
         import torch.distributed as dist
 
         t = t.to(self.topo._coll_device()).clone()
-        dist.all_reduce(t)
+        if self.topo.tp_size > 1:  # the ranks of a tp group hold the same sums: count one
+            dist.all_reduce(t, group=self.topo.dp_mesh.get_group())
+        else:
+            dist.all_reduce(t)
         return t.cpu()
 
     def _save(

@@ -25,6 +25,7 @@ from train_helpers import (
     child_env,
     grad_norms,
     initial_weights,
+    read_metrics,
     run_train,
     train_args,
     train_losses,
@@ -53,6 +54,13 @@ def _compare(ref_dir: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> N
     assert sorted(got) == list(range(1, TOTAL + 1))
     for s in got:
         assert got[s] == pytest.approx(ref[s], rel=LOSS_RTOL, abs=0), (s, got[s], ref[s])
+    evals = [
+        [(r["step"], r["eval/tokens"], r["eval/loss"]) for r in read_metrics(d) if "eval/loss" in r]
+        for d in (ref_dir, run_dir)
+    ]
+    assert evals[0] and len(evals[0]) == len(evals[1])
+    for (s, tok, loss), (s2, tok2, loss2) in zip(*evals):  # held-out tokens counted once
+        assert (s, tok) == (s2, tok2) and loss2 == pytest.approx(loss, rel=LOSS_RTOL)
     ref_g, got_g = grad_norms(ref_dir), grad_norms(run_dir)
     for s in got_g:  # replicated parameters counted once, shards all counted
         assert got_g[s] == pytest.approx(ref_g[s], rel=GRAD_NORM_RTOL), (s, got_g[s], ref_g[s])
