@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -151,6 +152,22 @@ def test_tp2_checkpoint_resumes_at_another_tp(corpus, tp2_heads4, tmp_path, tp):
         assert got[s] == pytest.approx(ref[s], rel=LOSS_RTOL, abs=0), (s, got[s], ref[s])
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
+
+
 @pytest.mark.slow
 def test_kill9_under_tp2_then_resume_auto_reproduces_the_losses(corpus, tp2_heads4, tmp_path):
     import os
@@ -174,8 +191,19 @@ def test_kill9_under_tp2_then_resume_auto_reproduces_the_losses(corpus, tp2_head
         while max(train_losses(run_dir), default=0) < 3:  # past the step-2 checkpoint
             assert proc.poll() is None and time.time() < deadline, "no step 3"
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)  # the agent and both ranks, no chance to save
+        # torchrun starts each rank in a session of its own: kill the ranks themselves
+        # (a killed agent alone leaves them training on), then the agent.
+        ranks = _descendants(proc.pid)
+        assert len(ranks) >= 2, ranks
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        deadline = time.time() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks):  # reaped by init
+            assert time.time() < deadline, "ranks still alive after SIGKILL"
+            time.sleep(0.05)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
