@@ -306,3 +306,23 @@ def test_tp_in_one_process_is_one_line(corpus, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_w1_block_layout_keeps_values_and_loads_flat_state_dicts():
+    """W_1 is stored (2, f, d) (its [a | b] halves shard alike); the values under a seed are
+    those of the (2f, d) nn.Linear it replaced, and a flat (2f, d) tensor (an older
+    model_final.pt) loads into it."""
+    from gpn_scale.model import GPN
+    from gpn_scale.testing.models import tiny_config
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = GPN(cfg)
+    w1 = model.layers[0].ffn.w1
+    assert tuple(w1.weight.shape) == (2, cfg.d_ffn, cfg.d_state)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    flat = state["layers.0.ffn.w1.weight"].reshape(2 * cfg.d_ffn, cfg.d_state) + 1.0
+    state["layers.0.ffn.w1.weight"] = flat
+    other = GPN(cfg)
+    other.load_state_dict(state)
+    assert torch.equal(other.layers[0].ffn.w1.flat(), flat)
