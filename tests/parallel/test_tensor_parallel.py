@@ -309,9 +309,9 @@ if __name__ == "__main__":
 
 
 def test_w1_block_layout_keeps_values_and_loads_flat_state_dicts():
-    """W_1 is stored (2, f, d) (its [a | b] halves shard alike); the values under a seed are
-    those of the (2f, d) nn.Linear it replaced, and a flat (2f, d) tensor (an older
-    model_final.pt) loads into it."""
+    """W_1 is stored (2, f, d) (its [a | b] halves shard alike); a flat (2f, d) tensor (an
+    older model_final.pt) loads into it. (Same values under a seed as the nn.Linear it
+    replaced: tests/model's engine tests, unchanged, hold the same perturbed models.)"""
     from gpn_scale.model import GPN
     from gpn_scale.testing.models import tiny_config
 
