@@ -396,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpu", default="h100,h200", help=f"comma-separated, of {', '.join(GPUS)} (default both)"
     )
+    parser.add_argument(
+        "--tp-table",
+        action="store_true",
+        help="also print the tensor-parallel prediction for tp = 1, 2, 4, 8 on 8 GPUs at "
+        "--batch sequences per GPU (gpn_scale/bench/tp_model.py)",
+    )
     args = parser.parse_args(argv)
     gpus = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
     unknown = [g for g in gpus if g not in GPUS]
@@ -412,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     acc = account(cfg, args.batch, args.seq_len, args.config)
     before = account(cfg, args.batch, args.seq_len, args.config, backend="reference")
     print(report(acc, cfg, gpus, before))
+    if args.tp_table:
+        from gpn_scale.bench import tp_model
+
+        print(tp_model.report(cfg, args.config, args.batch, args.seq_len, gpus))
     return 0
 
 

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_decode_cross_entropy
+from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide, sum_grad_over_tp, tp_sum_
 from gpn_scale.ops.gpn_step.functional import accumulate_mm
 from gpn_scale.ops.gpn_step.functional import l2n as _l2n
 from gpn_scale.ops.gpn_step.functional import matmul as _matmul
@@ -144,49 +146,85 @@ def make_spans(
 
 
 # --------------------------------------------------------------------- weights
-def fold_loop_weights(model: GPN) -> LoopWeights:
-    """Build the loop's fused matrices from the module's parameters (differentiable)."""
-    cfg = model.config
+def local(p: Tensor) -> Tensor:
+    """This rank's share of a parameter: the local tensor of a DTensor (tensor parallelism
+    applied by `gpn_scale.parallel.tp`; differentiable, its gradient returns as a DTensor of
+    the same placement), the tensor itself otherwise."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def tp_group_of(model: GPN) -> tuple[object | None, int]:
+    """(process group, size) of the tp mesh the parameters live on; (None, 1) without TP.
+
+    The model holds no process group: `parallel.tp` makes every parameter a DTensor on the
+    1-D tp mesh (FSDP2's unsharded parameters in the forward are DTensors on it too)."""
+    p = model.fuse.weight
+    if isinstance(p, DTensor) and p.device_mesh.size() > 1:
+        return p.device_mesh.get_group(), p.device_mesh.size()
+    return None, 1
+
+
+def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights:
+    """Build the loop's fused matrices from the module's parameters (differentiable).
+
+    Under tensor parallelism each block is this rank's share (its heads, its FFN columns of
+    both halves of W_1, its rows of W_o and W_2); the predict and fuse gates are whole. The
+    norm weights folded into sharded blocks are replicated: their gradient is summed over
+    `tp_group` (each rank holds its columns' share)."""
+    shared = lambda p: sum_grad_over_tp(local(p), tp_group)  # noqa: E731
     w_in, b_in, w_out = [], [], []
     for i, layer in enumerate(model.layers):
         cols: list[Tensor] = []
         biases: list[Tensor] = []
         if i == 0 and model.write is not None:
             wr = model.write
-            nw = wr.norm_weight[:, None]
+            nw = shared(wr.norm_weight)[:, None]
+            key_b = local(wr.key.bias)
+            value_w, beta_w = local(wr.value.weight), local(wr.beta.weight)
             cols += [
-                nw * wr.key.weight.t(),
-                nw * wr.value.weight.t(),
-                nw * wr.beta.weight.t(),
-                nw * wr.decay.weight.t(),
+                nw * local(wr.key.weight).t(),
+                nw * value_w.t(),
+                nw * beta_w.t(),
+                nw * local(wr.decay.weight).t(),
             ]
             biases += [
-                wr.key.bias,
-                wr.key.bias.new_zeros(cfg.n_heads * cfg.d_value),
-                wr.key.bias.new_zeros(cfg.n_heads),
-                wr.dt_bias,
+                key_b,
+                key_b.new_zeros(value_w.shape[0]),
+                key_b.new_zeros(beta_w.shape[0]),
+                local(wr.dt_bias),
             ]
         if layer.read is not None:
             rd = layer.read
-            nr = rd.norm_weight[:, None]
-            cols += [nr * rd.query.weight.t(), nr * rd.gate.weight.t()]
-            biases += [rd.query.bias, rd.query.bias.new_zeros(cfg.n_heads * cfg.d_value)]
+            nr = shared(rd.norm_weight)[:, None]
+            gate_w = local(rd.gate.weight)
+            q_b = local(rd.query.bias)
+            cols += [nr * local(rd.query.weight).t(), nr * gate_w.t()]
+            biases += [q_b, q_b.new_zeros(gate_w.shape[0])]
+        w1 = local(layer.ffn.w1.weight).flatten(0, 1)
+        pg_b = local(layer.gate.proj.bias)
         cols += [
-            layer.ffn.norm_weight[:, None] * layer.ffn.w1.weight.t(),
-            layer.gate.norm_weight[:, None] * layer.gate.proj.weight.t(),
+            shared(layer.ffn.norm_weight)[:, None] * w1.t(),
+            local(layer.gate.norm_weight)[:, None] * local(layer.gate.proj.weight).t(),
         ]
-        biases += [layer.gate.proj.bias.new_zeros(2 * cfg.d_ffn), layer.gate.proj.bias]
+        biases += [pg_b.new_zeros(w1.shape[0]), pg_b]
         w_in.append(torch.cat(cols, dim=1))
         b_in.append(torch.cat(biases))
         outs = []
         if layer.read is not None:
-            outs.append(layer.read.out_norm_weight[:, None] * layer.read.out.weight.t())
-        outs.append(layer.ffn.w2.weight.t())
+            outs.append(
+                local(layer.read.out_norm_weight)[:, None] * local(layer.read.out.weight).t()
+            )
+        outs.append(local(layer.ffn.w2.weight).t())
         w_out.append(torch.cat(outs, dim=0))
     fg = model.fuse_gate
-    A = torch.exp(model.write.A_log) if model.write is not None else None
+    A = torch.exp(local(model.write.A_log)) if model.write is not None else None
     return LoopWeights(
-        w_in, b_in, w_out, fg.norm_weight[:, None] * fg.proj.weight.t(), fg.proj.bias, A
+        w_in,
+        b_in,
+        w_out,
+        local(fg.norm_weight)[:, None] * local(fg.proj.weight).t(),
+        local(fg.proj.bias),
+        A,
     )
 
 
@@ -237,7 +275,7 @@ def _recompute_chunk(
             q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
             rq = _step_major(q @ M0)
             o = chunk_read(q, acts.k, acts.U, acts.G, M0).permute(2, 0, 1, 3).reshape(C, B, H * dv)
-            ro = _rms(o, eps)
+            ro = rms_wide(o, eps, plan)
             hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
             acts.q.append(q)
             acts.rq.append(rq)
@@ -249,7 +287,7 @@ def _recompute_chunk(
             acts.o.append(None)
             acts.ro.append(None)
         acts.hidden.append(hidden)
-        c = torch.sigmoid(pg) * c + _matmul(hidden, W.w_out[i], None)
+        c = torch.sigmoid(pg) * c + reduce_rows(_matmul(hidden, W.w_out[i], None), plan)
     acts.p = c
     acts.n_p = _rms(c, eps)
     acts.gate = torch.sigmoid(_matmul(acts.n_p, W.w_fg, W.b_fg))
@@ -432,9 +470,9 @@ def _chunk_weight_gradients(
     k_cols = plan.H * plan.dk
     accumulate_mm(grads.w_in[0][:, :k_cols], acts.n_sprev.t(), dk_pre0, mm)
     grads.b_in[0][:k_cols] += dk_pre0.sum(0)
-    dsprev_start = _rms_back(
-        acts.n_sprev, acts.s_prev, _mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan.eps
-    )
+    # The keys are all sharded under tensor parallelism: their input gradient is summed.
+    dn_sprev = tp_sum_(_mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan)
+    dsprev_start = _rms_back(acts.n_sprev, acts.s_prev, dn_sprev, plan.eps)
     grads.A += adj.dA
     dM0 = dM0 + acts.k.mT @ adj.dRk
     for i in range(L):
@@ -524,7 +562,7 @@ class _SequenceFunction(torch.autograd.Function):
         # The state entering each step, O(T*d): what the backward recomputes each chunk from.
         S = fuse.new_empty(B, T, d) if any(ctx.needs_input_grad) else None
         carries: list = []
-        backend = select_backend(plan.backend, fuse.device)
+        backend = select_backend(plan.backend, fuse.device, plan.tp_size)
         with _phase("sequential forward", fuse.device):
             _forward_chunks(plan, W, backend, fuse, s0, s_prev0, M0, P, S, carries)
         s, s_prev, M = carries.pop()
@@ -639,32 +677,42 @@ def run_engine(
         if device.type != "meta"
         else contextlib.nullcontext()
     ):
+        tp_group, tp_size = tp_group_of(model)
+        # Under tensor parallelism the memory carried is this rank's heads (B, H/tp, dk, dv).
+        H_local = cfg.n_heads // tp_size
         if state is None:
             state = model.initial_state(B, device)
+            if tp_size > 1 and state.memory is not None:
+                state = GPNState(state.s, state.s_prev, state.memory[:, :H_local].clone())
         sdt = model.state_dtype()
         eps = cfg.norm_eps
-        E = model.embedding.weight
+        E = local(model.embedding.weight)
         emb = F.embedding(tokens, E)
         fuse = _linear(
-            _rms(emb.to(sdt), eps) * model.fuse_norm_weight, model.fuse.weight, None, mm_dtype
+            _rms(emb.to(sdt), eps) * local(model.fuse_norm_weight),
+            local(model.fuse.weight),
+            None,
+            mm_dtype,
         )
         spans, cuts = make_spans(T, cfg.chunk_size, cfg.tbptt)
         plan = StepPlan(
             cfg.n_layers,
             cfg.memory,
-            cfg.n_heads,
+            H_local,
             cfg.d_key,
             cfg.d_value,
             cfg.d_state,
-            cfg.d_ffn,
+            cfg.d_ffn // tp_size,
             eps,
             spans,
             cuts,
             mm_dtype,
             cfg.step_backend,
             cfg.cuda_graphs,
+            tp_size,
+            tp_group,
         )
-        weights = fold_loop_weights(model).flat()
+        weights = fold_loop_weights(model, tp_group).flat()
         P, s, s_prev, M = _SequenceFunction.apply(
             plan,
             fuse,
@@ -673,12 +721,15 @@ def run_engine(
             None if state.memory is None else state.memory.to(sdt),
             *weights,
         )
+        dec_w, dec_b = local(model.decode.weight), model.decode.bias
+        dec_b = None if dec_b is None else local(dec_b)
+        dec_norm = local(model.decode_norm_weight)
         with _phase("decode", device):
             loss = chunked_decode_cross_entropy(
                 P.reshape(B * T, -1),
-                model.decode_norm_weight,
-                model.decode.weight,
-                model.decode.bias,
+                dec_norm,
+                dec_w,
+                dec_b,
                 E,
                 tokens.reshape(B * T),
                 cfg.loss_chunk_tokens,
@@ -688,12 +739,7 @@ def run_engine(
             )
         logits = None
         if return_logits:  # tests and analysis only: the full (B, T, V) block
-            h = _linear(
-                _rms(P, eps) * model.decode_norm_weight,
-                model.decode.weight,
-                model.decode.bias,
-                mm_dtype,
-            )
+            h = _linear(_rms(P, eps) * dec_norm, dec_w, dec_b, mm_dtype)
             logits = _linear(h, E, None, mm_dtype)
     final = GPNState(s, s_prev, M if cfg.memory else None) if return_state else None
     return GPNOutput(loss=loss, state=final, logits=logits)

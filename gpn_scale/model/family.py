@@ -47,6 +47,19 @@ def _compat_keys(cfg: GPNConfig) -> dict[str, Any]:
     return {"family": GPNConfig.family_name, **{k: values[k] for k in SHAPE_KEYS}}
 
 
+def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    from gpn_scale.model.parallelize import tp_plan
+    from gpn_scale.parallel.tp import apply_tp
+
+    apply_tp(model, tp_mesh, tp_plan(model))
+
+
+def _check_tp(cfg: GPNConfig, tp: int) -> None:
+    from gpn_scale.model.parallelize import check_tp
+
+    check_tp(cfg, tp)
+
+
 SPEC = FamilySpec(
     name=GPNConfig.family_name,
     config_from_dict=GPNConfig.from_dict,
@@ -58,5 +71,7 @@ SPEC = FamilySpec(
     fsdp_units=lambda model: [],
     compat_keys=_compat_keys,
     recurrent=True,
+    apply_tp=_apply_tp,
+    check_tp=_check_tp,
     description="GPN / GPN+M: one wide recurrent state, one FFN, one shared gated-delta memory",
 )

@@ -66,18 +66,45 @@ class Gate(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
 
+class HalvesLinear(nn.Module):
+    """The bias-free W_1 of a SwiGLU in block layout: `weight` is (2, f, d), the [a | b]
+    halves as a leading axis (row block 0 gives a, block 1 gives b; `flat()` is the usual
+    (2f, d) nn.Linear weight, a view). Stored so, tensor parallelism shards the f axis of
+    both halves alike (`gpn_scale.parallel.tp`); a flat (2f, d) shard would give one rank
+    all of `a`. Same values as nn.Linear(d, 2f) under the same seed (same numel and order);
+    a (2f, d) tensor from an older checkpoint loads into it."""
+
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        flat = torch.empty(2 * f, d)
+        # nn.Linear's construction-time init, kept so that the RNG stream (hence every model
+        # built from a seed) is the one of the (2f, d) nn.Linear this replaced.
+        nn.init.kaiming_uniform_(flat, a=math.sqrt(5))
+        self.weight = nn.Parameter(flat.view(2, f, d))
+
+    def flat(self) -> Tensor:
+        return self.weight.flatten(0, 1)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        if isinstance(value, Tensor) and value.dim() == 2:
+            state_dict[key] = value.reshape(self.weight.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
 class SwiGLU(nn.Module):
     """(silu(a) * b) @ W_2 with [a | b] = rms(x; w) @ W_1."""
 
     def __init__(self, d: int, f: int) -> None:
         super().__init__()
         self.norm_weight = nn.Parameter(torch.ones(d))
-        self.w1 = nn.Linear(d, 2 * f, bias=False)
+        self.w1 = HalvesLinear(d, f)
         self.w2 = nn.Linear(f, d, bias=False)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.norm_weight)
-        lecun_normal_(self.w1.weight)
+        lecun_normal_(self.w1.flat())
         nn.init.zeros_(self.w2.weight)
 
 

@@ -38,7 +38,7 @@ def _gate(gate: Gate, x: Tensor, eps: float) -> Tensor:
 
 
 def _ffn(ffn: SwiGLU, x: Tensor, eps: float) -> Tensor:
-    a, b = F.linear(rms_norm(x, ffn.norm_weight, eps), ffn.w1.weight).chunk(2, dim=-1)
+    a, b = F.linear(rms_norm(x, ffn.norm_weight, eps), ffn.w1.flat()).chunk(2, dim=-1)
     return F.linear(F.silu(a) * b, ffn.w2.weight)
 
 

@@ -54,7 +54,7 @@ def reference_layout(model: GPN) -> dict[str, tuple[torch.Tensor, bool]]:
         out.update(
             {
                 f"{p}ffn_norm_w": (layer.ffn.norm_weight, False),
-                f"{p}ffn_w1_k": (layer.ffn.w1.weight, True),
+                f"{p}ffn_w1_k": (layer.ffn.w1.flat(), True),
                 f"{p}ffn_w2_k": (layer.ffn.w2.weight, True),
                 f"{p}pg_norm_w": (layer.gate.norm_weight, False),
                 f"{p}pg_gate_k": (layer.gate.proj.weight, True),

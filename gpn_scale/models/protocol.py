@@ -64,8 +64,10 @@ class FamilySpec:
       (forward + backward, attention's quadratic part included where the family has it).
     - `fsdp_units(model)`: the submodules FSDP2 / ZeRO wrap on their own, in order (the root
       is wrapped last by the caller); empty = the whole model is one unit.
-    - `tp_plan(model)`: the tensor-parallel plan (module path -> ParallelStyle) or None when
-      the family is not tensor-parallel yet.
+    - `apply_tp(model, tp_mesh)`: shard the built model over a tp mesh in place (the family's
+      declarative plan applied by DTensor; GPN: parameter placements, Transformer++:
+      parallelize_module styles); None when the family is not tensor-parallel.
+    - `check_tp(cfg, tp)`: one ConfigError line naming the field that does not split.
     - `compat_keys(cfg)`: the config fields a checkpoint must match to be resumed.
     - `recurrent`: the state is O(1) in the context length (scoring and generation reuse it).
     """
@@ -78,5 +80,6 @@ class FamilySpec:
     fsdp_units: Callable[[nn.Module], list[nn.Module]]
     compat_keys: Callable[[Any], dict[str, Any]]
     recurrent: bool
-    tp_plan: Callable[[nn.Module], Mapping[str, Any] | None] = field(default=lambda model: None)
+    apply_tp: Callable[[nn.Module, Any], None] | None = None
+    check_tp: Callable[[Any, int], None] = field(default=lambda cfg, tp: None)
     description: str = ""

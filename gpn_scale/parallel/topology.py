@@ -1,10 +1,10 @@
 """The one place that creates process groups and device meshes.
 
-The mesh has named dimensions; today only "dp" (data parallel: FSDP2 shards / DeepSpeed
-ZeRO partitions across it). Tensor parallelism is meant to be added as a second dimension
-("dp", "tp") with the same call: `Topology.build(dp=world // tp, tp=tp)`; everything else asks
-the topology for `dp_rank` / `dp_size` / `dp_mesh` instead of the global rank, so adding "tp"
-does not change the loop or the loaders.
+The mesh has named dimensions: ("dp",) without tensor parallelism, ("dp", "tp") with it
+(`parallel.tp` > 1; tp innermost, so a tp group is tp consecutive ranks: one node's GPUs).
+FSDP2 shards / DeepSpeed ZeRO partitions across "dp"; the tp ranks of one group read the
+same batch (the loaders ask for `dp_rank` / `dp_size`, never the global rank) and hold
+their shares of the model (`parallel/tp.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Topology:
     env: DistEnv
     device: torch.device
     backend: str | None  # process-group backend ("gloo" / "nccl"), None when single
-    mesh: Any = None  # torch DeviceMesh with dims ("dp",) [later ("dp", "tp")]
+    mesh: Any = None  # torch DeviceMesh with dims ("dp",) or ("dp", "tp")
 
     @property
     def world_size(self) -> int:
@@ -49,6 +49,22 @@ class Topology:
     @property
     def dp_mesh(self) -> Any:
         return self.mesh["dp"] if self.mesh is not None else None
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh["tp"].size() if self._has_tp else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank() if self._has_tp else 0
+
+    @property
+    def tp_mesh(self) -> Any:
+        return self.mesh["tp"] if self._has_tp else None
+
+    @property
+    def _has_tp(self) -> bool:
+        return self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ())
 
     # ----- collectives the loop needs (no-ops on one process) ---------------------
     def all_reduce_max(self, value: float) -> float:
@@ -75,6 +91,17 @@ class Topology:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_world(world_size: int, tp: int) -> None:
+    """One line naming the field when the world does not split into tp groups."""
+    if tp < 1 or world_size % tp:
+        from gpn_scale.core.config import ConfigError
+
+        raise ConfigError(
+            f"parallel.tp: {tp} does not divide the world size {world_size} (processes); "
+            f"launch a multiple of {tp} processes or choose a tp that divides {world_size}"
+        )
 
 
 def free_port() -> int:
@@ -114,6 +141,7 @@ def init_topology(
     and mesh for a single process (FSDP2 / DeepSpeed cannot run without one); the
     collectives of the Topology stay no-ops there (world size 1).
     """
+    check_world(dist_env.world_size, tp)
     device = pick_device(device_request, dist_env.local_rank)
     if not dist_env.distributed and not group_for_one:
         return Topology(env=dist_env, device=device, backend=None)
@@ -129,11 +157,9 @@ def init_topology(
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dist_env.world_size % tp:
-        raise ValueError(f"world size {dist_env.world_size} not divisible by tp={tp}")
     if tp == 1:
         mesh = init_device_mesh(device.type, (dist_env.world_size,), mesh_dim_names=("dp",))
-    else:  # the shape tensor parallelism will use; nothing applies "tp" yet
+    else:
         mesh = init_device_mesh(
             device.type, (dist_env.world_size // tp, tp), mesh_dim_names=("dp", "tp")
         )

@@ -524,6 +524,7 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
         for o in extra:
             if o.split("=", 1)[0].strip() in reserved:
                 raise SweepError(f"{where}.overrides: '{o}' is set by the sweep itself; remove it")
+        _check_tp_override(where, facts.config, extra)
 
         params, per_token = facts.params, facts.flops_per_token
         run_mfu = mfu
@@ -763,3 +764,27 @@ def validate_with_trainer(sweep: Sweep) -> None:
             load_train_config(run.base_config, run.train_overrides())
         except ConfigError as err:
             raise SweepError(f"run '{run.name}': the trainer rejects its config: {err}") from None
+
+
+def _check_tp_override(where: str, cfg: Any, overrides: list[str]) -> None:
+    """`parallel.tp=N` among a size's overrides: its heads and FFN width must split N ways
+    (the trainer would refuse the run at start; `sweep plan` says so first)."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() != "parallel.tp":
+            continue
+        try:
+            tp = int(value)
+        except ValueError:
+            raise SweepError(f"{where}.overrides: '{o}': tp must be an integer") from None
+        if tp < 1:
+            raise SweepError(f"{where}.overrides: '{o}': tp must be >= 1")
+        from gpn_scale.models.registry import family_of
+
+        spec = family_of(cfg)
+        if tp > 1 and spec.apply_tp is None:
+            raise SweepError(f"{where}.overrides: '{o}': family {spec.name} has no tp plan")
+        try:
+            spec.check_tp(cfg, tp)
+        except ConfigError as err:
+            raise SweepError(f"{where}.overrides: {err}") from None

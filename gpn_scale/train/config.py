@@ -81,7 +81,7 @@ class ParallelSection:
     zero3_persistence_threshold: int | None = None
     reduce_dtype: str = "fp32"  # FSDP2 mixed-precision gradient reduction dtype
     reshard_after_forward: bool = True
-    tp: int = 1  # tensor parallel degree: reserved (mesh dim "tp")
+    tp: int = 1  # tensor parallel degree (mesh dim "tp", innermost; FSDP2 over "dp" = world/tp)
 
 
 @dataclass
@@ -340,8 +340,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
     if cfg.parallel.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage: expected 1, 2 or 3, got {cfg.parallel.zero_stage}")
-    if cfg.parallel.tp != 1:
-        raise ConfigError("parallel.tp: tensor parallelism is not implemented yet; use 1")
+    if isinstance(cfg.parallel.tp, bool) or not isinstance(cfg.parallel.tp, int):
+        raise ConfigError(f"parallel.tp: expected an integer, got {cfg.parallel.tp!r}")
+    if cfg.parallel.tp < 1:
+        raise ConfigError(f"parallel.tp: must be >= 1, got {cfg.parallel.tp}")
+    if cfg.parallel.tp > 1 and cfg.parallel.backend in ("none", "deepspeed"):
+        raise ConfigError(
+            f"parallel.tp={cfg.parallel.tp}: tensor parallelism runs under "
+            f"parallel.backend=fsdp2 (or auto), not {cfg.parallel.backend}; use fsdp2"
+        )
     if cfg.analysis.every_steps < 0:
         raise ConfigError(
             f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}"

@@ -360,16 +360,28 @@ class Trainer:
             num_canonical_nodes=cfg.data.num_canonical_nodes,
             num_workers=cfg.data.num_workers,
         )
+        topo = self.topo
+        tp = topo.tp_size
+        if batch % tp:
+            raise ConfigError(
+                f"parallel.tp: {tp} does not divide the {split} micro batch {batch} per data-"
+                "parallel rank (a tp group reads it in tp pieces); change the batch or tp"
+            )
         loader = build_loader(
             dcfg,
             split=split,
-            batch_size=batch,
-            rank=self.topo.dp_rank,
-            world_size=self.topo.dp_size,
+            batch_size=batch // tp,
+            # Under TP every rank reads 1/tp of its group's batch (parallel/tp.py).
+            rank=topo.dp_rank if tp == 1 else topo.rank,
+            world_size=topo.dp_size if tp == 1 else topo.world_size,
             seq_len=cfg.data.seq_len,
             vocab_size=vocab,
         )
         self._loaders.append(loader)  # closed when the run ends (run's finally)
+        if tp > 1:
+            from gpn_scale.parallel.tp import TPGroupBatches
+
+            return TPGroupBatches(loader, topo.tp_mesh.get_group(), tp)
         return loader
 
     def _build_backend(
@@ -408,6 +420,13 @@ class Trainer:
             return _DeepSpeedBackend(engine, ds_opt)
         if self.backend_name == "fsdp2":
             from gpn_scale.parallel.fsdp import apply_fsdp2
+
+            if topo.tp_size > 1:  # TP first, then FSDP2 over "dp" of the same parent mesh
+                from gpn_scale.models.registry import family_of
+
+                apply_tp = family_of(self._model_config()).apply_tp
+                assert apply_tp is not None  # checked in setup
+                apply_tp(model, topo.tp_mesh)
 
             # Compute dtype comes from autocast (bf16 on GPU), not from FSDP's param_dtype:
             # fp32 weights + autocast is what the model's fp32-state rule is written for
@@ -510,6 +529,14 @@ class Trainer:
             )
         micro, accum = batch_layout(cfg, topo.dp_size)
         model_cfg = self._model_config()
+        if topo.tp_size > 1:
+            tp_spec = family_of(model_cfg)
+            if tp_spec.apply_tp is None:
+                raise ConfigError(
+                    f"parallel.tp={topo.tp_size}: the trainer has no tensor-parallel plan for "
+                    f"model family {tp_spec.name} (GPN / GPN+M only); use parallel.tp=1"
+                )
+            tp_spec.check_tp(model_cfg, topo.tp_size)
         seq_len = cfg.data.seq_len
 
         # Checkpoint storage first: a bad path or missing credentials fails before any work.
@@ -991,7 +1018,10 @@ class Trainer:
         import torch.distributed as dist
 
         t = t.to(self.topo._coll_device()).clone()
-        dist.all_reduce(t)
+        if self.topo.tp_size > 1:  # the ranks of a tp group hold the same sums: count one
+            dist.all_reduce(t, group=self.topo.dp_mesh.get_group())
+        else:
+            dist.all_reduce(t)
         return t.cpu()
 
     def _save(

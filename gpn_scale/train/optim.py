@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,9 +86,17 @@ def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float) -> torch
     grads = [p.grad for p in params if p.grad is not None]  # (all are: typed for mypy)
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): reduce the partial norms across ranks
-        norm = norm.full_tensor()
+    # DTensor gradients live on one mesh per placement kind (FSDP2's dp mesh, or dp x tp when
+    # a tp plan covers only some modules): a norm per mesh, reduced across its ranks
+    # (full_tensor), then combined; DTensor ops refuse to mix meshes.
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    parts = []
+    for group in by_mesh.values():
+        part = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        parts.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
+    norm = parts[0] if len(parts) == 1 else torch.stack(parts).square().sum().sqrt()
     if max_norm > 0 and torch.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -53,7 +53,9 @@ def test_fused_kernels_serve_cpu_training_by_default(monkeypatch):
 
             return call
 
-    monkeypatch.setattr(engine, "select_backend", lambda choice, device: CpuBackend(Spy()))
+    monkeypatch.setattr(
+        engine, "select_backend", lambda choice, device, tp_size=1: CpuBackend(Spy())
+    )
     model = perturbed_model(tiny_config(chunk_size=4), torch.float32)
     model(torch.randint(0, 37, (2, 9))).loss.backward()
     assert calls.count("chunk_forward") == 3 and calls.count("chunk_backward") == 3

@@ -48,13 +48,14 @@ def _case(tied: bool):
 def rank_main(rank: int, world: int, init_file: str, out_dir: str, tied: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gpn_scale.models.transformer_pp.parallelize import apply_tp
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         spec, model, tokens = _case(tied)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        parallelize_module(model, mesh, spec.tp_plan(model))
+        apply_tp(model, mesh)
         local = model.layers[0].attn.q.weight.to_local().shape
         result = {**_run(model, tokens), "q_local": list(local)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

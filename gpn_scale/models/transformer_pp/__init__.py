@@ -31,10 +31,10 @@ def _flops_per_token(cfg: TransformerPPConfig, seq_len: int) -> float:
     return flops_per_token(cfg, seq_len)
 
 
-def _tp_plan(model: nn.Module) -> dict[str, Any]:
-    from gpn_scale.models.transformer_pp.parallelize import tp_plan
+def _check_tp(cfg: TransformerPPConfig, tp: int) -> None:
+    from gpn_scale.models.transformer_pp.parallelize import check_tp
 
-    return tp_plan(model)
+    check_tp(cfg, tp)
 
 
 def _compat_keys(cfg: TransformerPPConfig) -> dict[str, Any]:
@@ -54,7 +54,11 @@ SPEC = FamilySpec(
     fsdp_units=_fsdp_units,
     compat_keys=_compat_keys,
     recurrent=False,
-    tp_plan=_tp_plan,
+    # The block plan (parallelize.py) is held to one process at model level; the trainer's
+    # mixed-mesh optimizer step (tp blocks, dp-only norms and embedding) is not, so the
+    # family declares no apply_tp and the trainer refuses parallel.tp > 1 for it.
+    apply_tp=None,
+    check_tp=_check_tp,
     description="Transformer++: LLaMA-style decoder (pre-RMSNorm, RoPE, SwiGLU, no biases)",
 )
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from gpn_scale.core.config import ConfigError
+
 
 def tp_plan(model: nn.Module) -> dict[str, Any]:
     """module path -> ParallelStyle for `torch.distributed.tensor.parallel.parallelize_module`."""
@@ -28,3 +30,21 @@ def tp_plan(model: nn.Module) -> dict[str, Any]:
         for name in ("attn.o", "mlp.down"):
             plan[f"{prefix}.{name}"] = RowwiseParallel()
     return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    """Shard the blocks over `tp_mesh` in place (torch's parallelize_module)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def check_tp(cfg: Any, tp: int, where: str = "parallel.tp") -> None:
+    """One line naming the field when the model does not split over `tp` ranks."""
+    for name in ("n_heads", "d_ffn"):
+        value = getattr(cfg, name)
+        if tp > 1 and value % tp:
+            raise ConfigError(
+                f"model.{name}: {value} does not split over {where}={tp}; use a value "
+                f"divisible by {tp} or another tp"
+            )

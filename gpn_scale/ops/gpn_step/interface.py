@@ -17,7 +17,7 @@ The fused input matrix of layer i has its column blocks in the order `ColumnLayo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -85,6 +85,10 @@ class StepPlan:
     mm_dtype: torch.dtype | None  # matmul dtype under autocast, else None
     backend: str = "auto"  # step backend asked for (see registry.py)
     cuda_graphs: bool = True  # capture the CUDA backend's chunks as graphs
+    # Tensor parallelism (`collectives.py`): H and f above are then this rank's share of the
+    # heads and FFN hidden units; the group sums at the step's fixed points. None: one rank.
+    tp_size: int = 1
+    tp_group: Any = field(default=None, compare=False)
 
     @property
     def columns(self) -> tuple[ColumnLayout, ...]:

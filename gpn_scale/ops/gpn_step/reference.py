@@ -4,6 +4,8 @@ Plain tensor ops on any device, one step at a time; the forward is `shared/spec/
 with the memory in chunk form (a read-only chunk-start M0 plus the chunk's low-rank history,
 `shared/spec/memory-chunkwise.md`), and the reverse sweep is that forward differentiated by
 hand (held equal to autograd through the step-by-step model by tests/model/test_engine.py).
+Under tensor parallelism it is the backend that runs the steps, with the group's collectives
+at the fixed points of `collectives.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gpn_scale.ops.gpn_step.collectives import input_grad, reduce_rows, rms_wide, rms_wide_back
 from gpn_scale.ops.gpn_step.functional import l2n, l2n_back, matmul, mm_t, rms, rms_back, silu_back
 from gpn_scale.ops.gpn_step.interface import (
     ChunkActs,
@@ -115,8 +118,9 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
             a, b = ffn_in.chunk(2, dim=-1)
             hidden = F.silu(a) * b
             if mem:
-                hidden = torch.cat([F.silu(rg) * rms(o.reshape(B, H * dv), eps), hidden], dim=-1)
-            c = torch.sigmoid(pg) * c + matmul(hidden, W.w_out[i], None)
+                ro = rms_wide(o.reshape(B, H * dv), eps, plan)
+                hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
+            c = torch.sigmoid(pg) * c + reduce_rows(matmul(hidden, W.w_out[i], None), plan)
         P[:, tau] = c
         gate = torch.sigmoid(matmul(rms(c, eps), W.w_fg, W.b_fg))
         s_prev, s = s, gate * c + fuse[:, tau]
@@ -175,7 +179,8 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
                 ro = acts.ro[i][tau]
                 dh_read = dh[:, :Hv]
                 dparts[-3].copy_(silu_back(rg, dh_read * ro))
-                do = rms_back(ro, acts.o[i][tau], dh_read * F.silu(rg), eps).view(B, H, dv)
+                do = rms_wide_back(ro, acts.o[i][tau], dh_read * F.silu(rg), eps, plan)
+                do = do.view(B, H, dv)
                 # Read after write: o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j.
                 q = acts.q[i][:, :, tau]
                 Gt = G[..., tau]
@@ -205,7 +210,7 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
                     dk_next_pre = dk_pre
                 else:
                     dk_pre0 = dk_pre
-            dc = dc_in + rms_back(n_in, c_in, mm_t(dY[i][tau], Wt.w_in[i]), eps)
+            dc = dc_in + rms_back(n_in, c_in, input_grad(dY[i][tau], Wt.w_in[i], plan), eps)
         dc = dc + ds_extra[tau]
         dg = dc  # gradient of the state entering step tau
     return ReverseSweepResult(dg, dk_pre0)

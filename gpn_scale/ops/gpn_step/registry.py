@@ -57,10 +57,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def select_backend(config_choice: str, device: torch.device) -> StepBackend:
-    """The backend for tensors on `device` (see the module docstring)."""
+def select_backend(config_choice: str, device: torch.device, tp_size: int = 1) -> StepBackend:
+    """The backend for tensors on `device` (see the module docstring). Under tensor
+    parallelism (tp_size > 1) the PyTorch steps run, with the group's collectives at the
+    fixed points of `collectives.py`: the fused C++ and Triton kernels do not split at
+    those points yet, so `auto` picks the PyTorch steps and asking for them is refused."""
     choice = requested(config_choice)
     if choice == "reference":
+        return ReferenceBackend()
+    if tp_size > 1:
+        if choice != "auto":
+            raise StepBackendError(
+                f"step backend {choice!r} does not run under tensor parallelism (tp={tp_size}) "
+                "yet; use step_backend auto or reference (the PyTorch steps)"
+            )
         return ReferenceBackend()
     if choice == "cpu" or (choice == "auto" and device.type == "cpu"):
         if device.type != "cpu":
