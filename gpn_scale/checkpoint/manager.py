@@ -640,11 +640,23 @@ class CheckpointManager:
         try:
             # Vet DCP's pickled metadata ourselves first: DCP would hide our refusal inside its
             # own AssertionError text.
-            safe_unpickle_metadata((local / ".metadata").read_bytes(), str(local / ".metadata"))
+            metadata = safe_unpickle_metadata(
+                (local / ".metadata").read_bytes(), str(local / ".metadata")
+            )
         except OSError as exc:
             raise CheckpointError(
                 f"cannot load {full_uri}: cannot read .metadata ({one_line(exc, 160)})"
             ) from exc
+        # A tensor whose saved shape differs from the live one (another parameter layout or
+        # model version) makes DCP fail deep inside a collective with a multi-line trace.
+        mismatch = _first_shape_mismatch(app_state, metadata)
+        if mismatch is not None:
+            key, saved, live = mismatch
+            raise CheckpointError(
+                f"cannot load {full_uri}: {key} is {saved} in the checkpoint but {live} here "
+                "(written by another version or layout of the model); resume it with the code "
+                "that wrote it, or start a fresh checkpoint.root"
+            )
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -736,3 +748,26 @@ def _deepspeed_safe_load(path: str) -> Any:
     from gpn_scale.checkpoint.safe_load import deepspeed_safe_globals
 
     return safe_torch_load(Path(path), extra_safe_globals=deepspeed_safe_globals())
+
+
+def _first_shape_mismatch(
+    app_state: dict[str, Any], metadata: Any
+) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """(key, saved shape, live shape) of the first tensor of `app_state` (nested dicts, keys
+    joined with "." as DCP flattens them; a DTensor by its global shape) whose shape the
+    checkpoint records differently; None when all agree or the key is not in the checkpoint."""
+    saved = getattr(metadata, "state_dict_metadata", {}) or {}
+
+    def walk(prefix: str, value: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                found = walk(f"{prefix}.{k}" if prefix else str(k), v)
+                if found is not None:
+                    return found
+        elif isinstance(value, torch.Tensor):
+            size = getattr(saved.get(prefix), "size", None)
+            if size is not None and tuple(size) != tuple(value.shape):
+                return prefix, tuple(size), tuple(value.shape)
+        return None
+
+    return walk("", app_state)

@@ -410,3 +410,18 @@ def test_retention_with_a_resumed_older_run(tmp_path: Path) -> None:
     uri40 = _save(mgr, 40)
     assert mgr.latest() == uri40
     assert not (tmp_path / "ck" / step_dir_name(30)).exists()  # older than the new latest: retired
+
+
+def test_a_tensor_saved_in_another_shape_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A parameter whose layout changed (GPN's W_1: (2f, d) -> (2, f, d)) fails before DCP's
+    collective trace, naming the key and both shapes."""
+    mgr = CheckpointManager(str(tmp_path / "ckpt"))
+    uri = mgr.save(1, {"model": {"ffn.w1.weight": torch.ones(4, 3), "b": torch.zeros(2)}}, meta={})
+    live = {"model": {"ffn.w1.weight": torch.zeros(2, 2, 3), "b": torch.zeros(2)}}
+    with pytest.raises(CheckpointError) as err:
+        mgr.load(uri, live)
+    msg = str(err.value)
+    assert (
+        "\n" not in msg and "model.ffn.w1.weight is (4, 3) in the checkpoint but (2, 2, 3)" in msg
+    )
+    assert float(live["model"]["ffn.w1.weight"].abs().sum()) == 0.0  # nothing loaded
