@@ -1120,10 +1120,20 @@ class Trainer:
                     log=self.log,
                 )
 
+            mode = wb.mode
+            if mode == "auto":
+                from gpn_scale.train.metrics import wandb_server_reachable
+
+                reachable, base_url = wandb_server_reachable(min(wb.init_timeout, 10.0))
+                mode = "online" if reachable else "offline"
+                if not reachable:  # compute nodes often have no internet
+                    self.log(
+                        f"W&B: {base_url} not reachable; logging.wandb.mode=auto: offline instead"
+                    )
             try:
-                sink = open_wandb("online" if wb.mode == "auto" else wb.mode)
+                sink = open_wandb(mode)
             except ConfigError as err:
-                if wb.mode != "auto":
+                if wb.mode != "auto" or mode != "online":
                     raise
                 # compute nodes often have no internet: log offline, upload from a login node
                 self.log(f"W&B: online failed ({err}); logging.wandb.mode=auto: offline instead")

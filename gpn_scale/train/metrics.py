@@ -285,6 +285,26 @@ _WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_INIT_TIMEOUT_S = 60.0
 
 
+def wandb_server_reachable(timeout: float) -> tuple[bool, str]:
+    """(reachable, base URL) of the W&B server: any HTTP answer counts as reachable.
+
+    logging.wandb.mode=auto asks this before its one wandb.init: an online init that fails
+    leaves the run id held by W&B's service process, so a second (offline) init of the same
+    id can fail with "run ID is in use" (seen under load even after wandb.teardown()).
+    """
+    import urllib.error
+    import urllib.request
+
+    base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    try:
+        urllib.request.urlopen(base_url, timeout=timeout)  # noqa: S310 - the configured server
+    except urllib.error.HTTPError:
+        return True, base_url
+    except (OSError, ValueError):
+        return False, base_url
+    return True, base_url
+
+
 class WandbSink:
     """A W&B run. With `resume_id` (from the checkpoint's meta) the same run is continued."""
 
