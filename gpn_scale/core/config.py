@@ -6,7 +6,9 @@ without importing the model package.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,19 @@ def closest_key_hint(key: str, valid: list[str] | tuple[str, ...]) -> str:
     """' (did you mean 'x'?)' for the valid key closest to `key`, or '' when none is close."""
     match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def check_fields(cls: Any, values: Mapping[str, Any], unknown: str = "unknown key") -> None:
+    """One ConfigError line for the first key of `values` that is not a field of the
+    dataclass `cls` (naming the closest field) or the first required field it lacks."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in valid:
+            raise ConfigError(f"model.{key}: {unknown}{closest_key_hint(str(key), valid)}")
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if f.name not in values:
+                raise ConfigError(f"model.{f.name}: required key is missing")
 
 
 def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> Any:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own error type)
     ConfigError,
+    check_fields,
     closest_key_hint,
     read_yaml,
     resolve_named_yaml,
@@ -129,23 +130,13 @@ class GPNConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GPNConfig:
         """Build from a mapping; an unknown key fails naming the closest valid one."""
-        valid = cls.field_names()
         values = {k: v for k, v in values.items() if not (k == "family" and v == cls.family_name)}
         if "family" in values:  # another family's config met by a GPN-only reader
             raise ConfigError(
                 f"model.family: {values['family']!r} is not GPN; this reads GPN / GPN+M configs "
                 "only (the trainer, info and sweeps read every family)"
             )
-        for key in values:
-            if key not in valid:
-                raise ConfigError(f"model.{key}: unknown key{closest_key_hint(key, valid)}")
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in values
-        ]
-        if missing:
-            raise ConfigError(f"model.{missing[0]}: required key is missing")
+        check_fields(cls, values)
         return cls(**dict(values))
 
 

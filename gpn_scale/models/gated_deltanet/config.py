@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gpn_scale.core.config import ConfigError, closest_key_hint
+from gpn_scale.core.config import ConfigError, check_fields, closest_key_hint
 
 BACKENDS = ("auto", "chunk", "recurrent", "fla")
 
@@ -106,20 +106,10 @@ class GatedDeltaNetConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GatedDeltaNetConfig:
         """Build from a mapping; an unknown key fails naming the closest valid one."""
-        valid = cls.field_names()
         values = {
             str(k): v for k, v in values.items() if not (k == "family" and v == cls.family_name)
         }
-        for key in values:
-            if key not in valid:
-                raise ConfigError(f"model.{key}: unknown key{closest_key_hint(key, valid)}")
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in values
-        ]
-        if missing:
-            raise ConfigError(f"model.{missing[0]}: required key is missing")
+        check_fields(cls, values)
         return cls(**values)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gpn_scale.core.config import ConfigError, closest_key_hint
+from gpn_scale.core.config import ConfigError, check_fields
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,8 @@ class TransformerPPConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TransformerPPConfig:
         """Build from a mapping; an unknown key fails naming the closest valid one."""
-        valid = cls.field_names()
         values = {k: v for k, v in values.items() if not (k == "family" and v == cls.family_name)}
-        for key in values:
-            if key not in valid:
-                raise ConfigError(
-                    f"model.{key}: unknown key for family {cls.family_name}"
-                    f"{closest_key_hint(key, valid)}"
-                )
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in values
-        ]
-        if missing:
-            raise ConfigError(f"model.{missing[0]}: required key is missing")
+        check_fields(cls, values, f"unknown key for family {cls.family_name}")
         return cls(**dict(values))
 
 
