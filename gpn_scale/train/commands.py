@@ -95,6 +95,17 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         "only when it advanced",
     )
     p.add_argument(
+        "--check-launch",
+        nargs=2,
+        type=int,
+        metavar=("NODES", "PROCS_PER_NODE"),
+        default=None,
+        help="check, without reading or writing anything, that the config trains on NODES "
+        "x PROCS_PER_NODE processes (parallel.tp divides the world and the model's heads, "
+        "widths and vocabulary, and each data-parallel rank's micro batch) and exit: "
+        "slurm/train.sbatch runs it before starting the trainers",
+    )
+    p.add_argument(
         "--take-over",
         action="store_true",
         help="train even though another job holds a live lease on the run "
@@ -222,6 +233,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_train_config(*_config_and_overrides(args))
         if getattr(args, "latest_step", False):
             print(_latest_step(cfg))
+            return 0
+        if getattr(args, "check_launch", None):
+            from gpn_scale.train.preflight import check_launch
+
+            for warning in check_launch(cfg, *args.check_launch):
+                print(f"gpn-scale: warning: {warning}", file=sys.stderr, flush=True)
             return 0
         if args.dry_run:
             from gpn_scale.train.preflight import dry_run

@@ -529,14 +529,9 @@ class Trainer:
             )
         micro, accum = batch_layout(cfg, topo.dp_size)
         model_cfg = self._model_config()
-        if topo.tp_size > 1:
-            tp_spec = family_of(model_cfg)
-            if tp_spec.apply_tp is None:
-                raise ConfigError(
-                    f"parallel.tp={topo.tp_size}: the trainer has no tensor-parallel plan for "
-                    f"model family {tp_spec.name} (GPN / GPN+M only); use parallel.tp=1"
-                )
-            tp_spec.check_tp(model_cfg, topo.tp_size)
+        from gpn_scale.train.preflight import check_tensor_parallel
+
+        check_tensor_parallel(model_cfg, topo.tp_size)
         seq_len = cfg.data.seq_len
 
         # Checkpoint storage first: a bad path or missing credentials fails before any work.

@@ -53,6 +53,64 @@ def model_config(cfg: TrainConfig) -> Any:
     return model_cfg
 
 
+def check_tensor_parallel(model_cfg: Any, tp: int) -> None:
+    """One line when the model cannot train at `parallel.tp = tp`: its family has no trainer
+    tp plan, or its heads / widths / vocabulary do not split over tp (the family's own
+    check names the field)."""
+    if tp == 1:
+        return
+    from gpn_scale.models.registry import family_of
+
+    spec = family_of(model_cfg)
+    if spec.apply_tp is None:
+        raise ConfigError(
+            f"parallel.tp={tp}: the trainer has no tensor-parallel plan for model family "
+            f"{spec.name} (GPN / GPN+M only); use parallel.tp=1"
+        )
+    spec.check_tp(model_cfg, tp)
+
+
+def check_launch(cfg: TrainConfig, nodes: int, procs_per_node: int) -> list[str]:
+    """What `slurm/train.sbatch` checks before it starts any trainer (no I/O): the world of
+    `nodes` x `procs_per_node` processes splits into tp groups, the model splits over tp,
+    and each data-parallel rank's micro batches (train and eval) split into tp pieces; the
+    same checks the trainers make at start, so a bad launch fails in one line before the
+    job's nodes start torchrun. Returns warnings (a tp group that spans nodes runs every
+    step's all-reduces over the network)."""
+    from gpn_scale.parallel.topology import check_world
+    from gpn_scale.train.config import batch_layout
+
+    if nodes < 1 or procs_per_node < 1:
+        raise ConfigError(
+            f"--check-launch: nodes and processes per node must be >= 1, got {nodes} "
+            f"{procs_per_node}"
+        )
+    tp, world = cfg.parallel.tp, nodes * procs_per_node
+    check_world(world, tp)
+    check_tensor_parallel(model_config(cfg), tp)
+    micro, _ = batch_layout(cfg, world // tp)
+    for split, batch in (("train", micro), ("val", cfg.eval.batch_size or micro)):
+        if batch % tp:
+            raise ConfigError(
+                f"parallel.tp: {tp} does not divide the {split} micro batch {batch} per data-"
+                "parallel rank (a tp group reads it in tp pieces); change the batch or tp"
+            )
+    warnings = []
+    if tp > 1 and nodes > 1 and procs_per_node % tp and tp % procs_per_node:
+        warnings.append(
+            f"parallel.tp={tp} with {procs_per_node} processes per node: some tp groups span "
+            "two nodes, so their per-step all-reduces cross the network; use a tp that "
+            f"divides {procs_per_node}"
+        )
+    elif tp > procs_per_node:
+        warnings.append(
+            f"parallel.tp={tp} exceeds the {procs_per_node} processes per node: every tp "
+            "group spans nodes and its per-step all-reduces cross the network; use "
+            f"tp <= {procs_per_node}"
+        )
+    return warnings
+
+
 def check_run_dir(run_dir: str) -> None:
     """One line naming `run_dir` when it cannot be created or written (nothing is created)."""
     check_local_dir(run_dir, "run_dir")

@@ -279,6 +279,31 @@ def test_world_not_divisible_and_wrong_backend_name_the_field():
         validate(cfg)
 
 
+def test_launch_check_names_what_does_not_split():
+    """`gpn-scale train ... --check-launch NODES PROCS` (what slurm/train.sbatch runs first)."""
+    from gpn_scale.train.config import load_train_config
+    from gpn_scale.train.preflight import check_launch
+
+    def cfg(*overrides: str):
+        return load_train_config("ci_tiny", list(overrides))
+
+    assert check_launch(cfg("parallel.tp=2"), 2, 2) == []
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: 2 does not divide the world size 3"):
+        check_launch(cfg("parallel.tp=2"), 1, 3)
+    with pytest.raises(ConfigError, match=r"^model\.n_heads: 2 heads do not split over parallel"):
+        check_launch(cfg("parallel.tp=4", "train.global_batch_size=8"), 1, 4)
+    with pytest.raises(ConfigError, match=r"^model_overrides\.d_ffn|^model\.d_ffn"):
+        check_launch(cfg("parallel.tp=2", "model_overrides.d_ffn=63"), 1, 2)
+    with pytest.raises(ConfigError, match=r"the train micro batch 1 per data-parallel rank"):
+        check_launch(cfg("parallel.tp=2", "train.global_batch_size=2"), 1, 4)
+    with pytest.raises(ConfigError, match=r"the val micro batch 3 per data-parallel rank"):
+        check_launch(cfg("parallel.tp=2", "eval.batch_size=3"), 1, 2)
+    with pytest.raises(ConfigError, match=r"no tensor-parallel plan for model family transformer"):
+        check_launch(cfg("parallel.tp=2", "model=transformer_pp_tiny"), 1, 2)
+    (warning,) = check_launch(cfg("parallel.tp=4", "model_overrides.n_heads=4"), 2, 2)
+    assert "exceeds the 2 processes per node" in warning
+
+
 def test_fused_step_backends_refuse_tp_and_auto_runs_the_pytorch_steps(monkeypatch):
     from gpn_scale.ops.gpn_step.registry import ENV_VAR, StepBackendError, select_backend
 

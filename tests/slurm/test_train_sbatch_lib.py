@@ -69,3 +69,38 @@ def test_job_end_time_prefers_slurm_job_end_time():
 )
 def test_requeue_only_on_progress_with_a_cap(args, want):
     assert sh(f"requeue_decision {args}").startswith(want)
+
+
+def _sbatch_outside_slurm(tmp_path: Path, *args: str, nproc: str = "2"):
+    """train.sbatch run as a plain script (no SLURM_JOB_ID: it starts torchrun itself)."""
+    import sys
+
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "GPN_SCALE_ROOT": str(TEMPLATE.parents[1]),
+        "GPN_SCALE_PYTHON": sys.executable,
+        "GPN_NPROC_PER_NODE": nproc,
+        "GPN_RANK_LOG_DIR": str(tmp_path / "ranks"),
+    }
+    return subprocess.run(
+        ["bash", str(TEMPLATE), *args],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def test_tp_that_does_not_split_the_launch_fails_before_any_trainer_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _sbatch_outside_slurm(tmp_path, "ci_tiny", "parallel.tp=3", f"run_dir={run_dir}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == [
+        "gpn-scale: error: parallel.tp: 3 does not divide the world size 2 (processes); "
+        "launch a multiple of 3 processes or choose a tp that divides 2"
+    ]
+    assert "torch.distributed.run" not in proc.stdout and not (tmp_path / "ranks").exists()
+    assert not run_dir.exists()
