@@ -83,20 +83,21 @@ def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float) -> torch
     max_norm <= 0 or the norm is not finite (the caller then skips the step anyway).
     """
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params if p.grad is not None]  # (all are: typed for mypy)
-    if not grads:
+    if not params:
         return torch.zeros(())
     # DTensor gradients live on one mesh per placement kind (FSDP2's dp mesh, or dp x tp when
     # a tp plan covers only some modules): a norm per mesh, reduced across its ranks
     # (full_tensor), then combined; DTensor ops refuse to mix meshes.
+    # The clipping's foreach multiply is per mesh too.
     by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     parts = []
     for group in by_mesh.values():
-        part = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        part = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
         parts.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
     norm = parts[0] if len(parts) == 1 else torch.stack(parts).square().sum().sqrt()
     if max_norm > 0 and torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm

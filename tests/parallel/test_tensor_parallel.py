@@ -124,6 +124,18 @@ def test_tp2_two_layers_tbptt_carried_state_equals_single(corpus, tmp_path):
     _compare(ref, run_dir, STATEFUL)
 
 
+@pytest.mark.slow
+def test_transformer_pp_dp2xtp2_training_equals_single_process(corpus, tmp_path):
+    """Transformer++ through the trainer at dp = 2 x tp = 2: its blocks on the 2-D mesh,
+    its norms, embedding and head on dp only (the clipping and norm go mesh by mesh)."""
+    family = ("model=transformer_pp_tiny",)
+    ref, run_dir = tmp_path / "single", tmp_path / "dp2xtp2"
+    run_train(corpus, ref, *COMMON, *family)
+    proc = run_train(corpus, run_dir, *COMMON, *family, "parallel.tp=2", nproc=4, timeout=600)
+    assert "backend fsdp2, world 4, micro 2" in proc.stdout, proc.stdout[-2000:]
+    _compare(ref, run_dir, family)
+
+
 # ------------------------------------------------------------------ checkpoints
 HEADS4 = (*COMMON, "model_overrides.n_heads=4")  # splits over tp = 4 as well
 
@@ -298,8 +310,9 @@ def test_launch_check_names_what_does_not_split():
         check_launch(cfg("parallel.tp=2", "train.global_batch_size=2"), 1, 4)
     with pytest.raises(ConfigError, match=r"the val micro batch 3 per data-parallel rank"):
         check_launch(cfg("parallel.tp=2", "eval.batch_size=3"), 1, 2)
-    with pytest.raises(ConfigError, match=r"no tensor-parallel plan for model family transformer"):
-        check_launch(cfg("parallel.tp=2", "model=transformer_pp_tiny"), 1, 2)
+    with pytest.raises(ConfigError, match=r"no tensor-parallel plan for model family gated_delta"):
+        check_launch(cfg("parallel.tp=2", "model=gated_deltanet_tiny"), 1, 2)
+    assert check_launch(cfg("parallel.tp=2", "model=transformer_pp_tiny"), 1, 2) == []
     (warning,) = check_launch(cfg("parallel.tp=4", "model_overrides.n_heads=4"), 2, 2)
     assert "exceeds the 2 processes per node" in warning
 
@@ -356,7 +369,7 @@ def test_w1_block_layout_keeps_values_and_loads_flat_state_dicts():
 def test_a_family_without_a_trainer_tp_plan_is_refused_in_one_line(corpus, tmp_path):
     run_dir = tmp_path / "tp2"
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
-    args = train_args(corpus, run_dir, *COMMON, "model=transformer_pp_tiny", "parallel.tp=2")
+    args = train_args(corpus, run_dir, *COMMON, "model=gated_deltanet_tiny", "parallel.tp=2")
     proc = subprocess.run(
         [*cmd, "gpn_scale", *args],
         cwd=REPO,

@@ -37,6 +37,12 @@ def _check_tp(cfg: TransformerPPConfig, tp: int) -> None:
     check_tp(cfg, tp)
 
 
+def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    from gpn_scale.models.transformer_pp.parallelize import apply_tp
+
+    apply_tp(model, tp_mesh)
+
+
 def _compat_keys(cfg: TransformerPPConfig) -> dict[str, Any]:
     return {"family": cfg.family_name, **{k: getattr(cfg, k) for k in SHAPE_KEYS}}
 
@@ -54,10 +60,10 @@ SPEC = FamilySpec(
     fsdp_units=_fsdp_units,
     compat_keys=_compat_keys,
     recurrent=False,
-    # The block plan (parallelize.py) is held to one process at model level; the trainer's
-    # mixed-mesh optimizer step (tp blocks, dp-only norms and embedding) is not, so the
-    # family declares no apply_tp and the trainer refuses parallel.tp > 1 for it.
-    apply_tp=None,
+    # Megatron's block split (parallelize.py); the norms, embedding and head stay plain
+    # parameters, so under FSDP2 they live on the dp mesh and the blocks on dp x tp (the
+    # gradient norm and clipping go mesh by mesh: train/optim.py).
+    apply_tp=_apply_tp,
     check_tp=_check_tp,
     description="Transformer++: LLaMA-style decoder (pre-RMSNorm, RoPE, SwiGLU, no biases)",
 )
