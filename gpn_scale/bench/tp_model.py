@@ -13,15 +13,22 @@ Per time step, forward and reverse sweep each:
            from HBM (twice in the reverse sweep: M0 and dM0's reads);
   FLOPs    2 x B_group x loop parameters per GPU, at EFF_FLOPS of the dense bf16 peak;
   kernels  the CUDA backend's launches per step (`gpu_model.account`) x the graph gap;
-  collectives  per layer one (B, d) fp32 all-reduce of the row-parallel output (+ the read
-           norm's B floats, GPN+M) forward; one (B, d) of the sharded input gradient (+ B x 2
-           floats) backward: latency-bound, ~25 us each with NCCL on 8 NVLink GPUs, ~12 us
-           with symmetric-memory one-shot kernels (spec/gpu-engine.md; vLLM's figures).
+  collectives  per layer one (B, d) fp32 all-reduce of the row-parallel output and (GPN+M)
+           one of the read norm's B floats forward; one (B, d) of the sharded input gradient
+           and (GPN+M) one of B x 2 floats backward: four latency-bound all-reduces per step
+           and layer, ~25 us each with NCCL on 8 NVLink GPUs, ~12 us with symmetric-memory
+           one-shot kernels (spec/gpu-engine.md; vLLM's figures).
 
 The chunk-wide work (parallel recompute, weight gradients, memory advance) is taken from the
-tp = 1 accounting and divided by tp (its GEMMs shard like the weights); decode and loss
-are replicated (not vocabulary-parallel yet). Estimates, not measurements: they say which
-tp to try, not what a run will measure.
+tp = 1 accounting and divided by tp (its GEMMs shard like the weights): a group runs tp
+times the sequences, so per GPU it costs what it costs at tp = 1, and it bounds the
+speed-up (Amdahl: only the sequential part shrinks with tp). Decode and loss are
+vocabulary-parallel: each GPU scores its group's rows against V/tp of the vocabulary, so
+its logits work is the tp = 1 figure, while the decoder's d -> e projection of those rows
+runs on every rank of the group (tp times the rows); plus the window's embedding all-reduce
+(rows x e, forward) and the decoder input-gradient all-reduce (rows x e, backward), moved
+at NVLink bus bandwidth. Estimates, not measurements: they say which tp to try, not what a
+run will measure.
 """
 
 from __future__ import annotations
@@ -36,7 +43,23 @@ from gpn_scale.model.config import ConfigError
 L2_BYTES = 50e6  # H100 SXM / H200 L2
 L2_BYTES_PER_S = 10e12  # est.: several times HBM; the reason tp pays beyond 1/tp
 ALLREDUCE_S = {"nccl": 25e-6, "symm_mem": 12e-6}
-REPLICATED_PHASES = ("decode",)
+NVLINK_BUS_BYTES_PER_S = 350e9  # NCCL all-reduce bus bandwidth, 8 x H100/H200 NVLink (est.)
+VOCAB_PARALLEL_PHASES = ("decode",)
+
+
+def decode_seconds(
+    cfg: GPNConfig, tp: int, per_gpu: int, seq_len: int, tp1_seconds: float
+) -> float:
+    """Vocabulary-parallel decode + loss per GPU at `tp`, from its tp = 1 time: the logits
+    (rows x e x V/tp for tp times the rows) cost the same, the replicated d -> e projection
+    tp times as much; plus two (rows x e) fp32 all-reduces at NVLink bus bandwidth."""
+    d, e, V = cfg.d_state, cfg.d_emb, cfg.vocab_size
+    compute = tp1_seconds * (tp * d + V) / (d + V)
+    if tp == 1:
+        return compute
+    rows = tp * per_gpu * seq_len
+    moved = 2 * (2.0 * (tp - 1) / tp) * 4.0 * rows * e
+    return compute + moved / NVLINK_BUS_BYTES_PER_S
 
 
 @dataclass(frozen=True)
@@ -74,7 +97,7 @@ def predict_tp(
     gpu: str,
     sequential_launches: float,
     chunk_seconds: float,
-    replicated_seconds: float,
+    decode_tp1_seconds: float,
     shard_gates: bool = False,
 ) -> TpPrediction:
     from gpn_scale.bench.gpu_model import EFF_BW, EFF_FLOPS, GPUS, GRAPH_GAP_S
@@ -94,14 +117,22 @@ def predict_tp(
     gaps = sequential_launches * GRAPH_GAP_S
     # Gates sharded along d: the state is sharded between layers, so each all-reduce becomes
     # a reduce-scatter + an all-gather (the same bytes, two latencies).
-    n_ar = 0 if tp == 1 else 2 * cfg.n_layers * (2 if shard_gates else 1)
+    # Per layer and direction one (B, d) all-reduce, and for GPN+M one of the read norm's
+    # sums (forward B floats, backward B x 2: collectives.py's fixed points (2) and (4)).
+    per_layer = (2 if cfg.memory else 1) + (1 if shard_gates else 0)
+    n_ar = 0 if tp == 1 else 2 * cfg.n_layers * per_layer
     ar_bytes = 0.0 if tp == 1 else 2 * cfg.n_layers * 4.0 * B * cfg.d_state
-    seconds = {"sequential": seq_len * (fwd + bwd + gaps), "chunk-wide": chunk_seconds}
+    decode = decode_seconds(cfg, tp, per_gpu, seq_len, decode_tp1_seconds)
+    seconds = {
+        "sequential": seq_len * (fwd + bwd + gaps),
+        "chunk-wide": chunk_seconds,
+        "decode": decode,
+    }
     for kind, lat in ALLREDUCE_S.items():
         per_step = fwd + bwd + gaps + n_ar * lat
         # per_gpu sequences' chunk-wide work at tp = 1; a group does tp times the sequences
-        # with 1/tp of the weights: the same per GPU. Decode/loss: tp times the rows.
-        seconds[kind] = seq_len * per_step + chunk_seconds + replicated_seconds * tp
+        # with 1/tp of the weights: the same per GPU.
+        seconds[kind] = seq_len * per_step + chunk_seconds + decode
     return TpPrediction(tp, B, w, in_l2, ar_bytes, n_ar, seconds)
 
 
@@ -121,15 +152,15 @@ def tp_table(
     chunk = sum(
         s
         for ph, s in p.per_phase_seconds.items()
-        if ph not in SEQUENTIAL and ph not in REPLICATED_PHASES
+        if ph not in SEQUENTIAL and ph not in VOCAB_PARALLEL_PHASES
     )
-    rep = sum(p.per_phase_seconds.get(ph, 0.0) for ph in REPLICATED_PHASES)
+    dec = sum(p.per_phase_seconds.get(ph, 0.0) for ph in VOCAB_PARALLEL_PHASES)
     out = []
     for tp in (1, 2, 4, 8):
         if tp > n_gpus or (cfg.memory and cfg.n_heads % tp) or cfg.d_ffn % tp:
             continue
         out.append(
-            predict_tp(cfg, tp, per_gpu, seq_len, n_gpus, gpu, launches, chunk, rep, shard_gates)
+            predict_tp(cfg, tp, per_gpu, seq_len, n_gpus, gpu, launches, chunk, dec, shard_gates)
         )
     return out
 
@@ -140,9 +171,9 @@ def report(cfg: GPNConfig, name: str, per_gpu: int, seq_len: int, gpus: list[str
         f"(global batch {8 * per_gpu}), T = {seq_len}",
         "",
         "| GPU | gates | tp | sequences per group | loop weights per GPU (MB) | in L2 | "
-        "all-reduces per step | all-reduce MB per step | s/step NCCL | s/step symm-mem | "
-        "speed-up (NCCL) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "all-reduces per step | all-reduce MB per step | sequential s | chunk-wide s | "
+        "decode s | s/step NCCL | s/step symm-mem | speed-up (NCCL) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for gpu, shard_gates in [(g, sg) for g in gpus for sg in (False, True)]:
         rows = tp_table(cfg, per_gpu, seq_len, gpu, shard_gates=shard_gates)
@@ -155,14 +186,19 @@ def report(cfg: GPNConfig, name: str, per_gpu: int, seq_len: int, gpus: list[str
                 f"| {gpu} | {'d-sharded*' if shard_gates else 'replicated'} | {r.tp} | "
                 f"{r.group_batch} | {r.weight_bytes_per_gpu / 1e6:,.0f} | "
                 f"{'yes' if r.in_l2 else 'no'} | {r.allreduces_per_step} | "
-                f"{r.allreduce_bytes_per_step / 1e6:.2f} | {r.step_seconds['nccl']:.3f} | "
+                f"{r.allreduce_bytes_per_step / 1e6:.2f} | "
+                f"{r.step_seconds['sequential']:.3f} | {r.step_seconds['chunk-wide']:.3f} | "
+                f"{r.step_seconds['decode']:.3f} | {r.step_seconds['nccl']:.3f} | "
                 f"{r.step_seconds['symm_mem']:.3f} | {speed} |"
             )
     lines += [
         "",
         f"Assumptions: L2 {L2_BYTES / 1e6:.0f} MB at ~{L2_BYTES_PER_S / 1e12:.0f} TB/s (est.); "
         f"all-reduce latency NCCL {ALLREDUCE_S['nccl'] * 1e6:.0f} us, symmetric memory "
-        f"{ALLREDUCE_S['symm_mem'] * 1e6:.0f} us; gpu_model's efficiencies and graph gap.",
+        f"{ALLREDUCE_S['symm_mem'] * 1e6:.0f} us, bus bandwidth "
+        f"{NVLINK_BUS_BYTES_PER_S / 1e9:.0f} GB/s; gpu_model's efficiencies and graph gap. "
+        "sequential: the time loop's weights, M0 and launch gaps (no all-reduce latency); "
+        "decode: vocabulary-parallel, with its two all-reduces.",
         "* gates d-sharded: the predict and fuse gates column-sharded along d as well (NOT "
         "built: parallel/tp.py replicates them today); shown because at d >= 2500 they are "
         "most of what tp = 8 still streams.",
