@@ -9,8 +9,10 @@ A reference is any of
     config comes from the `config.yaml` the trainer wrote beside it.
 The model config is the one the checkpoint was saved with (the manifest's `model_config`,
 family from the registry), so no training YAML is needed. The tokenizer is the one the
-training data was built with: the dataset metadata (`gpn_dataset.json`) that the saved
-training config's `data.remote` names; `tokenizer=` overrides it (e.g. when the data moved).
+training data was built with: the identity the trainer records in every checkpoint's
+manifest (kind, name, sha256, eod token), else (older checkpoints, `model_final.pt`) the
+dataset metadata (`gpn_dataset.json`) that the saved training config's `data.remote`
+names; `tokenizer=` overrides both (e.g. when the tokenizer file moved).
 Nothing here is collective: one process loads the full weights (DCP reassembles any sharding).
 """
 
@@ -220,7 +222,12 @@ def load(
 
     tok: Tokenizer | None = None
     if with_tokenizer:
-        tok = from_name(tokenizer) if tokenizer else _tokenizer_for(train_cfg, f"checkpoint {uri}")
+        if tokenizer:
+            tok = from_name(tokenizer)
+        elif isinstance(meta.get("tokenizer"), dict):  # recorded by the trainer at save time
+            tok = from_identity(meta["tokenizer"], where=f"checkpoint {uri} (tokenizer)")
+        else:  # older checkpoints, model_final.pt: the training data's metadata
+            tok = _tokenizer_for(train_cfg, f"checkpoint {uri}")
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
     if tok is not None and vocab and tok.vocab_size > vocab:
         raise ConfigError(

@@ -563,7 +563,7 @@ class Trainer:
         remote = self._data_remote()
         from gpn_scale.train.preflight import check_data
 
-        check_data(
+        data_meta = check_data(
             cfg,
             remote,
             model_cfg.vocab_size,
@@ -571,6 +571,9 @@ class Trainer:
             topo.dp_size,
             evaluates=self.eval_only or cfg.eval.at_end or cfg.eval.every_steps > 0,
         )
+        # Saved with every checkpoint: eval and generation find the tokenizer without the
+        # training data (eval/load.py).
+        self._tokenizer_identity = dict(data_meta.tokenizer)
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -1038,6 +1041,7 @@ class Trainer:
             "backend": self.backend_name,
             "model_config": model_cfg.to_dict(),
             "config": self.cfg.to_dict(),
+            "tokenizer": getattr(self, "_tokenizer_identity", None),
         }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
         uri = backend.save(mgr, step, meta, rank_state)

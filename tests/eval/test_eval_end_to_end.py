@@ -13,6 +13,7 @@ import torch
 from eval_helpers import byte_dataset, save_checkpoint
 
 from gpn_scale.cli import main
+from gpn_scale.core.config import ConfigError
 from gpn_scale.eval.load import load
 from gpn_scale.io.storage import open_storage
 from gpn_scale.testing.models import perturbed_model, tiny_config
@@ -73,3 +74,11 @@ def test_a_trained_run_evaluates_from_its_run_dir_and_its_model_final(tmp_path: 
     assert results[0]["step"] == 2 and results[0]["checkpoint"].endswith("step_000000002")
     assert results[0]["metrics"] == pytest.approx(results[1]["metrics"])
     assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    # The checkpoint names its tokenizer itself: with the training data gone it still loads.
+    import shutil
+
+    shutil.rmtree(corpus)
+    loaded = load(str(run), device="cpu")
+    assert loaded.tokenizer.kind == "byte" and loaded.step == 2
+    with pytest.raises(ConfigError, match="cannot read the training data's tokenizer"):
+        load(str(run / "model_final.pt"), device="cpu")  # no manifest: the data decides
