@@ -94,7 +94,8 @@ def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float) -> torch
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     parts = []
     for group in by_mesh.values():
-        part = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        grads = [p.grad for p in group if p.grad is not None]  # (all are: typed for mypy)
+        part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         parts.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
     norm = parts[0] if len(parts) == 1 else torch.stack(parts).square().sum().sqrt()
     if max_norm > 0 and torch.isfinite(norm):

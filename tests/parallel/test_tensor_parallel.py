@@ -125,14 +125,21 @@ def test_tp2_two_layers_tbptt_carried_state_equals_single(corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_transformer_pp_dp2xtp2_training_equals_single_process(corpus, tmp_path):
-    """Transformer++ through the trainer at dp = 2 x tp = 2: its blocks on the 2-D mesh,
-    its norms, embedding and head on dp only (the clipping and norm go mesh by mesh)."""
-    family = ("model=transformer_pp_tiny",)
-    ref, run_dir = tmp_path / "single", tmp_path / "dp2xtp2"
+@pytest.mark.parametrize(
+    "model, nproc",
+    [("transformer_pp_tiny", 4), ("gated_deltanet_tiny", 2)],
+    ids=["transformer_pp-dp2xtp2", "gated_deltanet-tp2"],
+)
+def test_baseline_family_under_tp_equals_single_process(corpus, tmp_path, model, nproc):
+    """The baselines through the trainer under tp: their blocks on the tp (or dp x tp) mesh,
+    their residual norms, embedding and head on dp only (the clipping and norm go mesh by
+    mesh); GDN's shared output-norm weight has its gradient summed over the group."""
+    family = (f"model={model}",)
+    ref, run_dir = tmp_path / "single", tmp_path / "tp"
     run_train(corpus, ref, *COMMON, *family)
-    proc = run_train(corpus, run_dir, *COMMON, *family, "parallel.tp=2", nproc=4, timeout=600)
-    assert "backend fsdp2, world 4, micro 2" in proc.stdout, proc.stdout[-2000:]
+    proc = run_train(corpus, run_dir, *COMMON, *family, "parallel.tp=2", nproc=nproc, timeout=600)
+    micro = 4 // (nproc // 2)
+    assert f"backend fsdp2, world {nproc}, micro {micro}" in proc.stdout, proc.stdout[-2000:]
     _compare(ref, run_dir, family)
 
 
@@ -310,9 +317,10 @@ def test_launch_check_names_what_does_not_split():
         check_launch(cfg("parallel.tp=2", "train.global_batch_size=2"), 1, 4)
     with pytest.raises(ConfigError, match=r"the val micro batch 3 per data-parallel rank"):
         check_launch(cfg("parallel.tp=2", "eval.batch_size=3"), 1, 2)
-    with pytest.raises(ConfigError, match=r"no tensor-parallel plan for model family gated_delta"):
-        check_launch(cfg("parallel.tp=2", "model=gated_deltanet_tiny"), 1, 2)
-    assert check_launch(cfg("parallel.tp=2", "model=transformer_pp_tiny"), 1, 2) == []
+    for family in ("transformer_pp_tiny", "gated_deltanet_tiny"):
+        assert check_launch(cfg("parallel.tp=2", f"model={family}"), 1, 2) == []
+    with pytest.raises(ConfigError, match=r"^model\.n_heads: 2 does not split over parallel"):
+        check_launch(cfg("parallel.tp=3", "model=gated_deltanet_tiny"), 1, 3)
     (warning,) = check_launch(cfg("parallel.tp=4", "model_overrides.n_heads=4"), 2, 2)
     assert "exceeds the 2 processes per node" in warning
 
@@ -366,17 +374,15 @@ def test_w1_block_layout_keeps_values_and_loads_flat_state_dicts():
     assert torch.equal(other.layers[0].ffn.w1.flat(), flat)
 
 
-def test_a_family_without_a_trainer_tp_plan_is_refused_in_one_line(corpus, tmp_path):
-    run_dir = tmp_path / "tp2"
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
-    args = train_args(corpus, run_dir, *COMMON, "model=gated_deltanet_tiny", "parallel.tp=2")
-    proc = subprocess.run(
-        [*cmd, "gpn_scale", *args],
-        cwd=REPO,
-        env=child_env(tmp_path),
-        text=True,
-        capture_output=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert "parallel.tp=2: the trainer has no tensor-parallel plan for model family" in proc.stderr
+def test_a_family_without_a_trainer_tp_plan_is_refused_in_one_line(monkeypatch):
+    import dataclasses
+
+    from gpn_scale.models import registry
+    from gpn_scale.train import preflight
+
+    spec, cfg = registry.load_model_config("gated_deltanet_tiny")
+    planless = dataclasses.replace(spec, name="planless", apply_tp=None)
+    monkeypatch.setattr(registry, "family_of", lambda _cfg: planless)
+    preflight.check_tensor_parallel(cfg, 1)
+    with pytest.raises(ConfigError, match=r"^parallel\.tp=2: the trainer has no tensor-parallel"):
+        preflight.check_tensor_parallel(cfg, 2)

@@ -46,6 +46,18 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
     return list(model.layers)  # type: ignore[arg-type]
 
 
+def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    from gpn_scale.models.gated_deltanet.parallelize import apply_tp
+
+    apply_tp(model, tp_mesh)
+
+
+def _check_tp(cfg: GatedDeltaNetConfig, tp: int) -> None:
+    from gpn_scale.models.gated_deltanet.parallelize import check_tp
+
+    check_tp(cfg, tp)
+
+
 def _compat_keys(cfg: GatedDeltaNetConfig) -> dict[str, Any]:
     values = cfg.to_dict()
     return {"family": GatedDeltaNetConfig.family_name, **{k: values[k] for k in SHAPE_KEYS}}
@@ -60,6 +72,8 @@ SPEC = FamilySpec(
     fsdp_units=_fsdp_units,
     compat_keys=_compat_keys,
     recurrent=True,
+    apply_tp=_apply_tp,  # heads split (parallelize.py); residual norms, embedding, head on dp
+    check_tp=_check_tp,
     description=(
         "Gated DeltaNet (Yang et al.): gated delta-rule memory per layer, short convolutions, "
         "output gate and norm, SwiGLU MLP; fla's kernels on CUDA, our chunkwise op elsewhere"

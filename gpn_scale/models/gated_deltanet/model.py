@@ -24,11 +24,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gpn_scale.models.blocks import SwiGLU, lm_loss, shift_in, start_tokens
 from gpn_scale.models.gated_deltanet.config import GatedDeltaNetConfig
 from gpn_scale.models.protocol import LMOutput
 from gpn_scale.ops.gated_delta_rule import gated_delta_rule
+
+
+def _local(p: Tensor) -> Tensor:
+    """This rank's share of a parameter sharded by tensor parallelism (parallelize.py; its
+    gradient returns as a DTensor of the same placement), the tensor itself otherwise."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _at_least_f32(x: Tensor) -> Tensor:
@@ -83,7 +90,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
         full = torch.cat([cache.to(x.dtype), x.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
-        y = F.conv1d(full, self.weight.to(x.dtype), groups=full.shape[1])
+        y = F.conv1d(full, _local(self.weight).to(x.dtype), groups=full.shape[1])
         keep = self.kernel_size - 1
         return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - keep :]
 
@@ -99,7 +106,13 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         xf = _at_least_f32(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)
+        w: Tensor = self.weight
+        if isinstance(w, DTensor):  # tp: shared by every head, each rank holds some heads
+            from gpn_scale.ops.gpn_step.collectives import sum_grad_over_tp
+
+            mesh = w.device_mesh  # tp is its innermost (or only) dimension
+            w = sum_grad_over_tp(w.to_local(), mesh.get_group(mesh.ndim - 1))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w.to(xf.dtype)
         return (y * F.silu(gate.to(xf.dtype))).to(x.dtype)
 
 
@@ -123,6 +136,7 @@ class GatedDeltaNetLayer(nn.Module):
         self.g_proj = nn.Linear(d, H * dv, bias=False)
         self.o_norm = GatedRMSNorm(dv, cfg.norm_eps)
         self.o_proj = nn.Linear(H * dv, d, bias=False)
+        self.tp_size = 1  # ranks the heads are split over (parallelize.apply_tp)
 
     @torch.no_grad()
     def reset_decay(self) -> None:
@@ -135,9 +149,15 @@ class GatedDeltaNetLayer(nn.Module):
         dt = dt.clamp(min=1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def local_heads(self) -> int:
+        """The heads this rank computes: all of them, or H / tp under tensor parallelism
+        (`tp_size` is set by parallelize.apply_tp; read from it, not from a parameter's
+        shape, which FSDP2 shards too outside the block's forward)."""
+        return self.cfg.n_heads // self.tp_size
+
     def initial_state(self, batch_size: int, device: torch.device) -> LayerState:
         cfg = self.cfg
-        H, dk, dv, keep = cfg.n_heads, cfg.d_key, cfg.d_value, cfg.conv_size - 1
+        H, dk, dv, keep = self.local_heads(), cfg.d_key, cfg.d_value, cfg.conv_size - 1
         dtype = torch.float64 if self.q_proj.weight.dtype == torch.float64 else torch.float32
 
         def zeros(*shape: int) -> Tensor:
@@ -153,13 +173,14 @@ class GatedDeltaNetLayer(nn.Module):
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
         cfg = self.cfg
         B, T, _ = x.shape
-        H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
+        H, dk, dv = self.local_heads(), cfg.d_key, cfg.d_value
         q, conv_q = self.q_conv(self.q_proj(x), state.conv_q)
         k, conv_k = self.k_conv(self.k_proj(x), state.conv_k)
         v, conv_v = self.v_conv(self.v_proj(x), state.conv_v)
         beta = torch.sigmoid(_at_least_f32(self.b_proj(x)))
         a = _at_least_f32(self.a_proj(x))
-        g = -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+        A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+        g = -A_log.to(a.dtype).exp() * F.softplus(a + dt_bias.to(a.dtype))
         o, memory = gated_delta_rule(
             q.view(B, T, H, dk),
             k.view(B, T, H, dk),

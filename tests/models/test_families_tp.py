@@ -1,5 +1,6 @@
-"""Transformer++ tensor parallelism (the family's DTensor `tp_plan`): 2 gloo ranks equal one
-process, float64: the loss, every gradient, and a cached continuation."""
+"""Tensor parallelism of the baseline families (each family's `apply_tp` plan): 2 gloo ranks
+equal one process, float64: the loss, every gradient, a cached continuation and the next
+token's logits from a carried state."""
 
 from __future__ import annotations
 
@@ -14,7 +15,37 @@ from gpn_scale.models.registry import config_from_dict
 
 pytestmark = pytest.mark.slow
 
-SMALL = dict(family="transformer_pp", vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ffn=48)
+CASES = {
+    "transformer_pp": dict(
+        family="transformer_pp", vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ffn=48
+    ),
+    "transformer_pp_tied": dict(
+        family="transformer_pp",
+        vocab_size=40,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ffn=48,
+        tie_embeddings=True,
+    ),
+    "gated_deltanet": dict(
+        family="gated_deltanet",
+        vocab_size=40,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_key=8,
+        d_value=8,
+        d_ffn=48,
+        chunk_size=4,
+    ),
+}
+# A column-parallel weight of the first block: (rows per rank, in) when really sharded.
+SHARDED = {
+    "transformer_pp": ("layers.0.attn.q.weight", [16, 32]),
+    "transformer_pp_tied": ("layers.0.attn.q.weight", [16, 32]),
+    "gated_deltanet": ("layers.0.attn.q_proj.weight", [16, 32]),
+}
 
 
 def _run(model, tokens: torch.Tensor) -> dict:
@@ -37,45 +68,43 @@ def _run(model, tokens: torch.Tensor) -> dict:
     }
 
 
-def _case(tied: bool):
-    spec, cfg = config_from_dict({**SMALL, "tie_embeddings": tied})
+def _case(name: str):
+    spec, cfg = config_from_dict(CASES[name])
     torch.manual_seed(0)
     model = spec.build(cfg).double()
     tokens = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
     return spec, model, tokens
 
 
-def rank_main(rank: int, world: int, init_file: str, out_dir: str, tied: bool) -> None:
+def rank_main(rank: int, world: int, init_file: str, out_dir: str, name: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gpn_scale.models.transformer_pp.parallelize import apply_tp
-
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        spec, model, tokens = _case(tied)
+        spec, model, tokens = _case(name)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        apply_tp(model, mesh)
-        local = model.layers[0].attn.q.weight.to_local().shape
-        result = {**_run(model, tokens), "q_local": list(local)}
+        spec.apply_tp(model, mesh)
+        local = dict(model.named_parameters())[SHARDED[name][0]].to_local().shape
+        result = {**_run(model, tokens), "local": list(local)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_two_tp_ranks_equal_one_process(tmp_path, tied):
-    spec, model, tokens = _case(tied)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_two_tp_ranks_equal_one_process(tmp_path, name):
+    spec, model, tokens = _case(name)
     ref = _run(model, tokens)
-    mp.spawn(rank_main, args=(2, str(tmp_path / "init"), str(tmp_path), tied), nprocs=2)
+    mp.spawn(rank_main, args=(2, str(tmp_path / "init"), str(tmp_path), name), nprocs=2)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["q_local"] == [16, 32]  # really sharded: 2 of the 4 heads per rank
+        assert got["local"] == SHARDED[name][1]  # really sharded: 2 of the 4 heads per rank
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-12)
         assert got["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
+        for key, g in ref["grads"].items():
             torch.testing.assert_close(
-                torch.tensor(got["grads"][name]), torch.tensor(g), rtol=1e-10, atol=1e-12
+                torch.tensor(got["grads"][key]), torch.tensor(g), rtol=1e-10, atol=1e-12
             )
         for key in ("cont", "next"):
             torch.testing.assert_close(
