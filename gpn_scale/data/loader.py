@@ -425,9 +425,8 @@ def build_loader(
 
     do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
     dataset_cls = _token_dataset_class()
-    registering = registration_lock() if local_leader else contextlib.nullcontext()
     try:
-        with registering:
+        with registration_lock(local_leader):
             dataset = dataset_cls(
                 remote=join(cfg.remote, split),
                 local=os.path.join(cache_dir, split),

@@ -142,28 +142,65 @@ REGISTRATION_LOCK = "gpn_scale_streaming_registration.lock"
 
 
 @contextlib.contextmanager
-def registration_lock() -> Iterator[None]:
-    """Hold while a StreamingDataset is constructed (by each job's local leader only).
+def registration_lock(local_leader: bool = True, lock_dir: Path | None = None) -> Iterator[None]:
+    """Hold while a StreamingDataset is constructed; every rank of the job enters it.
 
     streaming picks the first prefix whose `_locals` segment does not exist yet and then
     creates that segment: check-then-create with no lock between jobs, so two jobs that start
     together on one node (SLURM array tasks do) can pick the same prefix, and the second
-    fails with FileExistsError. Taken by local leaders only: a job's other ranks wait for
-    their leader at streaming's own barrier, never for another job's lock. A lock file that
-    cannot be opened (another user's, unreadable) leaves the construction unserialised.
-    """
-    directory = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+    fails with FileExistsError. Each job's local leader holds its node's lock file; the
+    other ranks hold nothing (they wait for their leader at streaming's own barrier).
+
+    The construction runs job-wide barriers while the locks are held, so a multi-node job
+    holds one lock per node at once. Two such jobs on the same nodes, each taking its locks
+    one node at a time, can each get one node's lock and wait forever for the other's (job
+    A holds node 0 and waits at the barrier for its rank on node 1, which waits for node 1's
+    lock held by job B, which waits for node 0). So with torch.distributed initialised the
+    job takes all its locks or none: every leader tries its own without blocking, the job
+    compares (all_gather_object, any backend), and unless every leader got its lock the
+    ones that did release it and all back off for a random moment before trying again.
+
+    A lock file that cannot be opened (another user's, unreadable) leaves that node's
+    construction unserialised. `lock_dir`: where the lock file lives (default /dev/shm,
+    where the segments are; tests give each simulated node its own)."""
+    import random
+
+    import torch.distributed as dist
+
+    directory = lock_dir or (SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir()))
+    fd = None
+    if local_leader:
+        try:
+            # Read-only is enough for flock, so a lock file created by another user works.
+            fd = os.open(directory / REGISTRATION_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:
+            fd = None
+    collective = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     try:
-        # Read-only is enough for flock, so a lock file created by another user still works.
-        fd = os.open(directory / REGISTRATION_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not collective:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            rng = random.Random(os.getpid() ^ time.monotonic_ns())
+            for attempt in range(1_000_000):
+                got = True
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        got = False
+                votes: list[object] = [None] * dist.get_world_size()
+                dist.all_gather_object(votes, got)
+                if all(votes):
+                    break
+                if got and fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                # Randomised back-off (up to ~1 s): two jobs that collided try again apart.
+                time.sleep(rng.uniform(0.01, 0.05) * min(2**attempt, 20))
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _prefixes_in_use() -> set[str] | None:

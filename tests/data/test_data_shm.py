@@ -243,3 +243,50 @@ def test_jobs_starting_together_on_one_machine_register_distinct_prefixes(tmp_pa
     for child, (out, err) in zip(children, results):
         assert child.returncode == 0, err[-2000:]
         assert out.strip() == "OK", "a child reached the common start late: raise the delay"
+
+
+TWO_NODE_RANK = r"""
+import sys, time
+from pathlib import Path
+import torch.distributed as dist
+from gpn_scale.data.shm import registration_lock
+
+job, rank, root, delay = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{root}/{job}.init", rank=rank, world_size=2)
+time.sleep(delay)
+# Rank r is its job's local leader on "node" r: each node has its own lock file.
+with registration_lock(True, lock_dir=root / f"node{rank}"):
+    dist.barrier()  # what streaming's prefix registration does while the locks are held
+    time.sleep(0.2)
+    dist.barrier()
+print("DONE", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_multi_node_jobs_on_the_same_nodes_do_not_deadlock_on_the_locks(tmp_path):
+    """Two 2-node jobs start together on the same two nodes; job a reaches node 0's lock
+    first and job b node 1's. Holding a node's lock while waiting at a job-wide barrier for
+    the other node's lock (blocking, one node at a time) deadlocks: a waits for b's node, b
+    for a's. The job takes all its nodes' locks or none, so both finish."""
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+    delays = {("a", 0): 0.0, ("a", 1): 1.5, ("b", 0): 1.5, ("b", 1): 0.0}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {
+        key: subprocess.Popen(
+            [sys.executable, "-c", TWO_NODE_RANK, key[0], str(key[1]), str(tmp_path), str(d)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for key, d in delays.items()
+    }
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0 and out.strip() == "DONE", (key, err[-2000:])
+    finally:
+        for proc in procs.values():
+            proc.kill()
