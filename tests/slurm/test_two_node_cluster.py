@@ -93,6 +93,10 @@ def test_two_nodes_train_preempt_one_node_requeue_and_resume_exactly(two_nodes, 
         return proc.stdout.strip()
 
     victim = submit("victim", "debug.step_sleep=1")
+    # Beside the victim on the same two nodes: two multi-node jobs registering streaming's
+    # shared memory at once (the registration locks are taken all-or-nothing per job,
+    # data/shm.py; one node at a time they deadlocked here once).
+    twin = submit("twin")
     victim_dir = tmp_path / "victim"
     deadline = time.monotonic() + 240
     while max(_losses(victim_dir), default=0) < 5:  # past its first checkpoint (step 4)
@@ -105,10 +109,6 @@ def test_two_nodes_train_preempt_one_node_requeue_and_resume_exactly(two_nodes, 
         os.kill(pid, signal.SIGUSR1)
 
     assert two_nodes.wait(victim, timeout=300) == "COMPLETED"
-    # The twin runs after the victim, not beside it: two 4-rank jobs starting together on the
-    # same two nodes once hung in streaming's shared-memory prefix barrier (CI, 2026-12-01);
-    # that race is recorded for its own fix, this test is about preemption and requeue.
-    twin = submit("twin")
     assert two_nodes.wait(twin, timeout=300) == "COMPLETED"
     out = (tmp_path / "victim.out").read_text()
     assert "requeueing job" in out and "restart 1" in out, out[-3000:]
