@@ -13,6 +13,16 @@ the last layer's start), then per layer dc @ W_out^T, ONE memory/FFN kernel (the
 the write reversed, one pass over M0 for both), dY @ W_in^T and a row kernel. 1 layer: 6;
 L layers: 4 L + 2.
 
+Under tensor parallelism (plan.tp_size > 1) the step splits at the group's fixed points
+(`collectives.py`, called through `tp_sum_`): forward, the memory kernel's per-head sums of
+squares of the read output are summed (2), the down GEMM writes only its row-parallel
+partial, which is summed (1), and a small kernel adds the gated residual; reverse, a small
+kernel's read-norm row sums are summed (4) before the memory kernel reads them, and
+dY @ W_in^T over the sharded column blocks is summed (3) before a second GEMM adds the
+replicated predict gate's share in its epilogue. Per step: forward 4 L + 1 launches and 2 L
+all-reduces (GPN without memory: L), reverse 6 L + 2 and 2 L (GPN: 5 L + 2 and L). At
+tp = 1 none of this runs: the launches are those above.
+
 Every launch goes through `_launch`, which can record it (name, phase, grid, bytes, FLOPs)
 instead of or besides running it: `gpn_scale.bench.gpu_model` runs this very code on meta
 tensors at the real sizes to count launches, bytes and FLOPs per step.
