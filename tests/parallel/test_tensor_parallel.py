@@ -87,18 +87,21 @@ def single(corpus, tmp_path_factory):
 
 # The TP copy's step backend: the PyTorch steps (every case at full size), and the CUDA
 # backend's Triton kernels run by Triton's interpreter on CPU tensors (slow: fewer cases,
-# tbptt-2-layer standing for 2 layers, windows of 2 x 6 tokens), eagerly and through its
-# chunk graphs (the eager capture stand-in).
+# tbptt-2-layer standing for 2 layers, windows of 2 x 6 tokens; one case in float32 too):
+# eagerly at tp = 2, and at tp = 4 (one head per rank) through its chunk graphs (the eager
+# capture stand-in; the same kernels, replayed).
 ENGINE_RUNS = {
     "reference-tp2": (2, ["--backend", "reference"]),
     "reference-tp4": (4, ["--backend", "reference"]),
     "cuda-tp2": (
         2,
-        ["--backend", "cuda", "--shape", "2,6", "--cases", "1-layer,gpn-no-memory,tbptt-2-layer"],
+        [
+            *("--backend", "cuda", "--shape", "2,6"),
+            *("--cases", "1-layer,gpn-no-memory,tbptt-2-layer", "--float32-cases", "1-layer"),
+        ],
     ),
-    "cuda-tp4": (4, ["--backend", "cuda", "--shape", "2,6", "--cases", "tbptt-2-layer"]),
-    "cuda-graphs-tp2": (
-        2,
+    "cuda-graphs-tp4": (
+        4,
         ["--backend", "cuda-graphs", "--shape", "2,6", "--cases", "tbptt-2-layer"],
     ),
 }
@@ -128,8 +131,11 @@ def test_sharded_engine_equals_one_process_float64(tmp_path, run):
     assert result
     for case, errors in result.items():
         assert len(errors) > 10, case  # loss, state, memory and every gradient
+        # float32: the PyTorch steps at tp = 2 differ from one process by up to ~1e-4
+        # relative (the sums of sharded partials in another order), the Triton kernels alike.
+        tol = 1e-3 if case.endswith("float32") else 1e-9
         for what, err in errors.items():
-            assert err < 1e-9, (case, what, err)
+            assert err < tol, (case, what, err)
 
 
 @pytest.mark.slow

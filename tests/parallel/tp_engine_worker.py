@@ -8,7 +8,8 @@ and the final carry (s, s_prev, and this rank's heads of the memory). Rank 0 wri
 worst relative errors as JSON to the path given. --backend (default auto) is the TP
 copy's step backend: `reference`, `cuda` (the Triton kernels, on CPU tensors in Triton's
 interpreter) or `cuda-graphs` (the same through the chunk graphs, their capture the eager
-stand-in); --cases a comma-separated subset of CASES; --shape the windows' B,T.
+stand-in); --cases a comma-separated subset of CASES; --shape the windows' B,T;
+--float32-cases cases also run in float32 (results keyed "<case> float32").
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
 
 
-def run_case(cfg, mesh, backend: str = "auto", B: int = 3, T: int = 11) -> dict[str, float]:
-    ref = perturbed_model(cfg, torch.float64)
+def run_case(
+    cfg, mesh, backend: str = "auto", B: int = 3, T: int = 11, dtype=torch.float64
+) -> dict[str, float]:
+    ref = perturbed_model(cfg, dtype)
     step_backend = "cuda" if backend.startswith("cuda") else backend
-    tp = perturbed_model(cfg, torch.float64)
+    tp = perturbed_model(cfg, dtype)
     tp.config = cfg.replace(step_backend=step_backend, cuda_graphs=backend == "cuda-graphs")
     apply_tp(tp, mesh, tp_plan(tp))
     gen = torch.Generator().manual_seed(3)
@@ -79,12 +82,16 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--shape", default="3,11")
+    parser.add_argument("--float32-cases", default="", help="also run these in float32")
     args = parser.parse_args()
     B, T = (int(x) for x in args.shape.split(","))
     result = {
         name: run_case(tiny_config(**CASES[name]), mesh, args.backend, B, T)
         for name in args.cases.split(",")
     }
+    for name in filter(None, args.float32_cases.split(",")):
+        cfg = tiny_config(**CASES[name])
+        result[f"{name} float32"] = run_case(cfg, mesh, args.backend, B, T, torch.float32)
     if args.backend.startswith("cuda"):  # which path ran: the chunk graphs' counters
         chunk_graphs = select_backend("cuda", torch.device("cpu")).graphs
         result["graphs"] = {"captures": chunk_graphs.captures, "replays": chunk_graphs.replays}
