@@ -138,6 +138,29 @@ def test_sharded_engine_equals_one_process_float64(tmp_path, run):
             assert err < tol, (case, what, err)
 
 
+def test_step_backends_under_tp_cuda_runs_cpu_is_refused(monkeypatch):
+    from gpn_scale.ops.gpn_step import registry
+    from gpn_scale.ops.gpn_step.registry import ENV_VAR, StepBackendError, select_backend
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    cpu = torch.device("cpu")
+    # CPU: the fused C++ kernels do not split at the collectives; the PyTorch steps run.
+    assert select_backend("auto", cpu, tp_size=2).name == "reference"
+    with pytest.raises(StepBackendError, match=r"step backend 'cpu' does not run under tensor"):
+        select_backend("cpu", cpu, tp_size=2)
+    with pytest.raises(StepBackendError) as refused:
+        select_backend("cpu", cpu, tp_size=4)
+    assert "\n" not in str(refused.value) and "tp=4" in str(refused.value)
+    # CUDA: the Triton kernels split at them (on a faked CUDA device; here asked for, and
+    # on CPU tensors under the interpreter as the engine tests run them).
+    monkeypatch.setattr(registry, "_cuda_backend", lambda required: "cuda backend")
+    assert select_backend("auto", torch.device("cuda"), tp_size=2) == "cuda backend"
+    assert select_backend("cuda", torch.device("cuda"), tp_size=8) == "cuda backend"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("cuda", cpu, tp_size=2) == "cuda backend"
+    assert select_backend("reference", torch.device("cuda"), tp_size=2).name == "reference"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
 def test_tp_training_equals_single_process(corpus, single, tmp_path, layout):
@@ -312,27 +335,14 @@ def test_world_not_divisible_and_wrong_backend_name_the_field():
         validate(cfg)
 
 
-def test_step_backends_under_tp_cuda_runs_cpu_is_refused(monkeypatch):
-    from gpn_scale.ops.gpn_step import registry
+def test_fused_step_backends_refuse_tp_and_auto_runs_the_pytorch_steps(monkeypatch):
     from gpn_scale.ops.gpn_step.registry import ENV_VAR, StepBackendError, select_backend
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     cpu = torch.device("cpu")
-    # CPU: the fused C++ kernels do not split at the collectives; the PyTorch steps run.
     assert select_backend("auto", cpu, tp_size=2).name == "reference"
     with pytest.raises(StepBackendError, match=r"step backend 'cpu' does not run under tensor"):
         select_backend("cpu", cpu, tp_size=2)
-    with pytest.raises(StepBackendError) as refused:
-        select_backend("cpu", cpu, tp_size=4)
-    assert "\n" not in str(refused.value) and "tp=4" in str(refused.value)
-    # CUDA: the Triton kernels split at them (on a faked CUDA device; here asked for, and
-    # on CPU tensors under the interpreter as the engine tests run them).
-    monkeypatch.setattr(registry, "_cuda_backend", lambda required: "cuda backend")
-    assert select_backend("auto", torch.device("cuda"), tp_size=2) == "cuda backend"
-    assert select_backend("cuda", torch.device("cuda"), tp_size=8) == "cuda backend"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_backend("cuda", cpu, tp_size=2) == "cuda backend"
-    assert select_backend("reference", torch.device("cuda"), tp_size=2).name == "reference"
 
 
 def test_tp_in_one_process_is_one_line(corpus, tmp_path):
