@@ -130,6 +130,8 @@ def test_sharded_engine_equals_one_process_float64(tmp_path, run):
         assert chunk_graphs is not None and (chunk_graphs["replays"] > 0) == graphed
     assert result
     for case, errors in result.items():
+        # eager CUDA: the dry launch accounting at this tp counts what the rank launched
+        assert ("launch accounting" in errors) == (run.startswith("cuda-tp")), case
         assert len(errors) > 10, case  # loss, state, memory and every gradient
         # float32: the PyTorch steps at tp = 2 differ from one process by up to ~1e-4
         # relative (the sums of sharded partials in another order), the Triton kernels alike.

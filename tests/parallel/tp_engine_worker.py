@@ -2,6 +2,8 @@
 with its parameters sharded over a tp mesh against the same model in one process, float64.
 
 Every rank builds both models from the same seed; the TP copy is sharded (parallel/tp.py).
+With the CUDA backend (eager) the "launch accounting" entry is 0 when the dry accounting at
+this tp (`gpu_model.account(..., tp=)`) counts the launches and all-reduces it really made.
 Per case: the loss of two consecutive windows (the second starting from the first's carry,
 gradients flowing through both), every parameter's gradient (gathered to full tensors),
 and the final carry (s, s_prev, and this rank's heads of the memory). Rank 0 writes the
@@ -23,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from gpn_scale.bench import gpu_model
 from gpn_scale.model.parallelize import tp_plan
+from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.parallel.tp import apply_tp
@@ -56,11 +60,16 @@ def run_case(
     outs = []
     for model in (ref, tp):
         graphed = model is tp and backend == "cuda-graphs"
-        with graphs.capture_with() if graphed else contextlib.nullcontext():
+        with (
+            graphs.capture_with() if graphed else contextlib.nullcontext(),
+            launch.recording() if model is tp else contextlib.nullcontext() as launches,
+        ):
             first = model(w1, return_state=True)
             second = model(w2, first.state, return_state=True)
             (first.loss + second.loss).backward()
         outs.append((first, second))
+    if backend == "cuda":
+        errors["launch accounting"] = _accounting_mismatch(cfg, mesh.size(), launches, B, 2 * T)
     (r1, r2), (t1, t2) = outs
     errors["loss"] = max(_rel(r1.loss, t1.loss), _rel(r2.loss, t2.loss))
     errors["state"] = max(_rel(r2.state.s, t2.state.s), _rel(r2.state.s_prev, t2.state.s_prev))
@@ -71,6 +80,30 @@ def run_case(
     for (name, a), (_, b) in zip(ref.named_parameters(), tp.named_parameters()):
         errors[f"grad {name}"] = _rel(a.grad, b.grad.full_tensor())
     return errors
+
+
+def _accounting_mismatch(cfg, tp: int, launches, B: int, steps: int) -> float:
+    """0 when the launch accounting's dry run at tp (`gpu_model --tp`) counts what this
+    rank really launched: the same kinds of launches and all-reduces, as many per step."""
+    acc = gpu_model.account(cfg.replace(cuda_graphs=False), batch=B, seq_len=8, tp=tp)
+    dry = {op.name for op in acc.ops if op.triton and op.phase in gpu_model.SEQUENTIAL}
+    real = {f"{x.phase}: {x.name}" for x in launches}
+    got = [
+        sum(
+            1
+            for x in launches
+            if x.phase == kind and x.name.startswith(launch.COLLECTIVE) == collective
+        )
+        / steps
+        for kind in ("forward step", "reverse step")
+        for collective in (False, True)
+    ]
+    want = [
+        f(phase)
+        for phase in gpu_model.SEQUENTIAL
+        for f in (acc.launches_per_step, acc.collectives_per_step)
+    ]
+    return float(dry != real or got != want)
 
 
 def main() -> None:
