@@ -16,6 +16,11 @@ Hazy Research, "no bubbles"); launched eagerly, at least the host's launch cost 
 phase is host-bound where its kernels are shorter). With graphs the sequential phases also
 pay their replays' copies of each chunk's inputs and outputs into the static buffers.
 
+Under tensor parallelism (--tp N) the probe is one rank of a tp group: a model of its share
+of the heads and FFN hidden units, the CUDA backend's steps split at the group's fixed
+points (`ops/gpn_step/collectives.py`), each all-reduce recorded as a collective (priced at
+COLLECTIVE_S, a latency) and nothing reduced on meta tensors.
+
 The floor beside it is what any implementation of this algorithm must pay: each sequential
 step streams the loop weights (bf16) and every sequence's float32 M0 once in the
 forward and once in the reverse sweep (or its GEMM FLOPs, if larger), and the chunk-wide
@@ -25,6 +30,8 @@ FLOPs run at peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -34,7 +41,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpn_scale.model import GPN, GPNConfig, engine, load_model_config
+from gpn_scale.model.config import ConfigError
 from gpn_scale.model.counts import flops_per_token
+from gpn_scale.model.parallelize import check_tp
 from gpn_scale.ops import launch as launches_
 from gpn_scale.ops.gpn_step.cuda import GRAPH_COPIES
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
@@ -53,6 +62,8 @@ GPUS = {
 }
 GRAPH_GAP_S = 1.3e-6  # between two kernels of a replayed graph, on the GPU
 HOST_LAUNCH_S = 5e-6  # host time to issue one eager launch (dispatch included)
+# A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; bench/tp_model.py's figure)
+COLLECTIVE_S = 25e-6
 SEQUENTIAL = ("sequential forward", "sequential backward")
 _NO_LAUNCH = {
     "empty",
@@ -79,6 +90,7 @@ class Op:
     bytes: int
     flops: int
     triton: bool
+    collective: bool = False  # an all-reduce of the tp group (not a kernel of ours)
 
 
 @dataclass
@@ -97,6 +109,7 @@ class Accounting:
     loop_weight_bytes: int = 0  # bf16
     m0_bytes: int = 0  # per sequence, float32
     loop_params: int = 0
+    tp: int = 1  # the probe is one rank of a tp group of this size
 
     def at_seq_len(self, measure) -> float:
         """measure(ops) at each probe, extrapolated linearly to seq_len."""
@@ -135,23 +148,42 @@ class Accounting:
 
         def count(ops: list[Op]) -> int:
             if any(op.triton for op in ops if op.phase in SEQUENTIAL):
-                return sum(1 for op in ops if op.triton and op.name.startswith(kind))
-            return sum(1 for op in ops if op.phase == phase)
+                return sum(
+                    1 for op in ops if op.triton and not op.collective and op.name.startswith(kind)
+                )
+            return sum(1 for op in ops if op.phase == phase and not op.collective)
+
+        return self.at_seq_len(count) / self.seq_len
+
+    def collectives_per_step(self, phase: str) -> float:
+        """All-reduces of the tp group in one time step of `phase` (0 at tp = 1)."""
+
+        def count(ops: list[Op]) -> int:
+            return sum(1 for op in ops if op.collective and op.phase == phase)
 
         return self.at_seq_len(count) / self.seq_len
 
 
 def account(
-    cfg: GPNConfig, batch: int, seq_len: int, name: str = "", backend: str = "cuda"
+    cfg: GPNConfig,
+    batch: int,
+    seq_len: int,
+    name: str = "",
+    backend: str = "cuda",
+    tp: int = 1,
 ) -> Accounting:
     """Run one training step's code path on meta tensors; record its launches. `backend`:
     "cuda" (the Triton step kernels) or "reference" (the PyTorch steps, what CUDA ran before
-    the CUDA backend existed: every ATen op a launch)."""
+    the CUDA backend existed: every ATen op a launch). `tp` > 1: one rank of a tensor-
+    parallel group of that size (its heads and FFN share; see the module docstring)."""
+    check_tp(cfg, tp, "tp")
+    if tp > 1:
+        cfg = cfg.replace(n_heads=cfg.n_heads // tp, d_ffn=cfg.d_ffn // tp)
     C = cfg.chunk_size
     lengths = [seq_len] if seq_len <= C else [C, 2 * C]
-    acc = Accounting(name or cfg.name, batch, seq_len, C, cfg.n_layers)
+    acc = Accounting(name or cfg.name, batch, seq_len, C, cfg.n_layers, tp=tp)
     for T in lengths:
-        acc.probes[T] = _probe(cfg.replace(step_backend=backend), batch, T, backend)
+        acc.probes[T] = _probe(cfg.replace(step_backend=backend), batch, T, backend, tp)
     d, f, H, dk, dv = cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_value
     w_in = sum(d * w for w in _in_widths(cfg))
     w_out = cfg.n_layers * (H * dv + f) * d
@@ -161,7 +193,38 @@ def account(
     return acc
 
 
-def _probe(cfg: GPNConfig, batch: int, T: int, backend: str) -> list[Op]:
+class _TpRank:
+    """A step backend seeing the plans of one rank of a tp group of `tp` (no group: the
+    dry run reduces nothing), so that it runs its tensor-parallel code path."""
+
+    def __init__(self, backend, tp: int) -> None:
+        self.backend, self.tp, self.name = backend, tp, backend.name
+
+    def forward_chunk(self, plan, W, chunk):
+        return self.backend.forward_chunk(dataclasses.replace(plan, tp_size=self.tp), W, chunk)
+
+    def reverse_sweep(self, plan, Wt, sweep):
+        return self.backend.reverse_sweep(dataclasses.replace(plan, tp_size=self.tp), Wt, sweep)
+
+
+@contextlib.contextmanager
+def _as_tp_rank(tp: int):
+    """Within the block the engine's step backends are those of one rank of a tp group (the
+    model built at its local widths)."""
+    if tp == 1:
+        yield
+        return
+    real = engine.select_backend
+    engine.select_backend = lambda choice, device, tp_size=1: _TpRank(  # type: ignore[assignment]
+        real(choice, device, tp), tp
+    )
+    try:
+        yield
+    finally:
+        engine.select_backend = real
+
+
+def _probe(cfg: GPNConfig, batch: int, T: int, backend: str, tp: int = 1) -> list[Op]:
     with torch.device("meta"):
         model = GPN(cfg)
     tokens = torch.zeros(batch, T, dtype=torch.long, device="meta")
@@ -173,6 +236,7 @@ def _probe(cfg: GPNConfig, batch: int, T: int, backend: str) -> list[Op]:
             engine.phase_timer(),
             recorder,
             engine.matmul_dtype(torch.bfloat16),
+            _as_tp_rank(tp),
         ):
             model(tokens).loss.backward()
     finally:
@@ -185,6 +249,7 @@ def _probe(cfg: GPNConfig, batch: int, T: int, backend: str) -> list[Op]:
             launch.bytes,
             launch.flops,
             True,
+            launch.name.startswith(launches_.COLLECTIVE),
         )
         for launch in launches
     ]
@@ -283,6 +348,8 @@ def predict(
     def op_time(op: Op) -> float:
         if op.name.endswith(GRAPH_COPIES) and not graphs:
             return 0.0
+        if op.collective:
+            return COLLECTIVE_S
         t = (
             max(
                 op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
@@ -338,6 +405,16 @@ def report(
         f"Launches per time step (CUDA backend): forward "
         f"{acc.launches_per_step('sequential forward'):.0f}, reverse sweep "
         f"{acc.launches_per_step('sequential backward'):.0f}",
+        *(
+            [
+                f"Tensor parallelism: one rank of tp = {acc.tp}; all-reduces per time step: "
+                f"forward {acc.collectives_per_step('sequential forward'):.0f}, reverse sweep "
+                f"{acc.collectives_per_step('sequential backward'):.0f} (each priced at "
+                f"{COLLECTIVE_S * 1e6:.0f} us)"
+            ]
+            if acc.tp > 1
+            else []
+        ),
         "",
         "| phase | launches | GB moved | GFLOP |",
         "|---|---|---|---|",
@@ -397,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu", default="h100,h200", help=f"comma-separated, of {', '.join(GPUS)} (default both)"
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="account one rank of a tensor-parallel group of this size (default 1)",
+    )
+    parser.add_argument(
         "--tp-table",
         action="store_true",
         help="also print the tensor-parallel prediction for tp = 1, 2, 4, 8 on 8 GPUs at "
@@ -405,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gpus = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
     unknown = [g for g in gpus if g not in GPUS]
-    if unknown or args.batch < 1 or args.seq_len < 1:
-        problem = f"unknown GPU {unknown[0]}" if unknown else "batch and seq-len must be >= 1"
+    if unknown or args.batch < 1 or args.seq_len < 1 or args.tp < 1:
+        problem = f"unknown GPU {unknown[0]}" if unknown else "batch, seq-len and tp must be >= 1"
         print(
             f"gpu_model: {problem} (GPUs: {', '.join(GPUS)})",
             file=sys.stderr,
@@ -415,8 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_model_config(args.config)
     if args.chunk_size is not None:
         cfg = cfg.replace(chunk_size=args.chunk_size)
-    acc = account(cfg, args.batch, args.seq_len, args.config)
-    before = account(cfg, args.batch, args.seq_len, args.config, backend="reference")
+    try:
+        acc = account(cfg, args.batch, args.seq_len, args.config, tp=args.tp)
+    except ConfigError as exc:
+        print(f"gpu_model: {exc}", file=sys.stderr)
+        return 2
+    before = account(cfg, args.batch, args.seq_len, args.config, backend="reference", tp=args.tp)
     print(report(acc, cfg, gpus, before))
     if args.tp_table:
         from gpn_scale.bench import tp_model

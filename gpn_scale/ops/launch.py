@@ -61,6 +61,15 @@ def launch(
         kernel[grid](*args, **meta)
 
 
+COLLECTIVE = "all-reduce"  # the name prefix of a recorded collective
+
+
+def record_collective(name: str, phase: str, nbytes: int) -> None:
+    """Record a collective of the tensor-parallel group (an NCCL all-reduce of `nbytes`)."""
+    if _RECORD is not None:
+        _RECORD.append(Launch(f"{COLLECTIVE} {name}", phase, (1,), nbytes, 0))
+
+
 def record_aten(name: str, phase: str, nbytes: int) -> None:
     """Record a launch the driver makes through ATen (a copy, a fill)."""
     if _RECORD is not None:

@@ -2,7 +2,8 @@
 
 - The engine with its parameters sharded over tp = 2 and tp = 4 ranks equals one process in
   float64: two windows with the carry between them (1 and 2 layers, GPN without memory,
-  truncated BPTT), every gradient and the final carry (`tp_engine_worker.py`).
+  truncated BPTT), every gradient and the final carry (`tp_engine_worker.py`), with the
+  PyTorch steps and with the CUDA backend (its Triton kernels in Triton's interpreter).
 - The trainer at tp = 2 and at dp = 2 x tp = 2 (4 processes) gives the single process's
   losses and gradient norms at every step and its final weights (fp32, the tolerances of
   test_parallel_backends.py); a 2-layer model with truncated BPTT and the state carried
@@ -84,14 +85,37 @@ def single(corpus, tmp_path_factory):
     return run_dir
 
 
+# The TP copy's step backend: the PyTorch steps (every case at full size), and the CUDA
+# backend's Triton kernels run by Triton's interpreter on CPU tensors (slow: fewer cases,
+# tbptt-2-layer standing for 2 layers, windows of 2 x 6 tokens; one case in float32 too):
+# eagerly at tp = 2, and at tp = 4 (one head per rank) through its chunk graphs (the eager
+# capture stand-in; the same kernels, replayed).
+ENGINE_RUNS = {
+    "reference-tp2": (2, ["--backend", "reference"]),
+    "reference-tp4": (4, ["--backend", "reference"]),
+    "cuda-tp2": (
+        2,
+        [
+            *("--backend", "cuda", "--shape", "2,6"),
+            *("--cases", "1-layer,gpn-no-memory,tbptt-2-layer", "--float32-cases", "1-layer"),
+        ],
+    ),
+    "cuda-graphs-tp4": (
+        4,
+        ["--backend", "cuda-graphs", "--shape", "2,6", "--cases", "tbptt-2-layer"],
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sharded_engine_equals_one_process_float64(tmp_path, tp):
+@pytest.mark.parametrize("run", list(ENGINE_RUNS))
+def test_sharded_engine_equals_one_process_float64(tmp_path, run):
+    tp, args = ENGINE_RUNS[run]
     out = tmp_path / "errors.json"
     worker = Path(__file__).with_name("tp_engine_worker.py")
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"]
     proc = subprocess.run(
-        [*cmd, str(worker), str(out)],
+        [*cmd, str(worker), str(out), *args],
         cwd=REPO,
         env=child_env(tmp_path),
         text=True,
@@ -99,10 +123,44 @@ def test_sharded_engine_equals_one_process_float64(tmp_path, tp):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for case, errors in json.loads(out.read_text()).items():
+    result = json.loads(out.read_text())
+    chunk_graphs = result.pop("graphs", None)
+    if run.startswith("cuda"):  # the graph path replays (tbptt-2-layer: 3 chunk shapes)
+        graphed = run.startswith("cuda-graphs")
+        assert chunk_graphs is not None and (chunk_graphs["replays"] > 0) == graphed
+    assert result
+    for case, errors in result.items():
+        # eager CUDA: the dry launch accounting at this tp counts what the rank launched
+        assert ("launch accounting" in errors) == (run.startswith("cuda-tp")), case
         assert len(errors) > 10, case  # loss, state, memory and every gradient
+        # float32: the PyTorch steps at tp = 2 differ from one process by up to ~1e-4
+        # relative (the sums of sharded partials in another order), the Triton kernels alike.
+        tol = 1e-3 if case.endswith("float32") else 1e-9
         for what, err in errors.items():
-            assert err < 1e-9, (case, what, err)
+            assert err < tol, (case, what, err)
+
+
+def test_step_backends_under_tp_cuda_runs_cpu_is_refused(monkeypatch):
+    from gpn_scale.ops.gpn_step import registry
+    from gpn_scale.ops.gpn_step.registry import ENV_VAR, StepBackendError, select_backend
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    cpu = torch.device("cpu")
+    # CPU: the fused C++ kernels do not split at the collectives; the PyTorch steps run.
+    assert select_backend("auto", cpu, tp_size=2).name == "reference"
+    with pytest.raises(StepBackendError, match=r"step backend 'cpu' does not run under tensor"):
+        select_backend("cpu", cpu, tp_size=2)
+    with pytest.raises(StepBackendError) as refused:
+        select_backend("cpu", cpu, tp_size=4)
+    assert "\n" not in str(refused.value) and "tp=4" in str(refused.value)
+    # CUDA: the Triton kernels split at them (on a faked CUDA device; here asked for, and
+    # on CPU tensors under the interpreter as the engine tests run them).
+    monkeypatch.setattr(registry, "_cuda_backend", lambda required: "cuda backend")
+    assert select_backend("auto", torch.device("cuda"), tp_size=2) == "cuda backend"
+    assert select_backend("cuda", torch.device("cuda"), tp_size=8) == "cuda backend"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("cuda", cpu, tp_size=2) == "cuda backend"
+    assert select_backend("reference", torch.device("cuda"), tp_size=2).name == "reference"
 
 
 @pytest.mark.slow

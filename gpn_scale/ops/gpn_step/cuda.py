@@ -13,6 +13,16 @@ the last layer's start), then per layer dc @ W_out^T, ONE memory/FFN kernel (the
 the write reversed, one pass over M0 for both), dY @ W_in^T and a row kernel. 1 layer: 6;
 L layers: 4 L + 2.
 
+Under tensor parallelism (plan.tp_size > 1) the step splits at the group's fixed points
+(`collectives.py`, called through `tp_sum_`): forward, the memory kernel's per-head sums of
+squares of the read output are summed (2), the down GEMM writes only its row-parallel
+partial, which is summed (1), and a small kernel adds the gated residual; reverse, a small
+kernel's read-norm row sums are summed (4) before the memory kernel reads them, and
+dY @ W_in^T over the sharded column blocks is summed (3) before a second GEMM adds the
+replicated predict gate's share in its epilogue. Per step: forward 4 L + 1 launches and 2 L
+all-reduces (GPN without memory: L), reverse 6 L + 2 and 2 L (GPN: 5 L + 2 and L). At
+tp = 1 none of this runs: the launches are those above.
+
 Every launch goes through `_launch`, which can record it (name, phase, grid, bytes, FLOPs)
 instead of or besides running it: `gpn_scale.bench.gpu_model` runs this very code on meta
 tensors at the real sizes to count launches, bytes and FLOPs per step.
@@ -24,6 +34,7 @@ import torch
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import triton_kernels as tk
+from gpn_scale.ops.gpn_step.collectives import tp_sum_
 from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
@@ -37,6 +48,7 @@ from gpn_scale.ops.launch import Launch, is_dry, recording  # noqa: F401  (re-ex
 from gpn_scale.ops.launch import launch as _launch
 from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_aten as _aten
+from gpn_scale.ops.launch import record_collective as _record_collective
 
 
 # --------------------------------------------------------------------------- blocks
@@ -73,6 +85,7 @@ def linear(
     row_rms: bool = False,
     eps: float = 0.0,
     split: tuple[Tensor, int] | None = None,
+    ss_width: int | None = None,
     epilogue: int = 0,
     pg: Tensor | None = None,
     res: Tensor | None = None,
@@ -122,6 +135,7 @@ def linear(
         N_SS=_p2(ss.shape[1]) if ss is not None else 1,
         SS_COLS=ss.shape[1] if ss is not None else 1,
         SPLIT_K1=k1,
+        SS_WIDTH=ss_width or k1 or 1,
         ROW_RMS=row_rms,
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
@@ -175,6 +189,19 @@ def _ffn_programs(plan: StepPlan, block_f: int) -> int:
     return triton_cdiv(plan.f, block_f)
 
 
+def _split(plan: StepPlan) -> bool:
+    """Whether the step splits at the tp group's fixed points (`collectives.py`)."""
+    return plan.tp_size > 1
+
+
+def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
+    """One fixed point: x (contiguous) summed over the tp group, in place, through
+    `collectives.tp_sum_` (recorded as a collective; a dry run only records it)."""
+    _record_collective(name, phase, _nbytes(x))
+    if not is_dry():
+        tp_sum_(x, plan)
+
+
 # --------------------------------------------------------------------------- backend
 GRAPH_COPIES = "graph copies in/out"  # recorded (dry runs) where a replay copies its buffers
 
@@ -224,6 +251,9 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     ys = [new(B, plan.columns[i].width) for i in range(L)]
     hidden = new(B, H * dv + f)
     scratch = [new(B, d), new(B, d)]
+    split = _split(plan)
+    partial = new(B, d) if split else None  # the row-parallel output before its sum
+    BD = min(_p2(d), 16 if _interpreting(fuse) else 1024)
     blocks = _mem_blocks(plan, fuse, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
     if mem:
@@ -271,18 +301,23 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             )
             out = P[:, tau] if i == L - 1 else scratch[i % 2]
             pg0 = plan.columns[i].predict_gate[0]
-            linear(
-                hidden,
-                W.w_out[i],
-                out,
-                ph,
-                f"down GEMM {i}",
-                split=(ss, H * dv) if mem else None,
-                eps=eps,
-                epilogue=1,
-                pg=y[:, pg0 : pg0 + d],
-                res=c,
-            )
+            if split:
+                _down_split(
+                    plan, i, hidden, W.w_out[i], ss, partial, y[:, pg0 : pg0 + d], c, out, BD
+                )
+            else:
+                linear(
+                    hidden,
+                    W.w_out[i],
+                    out,
+                    ph,
+                    f"down GEMM {i}",
+                    split=(ss, H * dv) if mem else None,
+                    eps=eps,
+                    epilogue=1,
+                    pg=y[:, pg0 : pg0 + d],
+                    res=c,
+                )
             c = out
         s_next = states[(tau + 1) % 2]
         linear(
@@ -302,6 +337,56 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         s = s_next
     s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
     return ChunkForwardResult(s, s_prev, K, U, G)
+
+
+def _down_split(
+    plan: StepPlan,
+    i: int,
+    hidden: Tensor,
+    w_out: Tensor,
+    ss: Tensor | None,
+    partial: Tensor,
+    pg: Tensor,
+    c: Tensor,
+    out: Tensor,
+    BD: int,
+) -> None:
+    """Under tp: the read norm's sums of squares summed over the group (2), the
+    down-projection's row-parallel partial (its read columns scaled by the full-width norm),
+    that summed (1), then the gated residual: out = sigmoid(pg) * c + sum."""
+    ph = "forward step"
+    B, d = out.shape
+    hv = plan.H * plan.dv
+    if plan.memory:
+        _tp_sum(ss, plan, f"read norm sum of squares {i}", ph)
+    linear(
+        hidden,
+        w_out,
+        partial,
+        ph,
+        f"down GEMM {i}",
+        split=(ss, hv) if plan.memory else None,
+        ss_width=hv * plan.tp_size,
+        eps=plan.eps,
+    )
+    _tp_sum(partial, plan, f"down output {i}", ph)
+    _launch(
+        tk.gated_residual_kernel,
+        (B,),
+        f"gated residual {i}",
+        ph,
+        _nbytes(partial) * 4,
+        3 * B * d,
+        partial,
+        pg,
+        pg.stride(0),
+        c,
+        c.stride(0),
+        out,
+        out.stride(0),
+        d,
+        BLOCK_D=BD,
+    )
 
 
 def _memory_forward(
@@ -367,6 +452,9 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     blocks = _mem_blocks(plan, dP, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
     BD = min(_p2(d), 16 if _interpreting(dP) else 1024)
+    split = _split(plan)
+    DNP = new(B, d) if split else None  # the sharded blocks' dY W^T before its sum
+    SUMS = new(B, 2) if split and mem else None  # the read norm backward's row sums
     ds_end = sweep.ds_end.contiguous() if sweep.ds_end is not None else None
     extra = sweep.ds_prev_end.contiguous() if sweep.ds_prev_end is not None else None
     _launch(
@@ -415,10 +503,30 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         )
         for i in range(L - 1, -1, -1):
             linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}")
+            if SUMS is not None:
+                _read_norm_sums(plan, i, tau, acts, DH, SUMS, blocks)
             _memory_backward(
-                plan, i, tau, C, acts, a, DH, M0, DGS, DA_ROWS, DKPRE0, Wt.A, grid_mem, blocks, eps
+                plan,
+                i,
+                tau,
+                C,
+                acts,
+                a,
+                DH,
+                M0,
+                DGS,
+                DA_ROWS,
+                DKPRE0,
+                Wt.A,
+                grid_mem,
+                blocks,
+                eps,
+                SUMS,
             )
-            linear(a.dY[i][tau], Wt.w_in[i], DN, ph, f"input dy W^T {i}")
+            if split:
+                _input_grad_split(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN)
+            else:
+                linear(a.dY[i][tau], Wt.w_in[i], DN, ph, f"input dy W^T {i}")
             _rev_row(
                 plan,
                 i - 1,
@@ -439,6 +547,48 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         a.dA += DA_ROWS.sum(0)
         _aten("dA rows sum", pc, _nbytes(DA_ROWS))
     return ReverseSweepResult(DG, DKPRE0)
+
+
+def _read_norm_sums(
+    plan: StepPlan, i: int, tau: int, acts, DH: Tensor, SUMS: Tensor, blocks: dict[str, int]
+) -> None:
+    """Under tp (4): the read norm backward's (B, 2) row sums over this rank's columns,
+    then summed over the group (`memory_backward_kernel` reads them)."""
+    ph = "reverse step"
+    o, ro, y = acts.o[i][tau], acts.ro[i][tau], acts.y[i][tau]
+    B = o.shape[0]
+    _launch(
+        tk.read_norm_sums_kernel,
+        (B,),
+        f"read norm sums {i}",
+        ph,
+        _nbytes(o, ro, SUMS) + 2 * _nbytes(o),
+        4 * o.numel(),
+        o,
+        ro,
+        acts.o[i].stride(1),
+        DH,
+        DH.stride(0),
+        y,
+        y.stride(0),
+        SUMS,
+        COL_RGATE=_layer_meta(plan, i)["COL_RGATE"],
+        HV=plan.H * plan.dv,
+        BLOCK_HV=blocks["BLOCK_HV"],
+    )
+    _tp_sum(SUMS, plan, f"read norm backward sums {i}", ph)
+
+
+def _input_grad_split(
+    plan: StepPlan, i: int, dy: Tensor, w_in_t: Tensor, DNP: Tensor, DN: Tensor
+) -> None:
+    """Under tp (3): dY @ W_in^T over the sharded column blocks, summed over the group,
+    then the replicated predict gate's share (the last d blocks) added once."""
+    ph = "reverse step"
+    pg0 = plan.columns[i].predict_gate[0]
+    linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}")
+    _tp_sum(DNP, plan, f"input gradient {i}", ph)
+    linear(dy[:, pg0:], w_in_t[pg0:], DN, ph, f"predict-gate dy W^T {i}", epilogue=3, res=DNP)
 
 
 def _rev_row(
@@ -529,6 +679,7 @@ def _memory_backward(
     grid: tuple[int, int],
     blocks: dict[str, int],
     eps: float,
+    sums: Tensor | None = None,
 ) -> None:
     H, dk, dv = plan.H, plan.dk, plan.dv
     mem, write = plan.memory, plan.memory and i == 0
@@ -587,10 +738,13 @@ def _memory_backward(
         *mem_args,
         *write_args,
         A if mem else dummy,
+        sums if sums is not None else dummy,
         tau,
         int(tau == C - 1),
         eps,
         **_layer_meta(plan, i),
         BLOCK_DV=_p2(max(dv, 1)),
         **blocks,
+        SUMS_GIVEN=sums is not None,
+        NORM_WIDTH=H * dv * (plan.tp_size if sums is not None else 1),
     )

@@ -159,6 +159,8 @@ def _plan_key(plan: StepPlan) -> tuple:
         plan.f,
         plan.eps,
         plan.mm_dtype,
+        plan.tp_size,  # under tp the graph also holds the group's collectives
+        id(plan.tp_group) if plan.tp_group is not None else None,
     )
 
 

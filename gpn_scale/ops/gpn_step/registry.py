@@ -4,12 +4,15 @@ The engine config's `step_backend` asks for one (`auto` by default); the environ
 GPN_SCALE_STEP_KERNELS, when set, overrides it (for benchmarks and bisecting):
 
   auto       CPU tensors: the fused C++ kernels when they build, else (one warning) the
-             PyTorch steps; CUDA tensors: the CUDA backend (Triton kernels) when Triton
-             imports, else (one warning) the PyTorch steps; any other device: PyTorch steps
+             PyTorch steps (under tensor parallelism always the PyTorch steps); CUDA
+             tensors: the CUDA backend (Triton kernels) when Triton imports, else (one
+             warning) the PyTorch steps; any other device: PyTorch steps
   reference  the PyTorch steps (any device; alias: python)
-  cpu        the fused C++ kernels (CPU tensors; an error if they cannot be built; alias: cpp)
+  cpu        the fused C++ kernels (CPU tensors; an error if they cannot be built, or under
+             tensor parallelism: they do not split at the tp group's fixed points; alias: cpp)
   cuda       the Triton kernels (CUDA tensors; on CPU tensors only under TRITON_INTERPRET=1,
-             which is how the tests run them; alias: triton)
+             which is how the tests run them; under tensor parallelism too: they split at
+             the group's fixed points; alias: triton)
 """
 
 from __future__ import annotations
@@ -59,17 +62,18 @@ def interpreting() -> bool:
 
 def select_backend(config_choice: str, device: torch.device, tp_size: int = 1) -> StepBackend:
     """The backend for tensors on `device` (see the module docstring). Under tensor
-    parallelism (tp_size > 1) the PyTorch steps run, with the group's collectives at the
-    fixed points of `collectives.py`: the fused C++ and Triton kernels do not split at
-    those points yet, so `auto` picks the PyTorch steps and asking for them is refused."""
+    parallelism (tp_size > 1) every backend splits the step at the group's fixed points
+    (`collectives.py`): the PyTorch steps and the CUDA backend do; the fused C++ kernels
+    do not, so on CPU `auto` picks the PyTorch steps and asking for `cpu` is refused."""
     choice = requested(config_choice)
     if choice == "reference":
         return ReferenceBackend()
-    if tp_size > 1:
-        if choice != "auto":
+    if tp_size > 1 and (choice == "cpu" or (choice == "auto" and device.type == "cpu")):
+        if choice == "cpu":
             raise StepBackendError(
-                f"step backend {choice!r} does not run under tensor parallelism (tp={tp_size}) "
-                "yet; use step_backend auto or reference (the PyTorch steps)"
+                f"step backend 'cpu' does not run under tensor parallelism (tp={tp_size}): "
+                "the fused C++ kernels do not split at the tp group's collectives; use "
+                "step_backend auto or reference (the PyTorch steps) on CPU, or cuda on GPUs"
             )
         return ReferenceBackend()
     if choice == "cpu" or (choice == "auto" and device.type == "cpu"):

@@ -90,6 +90,7 @@ def linear_kernel(
     N_SS: tl.constexpr,
     SS_COLS: tl.constexpr,
     SPLIT_K1: tl.constexpr,
+    SS_WIDTH: tl.constexpr,
     ROW_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
@@ -102,10 +103,12 @@ def linear_kernel(
     """OUT = epilogue(scale * (A @ W) + bias).
 
     ROW_RMS: scale = rsqrt(mean(A_row^2) + eps), summed while A streams through the K loop.
-    SPLIT_K1 > 0: columns [0, SPLIT_K1) of A get the row scale rsqrt(sum(SS_row) / SPLIT_K1 +
-    eps) (the read's RMSNorm, its sums of squares left by the memory kernel), the rest none.
+    SPLIT_K1 > 0: columns [0, SPLIT_K1) of A get the row scale rsqrt(sum(SS_row) / SS_WIDTH +
+    eps) (the read's RMSNorm, its sums of squares left by the memory kernel; SS_WIDTH is
+    SPLIT_K1, or under tensor parallelism the full width when SS holds the group's sums),
+    the rest none.
     EPILOGUE 0: store; 1: sigmoid(PG) * RES + acc (the gated residual); 2: the fuse gate,
-    sigmoid(acc) * RES + FUSE (OUT2 gets a copy when HAS_OUT2).
+    sigmoid(acc) * RES + FUSE (OUT2 gets a copy when HAS_OUT2); 3: RES + acc.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -139,7 +142,7 @@ def linear_kernel(
             mask=m_ok[:, None] & (rs < SS_COLS)[None, :],
             other=0.0,
         )
-        rr = 1.0 / tl.sqrt(tl.sum(part, axis=1) / SPLIT_K1 + eps)
+        rr = 1.0 / tl.sqrt(tl.sum(part, axis=1) / SS_WIDTH + eps)
         acc = acc1 * rr[:, None]
         k_start = SPLIT_K1
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
@@ -176,7 +179,60 @@ def linear_kernel(
         acc = _sigmoid(acc) * res + fuse
         if HAS_OUT2:
             tl.store(OUT2 + rm[:, None] * stride_o2 + rn[None, :], acc, mask=ok)
+    if EPILOGUE == 3:
+        res = tl.load(RES + rm[:, None] * stride_res + rn[None, :], mask=ok, other=0.0)
+        acc = res + acc
     tl.store(OUT + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
+
+
+# ---------------------------------------------------- tensor parallelism: split points
+@triton.jit
+def gated_residual_kernel(
+    X, PG, stride_pg, RES, stride_res, OUT, stride_out, D, BLOCK_D: tl.constexpr
+):
+    """OUT = sigmoid(PG) * RES + X, grid (B,): the down-projection's gated residual once
+    its row-parallel output X (B, D) has been summed over the tp group."""
+    b = tl.program_id(0)
+    for d0 in range(0, D, BLOCK_D):
+        rd = d0 + tl.arange(0, BLOCK_D)
+        ok = rd < D
+        x = tl.load(X + b * D + rd, mask=ok, other=0.0)
+        pg = tl.load(PG + b * stride_pg + rd, mask=ok, other=0.0)
+        res = tl.load(RES + b * stride_res + rd, mask=ok, other=0.0)
+        tl.store(OUT + b * stride_out + rd, _sigmoid(pg) * res + x, mask=ok)
+
+
+@triton.jit
+def read_norm_sums_kernel(
+    O_READ,
+    RO,
+    stride_o,  # (B, HV) this rank's read output and its RMSNorm
+    DH,
+    stride_dh,  # (B, HV + F): its first HV columns the read's gradient
+    Y,
+    stride_y,  # (B, width): the read gate at COL_RGATE
+    SUMS,  # (B, 2) out: sum(o^2), sum(dn * ro) over this rank's HV columns
+    COL_RGATE: tl.constexpr,
+    HV: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+):
+    """The read norm backward's row sums over this rank's columns, grid (B,): summed over
+    the tp group, then `memory_backward_kernel` reads them (SUMS_GIVEN)."""
+    b = tl.program_id(0)
+    acc_t = SUMS.dtype.element_ty
+    sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
+    sdn = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
+    for c0 in range(0, HV, BLOCK_HV):
+        rj = c0 + tl.arange(0, BLOCK_HV)
+        j_ok = rj < HV
+        x = tl.load(O_READ + b * stride_o + rj, mask=j_ok, other=0.0)
+        sx += tl.sum(x * x, axis=0)
+        dn = tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0) * _silu(
+            tl.load(Y + b * stride_y + COL_RGATE + rj, mask=j_ok, other=0.0)
+        )
+        sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
+    tl.store(SUMS + b * 2, sx)
+    tl.store(SUMS + b * 2 + 1, sdn)
 
 
 # ------------------------------------------------------------------ first key of a chunk
@@ -489,6 +545,7 @@ def memory_backward_kernel(
     DA_ROWS,  # (B, H) dA accumulated per row
     DKPRE0,  # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
     A,
+    SUMS,  # SUMS_GIVEN: (B, 2) the read norm's row sums, summed over the tp group
     tau,
     is_last,
     eps,
@@ -511,6 +568,8 @@ def memory_backward_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_HV: tl.constexpr,
+    SUMS_GIVEN: tl.constexpr,
+    NORM_WIDTH: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step
     (BLOCK_DV covers DV: a head's adjoint vectors stay in registers).
@@ -531,20 +590,25 @@ def memory_backward_kernel(
     elif MEMORY:
         acc_t = DY.dtype.element_ty
         # The read's RMSNorm spans all heads: its row dot over H*DV values, read again here
-        # by every head's program (a few KB) instead of a second launch.
-        sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
-        sdn = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
-        for c0 in range(0, HV, BLOCK_HV):
-            rj = c0 + tl.arange(0, BLOCK_HV)
-            j_ok = rj < HV
-            x = tl.load(O_READ + b * stride_o + rj, mask=j_ok, other=0.0)
-            sx += tl.sum(x * x, axis=0)
-            dn = tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0) * _silu(
-                tl.load(y_row + COL_RGATE + rj, mask=j_ok, other=0.0)
-            )
-            sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
-        r = 1.0 / tl.sqrt(sx / HV + eps)
-        mean_dn = sdn / HV
+        # by every head's program (a few KB) instead of a second launch; under tensor
+        # parallelism the group's sums, over NORM_WIDTH = tp * HV values, are given.
+        if SUMS_GIVEN:
+            sx = tl.load(SUMS + b * 2)
+            sdn = tl.load(SUMS + b * 2 + 1)
+        else:
+            sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
+            sdn = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
+            for c0 in range(0, HV, BLOCK_HV):
+                rj = c0 + tl.arange(0, BLOCK_HV)
+                j_ok = rj < HV
+                x = tl.load(O_READ + b * stride_o + rj, mask=j_ok, other=0.0)
+                sx += tl.sum(x * x, axis=0)
+                dn = tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0) * _silu(
+                    tl.load(y_row + COL_RGATE + rj, mask=j_ok, other=0.0)
+                )
+                sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
+        r = 1.0 / tl.sqrt(sx / NORM_WIDTH + eps)
+        mean_dn = sdn / NORM_WIDTH
         rv = tl.arange(0, BLOCK_DV)
         v_ok = rv < DV
         rk = tl.arange(0, BLOCK_DK)
