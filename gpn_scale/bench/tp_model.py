@@ -12,7 +12,8 @@ Per time step, forward and reverse sweep each:
            (~50 MB on H100/H200), else from HBM; M0 (float32, its heads / tp) per sequence
            from HBM (twice in the reverse sweep: M0 and dM0's reads);
   FLOPs    2 x B_group x loop parameters per GPU, at EFF_FLOPS of the dense bf16 peak;
-  kernels  the CUDA backend's launches per step (`gpu_model.account`) x the graph gap;
+  kernels  the CUDA backend's launches per step at that tp (`gpu_model.account(tp=)`, one
+           rank's split steps counted from the code) x the graph gap;
   collectives  per layer one (B, d) fp32 all-reduce of the row-parallel output and (GPN+M)
            one of the read norm's B floats forward; one (B, d) of the sharded input gradient
            and (GPN+M) one of B x 2 floats backward: four latency-bound all-reduces per step
@@ -34,8 +35,10 @@ run will measure.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from gpn_scale.model import GPNConfig, load_model_config
 from gpn_scale.model.config import ConfigError
@@ -99,6 +102,7 @@ def predict_tp(
     chunk_seconds: float,
     decode_tp1_seconds: float,
     shard_gates: bool = False,
+    allreduces_per_step: float | None = None,
 ) -> TpPrediction:
     from gpn_scale.bench.gpu_model import EFF_BW, EFF_FLOPS, GPUS, GRAPH_GAP_S
 
@@ -118,9 +122,13 @@ def predict_tp(
     # Gates sharded along d: the state is sharded between layers, so each all-reduce becomes
     # a reduce-scatter + an all-gather (the same bytes, two latencies).
     # Per layer and direction one (B, d) all-reduce, and for GPN+M one of the read norm's
-    # sums (forward B floats, backward B x 2: collectives.py's fixed points (2) and (4)).
+    # sums (collectives.py's fixed points): counted from the CUDA backend's code path by
+    # gpu_model.account(tp=) when given, this formula otherwise; d-sharded gates add a
+    # reduce-scatter + all-gather pair in place of each (B, d) sum.
     per_layer = (2 if cfg.memory else 1) + (1 if shard_gates else 0)
     n_ar = 0 if tp == 1 else 2 * cfg.n_layers * per_layer
+    if allreduces_per_step is not None and tp > 1:
+        n_ar = int(round(allreduces_per_step)) + (2 * cfg.n_layers if shard_gates else 0)
     ar_bytes = 0.0 if tp == 1 else 2 * cfg.n_layers * 4.0 * B * cfg.d_state
     decode = decode_seconds(cfg, tp, per_gpu, seq_len, decode_tp1_seconds)
     seconds = {
@@ -136,6 +144,13 @@ def predict_tp(
     return TpPrediction(tp, B, w, in_l2, ar_bytes, n_ar, seconds)
 
 
+@functools.lru_cache(maxsize=32)
+def _rank_accounting(cfg: GPNConfig, per_gpu: int, seq_len: int, tp: int) -> Any:
+    from gpn_scale.bench.gpu_model import account
+
+    return account(cfg, per_gpu, seq_len, tp=tp)
+
+
 def tp_table(
     cfg: GPNConfig,
     per_gpu: int,
@@ -148,7 +163,6 @@ def tp_table(
 
     acc = account(cfg, per_gpu, seq_len)
     p = predict(acc, GPUS[gpu], graphs=True, cfg=cfg)
-    launches = sum(acc.launches_per_step(ph) for ph in SEQUENTIAL)
     chunk = sum(
         s
         for ph, s in p.per_phase_seconds.items()
@@ -159,8 +173,15 @@ def tp_table(
     for tp in (1, 2, 4, 8):
         if tp > n_gpus or (cfg.memory and cfg.n_heads % tp) or cfg.d_ffn % tp:
             continue
+        # One rank's time step under tp, counted from the CUDA backend's code (its split
+        # steps: 5 / 8 launches for 1 layer instead of 4 / 6, and the group's all-reduces).
+        rank = acc if tp == 1 else _rank_accounting(cfg, per_gpu, seq_len, tp)
+        launches = sum(rank.launches_per_step(ph) for ph in SEQUENTIAL)
+        n_ar = sum(rank.collectives_per_step(ph) for ph in SEQUENTIAL)
         out.append(
-            predict_tp(cfg, tp, per_gpu, seq_len, n_gpus, gpu, launches, chunk, dec, shard_gates)
+            predict_tp(
+                cfg, tp, per_gpu, seq_len, n_gpus, gpu, launches, chunk, dec, shard_gates, n_ar
+            )
         )
     return out
 
