@@ -220,14 +220,14 @@ def test_model_that_does_not_split_names_the_field():
     from gpn_scale.model.parallelize import check_tp
     from gpn_scale.testing.models import tiny_config
 
-    check_tp(tiny_config(n_heads=4, d_ffn=24), 4)
+    check_tp(tiny_config(n_heads=4, d_ffn=24, vocab_size=40), 4)
     with pytest.raises(
         ConfigError, match=r"^model\.n_heads: 2 heads do not split over parallel\.tp=4"
     ):
         check_tp(tiny_config(), 4)
     with pytest.raises(ConfigError, match=r"^model\.d_ffn: 26 does not split over parallel\.tp=4"):
         check_tp(tiny_config(n_heads=4, d_ffn=26), 4)
-    check_tp(tiny_config(memory=False, d_ffn=24), 8)  # GPN: no heads to split
+    check_tp(tiny_config(memory=False, d_ffn=24, vocab_size=40), 8)  # GPN: no heads to split
 
 
 @pytest.mark.parametrize("name", ["gpn_m_350m", "gpn_m_760m", "gpn_m_1b"])

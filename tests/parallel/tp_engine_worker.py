@@ -4,7 +4,8 @@ with its parameters sharded over a tp mesh against the same model in one process
 Every rank builds both models from the same seed; the TP copy is sharded (parallel/tp.py).
 Per case: the loss of two consecutive windows (the second starting from the first's carry,
 gradients flowing through both), every parameter's gradient (gathered to full tensors),
-and the final carry (s, s_prev, and this rank's heads of the memory). Rank 0 writes the
+the final carry (s, s_prev, and this rank's heads of the memory), and the gathered
+full logits (`return_logits`, `next_token_logits`). Rank 0 writes the
 worst relative errors as JSON to argv[1].
 """
 
@@ -21,11 +22,14 @@ from gpn_scale.model.parallelize import tp_plan
 from gpn_scale.parallel.tp import apply_tp
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
+# vocab_size 40: the embedding / tied output is vocabulary-parallel (10 rows per rank at
+# tp = 4); loss_chunk_tokens 7 does not divide the 33 positions of a window.
+VOCAB = dict(vocab_size=40, loss_chunk_tokens=7)
 CASES = {
-    "1-layer": dict(n_heads=4, d_ffn=24),
-    "2-layer": dict(n_heads=4, d_ffn=24, n_layers=2),
-    "gpn-no-memory": dict(memory=False, d_ffn=24),
-    "tbptt-2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, tbptt=5, chunk_size=3),
+    "1-layer": dict(n_heads=4, d_ffn=24, **VOCAB),
+    "2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, **VOCAB),
+    "gpn-no-memory": dict(memory=False, d_ffn=24, **VOCAB),
+    "tbptt-2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, tbptt=5, chunk_size=3, **VOCAB),
 }
 
 
@@ -56,6 +60,15 @@ def run_case(cfg, mesh) -> dict[str, float]:
         errors["memory"] = _rel(r2.state.memory[:, mine], t2.state.memory)
     for (name, a), (_, b) in zip(ref.named_parameters(), tp.named_parameters()):
         errors[f"grad {name}"] = _rel(a.grad, b.grad.full_tensor())
+    # The slow path: the full (B, T, V) logits and next_token_logits, gathered over the group.
+    with torch.no_grad():
+        want = ref(w2, r1.state, return_logits=True)
+        got = tp(w2, t1.state, return_logits=True)
+        assert got.logits.shape == want.logits.shape == (*w2.shape, cfg.vocab_size)
+        errors["logits"] = _rel(want.logits, got.logits)
+        errors["next_token_logits"] = _rel(
+            ref.next_token_logits(r2.state), tp.next_token_logits(t2.state)
+        )
     return errors
 
 
