@@ -23,6 +23,8 @@ backward, where here each block's gradients (the tied E included) are formed at 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -46,7 +48,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
         mm_dtype: torch.dtype | None,
         scale: float,
         grad_enabled: bool,
-        tp_group: object | None,
+        tp_group: Any,
         v_start: int,
     ) -> Tensor:
         acc = torch.float64 if P.dtype == torch.float64 else torch.float32
@@ -83,7 +85,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
                 # Each rank's share of dh in acc, summed there (a bf16 share summed tp times
                 # would round tp times): rows x e floats per block.
                 dh = (gm @ Em).to(acc)
-                dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)  # type: ignore[arg-type]
+                dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)
                 dh = dh.to(mm)
             elif use_triton(logits):  # one kernel, the block read twice (ops/cross_entropy.py)
                 total += softmax_xent_(logits, tgt, need_grad).sum()
@@ -149,7 +151,7 @@ def _vocab_parallel_block(
     logits: Tensor,
     tgt: Tensor,
     v_start: int,
-    group: object,
+    group: Any,
     need_grad: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """One block of the vocabulary-parallel cross-entropy: the block's summed loss (the
@@ -160,12 +162,12 @@ def _vocab_parallel_block(
     mine = (tgt >= v_start) & (tgt < v_start + width)
     col = (tgt - v_start).clamp(0, width - 1)
     top = logits.amax(dim=-1, keepdim=True)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     picked = torch.where(mine[:, None], logits.gather(1, col[:, None]), 0.0)
     probs = logits.sub_(top).exp_()
     # The sum of exp and the target's logit in one all-reduce of (rows, 2).
     sums = torch.cat([probs.sum(dim=-1, keepdim=True), picked], dim=1)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)  # type: ignore[arg-type]
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     denom = sums[:, :1]
     loss = (top + denom.log() - sums[:, 1:]).sum()
     if not need_grad:
@@ -186,7 +188,7 @@ def chunked_decode_cross_entropy(
     eps: float = 1e-6,
     mm_dtype: torch.dtype | None = None,
     scale: float = 1.0,
-    tp_group: object | None = None,
+    tp_group: Any = None,
 ) -> Tensor:
     """`scale` x the sum over positions of CE(decode(P) @ E^T, targets).
 

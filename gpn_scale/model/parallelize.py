@@ -8,9 +8,9 @@ gets the same columns of both halves a and b) and row-parallel on the way out (W
 Shard(1) of (d, in)). The tied embedding / output matrix E (V, e) is vocabulary-parallel
 (Megatron's VocabParallelEmbedding): Shard(0), each rank holds V/tp rows
 (`gpn_scale.model.vocab_parallel`, the tp form of `gpn_scale.model.loss`). Everything else
-(the state path: fuse, gates, norms of the state, the decoder W_dec) is replicated. `gpn_scale.parallel.tp` applies the plan; the engine
-finds the tp group on the DTensor parameters and sums at the step's fixed points
-(`gpn_scale.ops.gpn_step.collectives`).
+(the state path: fuse, gates, norms of the state, the decoder W_dec) is replicated.
+`gpn_scale.parallel.tp` applies the plan; the engine finds the tp group on the DTensor
+parameters and sums at the step's fixed points (`gpn_scale.ops.gpn_step.collectives`).
 """
 
 from __future__ import annotations

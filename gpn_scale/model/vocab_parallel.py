@@ -17,15 +17,17 @@ about Transformer Engine / Apex on every rank.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 
-def vocab_start(E_local: Tensor, group: object | None) -> int:
+def vocab_start(E_local: Tensor, group: Any) -> int:
     """The first vocabulary row this rank holds (0 without a group)."""
-    return 0 if group is None else dist.get_rank(group) * E_local.shape[0]  # type: ignore[arg-type]
+    return 0 if group is None else dist.get_rank(group) * E_local.shape[0]
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -33,9 +35,9 @@ class _ReduceFromTP(torch.autograd.Function):
     sum is replicated, so each receives the whole gradient already)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: object) -> Tensor:
+    def forward(ctx, x: Tensor, group: Any) -> Tensor:
         out = x.clone(memory_format=torch.contiguous_format)  # the input is left as it was
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)  # type: ignore[arg-type]
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
@@ -43,12 +45,12 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def reduce_from_tp(x: Tensor, group: object | None) -> Tensor:
+def reduce_from_tp(x: Tensor, group: Any) -> Tensor:
     """x summed over the tp group with an identity backward (x itself without one)."""
     return x if group is None else _ReduceFromTP.apply(x, group)
 
 
-def embed(tokens: Tensor, E_local: Tensor, group: object | None) -> Tensor:
+def embed(tokens: Tensor, E_local: Tensor, group: Any) -> Tensor:
     """F.embedding(tokens, E) where E_local is this rank's vocabulary rows of E.
 
     One all-reduce of (B, T, e) per call under tp; the plain lookup without a group."""
@@ -65,11 +67,11 @@ class _GatherVocab(torch.autograd.Function):
     backward: this rank's slice (Megatron's gather_from_tensor_model_parallel_region)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: object) -> Tensor:
+    def forward(ctx, x: Tensor, group: Any) -> Tensor:
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]  # type: ignore[arg-type]
-        dist.all_gather(parts, x, group=group)  # type: ignore[arg-type]
-        ctx.rank, ctx.width = dist.get_rank(group), x.shape[-1]  # type: ignore[arg-type]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        ctx.rank, ctx.width = dist.get_rank(group), x.shape[-1]
         return torch.cat(parts, dim=-1)
 
     @staticmethod
@@ -77,7 +79,7 @@ class _GatherVocab(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None
 
 
-def gather_vocab(logits_local: Tensor, group: object | None) -> Tensor:
+def gather_vocab(logits_local: Tensor, group: Any) -> Tensor:
     """The full (..., V) logits from this rank's (..., V/tp) columns: the slow path
     (`return_logits`, `next_token_logits`: tests, evaluation, generation), which holds the
     whole vocabulary on every rank; training's loss never calls it."""
