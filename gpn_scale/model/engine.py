@@ -25,6 +25,10 @@ Layout of one forward (see `shared/spec/gpn-model.md` for the equations):
 3. Outside the loop again: decode and cross-entropy in chunks of positions
    (`model/loss.py`), never the full B x T x V logits.
 
+Under tensor parallelism the embedding / tied output E is vocabulary-parallel
+(`model/vocab_parallel.py`): the lookup is summed over the tp group and the loss's logits
+are this rank's V/tp columns only.
+
 Under torch.autocast the large matmuls run in the autocast dtype; the state, the memory
 and every elementwise recurrence op stay in float32.
 """
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from gpn_scale.model.config import GPNConfig
 from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_decode_cross_entropy
+from gpn_scale.model.vocab_parallel import embed, gather_vocab
 from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide, sum_grad_over_tp, tp_sum_
 from gpn_scale.ops.gpn_step.functional import accumulate_mm
 from gpn_scale.ops.gpn_step.functional import l2n as _l2n
@@ -686,8 +691,8 @@ def run_engine(
                 state = GPNState(state.s, state.s_prev, state.memory[:, :H_local].clone())
         sdt = model.state_dtype()
         eps = cfg.norm_eps
-        E = local(model.embedding.weight)
-        emb = F.embedding(tokens, E)
+        E = local(model.embedding.weight)  # under tp: this rank's V/tp rows
+        emb = embed(tokens, E, tp_group)
         fuse = _linear(
             _rms(emb.to(sdt), eps) * local(model.fuse_norm_weight),
             local(model.fuse.weight),
@@ -736,10 +741,12 @@ def run_engine(
                 eps,
                 mm_dtype,
                 scale=1.0 / (B * T),
+                tp_group=tp_group,
             )
         logits = None
-        if return_logits:  # tests and analysis only: the full (B, T, V) block
+        if return_logits:  # tests, evaluation, generation: the full (B, T, V) block
             h = _linear(_rms(P, eps) * dec_norm, dec_w, dec_b, mm_dtype)
-            logits = _linear(h, E, None, mm_dtype)
+            # Under tp every rank gathers the group's vocabulary shards (the slow path).
+            logits = gather_vocab(_linear(h, E, None, mm_dtype), tp_group)
     final = GPNState(s, s_prev, M if cfg.memory else None) if return_state else None
     return GPNOutput(loss=loss, state=final, logits=logits)

@@ -7,13 +7,29 @@ and E are formed in the same pass (softmax - onehot, then one matmul each), so p
 is one (rows x V) block, never (N x V), and nothing of size N is kept for the backward but
 dL/dp. Hand-written because torch has no fused linear + cross-entropy op; the slow form it
 equals (tested) is F.cross_entropy(decode(p) @ E.T, y, reduction="sum").
+
+Vocabulary-parallel form (tensor parallelism, `tp_group` given; E is then this rank's
+(V/tp, e) rows, Megatron's vocab_parallel_cross_entropy done block by block): per block
+h = decode(p) is computed on every rank (replicated: rows x e), the logits only for the
+local vocabulary (rows x V/tp), their row max all-reduced (MAX, rows floats), then the sum
+of exp and the target's logit (held by one rank, the others add 0) in one all-reduce of
+(rows, 2); the loss is the same on every rank. Backward in the same pass: softmax - onehot
+of the local columns, dE_local = g^T h on this rank alone, dh = g @ E_local summed over the
+group (rows x e), and W_dec, b, the norm and P from the full dh as without tp. No rank ever
+holds more than (rows x V/tp) logits. megatron-core's function is not used: it takes the
+whole logits tensor and megatron's global tp group, and keeps the softmax for a separate
+backward, where here each block's gradients (the tied E included) are formed at once.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from gpn_scale.model.vocab_parallel import vocab_start
 from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
 
 
@@ -32,6 +48,8 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
         mm_dtype: torch.dtype | None,
         scale: float,
         grad_enabled: bool,
+        tp_group: Any,
+        v_start: int,
     ) -> Tensor:
         acc = torch.float64 if P.dtype == torch.float64 else torch.float32
         # needs_input_grad stays True under torch.no_grad() (held-out eval): the caller's grad
@@ -56,7 +74,20 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
                 h = h + b_dec.to(mm)
             tgt = targets[start : start + rows]
             logits = h @ Em.t()
-            if use_triton(logits):  # one kernel, the block read twice (ops/cross_entropy.py)
+            if tp_group is not None:  # this rank's V/tp columns (see the module docstring)
+                block, grad_local = _vocab_parallel_block(
+                    logits.to(acc), tgt, v_start, tp_group, need_grad
+                )
+                total += block
+                if grad_local is None:
+                    continue
+                gm = grad_local.to(mm)
+                # Each rank's share of dh in acc, summed there (a bf16 share summed tp times
+                # would round tp times): rows x e floats per block.
+                dh = (gm @ Em).to(acc)
+                dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)
+                dh = dh.to(mm)
+            elif use_triton(logits):  # one kernel, the block read twice (ops/cross_entropy.py)
                 total += softmax_xent_(logits, tgt, need_grad).sum()
                 if not need_grad:
                     continue
@@ -74,7 +105,8 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
                 grad = probs.div_(denom)  # softmax - onehot
                 grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
                 gm = grad.to(mm)
-            dh = gm @ Em
+            if tp_group is None:
+                dh = gm @ Em
             dE += (gm.t() @ h).to(acc)
             dW += (dh.t() @ nw).to(acc)
             db += dh.sum(0).to(acc)
@@ -110,7 +142,39 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
+
+
+def _vocab_parallel_block(
+    logits: Tensor,
+    tgt: Tensor,
+    v_start: int,
+    group: Any,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One block of the vocabulary-parallel cross-entropy: the block's summed loss (the
+    same on every rank) and, when gradients are needed, softmax - onehot of this rank's
+    columns (in place over `logits`, rows x V/tp). The Triton kernel (ops/cross_entropy.py)
+    normalises over a whole row, so this PyTorch form serves every device under tp."""
+    width = logits.shape[1]
+    mine = (tgt >= v_start) & (tgt < v_start + width)
+    col = (tgt - v_start).clamp(0, width - 1)
+    top = logits.amax(dim=-1, keepdim=True)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    picked = torch.where(mine[:, None], logits.gather(1, col[:, None]), 0.0)
+    probs = logits.sub_(top).exp_()
+    # The sum of exp and the target's logit in one all-reduce of (rows, 2).
+    sums = torch.cat([probs.sum(dim=-1, keepdim=True), picked], dim=1)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    denom = sums[:, :1]
+    loss = (top + denom.log() - sums[:, 1:]).sum()
+    if not need_grad:
+        return loss, None
+    grad = probs.div_(denom)
+    grad[torch.arange(grad.shape[0], device=grad.device), col] -= mine.to(grad.dtype)
+    return loss, grad
 
 
 def chunked_decode_cross_entropy(
@@ -124,14 +188,31 @@ def chunked_decode_cross_entropy(
     eps: float = 1e-6,
     mm_dtype: torch.dtype | None = None,
     scale: float = 1.0,
+    tp_group: Any = None,
 ) -> Tensor:
     """`scale` x the sum over positions of CE(decode(P) @ E^T, targets).
 
     P: (N, d) predicted states; norm_w: (d,); W_dec: (e, d) (nn.Linear layout); b_dec: (e,)
     or None; E: (V, e) the tied embedding; targets: (N,). Matmuls run in `mm_dtype` if given.
+    With `tp_group` E is this rank's (V/tp, e) rows (rank r: rows r V/tp ..), P, the decoder
+    and the targets are the group's (replicated), and so is the returned loss; E's gradient
+    is this rank's rows.
     """
     if rows < 1:
         raise ValueError(f"rows: must be >= 1, got {rows}")
+    v_start = vocab_start(E, tp_group)
     return _ChunkedDecodeCrossEntropy.apply(
-        P, norm_w, W_dec, b_dec, E, targets, rows, eps, mm_dtype, scale, torch.is_grad_enabled()
+        P,
+        norm_w,
+        W_dec,
+        b_dec,
+        E,
+        targets,
+        rows,
+        eps,
+        mm_dtype,
+        scale,
+        torch.is_grad_enabled(),
+        tp_group,
+        v_start,
     )

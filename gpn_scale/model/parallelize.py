@@ -5,10 +5,12 @@ Megatron's and torchtitan's head-sharded recurrent layers are the pattern: the m
 norm weight) and the FFN hidden units are split across the tp ranks, column-parallel on the
 way in (nn.Linear (out, in): Shard(0); W_1 in block layout (2, f, d): Shard(1), so each rank
 gets the same columns of both halves a and b) and row-parallel on the way out (W_o, W_2:
-Shard(1) of (d, in)). Everything else (the state path: embedding, fuse, gates, norms of
-the state, decoder) is replicated. `gpn_scale.parallel.tp` applies the plan; the engine
-finds the tp group on the DTensor parameters and sums at the step's fixed points
-(`gpn_scale.ops.gpn_step.collectives`).
+Shard(1) of (d, in)). The tied embedding / output matrix E (V, e) is vocabulary-parallel
+(Megatron's VocabParallelEmbedding): Shard(0), each rank holds V/tp rows
+(`gpn_scale.model.vocab_parallel`, the tp form of `gpn_scale.model.loss`). Everything else
+(the state path: fuse, gates, norms of the state, the decoder W_dec) is replicated.
+`gpn_scale.parallel.tp` applies the plan; the engine finds the tp group on the DTensor
+parameters and sums at the step's fixed points (`gpn_scale.ops.gpn_step.collectives`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ _COLUMN = ("weight", "bias")  # Shard(0) of an nn.Linear (out, in) and of its bi
 
 def tp_plan(model: nn.Module) -> dict[str, Placement]:
     """Parameter name -> placement on the tp mesh (absent names: Replicate())."""
-    plan: dict[str, Placement] = {}
+    plan: dict[str, Placement] = {"embedding.weight": Shard(0)}  # (V, e): vocab rows
     if getattr(model, "write", None) is not None:
         for lin in ("key", "value", "beta", "decay"):
             for leaf in _COLUMN:
@@ -58,4 +60,11 @@ def check_tp(cfg: GPNConfig, tp: int, where: str = "parallel.tp") -> None:
         raise ConfigError(
             f"model.d_ffn: {cfg.d_ffn} does not split over {where}={tp}; "
             f"use a width divisible by {tp} or another tp"
+        )
+    if cfg.vocab_size % tp:
+        pad = -(-cfg.vocab_size // tp) * tp
+        raise ConfigError(
+            f"model.vocab_size: {cfg.vocab_size} does not split over {where}={tp}; pad it to "
+            f"a multiple of {tp} (e.g. model_overrides.vocab_size={pad}: a model vocabulary "
+            "larger than the tokenizer's is supported) or use another tp"
         )

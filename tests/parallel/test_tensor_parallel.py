@@ -47,8 +47,15 @@ COMMON = (
 STATEFUL = ("model_overrides.n_layers=2", "train.tbptt=24", "train.stateful_windows=true")
 LOSS_RTOL = 2e-6
 GRAD_NORM_RTOL = 1e-5
-WEIGHT_REL = 1e-4
-WEIGHT_ATOL = 1e-4
+# Final weights after 4 AdamW steps in fp32. Under tp the vocabulary-parallel loss sums each
+# row's softmax denominator and dh = g @ E over the group's shards, so dP differs from the
+# single process by rounding (the float64 engine test above holds it equal to 1e-9, and 4
+# AdamW steps of the sharded model in float64 stay within 2e-13); Adam's normalisation
+# magnifies fp32 rounding on near-zero gradients: measured rel 1.7e-4 / worst 1.9e-4 at tp2
+# (read.query; the same with another loss block size), 8e-6 at dp2 x tp2, and ~1.1e-4
+# already before the vocabulary-parallel loss in 4 AdamW steps on random batches.
+WEIGHT_REL = 5e-4
+WEIGHT_ATOL = 5e-4
 
 
 def _compare(ref_dir: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> None:
@@ -297,14 +304,14 @@ def test_model_that_does_not_split_names_the_field():
     from gpn_scale.model.parallelize import check_tp
     from gpn_scale.testing.models import tiny_config
 
-    check_tp(tiny_config(n_heads=4, d_ffn=24), 4)
+    check_tp(tiny_config(n_heads=4, d_ffn=24, vocab_size=40), 4)
     with pytest.raises(
         ConfigError, match=r"^model\.n_heads: 2 heads do not split over parallel\.tp=4"
     ):
         check_tp(tiny_config(), 4)
     with pytest.raises(ConfigError, match=r"^model\.d_ffn: 26 does not split over parallel\.tp=4"):
         check_tp(tiny_config(n_heads=4, d_ffn=26), 4)
-    check_tp(tiny_config(memory=False, d_ffn=24), 8)  # GPN: no heads to split
+    check_tp(tiny_config(memory=False, d_ffn=24, vocab_size=40), 8)  # GPN: no heads to split
 
 
 @pytest.mark.parametrize("name", ["gpn_m_350m", "gpn_m_760m", "gpn_m_1b"])

@@ -6,12 +6,13 @@ With the CUDA backend (eager) the "launch accounting" entry is 0 when the dry ac
 this tp (`gpu_model.account(..., tp=)`) counts the launches and all-reduces it really made.
 Per case: the loss of two consecutive windows (the second starting from the first's carry,
 gradients flowing through both), every parameter's gradient (gathered to full tensors),
-and the final carry (s, s_prev, and this rank's heads of the memory). Rank 0 writes the
-worst relative errors as JSON to the path given. --backend (default auto) is the TP
-copy's step backend: `reference`, `cuda` (the Triton kernels, on CPU tensors in Triton's
-interpreter) or `cuda-graphs` (the same through the chunk graphs, their capture the eager
-stand-in); --cases a comma-separated subset of CASES; --shape the windows' B,T;
---float32-cases cases also run in float32 (results keyed "<case> float32").
+the final carry (s, s_prev, and this rank's heads of the memory), and the gathered full
+logits (`return_logits`, `next_token_logits`). Rank 0 writes the worst relative errors as
+JSON to the path given. --backend (default auto) is the TP copy's step backend:
+`reference`, `cuda` (the Triton kernels, on CPU tensors in Triton's interpreter) or
+`cuda-graphs` (the same through the chunk graphs, their capture the eager stand-in);
+--cases a comma-separated subset of CASES; --shape the windows' B,T; --float32-cases cases
+also run in float32 (results keyed "<case> float32").
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.parallel.tp import apply_tp
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
+# vocab_size 40: the embedding / tied output is vocabulary-parallel (10 rows per rank at
+# tp = 4); loss_chunk_tokens 7 does not divide the 33 positions of a window.
+VOCAB = dict(vocab_size=40, loss_chunk_tokens=7)
 CASES = {
-    "1-layer": dict(n_heads=4, d_ffn=24),
-    "2-layer": dict(n_heads=4, d_ffn=24, n_layers=2),
-    "gpn-no-memory": dict(memory=False, d_ffn=24),
-    "tbptt-2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, tbptt=5, chunk_size=3),
+    "1-layer": dict(n_heads=4, d_ffn=24, **VOCAB),
+    "2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, **VOCAB),
+    "gpn-no-memory": dict(memory=False, d_ffn=24, **VOCAB),
+    "tbptt-2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, tbptt=5, chunk_size=3, **VOCAB),
 }
 
 
@@ -79,6 +83,15 @@ def run_case(
         errors["memory"] = _rel(r2.state.memory[:, mine], t2.state.memory)
     for (name, a), (_, b) in zip(ref.named_parameters(), tp.named_parameters()):
         errors[f"grad {name}"] = _rel(a.grad, b.grad.full_tensor())
+    # The slow path: the full (B, T, V) logits and next_token_logits, gathered over the group.
+    with torch.no_grad():
+        want = ref(w2, r1.state, return_logits=True)
+        got = tp(w2, t1.state, return_logits=True)
+        assert got.logits.shape == want.logits.shape == (*w2.shape, cfg.vocab_size)
+        errors["logits"] = _rel(want.logits, got.logits)
+        errors["next_token_logits"] = _rel(
+            ref.next_token_logits(r2.state), tp.next_token_logits(t2.state)
+        )
     return errors
 
 
