@@ -353,6 +353,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}"
         )
+    if cfg.analysis.every_steps and cfg.parallel.tp > 1:
+        raise ConfigError(
+            f"analysis.every_steps: the live analyses run the whole model on one rank, which "
+            f"parallel.tp={cfg.parallel.tp} splits; set analysis.every_steps=0 and run "
+            "`gpn-scale analyze` on a checkpoint (it loads the full model), or train at tp=1"
+        )
     if cfg.analysis.rows < 1 or cfg.analysis.tokens < 3:
         raise ConfigError(
             f"analysis.rows / analysis.tokens: need rows >= 1 and tokens >= 3, got "

@@ -350,6 +350,15 @@ def test_sweep_plan_checks_tp_against_each_size(tmp_path):
         expand_sweep(bad)
 
 
+def test_live_analyses_under_tp_are_one_line():
+    from gpn_scale.train.config import TrainConfig, validate
+
+    cfg = TrainConfig()
+    cfg.parallel.tp, cfg.analysis.every_steps = 2, 10
+    with pytest.raises(ConfigError, match=r"^analysis\.every_steps: .*gpn-scale analyze"):
+        validate(cfg)
+
+
 def test_world_not_divisible_and_wrong_backend_name_the_field():
     from gpn_scale.parallel.topology import check_world
     from gpn_scale.train.config import TrainConfig, validate
