@@ -95,7 +95,7 @@ class GPNConfig:
                 raise ConfigError(
                     f"memory_cells: {self.memory_cells} does not match n_heads*d_key*d_value = "
                     f"{self.n_heads}*{self.d_key}*{self.d_value} = {self.cells}; fix the heads or "
-                    "widths, or drop memory_cells"
+                    "widths, or drop memory_cells (set it to null)"
                 )
         else:
             for name in ("n_heads", "d_key", "d_value"):

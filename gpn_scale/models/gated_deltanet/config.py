@@ -80,7 +80,7 @@ class GatedDeltaNetConfig:
             raise ConfigError(
                 f"memory_cells: {self.memory_cells} does not match n_layers*n_heads*d_key*d_value"
                 f" = {self.n_layers}*{self.n_heads}*{self.d_key}*{self.d_value} = {self.cells}; "
-                "fix the heads or widths, or drop memory_cells"
+                "fix the heads or widths, or drop memory_cells (set it to null)"
             )
 
     @property
