@@ -186,6 +186,23 @@ def tp_table(
     return out
 
 
+def predicted_mfu_at_tp(cfg: GPNConfig, per_gpu: int, seq_len: int, gpu: str, tp: int) -> float:
+    """The MFU `gpn-scale sweep plan` prices a run with at `parallel.tp = tp`: the launch
+    accounting's tp = 1 MFU (gpu_model.predicted_mfu) times this model's predicted speed-up
+    of tp over tp = 1 (NCCL; each GPU does the same FLOPs at any tp)."""
+    from gpn_scale.bench.gpu_model import predicted_mfu
+
+    base = predicted_mfu(cfg, per_gpu, seq_len, gpu)
+    if tp == 1:
+        return base
+    rows = {r.tp: r for r in tp_table(cfg, per_gpu, seq_len, gpu)}
+    if tp not in rows:
+        raise ValueError(
+            f"parallel.tp={tp}: the prediction covers tp = {sorted(rows)} on one 8-GPU node"
+        )
+    return base * rows[1].step_seconds["nccl"] / rows[tp].step_seconds["nccl"]
+
+
 def report(cfg: GPNConfig, name: str, per_gpu: int, seq_len: int, gpus: list[str]) -> str:
     lines = [
         f"# Tensor parallelism on one 8-GPU node: {name}, {per_gpu} sequences per GPU "

@@ -335,11 +335,25 @@ def _accounting_gpu(name: str) -> str:
 
 
 @functools.cache
-def _predicted_mfu(cfg: Any, sequences_per_gpu: int, seq_len: int, gpu: str) -> float:
-    # The accounting runs the engine's CUDA code path on meta tensors (bench/gpu_model.py).
-    from gpn_scale.bench.gpu_model import predicted_mfu
+def _predicted_mfu(cfg: Any, sequences_per_gpu: int, seq_len: int, gpu: str, tp: int = 1) -> float:
+    # The accounting runs the engine's CUDA code path on meta tensors (bench/gpu_model.py);
+    # under tp, bench/tp_model.py's speed-up on one 8-GPU node.
+    from gpn_scale.bench.tp_model import predicted_mfu_at_tp
 
-    return predicted_mfu(cfg, sequences_per_gpu, seq_len, gpu)
+    try:
+        return predicted_mfu_at_tp(cfg, sequences_per_gpu, seq_len, gpu, tp)
+    except ValueError as err:
+        raise SweepError(f"hardware.mfu: 'predicted': {err}; give a measured fraction") from None
+
+
+def _tp_override(overrides: list[str]) -> int:
+    """The `parallel.tp=N` among a size's overrides (checked by _check_tp_override), else 1."""
+    tp = 1
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "parallel.tp":
+            tp = int(value)
+    return tp
 
 
 def expand_sweep(name_or_path: str | Path, *, allow_few_seeds: bool = False) -> list[RunSpec]:
@@ -536,7 +550,9 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
                     "fraction (hardware.mfu: 0.4)"
                 )
             run_mfu = (
-                _predicted_mfu(facts.config, seqs_per_gpu, seq_len, predicted_gpu)
+                _predicted_mfu(
+                    facts.config, seqs_per_gpu, seq_len, predicted_gpu, _tp_override(extra)
+                )
                 if price
                 else float("nan")
             )
@@ -649,7 +665,8 @@ def _mfu_text(hw: Mapping[str, Any]) -> str:
     per_size = ", ".join(f"{size} {m:.1%}" for size, m in hw.get("predicted_mfu", {}).items())
     return (
         f"the MFU predicted by gpn_scale.bench.gpu_model at {hw['sequences_per_gpu']} "
-        f"sequences per GPU ({per_size}; give a measured hardware.mfu to override)"
+        f"sequences per GPU (a size with a parallel.tp override: bench/tp_model.py's "
+        f"speed-up; {per_size}; give a measured hardware.mfu to override)"
     )
 
 

@@ -124,3 +124,31 @@ def test_sweep_plan_prices_with_the_predicted_mfu_unless_a_measured_one_is_given
         ),
     ):
         load_sweep(path)
+
+
+def test_sweep_plan_prices_a_tp_size_with_the_predicted_tp_speed_up(tmp_path):
+    """A size with `overrides: [parallel.tp=2]`: its predicted MFU is the tp = 1 figure times
+    bench/tp_model.py's speed-up (each GPU does the same FLOPs, in the predicted time)."""
+    from gpn_scale.bench import tp_model
+    from gpn_scale.model import load_model_config
+
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        SWEEP.replace("{config: tiny}", "{config: tiny, overrides: [parallel.tp=2]}")
+        % ("H200", "predicted")
+    )
+    sweep = load_sweep(path)
+    got = sweep.hardware["predicted_mfu"]["tiny"]
+    cfg = load_model_config("tiny")
+    rows = {r.tp: r for r in tp_model.tp_table(cfg, 16, 64, "h200")}
+    speed_up = rows[1].step_seconds["nccl"] / rows[2].step_seconds["nccl"]
+    assert got == pytest.approx(gpu_model.predicted_mfu(cfg, 16, 64, "h200") * speed_up)
+    assert speed_up != pytest.approx(1.0)
+    run = sweep.runs[0]
+    assert run.gpu_hours == pytest.approx(run.flops / (989e12 * got) / 3600)
+    path.write_text(
+        SWEEP.replace("{config: tiny}", "{config: tiny, overrides: [parallel.tp=16]}")
+        % ("H200", "predicted")
+    )
+    with pytest.raises(SweepError, match=r"parallel\.tp=16"):
+        load_sweep(path)
