@@ -182,11 +182,16 @@ def test_tp_training_equals_single_process(corpus, single, tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_tp2_two_layers_tbptt_carried_state_equals_single(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "overrides",
+    [STATEFUL, ("model=tiny_gpn",)],
+    ids=["2-layers-tbptt-carried-state", "gpn-without-memory"],
+)
+def test_tp2_other_gpn_shapes_equal_single(corpus, tmp_path, overrides):
     ref, run_dir = tmp_path / "single", tmp_path / "tp2"
-    run_train(corpus, ref, *COMMON, *STATEFUL)
-    run_train(corpus, run_dir, *COMMON, *STATEFUL, "parallel.tp=2", nproc=2)
-    _compare(ref, run_dir, STATEFUL)
+    run_train(corpus, ref, *COMMON, *overrides)
+    run_train(corpus, run_dir, *COMMON, *overrides, "parallel.tp=2", nproc=2)
+    _compare(ref, run_dir, overrides)
 
 
 @pytest.mark.slow
