@@ -14,11 +14,12 @@ Per time step, forward and reverse sweep each:
   FLOPs    2 x B_group x loop parameters per GPU, at EFF_FLOPS of the dense bf16 peak;
   kernels  the CUDA backend's launches per step at that tp (`gpu_model.account(tp=)`, one
            rank's split steps counted from the code) x the graph gap;
-  collectives  per layer one (B, d) fp32 all-reduce of the row-parallel output and (GPN+M)
-           one of the read norm's B floats forward; one (B, d) of the sharded input gradient
-           and (GPN+M) one of B x 2 floats backward: four latency-bound all-reduces per step
-           and layer, ~25 us each with NCCL on 8 NVLink GPUs, ~12 us with symmetric-memory
-           one-shot kernels (spec/gpu-engine.md; vLLM's figures).
+  collectives  per layer forward one all-reduce of the row-parallel output (GPN+M: its read
+           and FFN parts (B, 2d) and the read norm's sums in the same buffer); backward one
+           (B, d) of the sharded input gradient and (GPN+M) one of B x 2 floats: three
+           latency-bound all-reduces per step and layer for GPN+M (two for GPN), ~25 us each
+           with NCCL on 8 NVLink GPUs, ~12 us with symmetric-memory one-shot kernels
+           (spec/gpu-engine.md; vLLM's figures).
 
 The chunk-wide work (parallel recompute, weight gradients, memory advance) is taken from the
 tp = 1 accounting and divided by tp (its GEMMs shard like the weights): a group runs tp
@@ -121,12 +122,13 @@ def predict_tp(
     gaps = sequential_launches * GRAPH_GAP_S
     # Gates sharded along d: the state is sharded between layers, so each all-reduce becomes
     # a reduce-scatter + an all-gather (the same bytes, two latencies).
-    # Per layer and direction one (B, d) all-reduce, and for GPN+M one of the read norm's
-    # sums (collectives.py's fixed points): counted from the CUDA backend's code path by
+    # Per layer forward one all-reduce (GPN+M: the down partials and the read norm's sums in
+    # one buffer), backward one (B, d) and for GPN+M one of the norm's (B, 2) sums
+    # (collectives.py's fixed points): counted from the CUDA backend's code path by
     # gpu_model.account(tp=) when given, this formula otherwise; d-sharded gates add a
     # reduce-scatter + all-gather pair in place of each (B, d) sum.
-    per_layer = (2 if cfg.memory else 1) + (1 if shard_gates else 0)
-    n_ar = 0 if tp == 1 else 2 * cfg.n_layers * per_layer
+    per_layer = (3 if cfg.memory else 2) + (2 if shard_gates else 0)
+    n_ar = 0 if tp == 1 else cfg.n_layers * per_layer
     if allreduces_per_step is not None and tp > 1:
         n_ar = int(round(allreduces_per_step)) + (2 * cfg.n_layers if shard_gates else 0)
     ar_bytes = 0.0 if tp == 1 else 2 * cfg.n_layers * 4.0 * B * cfg.d_state
@@ -174,7 +176,7 @@ def tp_table(
         if tp > n_gpus or (cfg.memory and cfg.n_heads % tp) or cfg.d_ffn % tp:
             continue
         # One rank's time step under tp, counted from the CUDA backend's code (its split
-        # steps: 5 / 8 launches for 1 layer instead of 4 / 6, and the group's all-reduces).
+        # steps: 6 / 8 launches for 1 layer instead of 4 / 6, and the group's all-reduces).
         rank = acc if tp == 1 else _rank_accounting(cfg, per_gpu, seq_len, tp)
         launches = sum(rank.launches_per_step(ph) for ph in SEQUENTIAL)
         n_ar = sum(rank.collectives_per_step(ph) for ph in SEQUENTIAL)

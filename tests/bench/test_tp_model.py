@@ -14,11 +14,12 @@ def ladder_1b():
 
 
 def test_all_reduces_per_step_follow_the_collective_points(ladder_1b):
-    """Four per layer and step for GPN+M (collectives.py (1)-(4)), two for GPN; none at tp 1."""
+    """Three per layer and step for GPN+M (collectives.py: (1)+(2) forward in one buffer, (3)
+    and (4) backward), two for GPN; none at tp 1."""
     rows = {r.tp: r for r in tp_model.tp_table(ladder_1b, 16, 2048, "h200")}
     assert sorted(rows) == [1, 2, 4, 8]
     assert rows[1].allreduces_per_step == 0
-    assert all(rows[t].allreduces_per_step == 4 * ladder_1b.n_layers for t in (2, 4, 8))
+    assert all(rows[t].allreduces_per_step == 3 * ladder_1b.n_layers for t in (2, 4, 8))
     gpn = load_model_config("gpn_1b")
     assert tp_model.tp_table(gpn, 16, 2048, "h200")[-1].allreduces_per_step == 2 * gpn.n_layers
 

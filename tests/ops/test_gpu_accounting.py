@@ -26,15 +26,17 @@ def test_launches_per_step_counted_from_the_code_path(layers, memory):
 @pytest.mark.parametrize("layers,memory", [(1, True), (2, True), (1, False), (2, False)])
 def test_launches_and_collectives_per_step_under_tp_counted_from_the_code_path(layers, memory):
     """One rank of tp = 2: the down GEMM's epilogue split off (the gated residual after the
-    all-reduce of its row-parallel output; GPN+M: the read norm's sums of squares reduced
-    before it), the input gradient's predict-gate share a second GEMM after the all-reduce,
-    and GPN+M's read-norm backward sums a kernel and an all-reduce of their own."""
-    cfg = tiny_config(n_layers=layers, memory=memory, chunk_size=4)
+    all-reduce of its row-parallel output; GPN+M: two down GEMMs, the read part and the FFN
+    part, summed with the read norm's sums of squares in one all-reduce), the input
+    gradient's predict-gate share a second GEMM after the all-reduce, and GPN+M's read-norm
+    backward sums a kernel and an all-reduce of their own."""
+    # vocab 40: the tied embedding is vocabulary-parallel, so it must split over tp too
+    cfg = tiny_config(n_layers=layers, memory=memory, chunk_size=4, vocab_size=40)
     acc = gpu_model.account(cfg, batch=3, seq_len=16, tp=2)
     per_layer = 2 if memory else 1
-    assert acc.launches_per_step("sequential forward") == 4 * layers + 1
+    assert acc.launches_per_step("sequential forward") == (3 + per_layer) * layers + 1
     assert acc.launches_per_step("sequential backward") == (4 + per_layer) * layers + 2
-    assert acc.collectives_per_step("sequential forward") == per_layer * layers
+    assert acc.collectives_per_step("sequential forward") == layers
     assert acc.collectives_per_step("sequential backward") == per_layer * layers
     one = gpu_model.account(cfg, batch=3, seq_len=16)
     assert one.collectives_per_step("sequential backward") == 0
@@ -84,8 +86,8 @@ def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
     assert err.count("\n") == 1 and "unknown GPU a100" in err
     assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "8", "--tp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "Launches per time step (CUDA backend): forward 5, reverse sweep 8" in out
-    assert "tp = 2; all-reduces per time step: forward 2, reverse sweep 2" in out
+    assert "Launches per time step (CUDA backend): forward 6, reverse sweep 8" in out
+    assert "tp = 2; all-reduces per time step: forward 1, reverse sweep 2" in out
     assert gpu_model.main(["tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.n_heads" in err and "tp=3" in err

@@ -6,9 +6,14 @@ heads and of the FFN hidden units: the column blocks of the fused input matmul f
 memory (B, H/tp, dk, dv) itself. The state s, the gates and the fuse path are replicated,
 so per step and layer exactly these collectives run (and nothing else differs):
 
-forward  (1) the row-parallel down-projection's output (B, d): summed (`reduce_rows`);
-         (2) the read's output RMSNorm spans all H*dv values: its sum of squares (B floats)
-             is summed (`rms_wide`);
+forward  (1)+(2) in one all-reduce for GPN+M (`reduce_down_with_norm`): the read's output
+             RMSNorm spans all H*dv values, so its sum of squares must be summed before the
+             norm's scale is known; the scale is per row, so the down-projection's read part
+             is summed unscaled beside its FFN part and the sum of squares, and scaled after
+             (out = r * sum(read part) + sum(FFN part)). Without memory only (1), the
+             row-parallel down-projection's output (B, d) summed (`reduce_rows`). The
+             chunk-wide recompute uses the separate forms (`rms_wide`, `reduce_rows`) on all
+             the chunk's rows at once (two collectives a chunk, not a step);
 backward (3) the sharded column blocks' input gradient dy @ W^T (B, d): summed, the
              replicated predict gate's share added after (`input_grad`);
          (4) the output norm's backward needs the full-width sum of squares and of dn * n:
@@ -47,6 +52,23 @@ def rms_wide(x: Tensor, eps: float, plan: StepPlan) -> Tensor:
         return rms(x, eps)
     ss = tp_sum_(x.pow(2).sum(-1, keepdim=True).contiguous(), plan)
     return x * torch.rsqrt(ss / (x.shape[-1] * plan.tp_size) + eps)
+
+
+def reduce_down_with_norm(
+    read_part: Tensor, ffn_part: Tensor, ss: Tensor, width: int, eps: float, plan: StepPlan
+) -> Tensor:
+    """(1)+(2) in one all-reduce: the down-projection's output when the read's RMSNorm scale
+    r (from the full-width sum of squares) is applied after the sum. read_part: this rank's
+    (B, d) product of the unnormalised read columns; ffn_part: its FFN columns' (B, d); ss:
+    its (B, k) sums of squares (any split of its columns). One buffer [ss | read | ffn]
+    summed; r = rsqrt(sum(ss) / width + eps); returns r * read + ffn."""
+    B, d = read_part.shape
+    k = ss.shape[-1]
+    flat = torch.cat([ss.reshape(-1), read_part.reshape(-1), ffn_part.reshape(-1)])
+    tp_sum_(flat, plan)
+    total = flat[: B * k].view(B, k).sum(-1, keepdim=True)
+    parts = flat[B * k :].view(2, B, d)
+    return torch.rsqrt(total / width + eps) * parts[0] + parts[1]
 
 
 def rms_wide_back(n: Tensor, x: Tensor, dn: Tensor, eps: float, plan: StepPlan) -> Tensor:

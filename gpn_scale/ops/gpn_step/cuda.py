@@ -14,14 +14,16 @@ the write reversed, one pass over M0 for both), dY @ W_in^T and a row kernel. 1 
 L layers: 4 L + 2.
 
 Under tensor parallelism (plan.tp_size > 1) the step splits at the group's fixed points
-(`collectives.py`, called through `tp_sum_`): forward, the memory kernel's per-head sums of
-squares of the read output are summed (2), the down GEMM writes only its row-parallel
-partial, which is summed (1), and a small kernel adds the gated residual; reverse, a small
-kernel's read-norm row sums are summed (4) before the memory kernel reads them, and
+(`collectives.py`, called through `tp_sum_`): forward, two down GEMMs write the row-parallel
+partials of the read columns (unnormalised) and of the FFN columns beside the memory
+kernel's per-head sums of squares of the read output, all summed in ONE all-reduce ((1) and
+(2) together), and a small kernel applies the read norm's scale and adds the gated residual
+(GPN without memory: one down GEMM, its partial summed (1), the residual kernel); reverse,
+a small kernel's read-norm row sums are summed (4) before the memory kernel reads them, and
 dY @ W_in^T over the sharded column blocks is summed (3) before a second GEMM adds the
-replicated predict gate's share in its epilogue. Per step: forward 4 L + 1 launches and 2 L
-all-reduces (GPN without memory: L), reverse 6 L + 2 and 2 L (GPN: 5 L + 2 and L). At
-tp = 1 none of this runs: the launches are those above.
+replicated predict gate's share in its epilogue. Per step: forward 5 L + 1 launches and L
+all-reduces (GPN: 4 L + 1 and L), reverse 6 L + 2 and 2 L (GPN: 5 L + 2 and L). At tp = 1
+none of this runs: the launches are those above.
 
 Every launch goes through `_launch`, which can record it (name, phase, grid, bytes, FLOPs)
 instead of or besides running it: `gpn_scale.bench.gpu_model` runs this very code on meta
@@ -252,14 +254,20 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     hidden = new(B, H * dv + f)
     scratch = [new(B, d), new(B, d)]
     split = _split(plan)
-    partial = new(B, d) if split else None  # the row-parallel output before its sum
+    # Under tp the row-parallel output before its sum; GPN+M: one buffer [ss | read part |
+    # FFN part] summed by one all-reduce (collectives.reduce_down_with_norm).
+    tp_flat = new(B * H + 2 * B * d) if split and mem else None
+    partial = (
+        tp_flat[B * H :].view(B, 2 * d) if tp_flat is not None else new(B, d) if split else None
+    )
     BD = min(_p2(d), 16 if _interpreting(fuse) else 1024)
     blocks = _mem_blocks(plan, fuse, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
     if mem:
         M0 = chunk.M0.contiguous()
         K, U, G = new(B, H, C, dk), new(B, H, C, dv), new(B, H, C)
-        kcur, gprev, ss = new(B, H, dk), new(B, H), new(B, H)
+        kcur, gprev = new(B, H, dk), new(B, H)
+        ss = tp_flat[: B * H].view(B, H) if tp_flat is not None else new(B, H)
         gprev.zero_()
         _aten("zero G", pc, _nbytes(gprev))
         key = new(B, H * dk)
@@ -303,7 +311,17 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             pg0 = plan.columns[i].predict_gate[0]
             if split:
                 _down_split(
-                    plan, i, hidden, W.w_out[i], ss, partial, y[:, pg0 : pg0 + d], c, out, BD
+                    plan,
+                    i,
+                    hidden,
+                    W.w_out[i],
+                    ss,
+                    tp_flat,
+                    partial,
+                    y[:, pg0 : pg0 + d],
+                    c,
+                    out,
+                    BD,
                 )
             else:
                 linear(
@@ -345,46 +363,52 @@ def _down_split(
     hidden: Tensor,
     w_out: Tensor,
     ss: Tensor | None,
+    tp_flat: Tensor | None,
     partial: Tensor,
     pg: Tensor,
     c: Tensor,
     out: Tensor,
     BD: int,
 ) -> None:
-    """Under tp: the read norm's sums of squares summed over the group (2), the
-    down-projection's row-parallel partial (its read columns scaled by the full-width norm),
-    that summed (1), then the gated residual: out = sigmoid(pg) * c + sum."""
+    """Under tp, one all-reduce per step and layer, then the gated residual. GPN+M: the
+    down-projection's read columns (unnormalised) and its FFN columns as two row-parallel
+    partials beside the read norm's sums of squares in one buffer, summed (fixed points (1)
+    and (2) at once); the residual kernel applies the full-width norm's scale to the read
+    part: out = sigmoid(pg) * c + r * read + ffn. GPN: the partial summed (1), then
+    out = sigmoid(pg) * c + sum."""
     ph = "forward step"
     B, d = out.shape
     hv = plan.H * plan.dv
     if plan.memory:
-        _tp_sum(ss, plan, f"read norm sum of squares {i}", ph)
-    linear(
-        hidden,
-        w_out,
-        partial,
-        ph,
-        f"down GEMM {i}",
-        split=(ss, hv) if plan.memory else None,
-        ss_width=hv * plan.tp_size,
-        eps=plan.eps,
-    )
-    _tp_sum(partial, plan, f"down output {i}", ph)
+        assert tp_flat is not None and ss is not None
+        linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}")
+        linear(hidden[:, hv:], w_out[hv:], partial[:, d:], ph, f"down GEMM FFN {i}")
+        _tp_sum(tp_flat, plan, f"down output + read norm sums {i}", ph)
+    else:
+        linear(hidden, w_out, partial, ph, f"down GEMM {i}")
+        _tp_sum(partial, plan, f"down output {i}", ph)
     _launch(
         tk.gated_residual_kernel,
         (B,),
         f"gated residual {i}",
         ph,
-        _nbytes(partial) * 4,
-        3 * B * d,
+        _nbytes(partial, ss) + 3 * _nbytes(out),
+        (5 if plan.memory else 3) * B * d,
         partial,
+        partial.stride(0),
         pg,
         pg.stride(0),
         c,
         c.stride(0),
         out,
         out.stride(0),
+        ss if ss is not None else partial,
         d,
+        plan.eps,
+        SS_WIDTH=hv * plan.tp_size if plan.memory else 1,
+        N_SS=_p2(ss.shape[1]) if ss is not None else 1,
+        SS_COLS=ss.shape[1] if ss is not None else 1,
+        NORM=plan.memory,
         BLOCK_D=BD,
     )
 

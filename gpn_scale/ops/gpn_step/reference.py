@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.ops.gpn_step.collectives import input_grad, reduce_rows, rms_wide, rms_wide_back
+from gpn_scale.ops.gpn_step.collectives import (
+    input_grad,
+    reduce_down_with_norm,
+    reduce_rows,
+    rms_wide,
+    rms_wide_back,
+)
 from gpn_scale.ops.gpn_step.functional import l2n, l2n_back, matmul, mm_t, rms, rms_back, silu_back
 from gpn_scale.ops.gpn_step.interface import (
     ChunkActs,
@@ -118,6 +124,19 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
                 ffn_in, pg = parts
             a, b = ffn_in.chunk(2, dim=-1)
             hidden = F.silu(a) * b
+            if mem and plan.tp_group is not None:  # (1)+(2) as one all-reduce
+                o = o.reshape(B, H * dv)
+                w_out = W.w_out[i]
+                down = reduce_down_with_norm(
+                    matmul(F.silu(rg) * o, w_out[: H * dv], None),
+                    matmul(hidden, w_out[H * dv :], None),
+                    o.pow(2).sum(-1, keepdim=True),
+                    H * dv * plan.tp_size,
+                    eps,
+                    plan,
+                )
+                c = torch.sigmoid(pg) * c + down
+                continue
             if mem:
                 ro = rms_wide(o.reshape(B, H * dv), eps, plan)
                 hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)

@@ -188,15 +188,40 @@ def linear_kernel(
 # ---------------------------------------------------- tensor parallelism: split points
 @triton.jit
 def gated_residual_kernel(
-    X, PG, stride_pg, RES, stride_res, OUT, stride_out, D, BLOCK_D: tl.constexpr
+    X,
+    stride_x,
+    PG,
+    stride_pg,
+    RES,
+    stride_res,
+    OUT,
+    stride_out,
+    SS,  # (B, SS_COLS) the group's summed read sums of squares (NORM only)
+    D,
+    eps,
+    SS_WIDTH: tl.constexpr,
+    N_SS: tl.constexpr,
+    SS_COLS: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """OUT = sigmoid(PG) * RES + X, grid (B,): the down-projection's gated residual once
-    its row-parallel output X (B, D) has been summed over the tp group."""
+    its row-parallel output X (B, D) has been summed over the tp group. NORM (GPN+M): X is
+    (B, 2 D), the read part (unnormalised) then the FFN part, summed in one all-reduce with
+    SS; the read norm's scale r = rsqrt(sum(SS row) / SS_WIDTH + eps) applies here:
+    OUT = sigmoid(PG) * RES + r * X[:, :D] + X[:, D:]."""
     b = tl.program_id(0)
+    r = 1.0
+    if NORM:
+        rs = tl.arange(0, N_SS)
+        part = tl.load(SS + b * SS_COLS + rs, mask=rs < SS_COLS, other=0.0)
+        r = 1.0 / tl.sqrt(tl.sum(part, axis=0) / SS_WIDTH + eps)
     for d0 in range(0, D, BLOCK_D):
         rd = d0 + tl.arange(0, BLOCK_D)
         ok = rd < D
-        x = tl.load(X + b * D + rd, mask=ok, other=0.0)
+        x = tl.load(X + b * stride_x + rd, mask=ok, other=0.0)
+        if NORM:
+            x = r * x + tl.load(X + b * stride_x + D + rd, mask=ok, other=0.0)
         pg = tl.load(PG + b * stride_pg + rd, mask=ok, other=0.0)
         res = tl.load(RES + b * stride_res + rd, mask=ok, other=0.0)
         tl.store(OUT + b * stride_out + rd, _sigmoid(pg) * res + x, mask=ok)
