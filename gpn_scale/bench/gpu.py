@@ -9,7 +9,9 @@
 1. Exactness on the device: the engine against the step-by-step reference on a tiny
    2-layer config (loss and every gradient) in float64, and in float32 with and without
    CUDA graphs (where the engine has the `cuda_graphs` option); one bf16-autocast step
-   (finite loss; state and memory stay float32).
+   (finite loss; state and memory stay float32). Gated DeltaNet's fla kernels against our
+   chunkwise op (loss, every gradient, a carried-state continuation; float32): fla cannot
+   run on CPU, so this is its first check (skipped, and said so, without CUDA or fla).
 2. Throughput: each `--config` (default the paper's 130M 1-layer and 2-layer GPN+M) and a
    Transformer++ with the first config's parameter count (gpn_scale/bench/transformer_pp.py),
    at `--seq-len` (2048), bf16 autocast, AdamW, batch sizes doubling from `--min-batch` up
@@ -181,6 +183,66 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
         state_and_memory_fp32=fp32,
         ok=finite and fp32,
     )
+
+
+GDN_TINY = dict(
+    family="gated_deltanet",
+    vocab_size=64,
+    d_model=64,
+    n_layers=2,
+    n_heads=2,
+    d_key=32,
+    d_value=32,
+    d_ffn=96,
+    chunk_size=16,
+)
+
+
+def check_gated_deltanet_fla(device: torch.device) -> Iterator[dict]:
+    """Gated DeltaNet's fla kernels (its CUDA path) against our chunkwise op (held to fla's
+    reference forms and to a step-by-step recurrence in the CPU tests), float32. CPU runs
+    cannot load fla's kernels: recorded as skipped, with the reason."""
+    from gpn_scale.ops.gated_delta_rule import fla_import_error
+
+    name = "GDN fla == chunk, float32"
+    why = "needs CUDA" if device.type != "cuda" else fla_import_error()
+    if why is not None:
+        yield dict(check=name, skipped=why, ok=True)
+        return
+    # fla's kernels accumulate in their own order (and may use TF32 dots)
+    yield dict(check=name, **compare_gdn_backends(device, "chunk", "fla", tolerance=5e-3))
+
+
+def compare_gdn_backends(
+    device: torch.device, reference: str, other: str, tolerance: float
+) -> dict[str, Any]:
+    """The same tiny Gated DeltaNet (float32) on two gated-delta-rule backends: relative
+    errors of the loss, of every gradient, and of a continuation from a carried state (fla
+    decodes it with its fused recurrent kernel)."""
+    from gpn_scale.models.registry import config_from_dict
+
+    spec, cfg = config_from_dict(GDN_TINY)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=gen).to(device)
+    results = {}
+    for backend in (reference, other):
+        torch.manual_seed(0)
+        model = spec.build(cfg.replace(backend=backend)).to(device)
+        out = model(tokens)
+        grads = torch.autograd.grad(out.loss, list(model.parameters()))
+        with torch.no_grad():
+            state = model(tokens[:, :31], return_state=True).state
+            cont = model(tokens[:, 31:], state, return_logits=True).logits
+        results[backend] = (out.loss.detach(), grads, cont)
+    (l0, g0, c0), (l1, g1, c1) = results[reference], results[other]
+    errors = dict(
+        loss_rel_err=((l1 - l0).abs() / l0.abs()).item(),
+        grad_rel_err=max(
+            ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(g1, g0)
+        ),
+        continuation_rel_err=((c1 - c0).abs().max() / c0.abs().max()).item(),
+    )
+    return dict(**errors, tolerance=tolerance, ok=max(errors.values()) <= tolerance)
 
 
 # --------------------------------------------------------------------------- 2. profiler
@@ -632,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(out, meta)
     results.save()
     print(f"device check on {meta['device_name']} (torch {meta['torch']})", flush=True)
-    for row in check_exactness(device):
+    for row in [*check_exactness(device), *check_gated_deltanet_fla(device)]:
         results.checks.append(row)
         results.save()
         print(f"  {row['check']}: {'ok' if row['ok'] else 'FAILED'} {row}", flush=True)

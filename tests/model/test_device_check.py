@@ -38,7 +38,9 @@ def test_device_check_runs_and_records(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     checks = result["checks"]
     assert all(c["ok"] for c in checks)
-    float32 = [c["check"] for c in checks if "float32" in c["check"]]
+    float32 = [c["check"] for c in checks if c["check"].startswith("engine") and "32" in c["check"]]
+    (gdn,) = [c for c in checks if c["check"].startswith("GDN fla")]
+    assert gdn["skipped"] == "needs CUDA"  # fla's kernels need a GPU: said, not faked
     if "cuda_graphs" in GPNConfig.field_names():  # with and without graphs, once available
         assert float32 == [
             "engine == reference, float32, CUDA graphs on",
@@ -247,3 +249,13 @@ def test_configs_load_without_omegaconf(monkeypatch):
     monkeypatch.setitem(sys.modules, "omegaconf", None)  # import omegaconf -> ImportError
     for name, cfg in want.items():
         assert gpu.load_config(name) == cfg
+
+
+def test_gdn_backend_comparison_sees_agreement_and_a_difference():
+    """The comparison the device check runs for fla, on two CPU backends: our chunkwise op
+    and the step-by-step recurrence agree within float32 rounding, and the check fails when
+    the errors exceed its tolerance (zero here)."""
+    ok = gpu.compare_gdn_backends(torch.device("cpu"), "chunk", "recurrent", tolerance=1e-4)
+    assert ok["ok"] and 0 <= ok["grad_rel_err"] < 1e-4 and ok["continuation_rel_err"] < 1e-4
+    strict = gpu.compare_gdn_backends(torch.device("cpu"), "chunk", "recurrent", tolerance=0.0)
+    assert not strict["ok"] or max(strict[k] for k in strict if k.endswith("_err")) == 0.0
