@@ -5,6 +5,8 @@ same way, and fail with the same one-line message against a dead endpoint."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -95,8 +97,18 @@ def test_a_dead_endpoint_is_retried_and_reported_alike(
     }.items():
         monkeypatch.setenv(key, value)
     sleeps: list[float] = []
-    # the backoff is checked on the delays asked for, not on wall time
-    monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleeps.append)
+    # The backoff is checked on the delays asked for, not on wall time. `time.sleep` is the
+    # one function of the process: only this thread's calls are the retries' (a background
+    # thread left by an earlier test once added its own 0.05 s poll here); others sleep.
+    real_sleep, me = time.sleep, threading.current_thread()
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is me:
+            sleeps.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleep)
 
     with pytest.raises(DataError) as data_err:
         read_metadata("s3://bkt/ds")
