@@ -404,16 +404,6 @@ def test_launch_check_names_what_does_not_split():
     assert "exceeds the 2 processes per node" in warning
 
 
-def test_fused_step_backends_refuse_tp_and_auto_runs_the_pytorch_steps(monkeypatch):
-    from gpn_scale.ops.gpn_step.registry import ENV_VAR, StepBackendError, select_backend
-
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    cpu = torch.device("cpu")
-    assert select_backend("auto", cpu, tp_size=2).name == "reference"
-    with pytest.raises(StepBackendError, match=r"step backend 'cpu' does not run under tensor"):
-        select_backend("cpu", cpu, tp_size=2)
-
-
 def test_tp_in_one_process_is_one_line(corpus, tmp_path):
     proc = subprocess.run(
         [PY, "-m", "gpn_scale", *train_args(corpus, tmp_path / "run", "parallel.tp=2")],

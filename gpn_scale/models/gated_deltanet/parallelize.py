@@ -19,8 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from gpn_scale.core.config import ConfigError
-
 
 def tp_plan(model: nn.Module) -> dict[str, Any]:
     """module path -> ParallelStyle for `torch.distributed.tensor.parallel.parallelize_module`."""
@@ -63,11 +61,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
 
 
 def check_tp(cfg: Any, tp: int, where: str = "parallel.tp") -> None:
-    """One line naming the field when the model does not split over `tp` ranks."""
-    for name in ("n_heads", "d_ffn"):
-        value = getattr(cfg, name)
-        if tp > 1 and value % tp:
-            raise ConfigError(
-                f"model.{name}: {value} does not split over {where}={tp}; use a value "
-                f"divisible by {tp} or another tp"
-            )
+    """One line naming the field when the model does not split over `tp` ranks (the same
+    fields and message as Transformer++'s: heads and FFN width)."""
+    from gpn_scale.models.transformer_pp.parallelize import check_tp as check_heads_and_ffn
+
+    check_heads_and_ffn(cfg, tp, where)
