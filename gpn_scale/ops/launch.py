@@ -1,16 +1,19 @@
 """Kernel launches that can be recorded instead of (or besides) run.
 
 Every Triton launch of the GPU code paths (the CUDA step backend, the fused cross-entropy)
-goes through `_launch`; within `recording()` each is recorded with the bytes it must move
+goes through `launch`; within `recording()` each is recorded with the bytes it must move
 and its FLOPs, and with `dry=True` nothing runs: `gpn_scale.bench.gpu_model` runs the real
-code on meta tensors at the real sizes that way.
+code on meta tensors at the real sizes that way. With `keep_args=True` a record also holds
+the kernel, its arguments and meta-parameters: `gpn_scale.bench.gpu_compile` specialises
+and compiles each launch ahead of time from them, as Triton's JIT would on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -25,23 +28,29 @@ class Launch:
     grid: tuple[int, ...]
     bytes: int  # HBM bytes it must move at least (its operands read, outputs written)
     flops: int
+    # Only within recording(keep_args=True): the @triton.jit kernel and what it was given.
+    kernel: Any = field(default=None, repr=False, compare=False)
+    args: tuple = field(default=(), repr=False, compare=False)
+    meta: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 _RECORD: list[Launch] | None = None
 _DRY = False
+_KEEP_ARGS = False
 
 
 @contextlib.contextmanager
-def recording(dry: bool = False) -> Iterator[list[Launch]]:
+def recording(dry: bool = False, keep_args: bool = False) -> Iterator[list[Launch]]:
     """Record every launch of the GPU code paths within the block; `dry`: record only, run no
-    kernel (for meta tensors: the accounting runs the real code path at the real sizes)."""
-    global _RECORD, _DRY
-    previous = (_RECORD, _DRY)
-    _RECORD, _DRY = [], dry
+    kernel (for meta tensors: the accounting runs the real code path at the real sizes);
+    `keep_args`: each record also keeps the kernel, its arguments and meta-parameters."""
+    global _RECORD, _DRY, _KEEP_ARGS
+    previous = (_RECORD, _DRY, _KEEP_ARGS)
+    _RECORD, _DRY, _KEEP_ARGS = [], dry, keep_args
     try:
         yield _RECORD
     finally:
-        _RECORD, _DRY = previous
+        _RECORD, _DRY, _KEEP_ARGS = previous
 
 
 def is_dry() -> bool:
@@ -56,7 +65,10 @@ def launch(
     kernel, grid: tuple[int, ...], name: str, phase: str, nbytes: int, flops: int, *args, **meta
 ) -> None:
     if _RECORD is not None:
-        _RECORD.append(Launch(name, phase, grid, nbytes, flops))
+        if _KEEP_ARGS:
+            _RECORD.append(Launch(name, phase, grid, nbytes, flops, kernel, args, dict(meta)))
+        else:
+            _RECORD.append(Launch(name, phase, grid, nbytes, flops))
     if not _DRY:
         kernel[grid](*args, **meta)
 

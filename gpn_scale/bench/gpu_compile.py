@@ -1,0 +1,838 @@
+"""Every Triton kernel the CUDA path launches, compiled ahead of time for sm_90 and sm_80 on a
+machine with no GPU and no driver, and what the compiler made of each.
+
+    python -m gpn_scale.bench.gpu_compile gpn_m_130m --batch 16,64      # the table
+    python -m gpn_scale.bench.gpu_compile --gate                        # CI's set; exit 1 on
+                                                                        # any problem
+    python -m gpn_scale.bench.gpu_compile gpn_m_1b --tp 8 --arch sm_90  # one tp rank
+
+How: the engine's training step runs on meta tensors in the launch accounting's dry mode
+(`ops/launch.py`, arguments kept), so every launch is recorded with its grid, arguments and
+meta-parameters at the real sizes. Each launch is specialised exactly as Triton's JIT would
+specialise it on the GPU (its own binder: dtypes, 16-byte alignment of every pointer, ints
+equal to 1 as constexprs, divisibility by 16), the distinct variants are compiled with
+`triton.compile(..., target=GPUTarget("cuda", arch, 32))` (the ptxas in the triton wheel;
+no driver involved), and each is read back: registers, spill stores/loads and stack from
+the ptxas log, shared memory from the compiled metadata, CTAs per SM from those, and the
+width of every global load per source operand from the PTX (`.loc` lines name the source
+line of each `tl.load`). Tiny CPU tests cannot see any of this: spills, occupancy and load
+width only appear at the real sizes.
+
+The gate (`--gate`, and tests/ops/test_gpu_compile.py) fails on a compile error, a spill
+or a stack frame in any kernel, shared memory over the target's per-block limit, or a step
+GEMM that launches fewer programs than the GPU has SMs at a shipped config.
+
+`--triton-cache DIR` compiles every variant into DIR (a Triton cache): a process whose
+TRITON_CACHE_DIR is DIR then finds every kernel of these shapes compiled (the device check
+builds one this way, `bench/gpu.py --triton-cache`). The cache is only valid for the same
+triton build (its key hashes triton's sources and libtriton), so it is built where it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # compiled kernels, never the interpreter's
+    os.environ.pop("TRITON_INTERPRET")
+
+import torch  # noqa: E402
+
+
+# ------------------------------------------------------------------------------ targets
+@dataclass(frozen=True)
+class Target:
+    """A CUDA architecture and the per-SM resources occupancy is computed from."""
+
+    name: str
+    arch: int  # compute capability x 10
+    gpu: str  # the GPU the SM count is of
+    sm_count: int
+    smem_per_block: int  # bytes a block may use (opt-in maximum)
+    smem_per_sm: int
+    regs_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    smem_reserved_per_block: int = 1024
+
+    def blocks_per_sm(self, registers: int, num_warps: int, shared: int) -> int:
+        """Resident blocks per SM: registers are allocated per warp in units of 256 (per
+        thread rounded to 8), shared memory per block plus the driver's 1 KB reserve."""
+        regs = -(-max(registers, 1) // 8) * 8
+        per_warp = -(-regs * 32 // 256) * 256
+        by_regs = self.regs_per_sm // (per_warp * num_warps)
+        by_smem = self.smem_per_sm // (shared + self.smem_reserved_per_block)
+        by_warps = self.max_warps_per_sm // num_warps
+        return max(0, min(by_regs, by_smem, by_warps, self.max_blocks_per_sm))
+
+
+TARGETS = {
+    "sm_90": Target("sm_90", 90, "H100/H200", 132, 232448, 233472),
+    "sm_80": Target("sm_80", 80, "A100", 108, 166912, 167936),
+}
+
+
+# ------------------------------------------------------------------------------ cases
+@dataclass(frozen=True)
+class Case:
+    """One training step whose launches are compiled: a model config (a name from
+    configs/model, or "testing_tiny" for the tests' tiny config), its overrides, the
+    batch, the matmul dtype and one rank of a tp group of `tp`."""
+
+    config: str
+    batch: int
+    dtype: str = "bf16"  # "bf16" (autocast: bf16 operands, fp32 state) | "fp32" | "fp64"
+    tp: int = 1
+    seq_len: int = 0  # 0: two chunks
+    overrides: tuple[tuple[str, Any], ...] = ()
+    step_gemms_fill_sms: bool = False  # gate: every step GEMM launches >= one wave
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in self.overrides)
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
+        return f"{self.config}{extra}{tp} {self.dtype} B={self.batch}"
+
+
+GATE_CASES = (
+    Case("gpn_m_130m", 16, step_gemms_fill_sms=True),
+    Case("gpn_m_130m", 64, step_gemms_fill_sms=True),
+    Case("gpn_m_130m_2l", 16, step_gemms_fill_sms=True),
+    Case("gpn_m_130m_2l", 64, step_gemms_fill_sms=True),
+    Case("gpn_m_1b", 16, tp=8),
+    Case("testing_tiny", 3, dtype="fp32"),
+    Case("testing_tiny", 3, dtype="fp64", overrides=(("n_layers", 2),)),
+    Case("testing_tiny", 3, dtype="fp32", overrides=(("memory", False),)),
+)
+
+
+def model_config(case: Case):
+    from gpn_scale.model import load_model_config
+
+    overrides = dict(case.overrides)
+    if case.config == "testing_tiny":
+        from gpn_scale.testing.models import tiny_config
+
+        return tiny_config(step_backend="cuda", **overrides)
+    return load_model_config(case.config, {"step_backend": "cuda", **overrides})
+
+
+def record_launches(case: Case) -> list:
+    """Every kernel launch of one training step of `case` (meta tensors, nothing runs), with
+    its kernel, arguments and meta-parameters."""
+    from gpn_scale.bench.gpu_model import _as_tp_rank
+    from gpn_scale.model import GPN, engine
+    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.ops import launch
+    from gpn_scale.ops.gpn_step.registry import ENV_VAR
+
+    cfg = model_config(case)
+    check_tp(cfg, case.tp, "tp")
+    if case.tp > 1:
+        cfg = cfg.replace(n_heads=cfg.n_heads // case.tp, d_ffn=cfg.d_ffn // case.tp)
+    with torch.device("meta"):
+        model = GPN(cfg)
+    if case.dtype == "fp64":
+        model = model.to(torch.float64)
+    T = case.seq_len or 2 * cfg.chunk_size
+    tokens = torch.zeros(case.batch, T, dtype=torch.long, device="meta")
+    autocast = (
+        engine.matmul_dtype(torch.bfloat16) if case.dtype == "bf16" else contextlib.nullcontext()
+    )
+    previous = os.environ.pop(ENV_VAR, None)
+    try:
+        with launch.recording(dry=True, keep_args=True) as launches, autocast, _as_tp_rank(case.tp):
+            model(tokens).loss.backward()
+    finally:
+        if previous is not None:
+            os.environ[ENV_VAR] = previous
+    return list(launches)
+
+
+# ------------------------------------------------------------------- specialisation
+_BASE = 0x7F00_0000_0000  # an allocation start: the caching allocator aligns blocks to 512 B
+
+
+class _FakePointer:
+    """What Triton's binder reads of a tensor argument: its dtype and address (whose
+    alignment comes from the view's storage offset)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype = t.dtype
+        self._address = _BASE + t.storage_offset() * t.element_size()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+@dataclass
+class Variant:
+    """One distinct compilation of a kernel: what the JIT would compile once and reuse."""
+
+    kernel: str  # the @triton.jit function's name
+    module: str
+    key: str  # hash of everything the compilation depends on
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    num_warps: int
+    names: set[str] = field(default_factory=set)  # the launches' names
+    phases: set[str] = field(default_factory=set)
+    grids: set[tuple[int, ...]] = field(default_factory=set)
+    launches: int = 0
+
+    def programs(self) -> int:
+        return max(_prod(g) for g in self.grids)
+
+    def min_programs(self) -> int:
+        return min(_prod(g) for g in self.grids)
+
+
+def _prod(grid: Iterable[int]) -> int:
+    n = 1
+    for g in grid:
+        n *= g
+    return n
+
+
+def _triton():
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    return triton, knobs, GPUTarget, make_backend, create_function_from_signature
+
+
+def specialise(launches: Iterable, target: Target) -> list[Variant]:
+    """The distinct compilations the launches make on `target`, as Triton's JIT makes them."""
+    triton, knobs, GPUTarget, make_backend, create_binder = _triton()
+    backend = make_backend(GPUTarget("cuda", target.arch, 32))
+    binders: dict[int, Any] = {}
+    variants: dict[str, Variant] = {}
+    for rec in launches:
+        kernel = rec.kernel
+        if kernel is None:  # an ATen copy or a collective, recorded for the accounting
+            continue
+        binder = binders.get(id(kernel))
+        if binder is None:
+            binder = binders[id(kernel)] = create_binder(kernel.signature, kernel.params, backend)
+        args = [_FakePointer(a) if isinstance(a, torch.Tensor) else a for a in rec.args]
+        kwargs = dict(rec.meta, debug=False)
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        bound, spec, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(
+            backend, kwargs, bound, spec, options
+        )
+        opts = {k: _plain(v) for k, v in options.__dict__.items()}
+        consts = {k: _plain(v) for k, v in constexprs.items()}
+        key = hashlib.sha256(
+            repr(
+                (
+                    kernel.fn.__name__,
+                    kernel.cache_key,
+                    sorted(signature.items()),
+                    sorted(consts.items(), key=repr),
+                    sorted(attrs.items(), key=repr),
+                    sorted(opts.items()),
+                    target.arch,
+                )
+            ).encode()
+        ).hexdigest()[:24]
+        v = variants.get(key)
+        if v is None:
+            v = variants[key] = Variant(
+                kernel.fn.__name__,
+                kernel.fn.__module__,
+                key,
+                dict(signature),
+                consts,
+                dict(attrs),
+                opts,
+                options.num_warps,
+            )
+        v.names.add(rec.name)
+        v.phases.add(rec.phase)
+        v.grids.add(tuple(rec.grid))
+        v.launches += 1
+    return list(variants.values())
+
+
+def _plain(value: Any) -> Any:
+    """Constexpr values and options as plain (picklable, printable) Python values."""
+    if hasattr(value, "value") and type(value).__name__ == "constexpr":
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+# ------------------------------------------------------------------------ compilation
+@dataclass
+class Facts:
+    """What the compiler made of one variant."""
+
+    ok: bool
+    error: str = ""
+    registers: int = 0
+    spill_stores: int = 0  # bytes per thread
+    spill_loads: int = 0
+    stack: int = 0  # bytes per thread
+    shared: int = 0  # bytes per block (Triton's figure: static + dynamic)
+    # global loads: source operand -> {bytes per load instruction: count} (from the PTX)
+    loads: dict[str, dict[int, int]] = field(default_factory=dict)
+    wgmma: bool = False
+    mma_sync: bool = False
+    local_accesses: int = 0  # ld.local / st.local in the PTX
+    compile_s: float = 0.0
+
+    def narrowest_load(self, operand: str) -> int | None:
+        widths = self.loads.get(operand)
+        return min(int(w) for w in widths) if widths else None
+
+
+_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas_log(log: str) -> dict[str, int]:
+    """Registers, stack and spills from `ptxas -v` output (the last function reported)."""
+    out: dict[str, int] = {}
+    for m in _PTXAS.finditer(log):
+        out["stack"], out["spill_stores"], out["spill_loads"] = map(int, m.groups())
+    for m in re.finditer(r"Used (\d+) registers", log):
+        out["registers"] = int(m.group(1))
+    return out
+
+
+_LOAD = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(ld\.global[\w.:]*|cp\.async\.c[ag]\.shared\.global[\w.:]*)\s+(.*)$"
+)
+_WIDTH = {
+    "b8": 1,
+    "u8": 1,
+    "s8": 1,
+    "b16": 2,
+    "u16": 2,
+    "s16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "b32": 4,
+    "u32": 4,
+    "s32": 4,
+    "f32": 4,
+    "b64": 8,
+    "u64": 8,
+    "s64": 8,
+    "f64": 8,
+}
+
+
+def _load_bytes(op: str, operands: str) -> int:
+    if op.startswith("cp.async"):
+        m = re.search(r"\],\s*(0x[0-9a-fA-F]+|\d+)", operands)
+        return int(m.group(1), 0) if m else 0
+    parts = op.split(".")
+    vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
+    elem = next((_WIDTH[p] for p in reversed(parts) if p in _WIDTH), 0)
+    return vec * elem
+
+
+def source_operands(path: str) -> dict[int, str]:
+    """Source line -> the pointer operand its `tl.load(` reads (the first name of the
+    address expression: `W` in `tl.load(W + rk[:, None] * ...`), over the kernel's file (a
+    load may sit in a @triton.jit helper the kernel calls)."""
+    lines = Path(path).read_text().splitlines()
+    out: dict[int, str] = {}
+    for i, line in enumerate(lines):
+        at = line.find("tl.load(")
+        if at < 0:
+            continue
+        rest = line[at + len("tl.load(") :].strip()
+        if not rest and i + 1 < len(lines):
+            rest = lines[i + 1].strip()
+        m = re.match(r"[A-Za-z_]\w*", rest)
+        if m:
+            out[i + 1] = m.group(0)
+    return out
+
+
+def parse_ptx_loads(ptx: str, operands: dict[int, str], source_file: str) -> dict[str, dict]:
+    """Global load instructions of the PTX, by the source operand their `.loc` line reads."""
+    files = {
+        int(m.group(1)): m.group(2)
+        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
+    }
+    wanted = {n for n, path in files.items() if os.path.samefile(path, source_file)}
+    loc: tuple[int, int] | None = None
+    out: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for line in ptx.splitlines():
+        m = re.match(r"^\s*\.loc\s+(\d+)\s+(\d+)", line)
+        if m:
+            loc = (int(m.group(1)), int(m.group(2)))
+            continue
+        m = _LOAD.match(line)
+        if not m or loc is None or loc[0] not in wanted:
+            continue
+        operand = operands.get(loc[1], f"line {loc[1]}")
+        out[operand][_load_bytes(m.group(1), m.group(2))] += 1
+    return {k: dict(v) for k, v in out.items()}
+
+
+def _compile_job(job: dict) -> dict:
+    """Compile one variant (in a worker process); returns `Facts` as a dict."""
+    triton, knobs, GPUTarget, _, _ = _triton()
+    from triton.compiler.compiler import ASTSource
+
+    if job.get("triton_cache"):
+        knobs.cache.dir = job["triton_cache"]
+        knobs.compilation.always_compile = True  # a cache hit has no ptxas log
+    else:
+        knobs.cache.dir = tempfile.mkdtemp(prefix="gpn-aot-")
+    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
+    src = ASTSource(kernel, job["signature"], job["constexprs"], job["attrs"])
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(
+                src, target=GPUTarget("cuda", job["arch"], 32), options=job["options"]
+            )
+    except Exception as exc:  # noqa: BLE001 - a compile failure is a finding, reported
+        return dataclasses.asdict(
+            Facts(
+                False, f"{type(exc).__name__}: {str(exc)[:600]}", compile_s=time.perf_counter() - t0
+            )
+        )
+    facts = Facts(True, compile_s=round(time.perf_counter() - t0, 2))
+    for k, v in parse_ptxas_log(log.getvalue()).items():
+        setattr(facts, k, v)
+    facts.shared = int(compiled.metadata.shared)
+    ptx = compiled.asm["ptx"]
+    path = inspect.getsourcefile(kernel.fn) or ""
+    facts.loads = parse_ptx_loads(ptx, source_operands(path), path)
+    facts.wgmma = "wgmma" in ptx
+    facts.mma_sync = "mma.sync" in ptx
+    facts.local_accesses = len(re.findall(r"\b(?:ld|st)\.local", ptx))
+    if not facts.registers:
+        facts.registers = int(compiled.n_regs or 0)
+    return dataclasses.asdict(facts)
+
+
+def _job(v: Variant, target: Target, triton_cache: str | None) -> dict:
+    return dict(
+        module=v.module,
+        kernel=v.kernel,
+        signature=v.signature,
+        constexprs=v.constexprs,
+        attrs=v.attrs,
+        options=v.options,
+        arch=target.arch,
+        triton_cache=triton_cache,
+    )
+
+
+class FactsCache:
+    """Facts of variants already compiled (a variant's key hashes the kernel's source, the
+    specialisation, the options and the architecture), kept in one JSON file."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, dict] = {}
+        if path is not None and path.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                blob = json.loads(path.read_text())
+                if blob.get("triton") == _triton_version():
+                    self.data = blob.get("facts", {})
+
+    def get(self, key: str) -> Facts | None:
+        raw = self.data.get(key)
+        if raw is None:
+            return None
+        raw = dict(raw)
+        raw["loads"] = {op: {int(w): n for w, n in ws.items()} for op, ws in raw["loads"].items()}
+        return Facts(**raw)
+
+    def put(self, key: str, facts: Facts) -> None:
+        if facts.ok:
+            self.data[key] = dataclasses.asdict(facts)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(triton=_triton_version(), facts=self.data)))
+        os.replace(tmp, self.path)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def default_cache_path() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    return root / ".cache" / "gpu-compile" / "facts.json"
+
+
+def compile_variants(
+    variants: list[tuple[Variant, Target]],
+    jobs: int,
+    cache: FactsCache,
+    triton_cache: str | None = None,
+    progress: bool = True,
+) -> dict[tuple[str, str], Facts]:
+    """Facts per (variant key, target name): from the cache, else compiled in `jobs`
+    processes (each compile runs ptxas; the large kernels take seconds each)."""
+    out: dict[tuple[str, str], Facts] = {}
+    todo: list[tuple[Variant, Target]] = []
+    seen: set[tuple[str, str]] = set()
+    for v, t in variants:
+        if (v.key, t.name) in seen:
+            continue
+        seen.add((v.key, t.name))
+        hit = None if triton_cache else cache.get(v.key)
+        if hit is not None:
+            out[(v.key, t.name)] = hit
+        else:
+            todo.append((v, t))
+    # Longest first (the memory kernels) so that the pool's tail is short.
+    todo.sort(key=lambda vt: ("memory" not in vt[0].kernel, vt[0].kernel))
+    if todo:
+        env_interpret = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            if jobs > 1 and len(todo) > 1:
+                import multiprocessing
+
+                ctx = multiprocessing.get_context("spawn")
+                with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+                    results = pool.map(_compile_job, [_job(v, t, triton_cache) for v, t in todo])
+                    for i, ((v, t), raw) in enumerate(zip(todo, results)):
+                        out[(v.key, t.name)] = _store(cache, v, t, raw)
+                        if progress:
+                            _progress(i + 1, len(todo), v, t, out[(v.key, t.name)])
+            else:
+                for i, (v, t) in enumerate(todo):
+                    out[(v.key, t.name)] = _store(
+                        cache, v, t, _compile_job(_job(v, t, triton_cache))
+                    )
+                    if progress:
+                        _progress(i + 1, len(todo), v, t, out[(v.key, t.name)])
+        finally:
+            if env_interpret is not None:
+                os.environ["TRITON_INTERPRET"] = env_interpret
+        cache.save()
+    return out
+
+
+def _store(cache: FactsCache, v: Variant, t: Target, raw: dict) -> Facts:
+    facts = Facts(**raw)
+    cache.put(v.key, facts)
+    return facts
+
+
+def _progress(i: int, n: int, v: Variant, t: Target, f: Facts) -> None:
+    state = "ok" if f.ok else "FAILED"
+    print(
+        f"  [{i}/{n}] {t.name} {v.kernel} ({sorted(v.names)[0]}): {state}, {f.registers} regs, "
+        f"spills {f.spill_stores}/{f.spill_loads} B, {f.compile_s:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# ------------------------------------------------------------------------------ report
+# Step GEMMs: the few-row GEMMs that run once per time step (their weight is streamed once
+# per step, so a grid smaller than the GPU leaves bandwidth unused every step).
+STEP_PHASES = ("forward step", "reverse step")
+WEIGHT_OPERAND = {"linear_kernel": "W"}
+
+
+@dataclass
+class Row:
+    case: Case
+    target: Target
+    variant: Variant
+    facts: Facts
+
+    @property
+    def label(self) -> str:
+        name = sorted(self.variant.names)[0]
+        return self.variant.kernel if self.variant.kernel != "linear_kernel" else f"GEMM ({name})"
+
+    def blocks_per_sm(self) -> int:
+        f = self.facts
+        return self.target.blocks_per_sm(f.registers, self.variant.num_warps, f.shared)
+
+    def waves(self) -> float:
+        """Programs of the smallest grid over the SMs (one wave: 1.0)."""
+        return self.variant.min_programs() / self.target.sm_count
+
+    def weight_load_bytes(self) -> int | None:
+        operand = WEIGHT_OPERAND.get(self.variant.kernel)
+        return self.facts.narrowest_load(operand) if operand else None
+
+    def problems(self) -> list[str]:
+        f, v, t = self.facts, self.variant, self.target
+        out = []
+        if not f.ok:
+            out.append(f"compile error: {f.error.splitlines()[0] if f.error else '?'}")
+            return out
+        if f.spill_stores or f.spill_loads or f.stack:
+            out.append(
+                f"spills {f.spill_stores}/{f.spill_loads} B per thread, stack {f.stack} B "
+                f"({f.registers} registers, {v.num_warps} warps)"
+            )
+        if f.shared > t.smem_per_block:
+            out.append(f"shared memory {f.shared} B over {t.name}'s {t.smem_per_block} B")
+        if self.blocks_per_sm() < 1:
+            out.append("does not fit on an SM")
+        step_gemm = v.kernel == "linear_kernel" and v.phases <= set(STEP_PHASES)
+        if self.case.step_gemms_fill_sms and step_gemm and v.min_programs() < t.sm_count:
+            out.append(
+                f"step GEMM grid of {v.min_programs()} programs on {t.sm_count} SMs "
+                f"({', '.join(sorted(v.names))})"
+            )
+        return out
+
+
+def build_rows(
+    cases: Iterable[Case],
+    targets: Iterable[Target],
+    jobs: int,
+    cache: FactsCache,
+    triton_cache: str | None = None,
+    progress: bool = True,
+    kernels: set[str] | None = None,
+    what_if: dict[str, dict[str, int]] | None = None,
+) -> list[Row]:
+    per_case: list[tuple[Case, Target, Variant]] = []
+    for case in cases:
+        launches = record_launches(case)
+        if kernels:
+            launches = [
+                r for r in launches if r.kernel is not None and r.kernel.fn.__name__ in kernels
+            ]
+        if what_if:
+            launches = [
+                dataclasses.replace(r, meta={**r.meta, **what_if.get(r.kernel.fn.__name__, {})})
+                if r.kernel is not None
+                else r
+                for r in launches
+            ]
+        for target in targets:
+            per_case += [(case, target, v) for v in specialise(launches, target)]
+    facts = compile_variants([(v, t) for _, t, v in per_case], jobs, cache, triton_cache, progress)
+    return [Row(c, t, v, facts[(v.key, t.name)]) for c, t, v in per_case]
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| case | target | kernel | variants | launches | warps | regs | spill st/ld B | "
+        "stack B | smem B | CTAs/SM | programs / SMs | weight load B | MMA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[(r.case.label, r.target.name, r.label)].append(r)
+    for (case, target, label), rs in groups.items():
+        ok = all(r.facts.ok for r in rs)
+        regs = [r.facts.registers for r in rs]
+        spills = (max(r.facts.spill_stores for r in rs), max(r.facts.spill_loads for r in rs))
+        occ = [r.blocks_per_sm() for r in rs]
+        waves = min(r.waves() for r in rs)
+        programs = min(r.variant.min_programs() for r in rs)
+        weight = [w for w in (r.weight_load_bytes() for r in rs) if w is not None]
+        mma = (
+            "wgmma"
+            if any(r.facts.wgmma for r in rs)
+            else ("mma.sync" if any(r.facts.mma_sync for r in rs) else "-")
+        )
+        lines.append(
+            f"| {case} | {target} | {label}{'' if ok else ' **FAILED**'} | {len(rs)} | "
+            f"{sum(r.variant.launches for r in rs)} | {rs[0].variant.num_warps} | "
+            f"{_span(regs)} | {spills[0]}/{spills[1]} | {max(r.facts.stack for r in rs)} | "
+            f"{max(r.facts.shared for r in rs)} | {_span(occ)} | "
+            f"{programs} / {rs[0].target.sm_count} ({waves:.2f}) | "
+            f"{_span(weight) if weight else '-'} | {mma} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _span(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def problems(rows: list[Row]) -> list[str]:
+    return [f"{r.case.label} {r.target.name} {r.label}: {p}" for r in rows for p in r.problems()]
+
+
+def facts_by_launch(rows: list[Row]) -> dict[tuple[str, str], Row]:
+    """(launch name, target) -> the row of the variant it ran (the largest grid's)."""
+    out: dict[tuple[str, str], Row] = {}
+    for r in rows:
+        for name in r.variant.names:
+            key = (name, r.target.name)
+            if key not in out or r.variant.programs() > out[key].variant.programs():
+                out[key] = r
+    return out
+
+
+# ------------------------------------------------------------------------------ command
+def _parse_cases(args: argparse.Namespace) -> list[Case]:
+    if args.gate and not args.config:
+        return list(GATE_CASES)
+    cases = []
+    overrides = tuple(_override(o) for o in args.set)
+    for config in args.config or ["gpn_m_130m"]:
+        for batch in args.batch:
+            cases.append(
+                Case(config, batch, args.dtype, args.tp, args.seq_len, overrides, args.gate)
+            )
+    return cases
+
+
+def _override(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    if not key or not value:
+        raise ValueError(f"--set {text!r}: expected key=value")
+    low = value.lower()
+    parsed: Any = value
+    if low in ("true", "false"):
+        parsed = low == "true"
+    else:
+        with contextlib.suppress(ValueError):
+            parsed = int(value)
+    return key, parsed
+
+
+def _what_if(items: list[str]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = defaultdict(dict)
+    for item in items:
+        kernel, _, setting = item.partition(":")
+        key, _, value = setting.partition("=")
+        if not kernel or not key or not value:
+            raise ValueError(f"--meta {item!r}: expected KERNEL:KEY=INT")
+        out[kernel][key] = int(value)
+    return dict(out)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="*", help="model configs (default gpn_m_130m)")
+    parser.add_argument("--batch", type=_ints, default=[16], help="sequences, e.g. 16,64")
+    parser.add_argument("--dtype", choices=("bf16", "fp32", "fp64"), default="bf16")
+    parser.add_argument("--tp", type=int, default=1, help="one rank of a tp group of this size")
+    parser.add_argument("--seq-len", type=int, default=0, help="default: two chunks")
+    parser.add_argument("--set", action="append", default=[], help="config override key=value")
+    parser.add_argument("--arch", default="sm_90,sm_80", help=f"of {', '.join(TARGETS)}")
+    parser.add_argument(
+        "--gate",
+        action="store_true",
+        help="CI's gate: without configs, its set of cases; exit 1 on any problem",
+    )
+    parser.add_argument("--kernel", default="", help="only these kernels (comma-separated)")
+    parser.add_argument(
+        "--meta",
+        action="append",
+        default=[],
+        help="what-if launch setting KERNEL:KEY=INT, e.g. memory_backward_kernel:num_warps=16",
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument("--json", type=Path, help="also write every variant's facts here")
+    parser.add_argument("--no-cache", action="store_true", help="compile everything afresh")
+    parser.add_argument(
+        "--triton-cache",
+        type=Path,
+        help="compile every variant into this Triton cache directory (for TRITON_CACHE_DIR)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        cases = _parse_cases(args)
+        targets = [TARGETS[a.strip()] for a in args.arch.split(",") if a.strip()]
+        what_if = _what_if(args.meta)
+    except (ValueError, KeyError) as exc:
+        print(f"gpu_compile: {exc} (targets: {', '.join(TARGETS)})", file=sys.stderr)
+        return 2
+    from gpn_scale.core.config import ConfigError
+
+    cache = FactsCache(None if args.no_cache else default_cache_path())
+    t0 = time.perf_counter()
+    try:
+        rows = build_rows(
+            cases,
+            targets,
+            max(1, args.jobs),
+            cache,
+            str(args.triton_cache) if args.triton_cache else None,
+            kernels={k for k in args.kernel.split(",") if k} or None,
+            what_if=what_if,
+        )
+    except ConfigError as exc:
+        print(f"gpu_compile: {exc}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    found = problems(rows)
+    n_var = len({(r.variant.key, r.target.name) for r in rows})
+    print(
+        f"{n_var} variants of {len({r.variant.kernel for r in rows})} kernels over "
+        f"{len(cases)} cases and {len(targets)} targets in {time.perf_counter() - t0:.0f} s"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                [
+                    dict(
+                        case=r.case.label,
+                        target=r.target.name,
+                        kernel=r.variant.kernel,
+                        names=sorted(r.variant.names),
+                        grids=sorted(r.variant.grids),
+                        launches=r.variant.launches,
+                        num_warps=r.variant.num_warps,
+                        blocks_per_sm=r.blocks_per_sm(),
+                        **dataclasses.asdict(r.facts),
+                    )
+                    for r in rows
+                ],
+                indent=1,
+                default=str,
+            )
+        )
+    if found:
+        print("\nproblems:")
+        for p in found:
+            print(f"  - {p}")
+        return 1 if args.gate else 0
+    print("no compile errors, no spills, shared memory within limits")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
