@@ -53,6 +53,7 @@ from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
 from gpn_scale.model import GPN, GPNConfig
 from gpn_scale.model.counts import count_parameters, flops_per_token
 from gpn_scale.model.reference import reference_forward
+from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
 from gpn_scale.testing.models import perturbed_model, tiny_config
 from gpn_scale.train.hardware import device_peak_flops
 
@@ -437,6 +438,11 @@ def measure(
         copies_per_step=prof["copies"],
         gpu_busy_fraction=min(1.0, busy / seconds) if cuda else None,
     )
+    # What the step backend's graph cache did at this batch: a capture that failed runs the
+    # chunks eagerly, and the row says so instead of being taken for a graphed one.
+    graphs = cuda_graphs_status()
+    if graphs:
+        row["cuda_graphs"] = graphs
     return row
 
 
@@ -492,6 +498,9 @@ def sweep(
                 raise
             oom = True
         finally:
+            # Each batch's chunk graphs (and their static copies: ~1 GiB a pair at 130M, B =
+            # 16) go before the next batch or model captures its own.
+            clear_cuda_graphs()
             gc.collect()  # the failed step's tensors, then the allocator's cache
             if device.type == "cuda":
                 torch.cuda.empty_cache()

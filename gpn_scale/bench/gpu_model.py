@@ -199,6 +199,7 @@ class _TpRank:
 
     def __init__(self, backend, tp: int) -> None:
         self.backend, self.tp, self.name = backend, tp, backend.name
+        self.row_alignment = backend.row_alignment
 
     def forward_chunk(self, plan, W, chunk):
         return self.backend.forward_chunk(dataclasses.replace(plan, tp_size=self.tp), W, chunk)

@@ -561,13 +561,13 @@ class _SequenceFunction(torch.autograd.Function):
         M0: Tensor | None,
         *flat: Tensor,
     ):  # type: ignore[override]
-        W = LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype)
+        backend = select_backend(plan.backend, fuse.device, plan.tp_size)
+        W = LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype, backend.row_alignment)
         B, T, d = fuse.shape
         P = fuse.new_empty(B, T, d)
         # The state entering each step, O(T*d): what the backward recomputes each chunk from.
         S = fuse.new_empty(B, T, d) if any(ctx.needs_input_grad) else None
         carries: list = []
-        backend = select_backend(plan.backend, fuse.device, plan.tp_size)
         with _phase("sequential forward", fuse.device):
             _forward_chunks(plan, W, backend, fuse, s0, s_prev0, M0, P, S, carries)
         s, s_prev, M = carries.pop()
@@ -588,7 +588,7 @@ class _SequenceFunction(torch.autograd.Function):
         S, *flat = ctx.saved_tensors
         shape, dtype, device = ctx.fuse_meta
         W = LoopWeights.unflat(plan, [t.detach() for t in flat])
-        Wt = W.for_matmul(plan.mm_dtype).transposed()
+        Wt = W.for_matmul(plan.mm_dtype).transposed(ctx.backend.row_alignment)
         # The recompute reads the same copies as the sweep, as views (its chunk-wide GEMMs run
         # as fast on them): the backward streams one copy of the loop weights instead of two,
         # and the sweep's first steps of each chunk find more of them still in cache.

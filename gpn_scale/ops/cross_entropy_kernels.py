@@ -8,7 +8,7 @@ import triton.language as tl
 
 @triton.jit
 def softmax_xent_kernel(
-    LOGITS, stride_row, TARGETS, LOSS, V, NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr
+    LOGITS, stride_row: tl.int64, TARGETS, LOSS, V, NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr
 ):
     """Grid (rows,): an online log-sum-exp over the row in blocks, then (NEED_GRAD) the row
     overwritten with softmax - onehot."""

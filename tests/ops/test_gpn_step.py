@@ -183,3 +183,57 @@ def test_chunk_graph_capture_failure_warns_and_runs_eagerly(monkeypatch):
         got = model(tokens).loss
     assert backend.graphs.failed and "not permitted" in backend.graphs.failed
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.slow
+def test_chunk_graphs_are_keyed_on_shapes_bounded_and_cleared(monkeypatch):
+    """A window of another length reuses the graphs of its chunk shapes (the static copies
+    are compact, so the views' strides do not matter); the cache holds at most max_graphs,
+    least recently used out; clear() drops them all."""
+    cfg = tiny_config(chunk_size=5, step_backend="cuda")
+    model = perturbed_model(cfg, torch.float64)
+    g = torch.Generator().manual_seed(1)
+    tokens13 = torch.randint(0, cfg.vocab_size, (2, 13), generator=g)
+    tokens8 = torch.randint(0, cfg.vocab_size, (2, 8), generator=g)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    backend = select_backend("cuda", torch.device("cpu"))
+    backend.graphs = graphs.ChunkGraphs()
+    with graphs.capture_with():
+        model(tokens13).loss.backward()  # chunks 5, 5, 3: two shapes, forward and reverse
+        assert backend.graphs.captures == 4
+        model(tokens8).loss.backward()  # chunks 5, 3: the same shapes, other strides
+        assert (backend.graphs.captures, len(backend.graphs)) == (4, 4)
+        backend.graphs = graphs.ChunkGraphs(max_graphs=2)
+        model(tokens13).loss.backward()
+        assert len(backend.graphs) == 2 and backend.graphs.evictions == 2
+        want = perturbed_model(tiny_config(step_backend="reference"), torch.float64)(tokens8)
+        got = model(tokens8)  # evicted shapes are captured again, and still exact
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
+        backend.graphs.clear()
+        assert len(backend.graphs) == 0
+
+
+@pytest.mark.slow
+def test_chunk_graph_capture_out_of_memory_is_raised_and_graphs_stay_on(monkeypatch):
+    """Out of memory during a capture is the batch's problem, raised to the caller (the
+    device check's batch search stops there); graphs are not turned off for later models."""
+    calls = []
+
+    def out_of_memory_once(fn):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return graphs._eager_capture(fn)
+
+    cfg = tiny_config(step_backend="cuda")
+    model = perturbed_model(cfg, torch.float64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    backend = select_backend("cuda", torch.device("cpu"))
+    backend.graphs = graphs.ChunkGraphs()
+    with graphs.capture_with(out_of_memory_once):
+        with pytest.raises(torch.OutOfMemoryError):
+            model(tokens)
+        assert backend.graphs.failed is None
+        model(tokens)
+        assert backend.graphs.captures >= 1 and backend.graphs.replays >= 1

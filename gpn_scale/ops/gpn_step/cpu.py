@@ -18,6 +18,7 @@ from gpn_scale.ops.gpn_step.interface import (
 
 class CpuBackend:
     name = "cpu"
+    row_alignment = 1
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module

@@ -32,6 +32,11 @@ tensors at the real sizes to count launches, bytes and FLOPs per step.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -62,18 +67,100 @@ def _p2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _gemm_blocks(M: int, t: Tensor) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Few-row GEMMs stream the weight once: a block
-    of the batch's rows against 64-column panels keeps ~N/64 programs busy on the SMs."""
+# Programs per SM the GEMMs aim for: one wave on the GPU (H100/H200: 132 SMs; the dry runs of
+# the accounting and of bench/gpu_compile assume it unless told otherwise). The interpreter
+# pretends to 16 so that the tests' tiny GEMMs take the split-K path too.
+DRY_RUN_SMS = 132
+INTERPRETER_SMS = 16
+MAX_SPLITS = 8
+_assumed_sms: int | None = None
+
+
+@contextlib.contextmanager
+def assumed_sm_count(n: int) -> Iterator[None]:
+    """Within the block, size the GEMM grids for a GPU of `n` SMs (dry runs: the GPU is not
+    there to ask)."""
+    global _assumed_sms
+    previous, _assumed_sms = _assumed_sms, n
+    try:
+        yield
+    finally:
+        _assumed_sms = previous
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(t: Tensor) -> int:
+    if _assumed_sms is not None:
+        return _assumed_sms
     if _interpreting(t):
-        return 16, 16, 16, 1
-    return min(64, max(16, _p2(M))), 64, 64, 4
+        return INTERPRETER_SMS
+    if t.is_cuda:
+        return _device_sms(t.device.index if t.device.index is not None else 0)
+    return DRY_RUN_SMS
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one few-row GEMM is launched: tiles, warps and the split-K ranges."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    splits: int = 1
+    splits_k1: int = 0  # of the splits, those over [0, k1) (the read norm's columns)
+    k_per_split: int = 0
+
+    def grid(self, M: int, N: int) -> tuple[int, ...]:
+        g = (triton_cdiv(M, self.block_m), triton_cdiv(N, self.block_n))
+        return (*g, self.splits) if self.splits > 1 else g
+
+
+def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0) -> GemmPlan:
+    """Few-row GEMMs stream the weight once: a block of the batch's rows against 64-column
+    panels. Where that gives fewer programs than the GPU has SMs (an output of width d:
+    N / 64 = 39 programs at 130M), K is split into ranges (at most MAX_SPLITS, each a
+    multiple of BLOCK_K, never straddling k1) so that one wave of programs streams it."""
+    if _interpreting(t):
+        bm, bn, bk, warps = 16, 16, 16, 1
+    else:
+        bm, bn, bk, warps = min(64, max(16, _p2(M))), 64, 64, 4
+    programs = triton_cdiv(M, bm) * triton_cdiv(N, bn)
+    sms = _sm_count(t)
+    if programs >= sms or K <= bk:
+        return GemmPlan(bm, bn, bk, warps)
+    want = min(triton_cdiv(sms, programs), MAX_SPLITS, triton_cdiv(K, bk))
+    per = triton_cdiv(triton_cdiv(K, want), bk) * bk
+    s1 = triton_cdiv(k1, per) if k1 else 0
+    splits = s1 + triton_cdiv(K - k1, per)
+    if splits <= 1:
+        return GemmPlan(bm, bn, bk, warps)
+    return GemmPlan(bm, bn, bk, warps, splits, s1, per)
 
 
 def _precision(w: Tensor) -> str | None:
     # float32 operands: IEEE products (Triton's default would be TF32, not what the state's
     # float32 promises); bf16 operands: the tensor cores' own.
     return "ieee" if w.dtype in (torch.float32, torch.float64) else None
+
+
+class SplitWorkspace:
+    """The split-K partials' buffer of one chunk: grown to the largest GEMM's need, reused by
+    every split GEMM of the chunk (they run one after another on one stream, each reduce
+    before the next GEMM writes)."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like = like
+        self.buffer: Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if self.buffer is None or self.buffer.numel() < numel or self.buffer.dtype != dtype:
+            self.buffer = self.like.new_empty(numel, dtype=dtype)
+        return self.buffer[:numel]
 
 
 def linear(
@@ -93,23 +180,48 @@ def linear(
     res: Tensor | None = None,
     fuse: Tensor | None = None,
     out2: Tensor | None = None,
+    workspace: SplitWorkspace | None = None,
 ) -> None:
     """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`."""
     M, K = a.shape
     N = w.shape[1]
     for t in (out, pg, res, fuse, out2):
         assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
-    BM, BN, BK, warps = _gemm_blocks(M, a)
-    grid = (triton_cdiv(M, BM), triton_cdiv(N, BN))
     ss, k1 = split if split is not None else (None, 0)
+    assert not (row_rms and k1), "the read norm's split and a row RMS are not combined"
+    plan = gemm_plan(M, N, K, a, k1)
     dummy = out
-    nbytes = _nbytes(a, w, out, bias, ss, pg, res, fuse, out2)
+    epilogue_args = (
+        pg if pg is not None else dummy,
+        pg.stride(0) if pg is not None else 0,
+        res if res is not None else dummy,
+        res.stride(0) if res is not None else 0,
+        fuse if fuse is not None else dummy,
+        fuse.stride(0) if fuse is not None else 0,
+        out2 if out2 is not None else dummy,
+        out2.stride(0) if out2 is not None else 0,
+    )
+    norm_meta = dict(
+        N_SS=_p2(ss.shape[1]) if ss is not None else 1,
+        SS_COLS=ss.shape[1] if ss is not None else 1,
+        SPLIT_K1=k1,
+        SS_WIDTH=ss_width or k1 or 1,
+        ROW_RMS=row_rms,
+        HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue,
+        HAS_OUT2=out2 is not None,
+    )
+    epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2)
+    ws = ws_ss = dummy
+    if plan.splits > 1:
+        ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
+        ws, ws_ss = ws_all[: plan.splits * M * N], ws_all[plan.splits * M * N :]
     _launch(
         tk.linear_kernel,
-        grid,
+        plan.grid(M, N),
         name,
         phase,
-        nbytes,
+        _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes),
         2 * M * N * K,
         a,
         a.stride(0),
@@ -122,31 +234,50 @@ def linear(
         out.stride(0),
         ss if ss is not None else dummy,
         ss.stride(0) if ss is not None else 0,
-        pg if pg is not None else dummy,
-        pg.stride(0) if pg is not None else 0,
-        res if res is not None else dummy,
-        res.stride(0) if res is not None else 0,
-        fuse if fuse is not None else dummy,
-        fuse.stride(0) if fuse is not None else 0,
-        out2 if out2 is not None else dummy,
-        out2.stride(0) if out2 is not None else 0,
+        *epilogue_args,
+        ws,
+        ws_ss,
         M,
         N,
         K,
         eps,
-        N_SS=_p2(ss.shape[1]) if ss is not None else 1,
-        SS_COLS=ss.shape[1] if ss is not None else 1,
-        SPLIT_K1=k1,
-        SS_WIDTH=ss_width or k1 or 1,
-        ROW_RMS=row_rms,
-        HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue,
-        HAS_OUT2=out2 is not None,
+        **norm_meta,
         PRECISION=_precision(w),
-        BLOCK_M=BM,
-        BLOCK_N=BN,
-        BLOCK_K=BK,
-        num_warps=warps,
+        SPLITS=plan.splits,
+        SPLITS_K1=plan.splits_k1,
+        K_PER_SPLIT=plan.k_per_split,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+        num_warps=plan.warps,
+    )
+    if plan.splits == 1:
+        return
+    _launch(
+        tk.linear_reduce_kernel,
+        (triton_cdiv(M, plan.block_m), triton_cdiv(N, plan.block_n)),
+        f"{name} (split-K sum)",
+        phase,
+        _nbytes(ws) + epilogue_bytes,
+        plan.splits * M * N,
+        ws,
+        ws_ss,
+        ss if ss is not None else dummy,
+        ss.stride(0) if ss is not None else 0,
+        bias if bias is not None else dummy,
+        out,
+        out.stride(0),
+        *epilogue_args,
+        M,
+        N,
+        K,
+        eps,
+        **norm_meta,
+        SPLITS=plan.splits,
+        SPLITS_K1=plan.splits_k1,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        num_warps=plan.warps,
     )
 
 
@@ -204,6 +335,11 @@ def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
         tp_sum_(x, plan)
 
 
+# The memory kernels' d_value block and warps on the GPU (what bench/gpu_compile.py compiles
+# without spills at the shipped configs).
+MEMORY_BACKWARD_BLOCK_DV = 64
+MEMORY_BACKWARD_WARPS = 8
+
 # --------------------------------------------------------------------------- backend
 GRAPH_COPIES = "graph copies in/out"  # recorded (dry runs) where a replay copies its buffers
 
@@ -212,6 +348,9 @@ class CudaBackend:
     """Triton kernels for the steps; chunks captured as CUDA graphs when the plan asks."""
 
     name = "cuda"
+    # 16 elements: Triton's JIT then knows every weight row starts 16-byte aligned (it
+    # specialises ints divisible by 16), and streams the weights in 16-byte loads.
+    row_alignment = 16
 
     def __init__(self) -> None:
         self.graphs = ChunkGraphs()
@@ -253,6 +392,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     ys = [new(B, plan.columns[i].width) for i in range(L)]
     hidden = new(B, H * dv + f)
     scratch = [new(B, d), new(B, d)]
+    ws = SplitWorkspace(fuse)
     split = _split(plan)
     # Under tp the row-parallel output before its sum; GPN+M: one buffer [ss | read part |
     # FFN part] summed by one all-reduce (collectives.reduce_down_with_norm).
@@ -280,6 +420,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             bias=W.b_in[0][: H * dk],
             row_rms=True,
             eps=eps,
+            workspace=ws,
         )
         _launch(
             tk.l2n_relu_kernel,
@@ -303,7 +444,17 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         c = s
         for i in range(L):
             y = ys[i]
-            linear(c, W.w_in[i], y, ph, f"input GEMM {i}", bias=W.b_in[i], row_rms=True, eps=eps)
+            linear(
+                c,
+                W.w_in[i],
+                y,
+                ph,
+                f"input GEMM {i}",
+                bias=W.b_in[i],
+                row_rms=True,
+                eps=eps,
+                workspace=ws,
+            )
             _memory_forward(
                 plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A, grid_mem, blocks
             )
@@ -322,6 +473,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
                     c,
                     out,
                     BD,
+                    ws,
                 )
             else:
                 linear(
@@ -335,6 +487,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
                     epilogue=1,
                     pg=y[:, pg0 : pg0 + d],
                     res=c,
+                    workspace=ws,
                 )
             c = out
         s_next = states[(tau + 1) % 2]
@@ -351,6 +504,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             res=c,
             fuse=fuse[:, tau],
             out2=S[:, tau + 1] if S is not None and tau + 1 < C else None,
+            workspace=ws,
         )
         s = s_next
     s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
@@ -369,6 +523,7 @@ def _down_split(
     c: Tensor,
     out: Tensor,
     BD: int,
+    ws: SplitWorkspace,
 ) -> None:
     """Under tp, one all-reduce per step and layer, then the gated residual. GPN+M: the
     down-projection's read columns (unnormalised) and its FFN columns as two row-parallel
@@ -381,11 +536,11 @@ def _down_split(
     hv = plan.H * plan.dv
     if plan.memory:
         assert tp_flat is not None and ss is not None
-        linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}")
-        linear(hidden[:, hv:], w_out[hv:], partial[:, d:], ph, f"down GEMM FFN {i}")
+        linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}", workspace=ws)
+        linear(hidden[:, hv:], w_out[hv:], partial[:, d:], ph, f"down GEMM FFN {i}", workspace=ws)
         _tp_sum(tp_flat, plan, f"down output + read norm sums {i}", ph)
     else:
-        linear(hidden, w_out, partial, ph, f"down GEMM {i}")
+        linear(hidden, w_out, partial, ph, f"down GEMM {i}", workspace=ws)
         _tp_sum(partial, plan, f"down output {i}", ph)
     _launch(
         tk.gated_residual_kernel,
@@ -473,6 +628,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     ph, pc = "reverse step", "reverse chunk"
     DG, DN, DCIN = new(B, d), new(B, d), new(B, d)
     DH = new(B, H * dv + f)
+    ws = SplitWorkspace(dP)
     blocks = _mem_blocks(plan, dP, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
     BD = min(_p2(d), 16 if _interpreting(dP) else 1024)
@@ -508,7 +664,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     else:
         M0 = DGS = DA_ROWS = DKPRE0 = None
     for tau in range(C - 1, -1, -1):
-        linear(a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T")
+        linear(a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T", workspace=ws)
         _rev_row(
             plan,
             L - 1,
@@ -526,7 +682,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
             ground=True,
         )
         for i in range(L - 1, -1, -1):
-            linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}")
+            linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}", workspace=ws)
             if SUMS is not None:
                 _read_norm_sums(plan, i, tau, acts, DH, SUMS, blocks)
             _memory_backward(
@@ -548,9 +704,9 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
                 SUMS,
             )
             if split:
-                _input_grad_split(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN)
+                _input_grad_split(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN, ws)
             else:
-                linear(a.dY[i][tau], Wt.w_in[i], DN, ph, f"input dy W^T {i}")
+                linear(a.dY[i][tau], Wt.w_in[i], DN, ph, f"input dy W^T {i}", workspace=ws)
             _rev_row(
                 plan,
                 i - 1,
@@ -604,15 +760,30 @@ def _read_norm_sums(
 
 
 def _input_grad_split(
-    plan: StepPlan, i: int, dy: Tensor, w_in_t: Tensor, DNP: Tensor, DN: Tensor
+    plan: StepPlan,
+    i: int,
+    dy: Tensor,
+    w_in_t: Tensor,
+    DNP: Tensor,
+    DN: Tensor,
+    ws: SplitWorkspace,
 ) -> None:
     """Under tp (3): dY @ W_in^T over the sharded column blocks, summed over the group,
     then the replicated predict gate's share (the last d blocks) added once."""
     ph = "reverse step"
     pg0 = plan.columns[i].predict_gate[0]
-    linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}")
+    linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}", workspace=ws)
     _tp_sum(DNP, plan, f"input gradient {i}", ph)
-    linear(dy[:, pg0:], w_in_t[pg0:], DN, ph, f"predict-gate dy W^T {i}", epilogue=3, res=DNP)
+    linear(
+        dy[:, pg0:],
+        w_in_t[pg0:],
+        DN,
+        ph,
+        f"predict-gate dy W^T {i}",
+        epilogue=3,
+        res=DNP,
+        workspace=ws,
+    )
 
 
 def _rev_row(
@@ -767,8 +938,9 @@ def _memory_backward(
         int(tau == C - 1),
         eps,
         **_layer_meta(plan, i),
-        BLOCK_DV=_p2(max(dv, 1)),
+        BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else MEMORY_BACKWARD_BLOCK_DV),
         **blocks,
         SUMS_GIVEN=sums is not None,
         NORM_WIDTH=H * dv * (plan.tp_size if sums is not None else 1),
+        num_warps=MEMORY_BACKWARD_WARPS,
     )

@@ -8,6 +8,15 @@ once per engine call (the engine passes the same `LoopWeights` object for every 
 call; a new object means new values). Scratch buffers the kernels allocate during capture
 live in one private memory pool.
 
+A graph is keyed on the shapes and dtypes of its chunk (not the strides of the views it is
+given: the static copies are compact, so a new window length reuses the graphs of its
+chunk shape), and the cache holds at most `max_graphs` of them, least recently used first
+out: a pair holds ~1 GiB of static copies at 130M and B = 16 (~10 GiB at B = 256), so a
+sweep over batch sizes must not keep them all. `clear()` drops every graph (the device
+check calls it between models). Running out of memory during a capture is raised (the
+caller's batch is too large); any other capture failure turns graphs off for this backend,
+with one warning, and the chunks run eagerly.
+
 Everything except the capture call itself is plain Python over tensors: `capture_with`
 swaps the capture for an eager stand-in, so the tests run the static-buffer logic (copies
 in, replay, copies out) on CPU under TRITON_INTERPRET=1.
@@ -18,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,14 +47,18 @@ Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 
 
 def _cuda_capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """Warm up on a side stream (Triton compiles there), then capture `fn` into a graph."""
+    """Warm up on a side stream (Triton compiles there), then capture `fn` into a graph.
+
+    The reverse sweep is captured inside autograd's backward, which runs on autograd's own
+    device thread: "thread_local" capture mode lets other threads (the main thread waiting
+    on backward, a data-loader's pinned-memory thread) keep calling CUDA meanwhile."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_pool()):
+    with torch.cuda.graph(graph, pool=_pool(), capture_error_mode="thread_local"):
         out = fn()
     return graph.replay, out
 
@@ -116,22 +130,31 @@ def _rebuild(obj: Any, tensors: Iterator[Tensor]) -> Any:
     return obj
 
 
-def _signature(obj: Any) -> tuple:
-    """What a graph's addresses and kernels depend on: the tree's structure and every
-    tensor's shape, strides and dtype."""
+def _signature(obj: Any, strides: bool = False) -> tuple:
+    """What a graph's kernels depend on: the tree's structure and every tensor's shape and
+    dtype (and, `strides`, its strides: for the weights, whose static copies keep theirs)."""
     if obj is None:
         return (None,)
     if isinstance(obj, Tensor):
-        return (tuple(obj.shape), obj.stride(), obj.dtype)
+        return (tuple(obj.shape), obj.dtype, *((obj.stride(),) if strides else ()))
     if dataclasses.is_dataclass(obj):
-        return tuple(_signature(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        return tuple(_signature(getattr(obj, f.name), strides) for f in dataclasses.fields(obj))
     if isinstance(obj, (list, tuple)):
-        return tuple(_signature(item) for item in obj)
+        return tuple(_signature(item, strides) for item in obj)
     return (obj,)
 
 
-def _static_like(obj: Any) -> Any:
-    return _rebuild(obj, iter([t.clone() for t in _leaves(obj)]))
+def _static_like(obj: Any, keep_strides: bool = False) -> Any:
+    """Static copies of a tree's tensors: compact (contiguous) ones, or (`keep_strides`, the
+    loop weights, padded for aligned rows) with the same strides."""
+    if keep_strides:
+        copies = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+            for t in _leaves(obj)
+        ]
+    else:
+        copies = [t.clone(memory_format=torch.contiguous_format) for t in _leaves(obj)]
+    return _rebuild(obj, iter(copies))
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -165,13 +188,24 @@ def _plan_key(plan: StepPlan) -> tuple:
 
 
 class ChunkGraphs:
-    """The captured graphs of one CUDA backend, by (phase, plan, shapes)."""
+    """The captured graphs of one CUDA backend, by (phase, plan, shapes): at most
+    `max_graphs`, the least recently used dropped first."""
 
-    def __init__(self) -> None:
-        self._graphs: dict[tuple, _Graph] = {}
+    def __init__(self, max_graphs: int = 4) -> None:
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.max_graphs = max_graphs
         self.failed: str | None = None
         self.captures = 0
         self.replays = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every graph and its static buffers (and forget an earlier capture failure)."""
+        self._graphs.clear()
+        self.failed = None
 
     def wanted(self, plan: StepPlan, like: Tensor) -> bool:
         from gpn_scale.ops.gpn_step.cuda import is_dry
@@ -217,13 +251,19 @@ class ChunkGraphs:
     def _get(
         self, key: tuple, plan: StepPlan, W: LoopWeights, args: Any, run: Callable[..., Any]
     ) -> _Graph | None:
-        key = (*key, _signature(args), _signature(W))
+        key = (*key, _signature(args), _signature(W, strides=True))
         graph = self._graphs.get(key)
         if graph is not None:
+            self._graphs.move_to_end(key)
             return graph
-        inputs, weights = _static_like(args), _static_like(W)
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+            self.evictions += 1
+        inputs, weights = _static_like(args), _static_like(W, keep_strides=True)
         try:
             replay, outputs = _capture(lambda: run(plan, weights, inputs))
+        except torch.OutOfMemoryError:
+            raise  # the batch does not fit with its graphs: the caller's to handle
         except Exception as exc:  # capture is not possible here: eager from now on
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             from gpn_scale.ops.gpn_step.registry import warn_once

@@ -136,14 +136,15 @@ class LoopWeights:
             flat[3 * L + 2] if plan.memory else None,
         )
 
-    def transposed(self) -> LoopWeights:
+    def transposed(self, row_alignment: int = 1) -> LoopWeights:
         """The matrices transposed and contiguous (for the backward's dy @ W^T); the key
-        columns of layer 0 come first in its transpose's rows."""
+        columns of layer 0 come first in its transpose's rows. With `row_alignment` > 1
+        each row stride is a multiple of it (`aligned_rows`)."""
         return LoopWeights(
-            [w.t().contiguous() for w in self.w_in],
+            [aligned_rows(w.t(), row_alignment) for w in self.w_in],
             self.b_in,
-            [w.t().contiguous() for w in self.w_out],
-            self.w_fg.t().contiguous(),
+            [aligned_rows(w.t(), row_alignment) for w in self.w_out],
+            aligned_rows(self.w_fg.t(), row_alignment),
             self.b_fg,
             self.A,
         )
@@ -159,18 +160,36 @@ class LoopWeights:
             self.A,
         )
 
-    def for_matmul(self, dtype: torch.dtype | None) -> LoopWeights:
-        """Matrices cast once to the matmul dtype (biases and A stay in the state dtype)."""
-        if dtype is None:
+    def for_matmul(self, dtype: torch.dtype | None, row_alignment: int = 1) -> LoopWeights:
+        """Matrices cast once to the matmul dtype (biases and A stay in the state dtype),
+        with row strides a multiple of `row_alignment` elements (`aligned_rows`); the
+        same object when neither changes anything."""
+        if dtype is None and all(
+            w.stride(0) % row_alignment == 0 for w in (*self.w_in, *self.w_out, self.w_fg)
+        ):
             return self
         return LoopWeights(
-            [w.to(dtype) for w in self.w_in],
+            [aligned_rows(w, row_alignment, dtype) for w in self.w_in],
             self.b_in,
-            [w.to(dtype) for w in self.w_out],
-            self.w_fg.to(dtype),
+            [aligned_rows(w, row_alignment, dtype) for w in self.w_out],
+            aligned_rows(self.w_fg, row_alignment, dtype),
             self.b_fg,
             self.A,
         )
+
+
+def aligned_rows(w: Tensor, alignment: int, dtype: torch.dtype | None = None) -> Tensor:
+    """A copy of the matrix `w` (in `dtype`, default its own) whose rows are contiguous and
+    whose row stride is a multiple of `alignment` elements: a view of the first columns of
+    a padded buffer where the width is not. The fused input matrix is 27,358 columns wide
+    at 130M: unpadded, its bf16 rows start at 2-byte boundaries and a GPU kernel can only
+    read them 2 bytes at a time (bench/gpu_compile.py shows the loads); padded to 16
+    elements they are read 16 bytes at a time."""
+    rows, cols = w.shape
+    padded = -(-cols // alignment) * alignment
+    out = w.new_empty((rows, padded), dtype=dtype or w.dtype)[:, :cols]
+    out.copy_(w)
+    return out
 
 
 # ------------------------------------------------------------------ forward chunk
@@ -276,6 +295,9 @@ class StepBackend(Protocol):
     """What the engine calls for the sequential parts of a chunk."""
 
     name: str
+    # The loop matrices' row strides this backend wants a multiple of (elements): the
+    # engine pads its matmul copies of them to it (`LoopWeights.for_matmul`).
+    row_alignment: int
 
     def forward_chunk(
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward

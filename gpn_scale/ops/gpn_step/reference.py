@@ -57,6 +57,7 @@ class ReferenceBackend:
     """The PyTorch steps (any device)."""
 
     name = "reference"
+    row_alignment = 1
 
     def forward_chunk(
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward

@@ -62,110 +62,38 @@ def _l2n_relu_back(pre, dy):
 
 
 # ----------------------------------------------------------------------------- GEMM
+# Row strides of the (B, T, d)-strided views the step kernels read and write reach past
+# 2**31 elements at large batches (130M: B > 420 at T = 2048): they are 64-bit arguments
+# (`tl.int64`), so that row * stride is computed in 64 bits. Unit column strides stay
+# untyped: Triton specialises an int equal to 1 as a constant, which the vectorised loads
+# need.
 @triton.jit
-def linear_kernel(
-    A,
-    stride_am,
-    stride_ak,  # (M, K) input rows
-    W,
-    stride_wk,
-    stride_wn,  # (K, N) weight
-    BIAS,  # (N,) or unused
-    OUT,
-    stride_om,  # (M, N) output (unit column stride)
-    SS,
-    stride_ss,  # (M, n_ss) partial sums of squares (SPLIT_K1 > 0)
-    PG,
-    stride_pg,  # EPILOGUE 1: gate pre-activations (M, N)
-    RES,
-    stride_res,  # EPILOGUE 1, 2: the residual / gated state (M, N)
-    FUSE,
-    stride_fuse,  # EPILOGUE 2: the grounding input (M, N)
-    OUT2,
-    stride_o2,  # EPILOGUE 2: a second copy of the output (S_out)
+def _linear_epilogue(
+    acc,
+    rm,
+    rn,
     M,
     N,
-    K,
-    eps,
-    N_SS: tl.constexpr,
-    SS_COLS: tl.constexpr,
-    SPLIT_K1: tl.constexpr,
-    SS_WIDTH: tl.constexpr,
-    ROW_RMS: tl.constexpr,
+    BIAS,
+    OUT,
+    stride_om,
+    PG,
+    stride_pg,
+    RES,
+    stride_res,
+    FUSE,
+    stride_fuse,
+    OUT2,
+    stride_o2,
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_OUT2: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    """OUT = epilogue(scale * (A @ W) + bias).
-
-    ROW_RMS: scale = rsqrt(mean(A_row^2) + eps), summed while A streams through the K loop.
-    SPLIT_K1 > 0: columns [0, SPLIT_K1) of A get the row scale rsqrt(sum(SS_row) / SS_WIDTH +
-    eps) (the read's RMSNorm, its sums of squares left by the memory kernel; SS_WIDTH is
-    SPLIT_K1, or under tensor parallelism the full width when SS holds the group's sums),
-    the rest none.
-    EPILOGUE 0: store; 1: sigmoid(PG) * RES + acc (the gated residual); 2: the fuse gate,
-    sigmoid(acc) * RES + FUSE (OUT2 gets a copy when HAS_OUT2); 3: RES + acc.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """acc (+ bias), then EPILOGUE 0: store; 1: sigmoid(PG) * RES + acc (the gated
+    residual); 2: the fuse gate, sigmoid(acc) * RES + FUSE (OUT2 gets a copy when HAS_OUT2);
+    3: RES + acc."""
     m_ok = rm < M
     n_ok = rn < N
-    acc_t = OUT.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    ss = tl.zeros((BLOCK_M,), dtype=acc_t)
-    k_start = 0
-    if SPLIT_K1 > 0:
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-        for k0 in range(0, SPLIT_K1, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < SPLIT_K1
-            a = tl.load(
-                A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
-                mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            acc1 = tl.dot(a.to(w.dtype), w, acc1, input_precision=PRECISION)
-        rs = tl.arange(0, N_SS)
-        part = tl.load(
-            SS + rm[:, None] * stride_ss + rs[None, :],
-            mask=m_ok[:, None] & (rs < SS_COLS)[None, :],
-            other=0.0,
-        )
-        rr = 1.0 / tl.sqrt(tl.sum(part, axis=1) / SS_WIDTH + eps)
-        acc = acc1 * rr[:, None]
-        k_start = SPLIT_K1
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    for k0 in range(k_start, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(
-            A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        if ROW_RMS:
-            af = a.to(acc_t)
-            ss += tl.sum(af * af, axis=1)
-        w = tl.load(
-            W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        acc2 = tl.dot(a.to(w.dtype), w, acc2, input_precision=PRECISION)
-    if ROW_RMS:
-        acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    acc = acc + acc2
     if HAS_BIAS:
         acc = acc + tl.load(BIAS + rn, mask=n_ok, other=0.0)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -185,17 +113,321 @@ def linear_kernel(
     tl.store(OUT + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
 
 
+@triton.jit
+def _read_norm_scale(
+    SS, stride_ss, rm, m_ok, eps, N_SS: tl.constexpr, SS_COLS: tl.constexpr, SS_WIDTH: tl.constexpr
+):
+    """rsqrt(sum(SS_row) / SS_WIDTH + eps) per row (the read's RMSNorm, its sums of squares
+    left by the memory kernel)."""
+    rs = tl.arange(0, N_SS)
+    part = tl.load(
+        SS + rm[:, None] * stride_ss + rs[None, :],
+        mask=m_ok[:, None] & (rs < SS_COLS)[None, :],
+        other=0.0,
+    )
+    return 1.0 / tl.sqrt(tl.sum(part, axis=1) / SS_WIDTH + eps)
+
+
+@triton.jit
+def _mm_range(
+    A,
+    stride_am,
+    stride_ak,
+    W,
+    stride_wk,
+    stride_wn,
+    rm,
+    rn,
+    m_ok,
+    n_ok,
+    k_lo,
+    k_hi,
+    acc,
+    ss,
+    ROW_RMS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """acc += A[rm, k_lo:k_hi] @ W[k_lo:k_hi, rn]; with ROW_RMS also ss += sum(A_row^2)."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < k_hi
+        a = tl.load(
+            A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if ROW_RMS:
+            af = a.to(acc.dtype)
+            ss += tl.sum(af * af, axis=1)
+        w = tl.load(
+            W + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
+    return acc, ss
+
+
+@triton.jit
+def linear_kernel(
+    A,
+    stride_am: tl.int64,
+    stride_ak,  # (M, K) input rows
+    W,
+    stride_wk,
+    stride_wn,  # (K, N) weight
+    BIAS,  # (N,) or unused
+    OUT,
+    stride_om: tl.int64,  # (M, N) output (unit column stride)
+    SS,
+    stride_ss: tl.int64,  # (M, n_ss) partial sums of squares (SPLIT_K1 > 0)
+    PG,
+    stride_pg: tl.int64,  # EPILOGUE 1: gate pre-activations (M, N)
+    RES,
+    stride_res: tl.int64,  # EPILOGUE 1, 2, 3: the residual / gated state (M, N)
+    FUSE,
+    stride_fuse: tl.int64,  # EPILOGUE 2: the grounding input (M, N)
+    OUT2,
+    stride_o2: tl.int64,  # EPILOGUE 2: a second copy of the output (S_out)
+    WS,  # SPLITS > 1: (SPLITS, M, N) float32 partial products
+    WS_SS,  # SPLITS > 1 and ROW_RMS: (SPLITS, M) partial sums of squares
+    M,
+    N,
+    K,
+    eps,
+    N_SS: tl.constexpr,
+    SS_COLS: tl.constexpr,
+    SPLIT_K1: tl.constexpr,
+    SS_WIDTH: tl.constexpr,
+    ROW_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_OUT2: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_K1: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """OUT = epilogue(scale * (A @ W) + bias); see `_linear_epilogue`.
+
+    ROW_RMS: scale = rsqrt(mean(A_row^2) + eps), summed while A streams through the K loop.
+    SPLIT_K1 > 0: columns [0, SPLIT_K1) of A get the row scale rsqrt(sum(SS_row) / SS_WIDTH +
+    eps) (the read's RMSNorm, its sums of squares left by the memory kernel; SS_WIDTH is
+    SPLIT_K1, or under tensor parallelism the full width when SS holds the group's sums),
+    the rest none.
+    SPLITS > 1 (split-K, grid axis 2): program s multiplies one K range (K_PER_SPLIT wide;
+    the first SPLITS_K1 ranges cover [0, SPLIT_K1), the others [SPLIT_K1, K)) and writes
+    its raw partial product (and partial sum of squares) to WS; `linear_reduce_kernel` sums
+    them in a fixed order (deterministic) and applies scale and epilogue. A few-row GEMM
+    whose output is narrow (N = d) would otherwise run on N / BLOCK_N programs, a third of
+    the SMs, while it streams most of a step's weight bytes.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc_t = OUT.dtype.element_ty
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    ss = tl.zeros((BLOCK_M,), dtype=acc_t)
+    if SPLITS > 1:
+        s = tl.program_id(2)
+        if s < SPLITS_K1:
+            k_lo = s * K_PER_SPLIT
+            k_hi = tl.minimum(k_lo + K_PER_SPLIT, SPLIT_K1)
+        else:
+            k_lo = SPLIT_K1 + (s - SPLITS_K1) * K_PER_SPLIT
+            k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        acc, ss = _mm_range(
+            A,
+            stride_am,
+            stride_ak,
+            W,
+            stride_wk,
+            stride_wn,
+            rm,
+            rn,
+            m_ok,
+            n_ok,
+            k_lo,
+            k_hi,
+            zeros,
+            ss,
+            ROW_RMS,
+            PRECISION,
+            BLOCK_K,
+        )
+        ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(WS + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=ok)
+        if ROW_RMS:
+            if pid_n == 0:
+                tl.store(WS_SS + s * M + rm, ss, mask=m_ok)
+    else:
+        acc = zeros
+        if SPLIT_K1 > 0:
+            acc1, ss = _mm_range(
+                A,
+                stride_am,
+                stride_ak,
+                W,
+                stride_wk,
+                stride_wn,
+                rm,
+                rn,
+                m_ok,
+                n_ok,
+                0,
+                SPLIT_K1,
+                zeros,
+                ss,
+                False,
+                PRECISION,
+                BLOCK_K,
+            )
+            rr = _read_norm_scale(SS, stride_ss, rm, m_ok, eps, N_SS, SS_COLS, SS_WIDTH)
+            acc = acc1 * rr[:, None]
+        acc2, ss = _mm_range(
+            A,
+            stride_am,
+            stride_ak,
+            W,
+            stride_wk,
+            stride_wn,
+            rm,
+            rn,
+            m_ok,
+            n_ok,
+            SPLIT_K1,
+            K,
+            zeros,
+            ss,
+            ROW_RMS,
+            PRECISION,
+            BLOCK_K,
+        )
+        if ROW_RMS:
+            acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+        acc = acc + acc2
+        _linear_epilogue(
+            acc,
+            rm,
+            rn,
+            M,
+            N,
+            BIAS,
+            OUT,
+            stride_om,
+            PG,
+            stride_pg,
+            RES,
+            stride_res,
+            FUSE,
+            stride_fuse,
+            OUT2,
+            stride_o2,
+            HAS_BIAS,
+            EPILOGUE,
+            HAS_OUT2,
+        )
+
+
+@triton.jit
+def linear_reduce_kernel(
+    WS,  # (SPLITS, M, N) partial products of `linear_kernel`
+    WS_SS,  # (SPLITS, M) partial sums of squares (ROW_RMS)
+    SS,
+    stride_ss: tl.int64,
+    BIAS,
+    OUT,
+    stride_om: tl.int64,
+    PG,
+    stride_pg: tl.int64,
+    RES,
+    stride_res: tl.int64,
+    FUSE,
+    stride_fuse: tl.int64,
+    OUT2,
+    stride_o2: tl.int64,
+    M,
+    N,
+    K,
+    eps,
+    N_SS: tl.constexpr,
+    SS_COLS: tl.constexpr,
+    SPLIT_K1: tl.constexpr,
+    SS_WIDTH: tl.constexpr,
+    ROW_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_OUT2: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_K1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The split-K sum of `linear_kernel`'s partials, in split order, then its scale and
+    epilogue (what the kernel does itself without splits)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    ok = m_ok[:, None] & (rn < N)[None, :]
+    tile = rm[:, None] * N + rn[None, :]
+    acc_t = OUT.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    if SPLITS_K1 > 0:
+        for s in tl.static_range(SPLITS_K1):
+            acc += tl.load(WS + s * M * N + tile, mask=ok, other=0.0)
+        acc = acc * _read_norm_scale(SS, stride_ss, rm, m_ok, eps, N_SS, SS_COLS, SS_WIDTH)[:, None]
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    for s in tl.static_range(SPLITS_K1, SPLITS):
+        acc2 += tl.load(WS + s * M * N + tile, mask=ok, other=0.0)
+    if ROW_RMS:
+        ss = tl.zeros((BLOCK_M,), dtype=acc_t)
+        for s in tl.static_range(SPLITS):
+            ss += tl.load(WS_SS + s * M + rm, mask=m_ok, other=0.0)
+        acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    acc = acc + acc2
+    _linear_epilogue(
+        acc,
+        rm,
+        rn,
+        M,
+        N,
+        BIAS,
+        OUT,
+        stride_om,
+        PG,
+        stride_pg,
+        RES,
+        stride_res,
+        FUSE,
+        stride_fuse,
+        OUT2,
+        stride_o2,
+        HAS_BIAS,
+        EPILOGUE,
+        HAS_OUT2,
+    )
+
+
 # ---------------------------------------------------- tensor parallelism: split points
 @triton.jit
 def gated_residual_kernel(
     X,
-    stride_x,
+    stride_x: tl.int64,
     PG,
-    stride_pg,
+    stride_pg: tl.int64,
     RES,
-    stride_res,
+    stride_res: tl.int64,
     OUT,
-    stride_out,
+    stride_out: tl.int64,
     SS,  # (B, SS_COLS) the group's summed read sums of squares (NORM only)
     D,
     eps,
@@ -231,11 +463,11 @@ def gated_residual_kernel(
 def read_norm_sums_kernel(
     O_READ,
     RO,
-    stride_o,  # (B, HV) this rank's read output and its RMSNorm
+    stride_o: tl.int64,  # (B, HV) this rank's read output and its RMSNorm
     DH,
-    stride_dh,  # (B, HV + F): its first HV columns the read's gradient
+    stride_dh: tl.int64,  # (B, HV + F): its first HV columns the read's gradient
     Y,
-    stride_y,  # (B, width): the read gate at COL_RGATE
+    stride_y: tl.int64,  # (B, width): the read gate at COL_RGATE
     SUMS,  # (B, 2) out: sum(o^2), sum(dn * ro) over this rank's HV columns
     COL_RGATE: tl.constexpr,
     HV: tl.constexpr,
@@ -275,29 +507,32 @@ def l2n_relu_kernel(
 
 
 # ------------------------------------------------------------------- memory, forward
-@triton.jit
+# The step index is an argument, not a specialisation: Triton's JIT would otherwise compile
+# separate variants for tau == 1 and for tau % 16 == 0 (three compiles of the largest
+# kernels, minutes on first use).
+@triton.jit(do_not_specialize=["tau"])
 def memory_forward_kernel(
     Y,
-    stride_y,  # (B, width) this layer's input-GEMM output at this step
+    stride_y: tl.int64,  # (B, width) this layer's input-GEMM output at this step
     HID,
-    stride_hid,  # (B, H*DV + F) the down-projection's input
+    stride_hid: tl.int64,  # (B, H*DV + F) the down-projection's input
     SS,  # (B, H) per-head sums of squares of the read output
     KCUR,  # (B, H, DK) the current key (WRITE: replaced by the next)
     GPREV,  # (B, H) G_{t-1} (WRITE: replaced by G_t)
     M0,
-    s_m0b,
+    s_m0b: tl.int64,
     s_m0h,
     s_m0k,  # (B, H, DK, DV) chunk-start memory (unit last stride)
     KH,
-    s_khb,
+    s_khb: tl.int64,
     s_khh,
     s_khc,  # (B, H, C, DK) the chunk's keys
     UH,
-    s_uhb,
+    s_uhb: tl.int64,
     s_uhh,
     s_uhc,  # (B, H, C, DV) the chunk's errors u_j
     GH,
-    s_ghb,
+    s_ghb: tl.int64,
     s_ghh,  # (B, H, C) the chunk's cumulative log-decays
     A,  # (H,) decay rates exp(A_log)
     tau,  # the step within the chunk
@@ -402,23 +637,23 @@ def rev_row_kernel(
     DN,
     N_,
     X,
-    stride_row,  # the RMSNorm backward's dn, n and x rows (B, D), one stride
+    stride_row: tl.int64,  # the RMSNorm backward's dn, n and x rows (B, D), one stride
     BASE,
-    stride_base,  # BASE_GROUND: dP[:, t]; else dc_in (B, D)
+    stride_base: tl.int64,  # BASE_GROUND: dP[:, t]; else dc_in (B, D)
     GATE,
     DG,  # BASE_GROUND: dc = dP + gate * dg + ...
     EXTRA,  # HAS_EXTRA: added to dc (ds_prev at the chunk's end)
     # THEN_LAYER: start layer i's backward at this step
     DZ,
     PG,
-    stride_pg,
+    stride_pg: tl.int64,
     CIN,
     DPG,
-    stride_dpg,
+    stride_dpg: tl.int64,
     DCIN,
     # THEN_STEP: the step's end (dg = dc), and the ground of the step before (HAS_PREV)
     DFUSE_PREV,
-    stride_df,
+    stride_df: tl.int64,
     P_PREV,
     GATE_PREV,
     DYFG_PREV,
@@ -479,7 +714,16 @@ def rev_row_kernel(
 
 @triton.jit
 def rev_start_kernel(
-    DS_END, DG, DFUSE, stride_df, P, GATE, DYFG, D, HAS_DS: tl.constexpr, BLOCK_D: tl.constexpr
+    DS_END,
+    DG,
+    DFUSE,
+    stride_df: tl.int64,
+    P,
+    GATE,
+    DYFG,
+    D,
+    HAS_DS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """The chunk's last step: dg = ds_end (or 0), d_fuse and the fuse gate's input gradient."""
     b = tl.program_id(0)
@@ -499,72 +743,72 @@ def rev_start_kernel(
 
 
 # ------------------------------------------------------------------ memory, reverse
-@triton.jit
+@triton.jit(do_not_specialize=["tau", "is_last"])
 def memory_backward_kernel(
     Y,
-    stride_y,  # (B, width) the layer's input-GEMM output at this step
+    stride_y: tl.int64,  # (B, width) the layer's input-GEMM output at this step
     DY,
-    stride_dy,  # (B, width) its gradient at this step (filled here)
+    stride_dy: tl.int64,  # (B, width) its gradient at this step (filled here)
     DY_PREV,  # WRITE: the gradient row of the step before (its key columns)
     DH,
-    stride_dh,  # (B, H*DV + F) gradient of the down-projection's input
+    stride_dh: tl.int64,  # (B, H*DV + F) gradient of the down-projection's input
     O_READ,
     RO,
-    stride_o,  # (B, H*DV) the read output and its RMSNorm
+    stride_o: tl.int64,  # (B, H*DV) the read output and its RMSNorm
     Q,
-    s_qb,
+    s_qb: tl.int64,
     s_qh,  # (B, H, DK) this step's read query
     RQ,
-    s_rqb,
+    s_rqb: tl.int64,
     s_rqh,  # (B, H, DV) M0^T q
     DRQ,
-    s_drqb,
+    s_drqb: tl.int64,
     s_drqh,  # (B, H, DV) out: its gradient
     KA,
-    s_kb,
+    s_kb: tl.int64,
     s_kh,
     s_kc,  # (B, H, C, DK) the chunk's keys
     UA,
-    s_ub,
+    s_ub: tl.int64,
     s_uh,
     s_uc,  # (B, H, C, DV) the chunk's errors
     GA,
-    s_gb,
+    s_gb: tl.int64,
     s_gh,
     s_gc,  # (B, H, C) cumulative log-decays
     DKA,
-    s_dkb,
+    s_dkb: tl.int64,
     s_dkh,
     s_dkc,  # (B, H, C, DK) adjoints, added to
     DUA,
-    s_dub,
+    s_dub: tl.int64,
     s_duh,
     s_duc,  # (B, H, C, DV)
     DGA,
-    s_dgb,
+    s_dgb: tl.int64,
     s_dgh,
     s_dgc,  # (B, H, C)
     M0,
-    s_m0b,
+    s_m0b: tl.int64,
     s_m0h,
     s_m0k,  # (B, H, DK, DV)
     # WRITE only (layer 0): this step's write activations and outputs
     KPRE,
-    stride_kpre,  # (B, H*DK) pre-activation of k_t
+    stride_kpre: tl.int64,  # (B, H*DK) pre-activation of k_t
     V,
-    s_vb,
+    s_vb: tl.int64,
     s_vh,  # (B, H, DV)
     BETA,
-    s_bb,
+    s_bb: tl.int64,
     s_bh,  # (B, H)
     PRED,
-    s_pb,
+    s_pb: tl.int64,
     s_ph,  # (B, H, DV) M_{t-1}^T k_t
     RK,
-    s_rkb,
+    s_rkb: tl.int64,
     s_rkh,  # (B, H, DV) M0^T k_t
     DRK,
-    s_drkb,
+    s_drkb: tl.int64,
     s_drkh,  # (B, H, DV) out
     DGS,  # (B, H) running suffix sum of dG (d log a)
     DA_ROWS,  # (B, H) dA accumulated per row
@@ -596,8 +840,9 @@ def memory_backward_kernel(
     SUMS_GIVEN: tl.constexpr,
     NORM_WIDTH: tl.constexpr,
 ):
-    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step
-    (BLOCK_DV covers DV: a head's adjoint vectors stay in registers).
+    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step,
+    over d_value in BLOCK_DV blocks (a whole head's M0 and history tiles in registers at
+    once spilled most of the kernel at dk 128 / dv 256: bench/gpu_compile.py).
     Head programs fill the read's (and at layer 0 the write's) columns of DY and add to the
     chunk's dK, dU, dG; FFN programs fill the FFN columns."""
     b = tl.program_id(0)
@@ -634,117 +879,133 @@ def memory_backward_kernel(
                 sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
         r = 1.0 / tl.sqrt(sx / NORM_WIDTH + eps)
         mean_dn = sdn / NORM_WIDTH
-        rv = tl.arange(0, BLOCK_DV)
-        v_ok = rv < DV
         rk = tl.arange(0, BLOCK_DK)
         k_ok = rk < DK
         rc = tl.arange(0, BLOCK_C)
-        col_v = h * DV + rv
-        dh_read = tl.load(DH + b * stride_dh + col_v, mask=v_ok, other=0.0)
-        rg = tl.load(y_row + COL_RGATE + col_v, mask=v_ok, other=0.0)
-        ro = tl.load(RO + b * stride_o + col_v, mask=v_ok, other=0.0)
-        tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
-        do = r * (dh_read * _silu(rg) - ro * mean_dn)
-        do = tl.where(v_ok, do, 0.0)
-        # o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j
+        read_ok = rc <= tau
+        is_t = rc == tau
+        # o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j; the write's prediction
+        # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j.
+        # Everything over d_value is done in BLOCK_DV blocks (one pass over the blocks of
+        # M0, of the history's u_j and of their adjoints); what spans d_value (the dot
+        # products with do and dpred) is summed over the blocks, and what needs those sums
+        # (the k_j, G_j and query adjoints) follows the loop.
         q = tl.load(Q + b * s_qb + h * s_qh + rk, mask=k_ok, other=0.0)
         g_base = GA + b * s_gb + h * s_gh
         Gt = tl.load(g_base + tau * s_gc)
         eG = tl.exp(Gt)
-        drq = eG * do
-        tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
-        dGt = eG * tl.sum(
-            do * tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0), axis=0
-        )
-        read_ok = rc <= tau
-        Kh = tl.load(
-            KA + b * s_kb + h * s_kh + rc[:, None] * s_kc + rk[None, :],
-            mask=read_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        Uh = tl.load(
-            UA + b * s_ub + h * s_uh + rc[:, None] * s_uc + rv[None, :],
-            mask=read_ok[:, None] & v_ok[None, :],
-            other=0.0,
-        )
         Gj = tl.load(g_base + rc * s_gc, mask=read_ok, other=0.0)
         w = tl.where(read_ok, tl.exp(Gt - Gj), 0.0)
+        kh_tile = KA + b * s_kb + h * s_kh + rc[:, None] * s_kc + rk[None, :]
+        ok_k = read_ok[:, None] & k_ok[None, :]
+        Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
         sdot = tl.sum(Kh * q[None, :], axis=1)
-        dsd = tl.sum(Uh * do[None, :], axis=1) * w
-        dU_add = (w * sdot)[:, None] * do[None, :]
-        dK_add = dsd[:, None] * q[None, :]
-        dw = dsd * sdot
-        dG_add = tl.where(rc == tau, dGt + tl.sum(dw, axis=0), 0.0) - dw
-        dq = tl.sum(dsd[:, None] * Kh, axis=0)
-        du_ptr = DUA + b * s_dub + h * s_duh
-        dk_ptr = DKA + b * s_dkb + h * s_dkh
-        dg_ptr = DGA + b * s_dgb + h * s_dgh
+        coef = w * sdot  # dU_j += coef_j * do
+        dsd = tl.zeros((BLOCK_C,), dtype=acc_t)  # sum_v u_j * do, then times w_j
+        dGt = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
+        dq = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drq
         if WRITE:
-            # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at t
-            # has added its share (j = t: weight 1).
-            is_t = rc == tau
-            du = tl.load(du_ptr + tau * s_duc + rv, mask=v_ok, other=0.0) + tl.sum(
-                tl.where(is_t[:, None], dU_add, 0.0), axis=0
-            )
-            beta = tl.load(BETA + b * s_bb + h * s_bh)
-            v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
-            pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
-            tl.store(dy_row + COL_BETA + h, tl.sum(du * (v - pred), axis=0) * beta * (1.0 - beta))
-            dvv = beta * du
-            tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
-            dpred = -dvv
             k = tl.load(KA + b * s_kb + h * s_kh + tau * s_kc + rk, mask=k_ok, other=0.0)
             has_prev = tau > 0
             Gp = tl.load(g_base + (tau - 1) * s_gc, mask=has_prev, other=0.0)
             eGp = tl.exp(Gp)
-            drk = eGp * dpred
-            tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
-            dGp = eGp * tl.sum(
-                dpred * tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0), axis=0
-            )
-            # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j
             write_ok = rc < tau
             w2 = tl.where(write_ok, tl.exp(Gp - Gj), 0.0)
             sdot2 = tl.sum(Kh * k[None, :], axis=1)
-            dsd2 = tl.sum(Uh * dpred[None, :], axis=1) * w2
-            dU_add += (w2 * sdot2)[:, None] * dpred[None, :]
+            coef2 = w2 * sdot2
+            beta = tl.load(BETA + b * s_bb + h * s_bh)
+            dsd2 = tl.zeros((BLOCK_C,), dtype=acc_t)
+            dGp = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
+            dbeta = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
+            dk = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drk
+        u_base = UA + b * s_ub + h * s_uh
+        du_base = DUA + b * s_dub + h * s_duh
+        m0_base = M0 + b * s_m0b + h * s_m0h
+        for v0 in range(0, DV, BLOCK_DV):
+            rv = v0 + tl.arange(0, BLOCK_DV)
+            v_ok = rv < DV
+            col_v = h * DV + rv
+            dh_read = tl.load(DH + b * stride_dh + col_v, mask=v_ok, other=0.0)
+            rg = tl.load(y_row + COL_RGATE + col_v, mask=v_ok, other=0.0)
+            ro = tl.load(RO + b * stride_o + col_v, mask=v_ok, other=0.0)
+            tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
+            do = tl.where(v_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
+            drq = eG * do
+            tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
+            dGt += tl.sum(
+                do * tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0), axis=0
+            )
+            ok_v = read_ok[:, None] & v_ok[None, :]
+            Uh = tl.load(u_base + rc[:, None] * s_uc + rv[None, :], mask=ok_v, other=0.0)
+            dsd += tl.sum(Uh * do[None, :], axis=1)
+            dU_add = coef[:, None] * do[None, :]
+            m0 = tl.load(
+                m0_base + rk[:, None] * s_m0k + rv[None, :],
+                mask=k_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )
+            dq += tl.sum(m0 * drq[None, :], axis=1)
+            if WRITE:
+                # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at
+                # t has added its share (j = t: weight 1).
+                du = tl.load(du_base + tau * s_duc + rv, mask=v_ok, other=0.0) + tl.sum(
+                    tl.where(is_t[:, None], dU_add, 0.0), axis=0
+                )
+                v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
+                pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
+                dbeta += tl.sum(du * (v - pred), axis=0)
+                dvv = beta * du
+                tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
+                dpred = -dvv
+                drk = eGp * dpred
+                tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
+                dGp += tl.sum(
+                    dpred * tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0), axis=0
+                )
+                dsd2 += tl.sum(Uh * dpred[None, :], axis=1)
+                dU_add += coef2[:, None] * dpred[None, :]
+                dk += tl.sum(m0 * drk[None, :], axis=1)
+            # The chunk's u adjoints of this block, read and written once.
+            tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
+            tl.store(tile_du, tl.load(tile_du, mask=ok_v, other=0.0) + dU_add, mask=ok_v)
+        dGt = eG * dGt
+        dsd = dsd * w
+        dK_add = dsd[:, None] * q[None, :]
+        dw = dsd * sdot
+        dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
+        # The keys again (a second read of the C x DK tile, from L2): holding them over the
+        # d_value loop cost registers the loop's tiles need.
+        Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
+        dq += tl.sum(dsd[:, None] * Kh, axis=0)
+        if WRITE:
+            tl.store(dy_row + COL_BETA + h, dbeta * beta * (1.0 - beta))
+            dGp = eGp * dGp
+            dsd2 = dsd2 * w2
             dK_add += dsd2[:, None] * k[None, :]
             dw2 = dsd2 * sdot2
             dG_add += tl.where(rc == tau - 1, dGp + tl.sum(dw2, axis=0), 0.0) - dw2
-            dk = tl.sum(dsd2[:, None] * Kh, axis=0)
-        # One pass over M0 for both reads: dq += M0 drq and (write) dk += M0 drk.
-        m0 = tl.load(
-            M0 + b * s_m0b + h * s_m0h + rk[:, None] * s_m0k + rv[None, :],
-            mask=k_ok[:, None] & v_ok[None, :],
-            other=0.0,
-        )
-        dq += tl.sum(m0 * drq[None, :], axis=1)
-        if WRITE:
-            dk += tl.sum(m0 * drk[None, :], axis=1)
-        # The chunk's adjoints of k, u and G, each read and written once.
-        tile_dk = dk_ptr + rc[:, None] * s_dkc + rk[None, :]
-        tile_du = du_ptr + rc[:, None] * s_duc + rv[None, :]
-        ok_k = read_ok[:, None] & k_ok[None, :]
-        ok_v = read_ok[:, None] & v_ok[None, :]
+            dk += tl.sum(dsd2[:, None] * Kh, axis=0)
+        # The chunk's adjoints of k and G, each read and written once.
+        tile_dk = DKA + b * s_dkb + h * s_dkh + rc[:, None] * s_dkc + rk[None, :]
         dK_new = tl.load(tile_dk, mask=ok_k, other=0.0) + dK_add
         if WRITE:
-            dK_new += tl.where((rc == tau)[:, None], dk[None, :], 0.0)
+            dK_new += tl.where(is_t[:, None], dk[None, :], 0.0)
         tl.store(tile_dk, dK_new, mask=ok_k)
-        tl.store(tile_du, tl.load(tile_du, mask=ok_v, other=0.0) + dU_add, mask=ok_v)
+        dg_ptr = DGA + b * s_dgb + h * s_dgh
         dG_new = tl.load(dg_ptr + rc * s_dgc, mask=read_ok, other=0.0) + dG_add
         tl.store(dg_ptr + rc * s_dgc, dG_new, mask=read_ok)
         q_pre = tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0)
         tl.store(dy_row + COL_QUERY + h * DK + rk, _l2n_relu_back(q_pre, dq), mask=k_ok)
         if WRITE:
             # G_t = G_{t-1} + log a_t: d log a_t is the suffix sum of dG (complete at t now).
-            dgs = tl.load(DGS + b * H + h) + tl.sum(tl.where(rc == tau, dG_new, 0.0), axis=0)
+            dgs = tl.load(DGS + b * H + h) + tl.sum(tl.where(is_t, dG_new, 0.0), axis=0)
             tl.store(DGS + b * H + h, dgs)
             decay_pre = tl.load(y_row + COL_DECAY + h)
             a_h = tl.load(A + h)
             tl.store(dy_row + COL_DECAY + h, dgs * (-a_h) * _sigmoid(decay_pre))
             tl.store(DA_ROWS + b * H + h, tl.load(DA_ROWS + b * H + h) - dgs * _softplus(decay_pre))
             # k_t came from step t-1's key columns (or, at t = 0, from s_prev).
-            dk_t = tl.sum(tl.where((rc == tau)[:, None], dK_new, 0.0), axis=0)
+            dk_t = tl.sum(tl.where(is_t[:, None], dK_new, 0.0), axis=0)
             k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
             dk_pre = _l2n_relu_back(k_pre, dk_t)
             if is_last != 0:
