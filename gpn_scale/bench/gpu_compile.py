@@ -50,10 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # compiled kernels, never the interpreter's
-    os.environ.pop("TRITON_INTERPRET")
-
-import torch  # noqa: E402
+import torch
 
 
 # ------------------------------------------------------------------------------ targets
@@ -102,7 +99,9 @@ class Case:
     tp: int = 1
     seq_len: int = 0  # 0: two chunks
     overrides: tuple[tuple[str, Any], ...] = ()
-    step_gemms_fill_sms: bool = False  # gate: every step GEMM launches >= one wave
+    # A shipped paper config: the gate also holds its step GEMMs to one wave of programs and
+    # to 16-byte loads of the weights.
+    shipped: bool = False
 
     @property
     def label(self) -> str:
@@ -112,14 +111,22 @@ class Case:
 
 
 GATE_CASES = (
-    Case("gpn_m_130m", 16, step_gemms_fill_sms=True),
-    Case("gpn_m_130m", 64, step_gemms_fill_sms=True),
-    Case("gpn_m_130m_2l", 16, step_gemms_fill_sms=True),
-    Case("gpn_m_130m_2l", 64, step_gemms_fill_sms=True),
+    Case("gpn_m_130m", 16, shipped=True),
+    Case("gpn_m_130m", 64, shipped=True),
+    Case("gpn_m_130m_2l", 16, shipped=True),
+    Case("gpn_m_130m_2l", 64, shipped=True),
     Case("gpn_m_1b", 16, tp=8),
     Case("testing_tiny", 3, dtype="fp32"),
     Case("testing_tiny", 3, dtype="fp64", overrides=(("n_layers", 2),)),
     Case("testing_tiny", 3, dtype="fp32", overrides=(("memory", False),)),
+)
+
+
+# The largest shapes a sweep may give one GPU (the offsets check records their launches,
+# compiles nothing): a (B, T, d)-strided view then spans more than 2**31 elements.
+WIDE_CASES = (
+    Case("gpn_m_130m", 8192),
+    Case("gpn_m_1b", 4096, tp=8),
 )
 
 
@@ -134,13 +141,15 @@ def model_config(case: Case):
     return load_model_config(case.config, {"step_backend": "cuda", **overrides})
 
 
-def record_launches(case: Case) -> list:
+def record_launches(case: Case, sm_count: int | None = None) -> list:
     """Every kernel launch of one training step of `case` (meta tensors, nothing runs), with
-    its kernel, arguments and meta-parameters."""
-    from gpn_scale.bench.gpu_model import _as_tp_rank
+    its kernel, arguments and meta-parameters; the GEMM grids sized for a GPU of
+    `sm_count` SMs (default: the CUDA backend's dry-run assumption, an H100/H200)."""
+    from gpn_scale.bench.dry_run import as_tp_rank
     from gpn_scale.model import GPN, engine
     from gpn_scale.model.parallelize import check_tp
     from gpn_scale.ops import launch
+    from gpn_scale.ops.gpn_step import cuda
     from gpn_scale.ops.gpn_step.registry import ENV_VAR
 
     cfg = model_config(case)
@@ -158,7 +167,13 @@ def record_launches(case: Case) -> list:
     )
     previous = os.environ.pop(ENV_VAR, None)
     try:
-        with launch.recording(dry=True, keep_args=True) as launches, autocast, _as_tp_rank(case.tp):
+        sms = cuda.assumed_sm_count(sm_count) if sm_count else contextlib.nullcontext()
+        with (
+            launch.recording(dry=True, keep_args=True) as launches,
+            autocast,
+            sms,
+            as_tp_rank(case.tp),
+        ):
             model(tokens).loss.backward()
     finally:
         if previous is not None:
@@ -223,8 +238,11 @@ def _triton():
     return triton, knobs, GPUTarget, make_backend, create_function_from_signature
 
 
-def specialise(launches: Iterable, target: Target) -> list[Variant]:
-    """The distinct compilations the launches make on `target`, as Triton's JIT makes them."""
+def specialise(
+    launches: Iterable, target: Target, keys: list[str | None] | None = None
+) -> list[Variant]:
+    """The distinct compilations the launches make on `target`, as Triton's JIT makes them;
+    `keys`, when given, receives each launch's variant key (None: not a Triton launch)."""
     triton, knobs, GPUTarget, make_backend, create_binder = _triton()
     backend = make_backend(GPUTarget("cuda", target.arch, 32))
     binders: dict[int, Any] = {}
@@ -232,6 +250,8 @@ def specialise(launches: Iterable, target: Target) -> list[Variant]:
     for rec in launches:
         kernel = rec.kernel
         if kernel is None:  # an ATen copy or a collective, recorded for the accounting
+            if keys is not None:
+                keys.append(None)
             continue
         binder = binders.get(id(kernel))
         if binder is None:
@@ -274,6 +294,8 @@ def specialise(launches: Iterable, target: Target) -> list[Variant]:
         v.phases.add(rec.phase)
         v.grids.add(tuple(rec.grid))
         v.launches += 1
+        if keys is not None:
+            keys.append(key)
     return list(variants.values())
 
 
@@ -304,6 +326,7 @@ class Facts:
     mma_sync: bool = False
     local_accesses: int = 0  # ld.local / st.local in the PTX
     compile_s: float = 0.0
+    logged: bool = True  # False: a Triton cache hit, no ptxas log (registers, spills unknown)
 
     def narrowest_load(self, operand: str) -> int | None:
         widths = self.loads.get(operand)
@@ -403,8 +426,8 @@ def _compile_job(job: dict) -> dict:
     from triton.compiler.compiler import ASTSource
 
     if job.get("triton_cache"):
+        # A variant already there is a cache hit: kept, but it has no ptxas log.
         knobs.cache.dir = job["triton_cache"]
-        knobs.compilation.always_compile = True  # a cache hit has no ptxas log
     else:
         knobs.cache.dir = tempfile.mkdtemp(prefix="gpn-aot-")
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
@@ -424,7 +447,9 @@ def _compile_job(job: dict) -> dict:
             )
         )
     facts = Facts(True, compile_s=round(time.perf_counter() - t0, 2))
-    for k, v in parse_ptxas_log(log.getvalue()).items():
+    parsed = parse_ptxas_log(log.getvalue())
+    facts.logged = "registers" in parsed
+    for k, v in parsed.items():
         setattr(facts, k, v)
     facts.shared = int(compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
@@ -433,8 +458,6 @@ def _compile_job(job: dict) -> dict:
     facts.wgmma = "wgmma" in ptx
     facts.mma_sync = "mma.sync" in ptx
     facts.local_accesses = len(re.findall(r"\b(?:ld|st)\.local", ptx))
-    if not facts.registers:
-        facts.registers = int(compiled.n_regs or 0)
     return dataclasses.asdict(facts)
 
 
@@ -473,7 +496,7 @@ class FactsCache:
         return Facts(**raw)
 
     def put(self, key: str, facts: Facts) -> None:
-        if facts.ok:
+        if facts.ok and facts.logged:
             self.data[key] = dataclasses.asdict(facts)
 
     def save(self) -> None:
@@ -562,6 +585,67 @@ def _progress(i: int, n: int, v: Variant, t: Target, f: Facts) -> None:
     )
 
 
+# ------------------------------------------------------------------------- offsets
+INT32_MAX = 2**31 - 1
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The largest element offset from the tensor's data pointer that indexing it reaches."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
+
+
+def _is_stride_param(name: str) -> bool:
+    return name.startswith(("stride_", "s_"))
+
+
+def _wide_params(fn) -> set[str]:
+    """Parameters declared 64-bit (`name: tl.int64`)."""
+    out = set()
+    for name, p in inspect.signature(fn).parameters.items():
+        text = p.annotation if isinstance(p.annotation, str) else repr(p.annotation)
+        if "int64" in text:
+            out.add(name)
+    return out
+
+
+def narrow_offsets(launches: Iterable) -> list[str]:
+    """Where a kernel would compute an element offset past 2**31 in 32 bits: a tensor
+    argument whose extent passes it must be indexed through stride parameters (the
+    parameters after it named stride_* / s_*, the kernels' convention) declared
+    `tl.int64`; its row offset (row * stride) is then 64-bit. One line per (kernel,
+    argument), empty when every wide offset is 64-bit."""
+    found: dict[tuple[str, str], str] = {}
+    for rec in launches:
+        if rec.kernel is None:
+            continue
+        fn = rec.kernel.fn
+        names = list(inspect.signature(fn).parameters)
+        wide = _wide_params(fn)
+        for i, arg in enumerate(rec.args):
+            if not isinstance(arg, torch.Tensor) or i >= len(names):
+                continue
+            extent = _extent(arg)
+            if extent <= INT32_MAX:
+                continue
+            strides = []
+            for name in names[i + 1 :]:
+                if not _is_stride_param(name):
+                    break
+                strides.append(name)
+            key = (fn.__name__, names[i])
+            if not strides:
+                found[key] = (
+                    f"{fn.__name__}: {names[i]} spans {extent:,} elements but is indexed "
+                    "without stride parameters (32-bit offsets)"
+                )
+            elif strides[0] not in wide:
+                found[key] = (
+                    f"{fn.__name__}: {names[i]} spans {extent:,} elements; declare its outer "
+                    f"stride ({', '.join(strides)}) tl.int64"
+                )
+    return list(found.values())
+
+
 # ------------------------------------------------------------------------------ report
 # Step GEMMs: the few-row GEMMs that run once per time step (their weight is streamed once
 # per step, so a grid smaller than the GPU leaves bandwidth unused every step).
@@ -609,11 +693,18 @@ class Row:
         if self.blocks_per_sm() < 1:
             out.append("does not fit on an SM")
         step_gemm = v.kernel == "linear_kernel" and v.phases <= set(STEP_PHASES)
-        if self.case.step_gemms_fill_sms and step_gemm and v.min_programs() < t.sm_count:
-            out.append(
-                f"step GEMM grid of {v.min_programs()} programs on {t.sm_count} SMs "
-                f"({', '.join(sorted(v.names))})"
-            )
+        if self.case.shipped and step_gemm:
+            if v.min_programs() < t.sm_count:
+                out.append(
+                    f"step GEMM grid of {v.min_programs()} programs on {t.sm_count} SMs "
+                    f"({', '.join(sorted(v.names))})"
+                )
+            width = self.weight_load_bytes()
+            if width is not None and width < 16:
+                out.append(
+                    f"weights read {width} bytes at a time, not 16 (a row stride that is "
+                    f"not 16-byte aligned? {', '.join(sorted(v.names))})"
+                )
         return out
 
 
@@ -628,8 +719,8 @@ def build_rows(
     what_if: dict[str, dict[str, int]] | None = None,
 ) -> list[Row]:
     per_case: list[tuple[Case, Target, Variant]] = []
-    for case in cases:
-        launches = record_launches(case)
+    for case, target in ((c, t) for c in cases for t in targets):
+        launches = record_launches(case, target.sm_count)
         if kernels:
             launches = [
                 r for r in launches if r.kernel is not None and r.kernel.fn.__name__ in kernels
@@ -641,8 +732,7 @@ def build_rows(
                 else r
                 for r in launches
             ]
-        for target in targets:
-            per_case += [(case, target, v) for v in specialise(launches, target)]
+        per_case += [(case, target, v) for v in specialise(launches, target)]
     facts = compile_variants([(v, t) for _, t, v in per_case], jobs, cache, triton_cache, progress)
     return [Row(c, t, v, facts[(v.key, t.name)]) for c, t, v in per_case]
 
@@ -697,6 +787,103 @@ def facts_by_launch(rows: list[Row]) -> dict[tuple[str, str], Row]:
             key = (name, r.target.name)
             if key not in out or r.variant.programs() > out[key].variant.programs():
                 out[key] = r
+    return out
+
+
+# ------------------------------------------------------------------ for the accounting
+@dataclass(frozen=True)
+class KernelCost:
+    """What the compiled variant of one launch adds to its price (`bench/gpu_model.py`)."""
+
+    kernel: str
+    programs: int
+    blocks_per_sm: int
+    threads: int  # per program
+    spill_bytes: int  # per thread: spill stores + spill loads (local memory traffic)
+    in_flight: int  # bytes one program keeps in flight (the GEMMs' pipelined tiles); 0: unmodelled
+    host_s: float  # the host's time for Triton's argument binding of an eager launch
+
+
+def _gemm_in_flight(rec, facts: Facts, num_stages: int) -> int:
+    """Bytes one GEMM program has in flight: its pipelined (A, W) tiles. Triton pipelines
+    the K loop with cp.async (num_stages - 1 tiles ahead) only where the loads are at least
+    4 bytes wide; 2-byte loads go through registers, one tile at a time."""
+    meta = rec.meta
+    a, w = rec.args[0], rec.args[3]
+    tile = (
+        meta["BLOCK_M"] * meta["BLOCK_K"] * a.element_size()
+        + meta["BLOCK_K"] * meta["BLOCK_N"] * w.element_size()
+    )
+    width = facts.narrowest_load("W") or 0
+    return tile * (max(1, num_stages - 1) if width >= 4 else 1)
+
+
+def binding_seconds(records: list, repeats: int = 30) -> dict[tuple[str, str], float]:
+    """Host time of Triton's per-launch argument binding (its binder and cache key: the part
+    of `JITFunction.run` before the driver call) for each (kernel, launch name), measured
+    here on the launches' own arguments (the best of 5 rounds: this machine is shared)."""
+    _, knobs, GPUTarget, make_backend, create_binder = _triton()
+    from triton.runtime.jit import compute_cache_key
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    out: dict[tuple[str, str], float] = {}
+    for rec in records:
+        if rec.kernel is None or (rec.kernel.fn.__name__, rec.name) in out:
+            continue
+        kernel = rec.kernel
+        binder = create_binder(kernel.signature, kernel.params, backend)
+        args = [_FakePointer(a) if isinstance(a, torch.Tensor) else a for a in rec.args]
+        kwargs = dict(rec.meta, debug=False)
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        key_cache: dict = {}
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                _, spec, options = binder(*args, **kwargs)
+                compute_cache_key(key_cache, spec, options)
+            best = min(best, (time.perf_counter() - t0) / repeats)
+        out[(kernel.fn.__name__, rec.name)] = best
+    return out
+
+
+def launch_costs(
+    records: list, target: Target, jobs: int = 1, cache: FactsCache | None = None
+) -> list[KernelCost | None]:
+    """Per launch (None for an ATen copy or a collective): its compiled variant's cost
+    inputs, compiling what the facts cache does not hold."""
+    keys: list[str | None] = []
+    variants = {v.key: v for v in specialise(records, target, keys)}
+    facts = compile_variants(
+        [(v, target) for v in variants.values()],
+        jobs,
+        cache if cache is not None else FactsCache(default_cache_path()),
+        progress=False,
+    )
+    binding = binding_seconds(records)
+    out: list[KernelCost | None] = []
+    for rec, key in zip(records, keys):
+        if key is None:
+            out.append(None)
+            continue
+        v, f = variants[key], facts[(key, target.name)]
+        name = rec.kernel.fn.__name__
+        in_flight = (
+            _gemm_in_flight(rec, f, int(v.options.get("num_stages", 3)))
+            if name == "linear_kernel"
+            else 0
+        )
+        out.append(
+            KernelCost(
+                name,
+                _prod(rec.grid),
+                max(1, target.blocks_per_sm(f.registers, v.num_warps, f.shared)),
+                32 * v.num_warps,
+                f.spill_stores + f.spill_loads,
+                in_flight,
+                binding[(name, rec.name)],
+            )
+        )
     return out
 
 
@@ -799,6 +986,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(rows))
     found = problems(rows)
+    if args.gate:  # the largest shapes: offsets past 2**31 (recorded, nothing compiled)
+        for case in WIDE_CASES:
+            found += [f"{case.label}: {p}" for p in narrow_offsets(record_launches(case))]
     n_var = len({(r.variant.key, r.target.name) for r in rows})
     print(
         f"{n_var} variants of {len({r.variant.kernel for r in rows})} kernels over "
@@ -835,4 +1025,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Compiled kernels, never the interpreter's (the kernels module is imported later).
+    os.environ.pop("TRITON_INTERPRET", None)
     sys.exit(main())

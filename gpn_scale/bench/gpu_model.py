@@ -30,16 +30,16 @@ FLOPs run at peak.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import math
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpn_scale.bench.dry_run import as_tp_rank
 from gpn_scale.model import GPN, GPNConfig, engine, load_model_config
 from gpn_scale.model.config import ConfigError
 from gpn_scale.model.counts import flops_per_token
@@ -54,6 +54,8 @@ class Gpu:
     name: str
     hbm_bytes_per_s: float
     bf16_flops_per_s: float  # dense
+    sm_count: int = 132
+    arch: str = "sm_90"  # what bench/gpu_compile compiles its kernels for
 
 
 GPUS = {
@@ -62,6 +64,15 @@ GPUS = {
 }
 GRAPH_GAP_S = 1.3e-6  # between two kernels of a replayed graph, on the GPU
 HOST_LAUNCH_S = 5e-6  # host time to issue one eager launch (dispatch included)
+# With the compiled kernels' facts (`account(..., compiled=True)`), an eager Triton launch
+# costs the host its argument binding, measured (bench/gpu_compile.binding_seconds: 16 us a
+# GEMM, 45-85 us the memory backward's 93 arguments, on this 2-core machine), plus the
+# launcher and the driver's call:
+LAUNCHER_S = 4e-6
+# HBM3's latency under load (~600-800 ns idle): to stream at bandwidth, bandwidth x latency
+# bytes must be in flight (4.8 MB on an H200, ~36 KB per SM). A GEMM whose grid keeps fewer
+# in flight (few programs, or tiles not pipelined) streams its weight at the share it keeps.
+HBM_LATENCY_S = 1.0e-6
 # A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; bench/tp_model.py's figure)
 COLLECTIVE_S = 25e-6
 SEQUENTIAL = ("sequential forward", "sequential backward")
@@ -91,6 +102,8 @@ class Op:
     flops: int
     triton: bool
     collective: bool = False  # an all-reduce of the tp group (not a kernel of ours)
+    cost: Any = None  # bench.gpu_compile.KernelCost: the compiled variant's facts (or None)
+    efficiency: float | None = None  # share of the dense peak its FLOPs run at (default EFF_FLOPS)
 
 
 @dataclass
@@ -110,6 +123,7 @@ class Accounting:
     m0_bytes: int = 0  # per sequence, float32
     loop_params: int = 0
     tp: int = 1  # the probe is one rank of a tp group of this size
+    compiled: str | None = None  # the target whose compiled facts the ops carry
 
     def at_seq_len(self, measure) -> float:
         """measure(ops) at each probe, extrapolated linearly to seq_len."""
@@ -171,11 +185,16 @@ def account(
     name: str = "",
     backend: str = "cuda",
     tp: int = 1,
+    compiled: str | None = None,
+    jobs: int = 1,
 ) -> Accounting:
     """Run one training step's code path on meta tensors; record its launches. `backend`:
     "cuda" (the Triton step kernels) or "reference" (the PyTorch steps, what CUDA ran before
     the CUDA backend existed: every ATen op a launch). `tp` > 1: one rank of a tensor-
-    parallel group of that size (its heads and FFN share; see the module docstring)."""
+    parallel group of that size (its heads and FFN share; see the module docstring).
+    `compiled` ("sm_90", "sm_80"): every Triton launch also carries the facts of its
+    variant compiled for that target (bench/gpu_compile.py; compiled in `jobs` processes
+    where its cache does not hold them), which `predict` then charges."""
     check_tp(cfg, tp, "tp")
     if tp > 1:
         cfg = cfg.replace(n_heads=cfg.n_heads // tp, d_ffn=cfg.d_ffn // tp)
@@ -183,7 +202,10 @@ def account(
     lengths = [seq_len] if seq_len <= C else [C, 2 * C]
     acc = Accounting(name or cfg.name, batch, seq_len, C, cfg.n_layers, tp=tp)
     for T in lengths:
-        acc.probes[T] = _probe(cfg.replace(step_backend=backend), batch, T, backend, tp)
+        acc.probes[T] = _probe(
+            cfg.replace(step_backend=backend), batch, T, backend, tp, compiled, jobs
+        )
+    acc.compiled = compiled
     d, f, H, dk, dv = cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_value
     w_in = sum(d * w for w in _in_widths(cfg))
     w_out = cfg.n_layers * (H * dv + f) * d
@@ -193,39 +215,15 @@ def account(
     return acc
 
 
-class _TpRank:
-    """A step backend seeing the plans of one rank of a tp group of `tp` (no group: the
-    dry run reduces nothing), so that it runs its tensor-parallel code path."""
-
-    def __init__(self, backend, tp: int) -> None:
-        self.backend, self.tp, self.name = backend, tp, backend.name
-        self.row_alignment = backend.row_alignment
-
-    def forward_chunk(self, plan, W, chunk):
-        return self.backend.forward_chunk(dataclasses.replace(plan, tp_size=self.tp), W, chunk)
-
-    def reverse_sweep(self, plan, Wt, sweep):
-        return self.backend.reverse_sweep(dataclasses.replace(plan, tp_size=self.tp), Wt, sweep)
-
-
-@contextlib.contextmanager
-def _as_tp_rank(tp: int):
-    """Within the block the engine's step backends are those of one rank of a tp group (the
-    model built at its local widths)."""
-    if tp == 1:
-        yield
-        return
-    real = engine.select_backend
-    engine.select_backend = lambda choice, device, tp_size=1: _TpRank(  # type: ignore[assignment]
-        real(choice, device, tp), tp
-    )
-    try:
-        yield
-    finally:
-        engine.select_backend = real
-
-
-def _probe(cfg: GPNConfig, batch: int, T: int, backend: str, tp: int = 1) -> list[Op]:
+def _probe(
+    cfg: GPNConfig,
+    batch: int,
+    T: int,
+    backend: str,
+    tp: int = 1,
+    compiled: str | None = None,
+    jobs: int = 1,
+) -> list[Op]:
     with torch.device("meta"):
         model = GPN(cfg)
     tokens = torch.zeros(batch, T, dtype=torch.long, device="meta")
@@ -233,16 +231,21 @@ def _probe(cfg: GPNConfig, batch: int, T: int, backend: str, tp: int = 1) -> lis
     previous = os.environ.pop(ENV_VAR, None)
     try:
         with (
-            launches_.recording(dry=True) as launches,
+            launches_.recording(dry=True, keep_args=compiled is not None) as launches,
             engine.phase_timer(),
             recorder,
             engine.matmul_dtype(torch.bfloat16),
-            _as_tp_rank(tp),
+            as_tp_rank(tp),
         ):
             model(tokens).loss.backward()
     finally:
         if previous is not None:
             os.environ[ENV_VAR] = previous
+    costs: list = [None] * len(launches)
+    if compiled is not None:
+        from gpn_scale.bench import gpu_compile
+
+        costs = gpu_compile.launch_costs(list(launches), gpu_compile.TARGETS[compiled], jobs)
     ops = [
         Op(
             f"{launch.phase}: {launch.name}",
@@ -251,8 +254,9 @@ def _probe(cfg: GPNConfig, batch: int, T: int, backend: str, tp: int = 1) -> lis
             launch.flops,
             True,
             launch.name.startswith(launches_.COLLECTIVE),
+            cost,
         )
-        for launch in launches
+        for launch, cost in zip(launches, costs)
     ]
     return ops + recorder.ops
 
@@ -351,16 +355,18 @@ def predict(
             return 0.0
         if op.collective:
             return COLLECTIVE_S
+        graphed = graphs and op.triton and op.phase in SEQUENTIAL
+        if op.cost is not None:
+            return _compiled_time(op, gpu, eff_bw, eff_flops, graphed)
         t = (
             max(
                 op.bytes / (eff_bw * gpu.hbm_bytes_per_s),
-                op.flops / (eff_flops * gpu.bf16_flops_per_s),
+                op.flops / ((op.efficiency or eff_flops) * gpu.bf16_flops_per_s),
             )
             + GRAPH_GAP_S
         )
         # Only the sequential phases replay as graphs; everything else launches eagerly and
         # is host-bound where its kernels are shorter than their launch.
-        graphed = graphs and op.triton and op.phase in SEQUENTIAL
         return t if graphed else max(t, HOST_LAUNCH_S)
 
     per_phase = {
@@ -388,6 +394,79 @@ def predict(
     )
 
 
+@dataclass
+class Baseline:
+    """The predicted step of the model users would otherwise train (bench/baseline_model)."""
+
+    config: str
+    ops: list[Op]
+    batch: int
+    seq_len: int
+    flops_per_token: float
+
+    def seconds(self, gpu: Gpu) -> float:
+        acc = Accounting(self.config, self.batch, self.seq_len, self.seq_len, 0)
+        acc.probes[self.seq_len] = self.ops
+        return predict(acc, gpu, graphs=False).seconds
+
+    def tokens_per_s(self, gpu: Gpu) -> float:
+        return self.batch * self.seq_len / self.seconds(gpu)
+
+
+def baseline_for(config: str) -> str:
+    """The Transformer++ of the same ladder size as a GPN config name (gpn_m_130m_2l ->
+    transformer_pp_130m)."""
+    size = config.removesuffix("_2l").split("_")[-1]
+    return f"transformer_pp_{size}"
+
+
+def account_baseline(name: str, batch: int, seq_len: int) -> Baseline:
+    from gpn_scale.bench.baseline_model import transformer_step_ops
+    from gpn_scale.models.registry import load_model_config as load_family_config
+
+    spec, cfg = load_family_config(name)
+    return Baseline(
+        name,
+        transformer_step_ops(cfg, batch, seq_len),
+        batch,
+        seq_len,
+        spec.flops_per_token(cfg, seq_len),
+    )
+
+
+def bandwidth_share(cost, gpu: Gpu) -> float:
+    """The share of the GPU's bandwidth one launch can draw, from its compiled variant:
+    - a GEMM (its in-flight bytes known): Little's law, the bytes its resident programs keep
+      in flight over what bandwidth x latency needs (few programs, or tiles read through
+      registers instead of pipelined, stream at that share);
+    - any other kernel: the SMs its programs occupy (a grid smaller than the GPU leaves SMs
+      idle), and the last wave's tail (programs / (SMs x CTAs per SM) waves, rounded up)."""
+    resident = min(cost.programs, gpu.sm_count * cost.blocks_per_sm)
+    if cost.in_flight:
+        return min(1.0, resident * cost.in_flight / (gpu.hbm_bytes_per_s * HBM_LATENCY_S))
+    if cost.programs <= gpu.sm_count:
+        return cost.programs / gpu.sm_count
+    waves = cost.programs / (gpu.sm_count * cost.blocks_per_sm)
+    return waves / math.ceil(waves) if waves > 1 else 1.0
+
+
+def _compiled_time(op: Op, gpu: Gpu, eff_bw: float, eff_flops: float, graphed: bool) -> float:
+    """A Triton launch priced with what the compiler made of it: its bytes plus its spill
+    traffic (local memory, charged as HBM bytes: an upper bound, L1 catches some) at its
+    share of the bandwidth, its FLOPs, the gap between kernels; launched eagerly, at least
+    the host's measured binding plus the launcher."""
+    c = op.cost
+    moved = op.bytes + c.programs * c.threads * c.spill_bytes
+    t = (
+        max(
+            moved / (eff_bw * gpu.hbm_bytes_per_s * max(bandwidth_share(c, gpu), 1e-3)),
+            op.flops / (eff_flops * gpu.bf16_flops_per_s),
+        )
+        + GRAPH_GAP_S
+    )
+    return t if graphed else max(t, c.host_s + LAUNCHER_S)
+
+
 def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str = "h100") -> float:
     """The MFU the accounting predicts (graphs on): what `gpn-scale sweep plan` prices with
     unless a sweep gives a measured `hardware.mfu`."""
@@ -396,7 +475,11 @@ def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str
 
 
 def report(
-    acc: Accounting, cfg: GPNConfig, gpus: list[str], before: Accounting | None = None
+    acc: Accounting,
+    cfg: GPNConfig,
+    gpus: list[str],
+    before: Accounting | None = None,
+    baseline: Baseline | None = None,
 ) -> str:
     lines = [
         f"# GPU accounting: {acc.config}, batch {acc.batch}, T = {acc.seq_len}, chunk "
@@ -451,11 +534,38 @@ def report(
                 + " | ".join(f"{p.per_phase_seconds.get(ph, 0):.3f}" for ph in phases)
                 + " |"
             )
+    if baseline is not None:
+        lines += [
+            "",
+            f"Beside what users would otherwise train: {baseline.config} (eager PyTorch, bf16, "
+            f"flash attention), the same batch and T (bench/baseline_model.py):",
+            "",
+            "| GPU | GPN+M tokens/s (best path) | Transformer++ s/step | Transformer++ "
+            "tokens/s | Transformer++ MFU | GPN+M / Transformer++ |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key in gpus:
+            gpu = GPUS[key]
+            best = max(predict(acc, gpu, graphs=g, cfg=cfg).tokens_per_s for g in (True, False))
+            tpp = baseline.tokens_per_s(gpu)
+            mfu = baseline.flops_per_token * tpp / gpu.bf16_flops_per_s
+            lines.append(
+                f"| {gpu.name} | {best:,.0f} | {baseline.seconds(gpu):.3f} | {tpp:,.0f} | "
+                f"{mfu:.1%} | {best / tpp:.2f} |"
+            )
+    compiled = (
+        f" Triton launches priced with their kernels compiled for {acc.compiled} "
+        f"(bench/gpu_compile.py): spill traffic, the bandwidth share their grid and pipelined "
+        f"tiles can draw ({HBM_LATENCY_S * 1e6:.1f} us HBM latency under load), the host's "
+        f"measured argument binding + {LAUNCHER_S * 1e6:.0f} us per eager launch."
+        if acc.compiled
+        else ""
+    )
     lines += [
         "",
         f"Assumptions: {EFF_BW:.0%} of HBM bandwidth and {EFF_FLOPS:.0%} of dense bf16 "
         f"peak reached per kernel; {GRAPH_GAP_S * 1e6:.1f} us between graphed kernels; "
-        f"{HOST_LAUNCH_S * 1e6:.0f} us host time per eager launch.",
+        f"{HOST_LAUNCH_S * 1e6:.0f} us host time per eager ATen launch.{compiled}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -481,6 +591,19 @@ def main(argv: list[str] | None = None) -> int:
         help="account one rank of a tensor-parallel group of this size (default 1)",
     )
     parser.add_argument(
+        "--compiled",
+        default="sm_90",
+        help="price each Triton launch with its kernel compiled for this target (sm_90, "
+        "sm_80; bench/gpu_compile.py, its facts cached in .cache/gpu-compile) or 'none'",
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument(
+        "--baseline",
+        default="auto",
+        help="the Transformer++ config priced beside it ('auto': the same ladder size, "
+        "'none': skip)",
+    )
+    parser.add_argument(
         "--tp-table",
         action="store_true",
         help="also print the tensor-parallel prediction for tp = 1, 2, 4, 8 on 8 GPUs at "
@@ -499,13 +622,29 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_model_config(args.config)
     if args.chunk_size is not None:
         cfg = cfg.replace(chunk_size=args.chunk_size)
+    compiled = None if args.compiled.lower() == "none" else args.compiled
+    if compiled is not None and compiled not in ("sm_90", "sm_80"):
+        print(f"gpu_model: --compiled {compiled!r}: expected sm_90, sm_80 or none", file=sys.stderr)
+        return 2
     try:
-        acc = account(cfg, args.batch, args.seq_len, args.config, tp=args.tp)
+        acc = account(
+            cfg,
+            args.batch,
+            args.seq_len,
+            args.config,
+            tp=args.tp,
+            compiled=compiled,
+            jobs=max(1, args.jobs),
+        )
+        baseline = None
+        if args.baseline.lower() != "none":
+            name = baseline_for(args.config) if args.baseline == "auto" else args.baseline
+            baseline = account_baseline(name, args.batch, args.seq_len)
     except ConfigError as exc:
         print(f"gpu_model: {exc}", file=sys.stderr)
         return 2
     before = account(cfg, args.batch, args.seq_len, args.config, backend="reference", tp=args.tp)
-    print(report(acc, cfg, gpus, before))
+    print(report(acc, cfg, gpus, before, baseline))
     if args.tp_table:
         from gpn_scale.bench import tp_model
 
@@ -514,4 +653,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)  # --compiled compiles the kernels themselves
     sys.exit(main())

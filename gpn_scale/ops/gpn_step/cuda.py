@@ -120,13 +120,17 @@ class GemmPlan:
         return (*g, self.splits) if self.splits > 1 else g
 
 
-def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0) -> GemmPlan:
+def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False) -> GemmPlan:
     """Few-row GEMMs stream the weight once: a block of the batch's rows against 64-column
-    panels. Where that gives fewer programs than the GPU has SMs (an output of width d:
-    N / 64 = 39 programs at 130M), K is split into ranges (at most MAX_SPLITS, each a
-    multiple of BLOCK_K, never straddling k1) so that one wave of programs streams it."""
+    panels (32 x 32 tiles for float32/float64 operands, whose IEEE products run on the FMA
+    units: 64-wide tiles spilled there). Where that gives fewer programs than the GPU has
+    SMs (an output of width d: N / 64 = 39 programs at 130M), K is split into ranges (at
+    most MAX_SPLITS, each a multiple of BLOCK_K, never straddling k1) so that one wave of
+    programs streams it."""
     if _interpreting(t):
         bm, bn, bk, warps = 16, 16, 16, 1
+    elif ieee:
+        bm, bn, bk, warps = min(64, max(16, _p2(M))), 32, 32, 4
     else:
         bm, bn, bk, warps = min(64, max(16, _p2(M))), 64, 64, 4
     programs = triton_cdiv(M, bm) * triton_cdiv(N, bn)
@@ -146,6 +150,33 @@ def _precision(w: Tensor) -> str | None:
     # float32 operands: IEEE products (Triton's default would be TF32, not what the state's
     # float32 promises); bf16 operands: the tensor cores' own.
     return "ieee" if w.dtype in (torch.float32, torch.float64) else None
+
+
+_UNUSED: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _unused_pointer(like: Tensor) -> Tensor:
+    """A small tensor for the pointer arguments a kernel variant never reads (of `like`'s
+    dtype, so that it makes no other specialisation; small, so that nothing mistakes its
+    extent for one the kernel indexes)."""
+    key = (like.device, like.dtype)
+    t = _UNUSED.get(key)
+    if t is None:
+        t = _UNUSED[key] = like.new_empty(16)
+    return t
+
+
+def _readable_columns(w: Tensor) -> int:
+    """Columns of the (K, N) weight a kernel may read: N rounded up to 16 where every row's
+    stride and the storage hold them (the padded loop weights: `LoopWeights.for_matmul`),
+    so that the weight tile's mask is a multiple of the vector width."""
+    K, N = w.shape
+    rounded = -(-N // 16) * 16
+    if w.stride(1) != 1 or w.stride(0) < rounded:
+        return N
+    end = w.storage_offset() + (K - 1) * w.stride(0) + rounded
+    storage = w.untyped_storage().nbytes() // w.element_size()
+    return rounded if end <= storage else N
 
 
 class SplitWorkspace:
@@ -189,8 +220,8 @@ def linear(
         assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
     ss, k1 = split if split is not None else (None, 0)
     assert not (row_rms and k1), "the read norm's split and a row RMS are not combined"
-    plan = gemm_plan(M, N, K, a, k1)
-    dummy = out
+    plan = gemm_plan(M, N, K, a, k1, ieee=_precision(w) == "ieee")
+    dummy = _unused_pointer(out)
     epilogue_args = (
         pg if pg is not None else dummy,
         pg.stride(0) if pg is not None else 0,
@@ -240,6 +271,7 @@ def linear(
         M,
         N,
         K,
+        _readable_columns(w),
         eps,
         **norm_meta,
         PRECISION=_precision(w),
@@ -253,9 +285,11 @@ def linear(
     )
     if plan.splits == 1:
         return
+    # The sum reads a few hundred KB: narrower column blocks spread it over the SMs.
+    reduce_n = 16
     _launch(
         tk.linear_reduce_kernel,
-        (triton_cdiv(M, plan.block_m), triton_cdiv(N, plan.block_n)),
+        (triton_cdiv(M, plan.block_m), triton_cdiv(N, reduce_n)),
         f"{name} (split-K sum)",
         phase,
         _nbytes(ws) + epilogue_bytes,
@@ -276,7 +310,7 @@ def linear(
         SPLITS=plan.splits,
         SPLITS_K1=plan.splits_k1,
         BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
+        BLOCK_N=reduce_n,
         num_warps=plan.warps,
     )
 

@@ -195,6 +195,7 @@ def linear_kernel(
     M,
     N,
     K,
+    NW,  # columns of W that may be read: N rounded up within its row stride (see cuda.py)
     eps,
     N_SS: tl.constexpr,
     SS_COLS: tl.constexpr,
@@ -231,7 +232,10 @@ def linear_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
-    n_ok = rn < N
+    # The weight tile's column mask runs to NW, a multiple of 16 where the padded rows allow:
+    # a mask at N = 27,358 would keep Triton from reading W 16 bytes at a time. Columns past
+    # N are read (padding, or a neighbouring block) and never stored.
+    w_ok = rn < NW
     acc_t = OUT.dtype.element_ty
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     ss = tl.zeros((BLOCK_M,), dtype=acc_t)
@@ -253,7 +257,7 @@ def linear_kernel(
             rm,
             rn,
             m_ok,
-            n_ok,
+            w_ok,
             k_lo,
             k_hi,
             zeros,
@@ -262,7 +266,7 @@ def linear_kernel(
             PRECISION,
             BLOCK_K,
         )
-        ok = m_ok[:, None] & n_ok[None, :]
+        ok = m_ok[:, None] & (rn < N)[None, :]
         tl.store(WS + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=ok)
         if ROW_RMS:
             if pid_n == 0:
@@ -280,7 +284,7 @@ def linear_kernel(
                 rm,
                 rn,
                 m_ok,
-                n_ok,
+                w_ok,
                 0,
                 SPLIT_K1,
                 zeros,
@@ -301,7 +305,7 @@ def linear_kernel(
             rm,
             rn,
             m_ok,
-            n_ok,
+            w_ok,
             SPLIT_K1,
             K,
             zeros,

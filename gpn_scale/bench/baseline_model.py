@@ -1,0 +1,95 @@
+"""The same accounting for what users would otherwise train: a Transformer++ step.
+
+    python -m gpn_scale.bench.gpu_model gpn_m_130m --batch 64     # prints both side by side
+
+The family's own model (`models/transformer_pp`) runs one training step (forward, loss,
+backward) on meta tensors in bf16, eager PyTorch as the device check trains it, and every
+ATen op that launches a kernel is recorded with its operands' bytes and matmul FLOPs (the
+dispatch recorder of `gpu_model.py`). Attention is what a GPU runs for
+`F.scaled_dot_product_attention` in bf16, flash attention, not the math form meta tensors
+would decompose it into: within the dry run a stand-in records one forward and one backward
+kernel per layer with flash attention's FLOPs (causal: half the T x T scores) and its
+bytes (q, k, v, o, the row statistics; the backward also dO, dq, dk, dv), priced at
+`EFF_ATTENTION` of the dense peak. Each op is then priced like the GPN's chunk-wide ATen
+work: max(bytes / bandwidth, FLOPs / peak) plus the gap between kernels, at least the
+host's launch cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# FlashAttention-2 (what torch's SDPA runs in bf16 on H100/H200) reaches ~35-40% of the
+# dense bf16 peak for causal attention at head dim 64-128, forward and backward alike
+# (FlashAttention-2 and -3 papers' H100 figures); FlashAttention-3 ~60%.
+EFF_ATTENTION = 0.35
+
+
+class _Recorded:
+    ops: list | None = None
+
+
+class _FlashAttentionStandIn(torch.autograd.Function):
+    """Records flash attention's forward and backward kernels; returns empty tensors."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # type: ignore[override]
+        B, H, T, dh = q.shape
+        flops = 2 * 2 * B * H * T * T * dh // 2  # QK^T and PV, causal half
+        lse = B * H * T * 4
+        _record("flash attention forward", 4 * q.numel() * q.element_size() + lse, flops)
+        ctx.meta = (q.shape, q.dtype, q.device, flops, lse, q.numel() * q.element_size())
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # type: ignore[override]
+        shape, dtype, device, flops, lse, size = ctx.meta
+        # q, k, v, o, dO read, dq, dk, dv written; 2.5x the forward's FLOPs (the scores are
+        # recomputed, then dV, dP, dS, dQ, dK).
+        _record("flash attention backward", 8 * size + lse, int(2.5 * flops))
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(3))
+
+
+def _record(name: str, nbytes: int, flops: int) -> None:
+    from gpn_scale.bench.gpu_model import Op
+
+    if _Recorded.ops is not None:
+        _Recorded.ops.append(Op(name, "attention", nbytes, flops, False, efficiency=EFF_ATTENTION))
+
+
+@contextlib.contextmanager
+def _flash_attention(ops: list) -> Iterator[None]:
+    real = F.scaled_dot_product_attention
+
+    def stand_in(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        assert is_causal and attn_mask is None, "the training step's attention is causal"
+        return _FlashAttentionStandIn.apply(q, k, v)
+
+    _Recorded.ops = ops
+    F.scaled_dot_product_attention = stand_in
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+        _Recorded.ops = None
+
+
+def transformer_step_ops(cfg, batch: int, seq_len: int) -> list:
+    """Every kernel of one Transformer++ training step (bf16) at (batch, seq_len)."""
+    from gpn_scale.bench.gpu_model import _AtenRecorder
+    from gpn_scale.models.registry import family_of
+
+    spec = family_of(cfg)
+    with torch.device("meta"):
+        model = spec.build(cfg).to(torch.bfloat16)
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    attention: list = []
+    recorder = _AtenRecorder(sequential=True)
+    with _flash_attention(attention), recorder:
+        model(tokens).loss.backward()
+    return recorder.ops + attention
