@@ -514,7 +514,14 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+CACHE_ENV = "GPN_SCALE_GPU_FACTS"
+
+
 def default_cache_path() -> Path:
+    """The facts cache: $GPN_SCALE_GPU_FACTS, else .cache/gpu-compile/facts.json in the
+    checkout."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     root = Path(__file__).resolve().parents[2]
     return root / ".cache" / "gpu-compile" / "facts.json"
 

@@ -76,6 +76,7 @@ HBM_LATENCY_S = 1.0e-6
 # A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; bench/tp_model.py's figure)
 COLLECTIVE_S = 25e-6
 SEQUENTIAL = ("sequential forward", "sequential backward")
+SPLIT_SUM = "(split-K sum)"  # the name suffix of a split GEMM's sum (ops/gpn_step/cuda.py)
 _NO_LAUNCH = {
     "empty",
     "empty_strided",
@@ -166,6 +167,18 @@ class Accounting:
                     1 for op in ops if op.triton and not op.collective and op.name.startswith(kind)
                 )
             return sum(1 for op in ops if op.phase == phase and not op.collective)
+
+        return self.at_seq_len(count) / self.seq_len
+
+    def split_sums_per_step(self, phase: str) -> float:
+        """Of `launches_per_step`, the split-K sums (one after each GEMM split over K to fill
+        the SMs: `ops/gpn_step/cuda.py`, `gemm_plan`)."""
+        kind = "forward step" if phase == "sequential forward" else "reverse step"
+
+        def count(ops: list[Op]) -> int:
+            return sum(
+                1 for op in ops if op.triton and op.name.startswith(kind) and SPLIT_SUM in op.name
+            )
 
         return self.at_seq_len(count) / self.seq_len
 
@@ -474,6 +487,12 @@ def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str
     return predict(acc, GPUS[gpu], graphs=True, cfg=cfg).mfu
 
 
+def _launches(acc: Accounting, phase: str) -> str:
+    sums = acc.split_sums_per_step(phase)
+    kernels = acc.launches_per_step(phase) - sums
+    return f"{kernels:.0f}" + (f" + {sums:.0f} split-K sums" if sums else "")
+
+
 def report(
     acc: Accounting,
     cfg: GPNConfig,
@@ -486,9 +505,8 @@ def report(
         f"{acc.chunk}, {acc.n_layers} layer(s) (bf16 autocast; probes of "
         f"{' and '.join(map(str, sorted(acc.probes)))} steps, extrapolated)",
         "",
-        f"Launches per time step (CUDA backend): forward "
-        f"{acc.launches_per_step('sequential forward'):.0f}, reverse sweep "
-        f"{acc.launches_per_step('sequential backward'):.0f}",
+        f"Launches per time step (CUDA backend): forward {_launches(acc, SEQUENTIAL[0])}, "
+        f"reverse sweep {_launches(acc, SEQUENTIAL[1])}",
         *(
             [
                 f"Tensor parallelism: one rank of tp = {acc.tp}; all-reduces per time step: "
@@ -592,9 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--compiled",
-        default="sm_90",
+        default="auto",
         help="price each Triton launch with its kernel compiled for this target (sm_90, "
-        "sm_80; bench/gpu_compile.py, its facts cached in .cache/gpu-compile) or 'none'",
+        "sm_80; bench/gpu_compile.py, its facts cached in .cache/gpu-compile), 'none', or "
+        "'auto' (sm_90, unless this process runs Triton's interpreter)",
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     parser.add_argument(
@@ -622,7 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_model_config(args.config)
     if args.chunk_size is not None:
         cfg = cfg.replace(chunk_size=args.chunk_size)
-    compiled = None if args.compiled.lower() == "none" else args.compiled
+    compiled: str | None = args.compiled.lower()
+    if compiled == "auto":
+        compiled = None if os.environ.get("TRITON_INTERPRET") == "1" else "sm_90"
+    elif compiled == "none":
+        compiled = None
     if compiled is not None and compiled not in ("sm_90", "sm_80"):
         print(f"gpu_model: --compiled {compiled!r}: expected sm_90, sm_80 or none", file=sys.stderr)
         return 2

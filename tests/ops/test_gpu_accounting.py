@@ -3,6 +3,7 @@ really launches, and `gpn-scale sweep plan` prices with its prediction."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -19,8 +20,14 @@ from gpn_scale.testing.models import perturbed_model, tiny_config
 def test_launches_per_step_counted_from_the_code_path(layers, memory):
     cfg = tiny_config(n_layers=layers, memory=memory, chunk_size=4)
     acc = gpu_model.account(cfg, batch=3, seq_len=16)
-    assert acc.launches_per_step("sequential forward") == 3 * layers + 1
-    assert acc.launches_per_step("sequential backward") == 4 * layers + 2
+    assert _kernels(acc, "sequential forward") == 3 * layers + 1
+    assert _kernels(acc, "sequential backward") == 4 * layers + 2
+
+
+def _kernels(acc, phase: str) -> float:
+    """Launches per step less the split-K sums (their number depends on the shapes: one
+    after each GEMM whose grid is split over K to fill the SMs)."""
+    return acc.launches_per_step(phase) - acc.split_sums_per_step(phase)
 
 
 @pytest.mark.parametrize("layers,memory", [(1, True), (2, True), (1, False), (2, False)])
@@ -34,8 +41,8 @@ def test_launches_and_collectives_per_step_under_tp_counted_from_the_code_path(l
     cfg = tiny_config(n_layers=layers, memory=memory, chunk_size=4, vocab_size=40)
     acc = gpu_model.account(cfg, batch=3, seq_len=16, tp=2)
     per_layer = 2 if memory else 1
-    assert acc.launches_per_step("sequential forward") == (3 + per_layer) * layers + 1
-    assert acc.launches_per_step("sequential backward") == (4 + per_layer) * layers + 2
+    assert _kernels(acc, "sequential forward") == (3 + per_layer) * layers + 1
+    assert _kernels(acc, "sequential backward") == (4 + per_layer) * layers + 2
     assert acc.collectives_per_step("sequential forward") == layers
     assert acc.collectives_per_step("sequential backward") == per_layer * layers
     one = gpu_model.account(cfg, batch=3, seq_len=16)
@@ -79,14 +86,22 @@ def test_prediction_on_the_paper_model_has_floor_below_it_and_graphs_help_small_
 def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
     assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "8"]) == 0
     out = capsys.readouterr().out
-    assert "Launches per time step (CUDA backend): forward 4, reverse sweep 6" in out
+    assert re.search(
+        r"Launches per time step \(CUDA backend\): forward 4( \+ \d split-K sums)?, reverse "
+        r"sweep 6( \+ \d split-K sums)?",
+        out,
+    )
     assert "| H200 | CUDA backend, graphs on |" in out
     assert gpu_model.main(["tiny", "--gpu", "a100"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown GPU a100" in err
     assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "8", "--tp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "Launches per time step (CUDA backend): forward 6, reverse sweep 8" in out
+    assert re.search(
+        r"Launches per time step \(CUDA backend\): forward 6( \+ \d split-K sums)?, reverse "
+        r"sweep 8( \+ \d split-K sums)?",
+        out,
+    )
     assert "tp = 2; all-reduces per time step: forward 1, reverse sweep 2" in out
     assert gpu_model.main(["tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err
@@ -154,3 +169,77 @@ def test_sweep_plan_prices_a_tp_size_with_the_predicted_tp_speed_up(tmp_path):
     )
     with pytest.raises(SweepError, match=r"parallel\.tp=16"):
         load_sweep(path)
+
+
+# ------------------------------------------------------- compiled kernels in the price
+def _gemm(cost_kw: dict, name: str = "reverse step: input dy W^T 0") -> gpu_model.Op:
+    from gpn_scale.bench.gpu_compile import KernelCost
+
+    kw = dict(kernel="linear_kernel", programs=156, blocks_per_sm=9, threads=128,
+              spill_bytes=0, in_flight=40_000, host_s=16e-6)  # fmt: skip
+    kw.update(cost_kw)
+    return gpu_model.Op(name, "sequential backward", 146_000_000, 0, True, cost=KernelCost(**kw))
+
+
+def _seconds(op: gpu_model.Op, graphs: bool = True) -> float:
+    acc = gpu_model.Accounting("x", 16, 64, 64, 1)
+    acc.probes[64] = [op]
+    return gpu_model.predict(acc, gpu_model.GPUS["h200"], graphs=graphs).seconds
+
+
+def test_compiled_price_charges_spills_small_grids_unpipelined_tiles_and_host_binding():
+    base = _seconds(_gemm({}))
+    h200 = gpu_model.GPUS["h200"]
+    # One wave of programs with pipelined tiles: at the assumed bandwidth.
+    assert base == pytest.approx(146e6 / (0.8 * h200.hbm_bytes_per_s) + gpu_model.GRAPH_GAP_S)
+    # 39 programs keep a quarter of the bytes in flight: 4x the time.
+    assert _seconds(_gemm(dict(programs=39))) == pytest.approx(
+        146e6 / (0.8 * h200.hbm_bytes_per_s) * 156 / 39 * 4.8e6 / (156 * 40_000)
+        + gpu_model.GRAPH_GAP_S
+    )
+    # Tiles read through registers (2-byte loads: one tile in flight, not two).
+    assert _seconds(_gemm(dict(in_flight=20_000))) > 1.5 * base
+    # Spill traffic: 20 KB a thread over 156 x 128 threads is 400 MB more.
+    assert _seconds(_gemm(dict(spill_bytes=20_000))) > 3 * base
+    # Eager: at least the host's binding; graphed: not.
+    small = _gemm(dict(host_s=85e-6), name="reverse step: row backward")
+    small.bytes = 1000
+    assert _seconds(small, graphs=False) == pytest.approx(85e-6 + gpu_model.LAUNCHER_S)
+    assert _seconds(small, graphs=True) < 10e-6
+
+
+def test_bandwidth_share_of_other_kernels_is_the_sms_their_grid_occupies():
+    from gpn_scale.bench.gpu_compile import KernelCost
+
+    h200 = gpu_model.GPUS["h200"]
+    row = KernelCost("rev_row_kernel", 16, 16, 128, 0, 0, 5e-6)
+    assert gpu_model.bandwidth_share(row, h200) == pytest.approx(16 / 132)
+    waves = KernelCost("memory_backward_kernel", 448, 1, 256, 0, 0, 5e-6)
+    assert gpu_model.bandwidth_share(waves, h200) == pytest.approx(448 / 132 / 4)
+
+
+def test_transformer_baseline_counts_its_gemm_flops_exactly_and_flash_attention_per_layer():
+    """The Transformer++ priced beside the GPN: its dry step's matmul FLOPs are exactly the
+    family's 6 x (weights' MACs) per token, and each layer's attention is one flash forward
+    and one backward kernel (not the T x T math form meta tensors decompose it into)."""
+    from gpn_scale.bench.baseline_model import transformer_step_ops
+    from gpn_scale.models.registry import load_model_config
+
+    spec, cfg = load_model_config("transformer_pp_tiny")
+    B, T = 2, 16
+    ops = transformer_step_ops(cfg, B, T)
+    attention = [op for op in ops if op.name.startswith("flash attention")]
+    assert sorted({op.name for op in attention}) == [
+        "flash attention backward",
+        "flash attention forward",
+    ]
+    assert len(attention) == 2 * cfg.n_layers
+    d, L = cfg.d_model, cfg.n_layers
+    fwd = [op for op in attention if op.name.endswith("forward")][0]
+    assert fwd.flops == 2 * B * T * T * d  # QK^T and PV over the causal half
+    gemm = sum(op.flops for op in ops if op not in attention)
+    head = d * cfg.vocab_size
+    assert gemm == 6 * (L * (4 * d * d + 3 * d * cfg.d_ffn) + head) * B * T
+    assert not any(op.bytes >= B * cfg.n_heads * T * T * 2 for op in ops if op.name == "bmm")
+    baseline = gpu_model.Baseline("transformer_pp_tiny", ops, B, T, spec.flops_per_token(cfg, T))
+    assert baseline.tokens_per_s(gpu_model.GPUS["h200"]) > 0

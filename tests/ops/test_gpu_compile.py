@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env[gc.CACHE_ENV] = str(tmp_path / "facts-cache.json")  # starts empty: every compile cold
     out = tmp_path / "facts.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "--gate", "--no-cache"]
-        + ["--json", str(out)],
+        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "--gate", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -72,6 +73,24 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     for r in step_gemms:
         assert min(a * b * (c[0] if c else 1) for a, b, *c in r["grids"]) >= 132, r["names"]
         assert min(int(w) for w in r["loads"]["W"]) == 16, r["names"]
+
+    # The accounting prices the same compiled variants (the facts cache the gate filled),
+    # and puts the Transformer++ of the same size beside it.
+    acc = subprocess.run(
+        [sys.executable, "-m", "gpn_scale.bench.gpu_model", "gpn_m_130m", "--batch", "16"]
+        + ["--gpu", "h200", "--compiled", "sm_90"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert acc.returncode == 0, acc.stderr[-3000:]
+    assert "priced with their kernels compiled for sm_90" in acc.stdout
+    ratio = re.search(
+        r"\| H200 \| [\d,]+ \| [\d.]+ \| [\d,]+ \| [\d.]+% \| ([\d.]+) \|", acc.stdout
+    )
+    assert ratio and 0 < float(ratio.group(1)) < 10, acc.stdout[-2000:]
 
 
 # ----------------------------------------------------------------- what the gate reads

@@ -344,9 +344,11 @@ def _layer_meta(plan: StepPlan, i: int) -> dict[str, int | bool]:
 
 def _mem_blocks(plan: StepPlan, t: Tensor, C: int) -> dict[str, int]:
     small = _interpreting(t)
+    # tl.dot (the backward's block flush) needs every dimension >= 16 on a GPU.
+    at_least = 1 if small else 16
     return dict(
-        BLOCK_DK=_p2(max(plan.dk, 1)),
-        BLOCK_C=_p2(C),
+        BLOCK_DK=max(at_least, _p2(max(plan.dk, 1))),
+        BLOCK_C=max(at_least, _p2(C)),
         BLOCK_F=min(_p2(plan.f), 16 if small else 512),
         BLOCK_HV=min(_p2(max(plan.H * plan.dv, 1)), 16 if small else 1024),
     )
@@ -371,8 +373,9 @@ def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
 
 # The memory kernels' d_value block and warps on the GPU (what bench/gpu_compile.py compiles
 # without spills at the shipped configs).
-MEMORY_BACKWARD_BLOCK_DV = 64
+MEMORY_BACKWARD_BLOCK_DV = 32
 MEMORY_BACKWARD_WARPS = 8
+SWEEP_BLOCK = 16
 
 # --------------------------------------------------------------------------- backend
 GRAPH_COPIES = "graph copies in/out"  # recorded (dry runs) where a replay copies its buffers
@@ -695,8 +698,13 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         DGS.zero_()
         DA_ROWS.zero_()
         _aten("zero dG suffix, dA rows", pc, 2 * _nbytes(DGS))
+        # Each layer's do (and layer 0's dpred) over the current block of steps: what the
+        # block's flush pushes onto the rows before it (`memory_backward_kernel`).
+        S_blk = _sweep_block(dP)
+        kept = [(new(B, H, S_blk, dv), new(B, H, S_blk, dv) if i == 0 else None) for i in range(L)]
     else:
         M0 = DGS = DA_ROWS = DKPRE0 = None
+        kept = [(None, None)] * L
     for tau in range(C - 1, -1, -1):
         linear(a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T", workspace=ws)
         _rev_row(
@@ -736,6 +744,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
                 blocks,
                 eps,
                 SUMS,
+                kept[i],
             )
             if split:
                 _input_grad_split(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN, ws)
@@ -909,6 +918,7 @@ def _memory_backward(
     blocks: dict[str, int],
     eps: float,
     sums: Tensor | None = None,
+    kept: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> None:
     H, dk, dv = plan.H, plan.dk, plan.dv
     mem, write = plan.memory, plan.memory and i == 0
@@ -917,11 +927,12 @@ def _memory_backward(
     B = y.shape[0]
     dummy = dy
     if mem:
-        q, rq, drq = acts.q[i][:, :, tau], acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
+        rq, drq = acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
         o, ro, stride_o = acts.o[i][tau], acts.ro[i][tau], acts.o[i].stride(1)
-        reads = [q, rq, drq, acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, M0]
-        hist = (tau + 1) * B * H * 2 * (2 * dk + 2 * dv + 2) * y.element_size()
-        nbytes = _nbytes(y, dy, DH, o, ro, M0) + hist
+        reads = [acts.q[i], rq, drq, acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, M0]
+        nbytes = _nbytes(y, dy, DH, o, ro, M0) + _sweep_history_bytes(
+            B, H, dk, dv, tau, C, _sweep_block(dy), write, y.element_size()
+        )
         flops = B * H * ((4 if write else 2) * dk * dv + 12 * (tau + 1) * (dk + dv))
     else:
         o = ro = None
@@ -933,7 +944,7 @@ def _memory_backward(
         o if o is not None else dummy,
         ro if ro is not None else dummy,
         stride_o,
-        *_pointers(reads, [2, 2, 2, 3, 3, 3, 3, 3, 3, 3], dummy),
+        *_pointers(reads, [3, 2, 2, 3, 3, 3, 3, 3, 3, 3], dummy),
     )
     if write:
         writes = [
@@ -968,6 +979,8 @@ def _memory_backward(
         *write_args,
         A if mem else dummy,
         sums if sums is not None else dummy,
+        kept[0] if kept[0] is not None else dummy,
+        kept[1] if kept[1] is not None else dummy,
         tau,
         int(tau == C - 1),
         eps,
@@ -976,5 +989,76 @@ def _memory_backward(
         **blocks,
         SUMS_GIVEN=sums is not None,
         NORM_WIDTH=H * dv * (plan.tp_size if sums is not None else 1),
+        BLOCK_S=_sweep_block(y),
         num_warps=MEMORY_BACKWARD_WARPS,
     )
+    S = _sweep_block(y)
+    if mem and tau % S == 0 and tau > 0:
+        _flush_block(plan, i, tau, C, acts, a, kept, S, write, B)
+
+
+def _flush_block(
+    plan: StepPlan,
+    i: int,
+    b0: int,
+    C: int,
+    acts,
+    a,
+    kept: tuple[Tensor | None, Tensor | None],
+    S: int,
+    write: bool,
+    B: int,
+) -> None:
+    """The block [b0, b0 + S)'s deferred pushes onto the rows before b0 (grid (B, H))."""
+    H, dk, dv = plan.H, plan.dk, plan.dv
+    dob, dpb = kept
+    assert dob is not None
+    size = dob.element_size()
+    row = dk + dv + 1
+    nbytes = B * H * (3 * b0 * row + S * (2 * dk + 2 + dv * (2 if write else 1))) * size
+    flops = B * H * b0 * S * (2 if write else 1) * (4 * dk + 6 * dv)
+    _launch(
+        tk.memory_backward_flush_kernel,
+        (B, H),
+        f"memory backward block flush {i}",
+        "reverse step",
+        nbytes,
+        flops,
+        *_pointers(
+            [acts.q[i], acts.k, acts.U, acts.G, a.dK, a.dU, a.dG], [3, 3, 3, 3, 3, 3, 3], dob
+        ),
+        dob,
+        dpb if dpb is not None else dob,
+        b0,
+        C,
+        H=H,
+        DK=dk,
+        DV=dv,
+        WRITE=write,
+        BLOCK_DK=max(1 if _interpreting(dob) else 16, _p2(dk)),
+        BLOCK_DV=min(_p2(dv), 8 if _interpreting(dob) else 64),
+        BLOCK_J=S,
+        BLOCK_S=S,
+        num_warps=8,
+    )
+
+
+def _sweep_block(t: Tensor) -> int:
+    """Steps per block of the reverse sweep's deferred pushes (`memory_backward_kernel`):
+    16 on a GPU (tl.dot's smallest tile), 4 in the interpreter (the tests' chunks of 4-20
+    steps then hold several blocks, partial ones included)."""
+    return 4 if _interpreting(t) else SWEEP_BLOCK
+
+
+def _sweep_history_bytes(
+    B: int, H: int, dk: int, dv: int, tau: int, C: int, S: int, write: bool, size: int
+) -> int:
+    """HBM bytes of the chunk's history one reverse step moves: the keys, errors and
+    decays up to t read (the read and the write need them all; the keys twice), their adjoints read and
+    written over the block's rows [b0, t], the step's do / dpred kept (the flush after a
+    block's first step counts its own: `_flush_block`)."""
+    row = dk + dv + 1
+    b0 = tau - tau % S
+    # the keys are read twice (before and after the d_value loop: registers)
+    moved = (tau + 1) * (row + dk) + 2 * (tau - b0 + 1) * row + dv * (2 if write else 1)
+    return B * H * moved * size

@@ -759,9 +759,10 @@ def memory_backward_kernel(
     O_READ,
     RO,
     stride_o: tl.int64,  # (B, H*DV) the read output and its RMSNorm
-    Q,
+    QA,
     s_qb: tl.int64,
-    s_qh,  # (B, H, DK) this step's read query
+    s_qh,
+    s_qc,  # (B, H, C, DK) the chunk's read queries
     RQ,
     s_rqb: tl.int64,
     s_rqh,  # (B, H, DV) M0^T q
@@ -819,6 +820,8 @@ def memory_backward_kernel(
     DKPRE0,  # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
     A,
     SUMS,  # SUMS_GIVEN: (B, 2) the read norm's row sums, summed over the tp group
+    DOB,  # (B, H, BLOCK_S, DV) the block's do (the read's output gradient), by step
+    DPB,  # WRITE: (B, H, BLOCK_S, DV) the block's dpred (the write's prediction gradient)
     tau,
     is_last,
     eps,
@@ -843,12 +846,22 @@ def memory_backward_kernel(
     BLOCK_HV: tl.constexpr,
     SUMS_GIVEN: tl.constexpr,
     NORM_WIDTH: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step,
     over d_value in BLOCK_DV blocks (a whole head's M0 and history tiles in registers at
     once spilled most of the kernel at dk 128 / dv 256: bench/gpu_compile.py).
     Head programs fill the read's (and at layer 0 the write's) columns of DY and add to the
-    chunk's dK, dU, dG; FFN programs fill the FFN columns."""
+    chunk's dK, dU, dG; FFN programs fill the FFN columns.
+
+    The history's adjoints are pushed at once only into the rows of the current block of
+    BLOCK_S steps [b0, t] (the rows this and the block's earlier-processed steps still
+    read: du_t, dk_t and dG_t must be complete at step t); what a step adds to the rows
+    before its block is deferred: the step keeps its do (and dpred), and after the block's
+    first step b0 one flush (`memory_backward_flush_kernel`) adds the whole block's share
+    to rows j < b0, its coefficients recomputed from the keys, queries and decays.
+    Per step the chunk's dK, dU, dG are then read and written over at most BLOCK_S rows, not
+    all t + 1 (the pushes were ~2/3 of the kernel's history traffic)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     y_row = Y + b * stride_y
@@ -888,19 +901,24 @@ def memory_backward_kernel(
         rc = tl.arange(0, BLOCK_C)
         read_ok = rc <= tau
         is_t = rc == tau
+        b0 = tau - tau % BLOCK_S  # the block's first step
+        slot = tau - b0
+        in_block = read_ok & (rc >= b0)  # the rows pushed into at once
         # o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j; the write's prediction
         # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j.
         # Everything over d_value is done in BLOCK_DV blocks (one pass over the blocks of
         # M0, of the history's u_j and of their adjoints); what spans d_value (the dot
         # products with do and dpred) is summed over the blocks, and what needs those sums
         # (the k_j, G_j and query adjoints) follows the loop.
-        q = tl.load(Q + b * s_qb + h * s_qh + rk, mask=k_ok, other=0.0)
+        q_base = QA + b * s_qb + h * s_qh
+        q = tl.load(q_base + tau * s_qc + rk, mask=k_ok, other=0.0)
         g_base = GA + b * s_gb + h * s_gh
         Gt = tl.load(g_base + tau * s_gc)
         eG = tl.exp(Gt)
         Gj = tl.load(g_base + rc * s_gc, mask=read_ok, other=0.0)
         w = tl.where(read_ok, tl.exp(Gt - Gj), 0.0)
-        kh_tile = KA + b * s_kb + h * s_kh + rc[:, None] * s_kc + rk[None, :]
+        k_base = KA + b * s_kb + h * s_kh
+        kh_tile = k_base + rc[:, None] * s_kc + rk[None, :]
         ok_k = read_ok[:, None] & k_ok[None, :]
         Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
         sdot = tl.sum(Kh * q[None, :], axis=1)
@@ -909,7 +927,7 @@ def memory_backward_kernel(
         dGt = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
         dq = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drq
         if WRITE:
-            k = tl.load(KA + b * s_kb + h * s_kh + tau * s_kc + rk, mask=k_ok, other=0.0)
+            k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
             has_prev = tau > 0
             Gp = tl.load(g_base + (tau - 1) * s_gc, mask=has_prev, other=0.0)
             eGp = tl.exp(Gp)
@@ -925,6 +943,7 @@ def memory_backward_kernel(
         u_base = UA + b * s_ub + h * s_uh
         du_base = DUA + b * s_dub + h * s_duh
         m0_base = M0 + b * s_m0b + h * s_m0h
+        kept = (b.to(tl.int64) * H + h) * BLOCK_S * DV  # this head's block of do / dpred
         for v0 in range(0, DV, BLOCK_DV):
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
@@ -934,6 +953,7 @@ def memory_backward_kernel(
             ro = tl.load(RO + b * stride_o + col_v, mask=v_ok, other=0.0)
             tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
             do = tl.where(v_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
+            tl.store(DOB + kept + slot * DV + rv, do, mask=v_ok)
             drq = eG * do
             tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
             dGt += tl.sum(
@@ -961,6 +981,7 @@ def memory_backward_kernel(
                 dvv = beta * du
                 tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
                 dpred = -dvv
+                tl.store(DPB + kept + slot * DV + rv, dpred, mask=v_ok)
                 drk = eGp * dpred
                 tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
                 dGp += tl.sum(
@@ -969,16 +990,17 @@ def memory_backward_kernel(
                 dsd2 += tl.sum(Uh * dpred[None, :], axis=1)
                 dU_add += coef2[:, None] * dpred[None, :]
                 dk += tl.sum(m0 * drk[None, :], axis=1)
-            # The chunk's u adjoints of this block, read and written once.
+            # The block's rows of the chunk's u adjoints (the rest: the block's flush).
             tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
-            tl.store(tile_du, tl.load(tile_du, mask=ok_v, other=0.0) + dU_add, mask=ok_v)
+            ok_push = in_block[:, None] & v_ok[None, :]
+            tl.store(tile_du, tl.load(tile_du, mask=ok_push, other=0.0) + dU_add, mask=ok_push)
         dGt = eG * dGt
         dsd = dsd * w
         dK_add = dsd[:, None] * q[None, :]
         dw = dsd * sdot
         dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
-        # The keys again (a second read of the C x DK tile, from L2): holding them over the
-        # d_value loop cost registers the loop's tiles need.
+        # The keys again (a second read of the t + 1 rows, from L2): holding them over the
+        # d_value loop cost registers its tiles need (spills: bench/gpu_compile.py).
         Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
         dq += tl.sum(dsd[:, None] * Kh, axis=0)
         if WRITE:
@@ -987,17 +1009,24 @@ def memory_backward_kernel(
             dsd2 = dsd2 * w2
             dK_add += dsd2[:, None] * k[None, :]
             dw2 = dsd2 * sdot2
-            dG_add += tl.where(rc == tau - 1, dGp + tl.sum(dw2, axis=0), 0.0) - dw2
+            at_prev = dGp + tl.sum(dw2, axis=0)  # G_{t-1}'s own term (its row may precede b0)
+            dG_add += tl.where(rc == tau - 1, at_prev, 0.0) - dw2
             dk += tl.sum(dsd2[:, None] * Kh, axis=0)
-        # The chunk's adjoints of k and G, each read and written once.
+        # The block's rows of the chunk's k and G adjoints, each read and written once.
         tile_dk = DKA + b * s_dkb + h * s_dkh + rc[:, None] * s_dkc + rk[None, :]
-        dK_new = tl.load(tile_dk, mask=ok_k, other=0.0) + dK_add
+        ok_push_k = in_block[:, None] & k_ok[None, :]
+        dK_new = tl.load(tile_dk, mask=ok_push_k, other=0.0) + dK_add
         if WRITE:
             dK_new += tl.where(is_t[:, None], dk[None, :], 0.0)
-        tl.store(tile_dk, dK_new, mask=ok_k)
+        tl.store(tile_dk, dK_new, mask=ok_push_k)
         dg_ptr = DGA + b * s_dgb + h * s_dgh
-        dG_new = tl.load(dg_ptr + rc * s_dgc, mask=read_ok, other=0.0) + dG_add
-        tl.store(dg_ptr + rc * s_dgc, dG_new, mask=read_ok)
+        dG_new = tl.load(dg_ptr + rc * s_dgc, mask=in_block, other=0.0) + dG_add
+        tl.store(dg_ptr + rc * s_dgc, dG_new, mask=in_block)
+        if WRITE:
+            if slot == 0:
+                if tau > 0:  # row t - 1 is the previous block's: its own term now
+                    prev = dg_ptr + (tau - 1) * s_dgc
+                    tl.store(prev, tl.load(prev) + at_prev)
         q_pre = tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0)
         tl.store(dy_row + COL_QUERY + h * DK + rk, _l2n_relu_back(q_pre, dq), mask=k_ok)
         if WRITE:
@@ -1020,3 +1049,132 @@ def memory_backward_kernel(
                 tl.store(DY_PREV + b * stride_dy + COL_KEY + h * DK + rk, dk_pre, mask=k_ok)
             else:
                 tl.store(DKPRE0 + b * H * DK + h * DK + rk, dk_pre, mask=k_ok)
+
+
+@triton.jit(do_not_specialize=["b0", "n_steps"])
+def memory_backward_flush_kernel(
+    QA,
+    s_qb: tl.int64,
+    s_qh,
+    s_qc,
+    KA,
+    s_kb: tl.int64,
+    s_kh,
+    s_kc,
+    UA,
+    s_ub: tl.int64,
+    s_uh,
+    s_uc,
+    GA,
+    s_gb: tl.int64,
+    s_gh,
+    s_gc,
+    DKA,
+    s_dkb: tl.int64,
+    s_dkh,
+    s_dkc,
+    DUA,
+    s_dub: tl.int64,
+    s_duh,
+    s_duc,
+    DGA,
+    s_dgb: tl.int64,
+    s_dgh,
+    s_dgc,
+    DOB,
+    DPB,
+    b0,
+    n_steps,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    WRITE: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """The deferred pushes of the steps [b0, b0 + BLOCK_S) onto the rows j < b0 (see
+    `memory_backward_kernel`): with W[j, s] = e^{G_s - G_j} (q_s.k_j) the read's weights
+    and W2[j, s] = e^{G_{s-1} - G_j} (k_s.k_j) the write's, over the block's steps s:
+    dU_j += W do + W2 dpred; dsd[j, s] = e^{G_s - G_j} (u_j.do_s) (and dsd2 with
+    e^{G_{s-1} - G_j} and dpred_s); dK_j += dsd q + dsd2 k; dG_j -= sum_s dsd (q_s.k_j)
+    + dsd2 (k_s.k_j), over the block's steps before `n_steps` (the chunk's length); the
+    rows in blocks of BLOCK_J (what a program holds at once). Grid (B, H); launched after
+    the memory backward of a block's first step b0 > 0 (its own kernel: inside the step
+    kernel its tiles spilled both)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kept = (b.to(tl.int64) * H + h) * BLOCK_S * DV
+    acc_t = DKA.dtype.element_ty
+    rs = tl.arange(0, BLOCK_S)
+    rk = tl.arange(0, BLOCK_DK)
+    k_ok = rk < DK
+    steps = b0 + rs
+    s_ok = steps < n_steps  # the block's steps that exist (a chunk may end inside a block)
+    g_base = GA + b * s_gb + h * s_gh
+    k_base = KA + b * s_kb + h * s_kh
+    u_base = UA + b * s_ub + h * s_uh
+    du_base = DUA + b * s_dub + h * s_duh
+    Gs = tl.load(g_base + steps * s_gc, mask=s_ok, other=0.0)
+    Qs = tl.load(
+        QA + b * s_qb + h * s_qh + steps[:, None] * s_qc + rk[None, :],
+        mask=s_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )  # (S, DK)
+    if WRITE:
+        Gsp = tl.load(g_base + (steps - 1) * s_gc, mask=s_ok & (steps > 0), other=0.0)
+        Ks = tl.load(
+            k_base + steps[:, None] * s_kc + rk[None, :],
+            mask=s_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+    for j0 in range(0, b0, BLOCK_J):
+        rj = j0 + tl.arange(0, BLOCK_J)
+        rows = rj < b0
+        Gj = tl.load(g_base + rj * s_gc, mask=rows, other=0.0)
+        both = rows[:, None] & s_ok[None, :]
+        E = tl.where(both, tl.exp(Gs[None, :] - Gj[:, None]), 0.0)  # (J, S)
+        ok_k = rows[:, None] & k_ok[None, :]
+        Kh = tl.load(k_base + rj[:, None] * s_kc + rk[None, :], mask=ok_k, other=0.0)
+        S1 = tl.dot(Kh, tl.trans(Qs), input_precision="ieee")  # (J, S): k_j . q_s
+        W = E * S1
+        UD = tl.zeros((BLOCK_J, BLOCK_S), dtype=acc_t)
+        if WRITE:
+            E2 = tl.where(both, tl.exp(Gsp[None, :] - Gj[:, None]), 0.0)
+            S2 = tl.dot(Kh, tl.trans(Ks), input_precision="ieee")  # k_j . k_s
+            W2 = E2 * S2
+            UD2 = tl.zeros((BLOCK_J, BLOCK_S), dtype=acc_t)
+        for v0 in range(0, DV, BLOCK_DV):
+            rv = v0 + tl.arange(0, BLOCK_DV)
+            v_ok = rv < DV
+            ok = rows[:, None] & v_ok[None, :]
+            Uh = tl.load(u_base + rj[:, None] * s_uc + rv[None, :], mask=ok, other=0.0)
+            DO = tl.load(
+                DOB + kept + rs[:, None] * DV + rv[None, :],
+                mask=s_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )  # (S, BV)
+            UD += tl.dot(Uh, tl.trans(DO), input_precision="ieee")
+            add = tl.dot(W, DO, input_precision="ieee")  # (J, BV)
+            if WRITE:
+                DP = tl.load(
+                    DPB + kept + rs[:, None] * DV + rv[None, :],
+                    mask=s_ok[:, None] & v_ok[None, :],
+                    other=0.0,
+                )
+                UD2 += tl.dot(Uh, tl.trans(DP), input_precision="ieee")
+                add += tl.dot(W2, DP, input_precision="ieee")
+            tile = du_base + rj[:, None] * s_duc + rv[None, :]
+            tl.store(tile, tl.load(tile, mask=ok, other=0.0) + add, mask=ok)
+        dsd = E * UD
+        dK_add = tl.dot(dsd, Qs, input_precision="ieee")  # (J, DK)
+        dG_add = -tl.sum(dsd * S1, axis=1)
+        if WRITE:
+            dsd2 = E2 * UD2
+            dK_add += tl.dot(dsd2, Ks, input_precision="ieee")
+            dG_add -= tl.sum(dsd2 * S2, axis=1)
+        tile_k = DKA + b * s_dkb + h * s_dkh + rj[:, None] * s_dkc + rk[None, :]
+        tl.store(tile_k, tl.load(tile_k, mask=ok_k, other=0.0) + dK_add, mask=ok_k)
+        dg = DGA + b * s_dgb + h * s_dgh + rj * s_dgc
+        tl.store(dg, tl.load(dg, mask=rows, other=0.0) + dG_add, mask=rows)
