@@ -8,7 +8,6 @@ Nothing in this module creates a file or a directory.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -112,26 +111,18 @@ def check_launch(cfg: TrainConfig, nodes: int, procs_per_node: int) -> list[str]
 
 
 def check_run_dir(run_dir: str) -> None:
-    """One line naming `run_dir` when it cannot be created or written (nothing is created)."""
-    check_local_dir(run_dir, "run_dir")
+    """One line naming `run_dir` when it cannot be created or written (nothing is left: the
+    probe directory a write test makes is removed at once)."""
+    check_local_dir(run_dir, "run_dir", probe=True)
 
 
-def check_local_dir(path_str: str, key: str) -> bool:
+def check_local_dir(path_str: str, key: str, probe: bool = False) -> bool:
     """One line naming `key` when the directory cannot be created or written; returns
-    whether it exists already. Nothing is created (the first existing ancestor decides)."""
-    path = Path(path_str).absolute()
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(
-            f"{key} {path_str}: {probe} is a file, not a directory; choose another {key}"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} {path_str}: {probe} is not writable; choose another {key}")
-    return probe == path
+    whether it exists already. Nothing is created (the first existing ancestor decides;
+    `probe`: a write test there too, gpn_scale/io/outputs.py)."""
+    from gpn_scale.io.outputs import check_out_dir
+
+    return check_out_dir(path_str, key, error=ConfigError, probe=probe)
 
 
 def check_data(
