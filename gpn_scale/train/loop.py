@@ -493,9 +493,10 @@ class Trainer:
             # exit 2 before anything was trained (a bad setting, or bad data met by the first
             # batch): leave nothing that was not there before
             if not self._started or not getattr(self, "_stepped", True):
-                for sink in getattr(self, "_sinks", []):
+                # writers first: a loader's download threads would refill its cache
+                for closeable in [*getattr(self, "_sinks", []), *self._loaders]:
                     with contextlib.suppress(Exception):
-                        sink.close()
+                        closeable.close()
                 self._remove_new_dirs()
             raise
         finally:
