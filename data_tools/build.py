@@ -18,9 +18,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,12 +63,15 @@ def existing_dataset_files(location: Location) -> list[str]:
     return found
 
 
-def prepare_output(out: str, overwrite: bool) -> Location:
-    """Refuse to write over a dataset unless asked; with overwrite, remove the old one
-    (metadata first, so an interrupted rebuild is never mistaken for a complete one)."""
+def check_output(out: str, overwrite: bool) -> tuple[Location, list[str]]:
+    """Refuse an --out that cannot be written (a file, a read-only or unwritable directory)
+    or that holds a dataset (unless `overwrite`); deletes nothing. Returns the location and
+    the files a build would replace."""
     location = Location(out)
-    if not location.remote and Path(out).exists() and not Path(out).is_dir():
-        raise DataError(f"{out}: exists and is not a directory; choose another --out")
+    if not location.remote:
+        from gpn_scale.io.outputs import check_out_dir
+
+        check_out_dir(out, "--out", error=DataError)
     existing = existing_dataset_files(location)  # also checks bucket/credentials/endpoint
     if existing and not overwrite:
         raise DataError(
@@ -77,6 +79,13 @@ def prepare_output(out: str, overwrite: bool) -> Location:
             f"{existing[0]}); pass --overwrite to replace it or choose another "
             "--out"
         )
+    return location, existing
+
+
+def prepare_output(out: str, overwrite: bool) -> Location:
+    """Refuse to write over a dataset unless asked; with overwrite, remove the old one
+    (metadata first, so an interrupted rebuild is never mistaken for a complete one)."""
+    location, existing = check_output(out, overwrite)
     if existing:
         location.delete(METADATA_FILE)
         for split in ("train", "val"):
@@ -211,6 +220,9 @@ def write_split(
     return SplitInfo(samples=len(indices), tokens=len(indices) * seq_len, shards=shards)
 
 
+TokenWriter = Callable[[str], tuple[int, int, dict[str, Any]]]
+
+
 def build_dataset(
     documents: Iterable[str],
     out: str,
@@ -218,13 +230,9 @@ def build_dataset(
     options: BuildOptions,
     source: dict[str, Any],
 ) -> DatasetMetadata:
-    """The whole build; `documents` is consumed once. Returns the metadata written."""
-    if options.seq_len < 1:
-        raise DataError(f"--seq-len {options.seq_len}: must be >= 1")
-    prepare_output(out, options.overwrite)
-    scratch = tempfile.mkdtemp(prefix="gpn-data-build-", dir=options.scratch_dir)
-    try:
-        token_file = os.path.join(scratch, "tokens.bin")
+    """The whole build from text; `documents` is consumed once. Returns the metadata written."""
+
+    def tokenize(token_file: str) -> tuple[int, int, dict[str, Any]]:
         n_docs, n_tokens = tokenize_to_file(
             documents,
             spec,
@@ -233,6 +241,30 @@ def build_dataset(
             docs_per_task=options.docs_per_task,
             progress=options.progress,
         )
+        return n_docs, n_tokens, {}
+
+    return build_from_tokens(tokenize, out, spec, options, source)
+
+
+def build_from_tokens(
+    write_tokens: TokenWriter,
+    out: str,
+    spec: TokenizerSpec,
+    options: BuildOptions,
+    source: dict[str, Any],
+) -> DatasetMetadata:
+    """The build after tokenisation: `write_tokens(path)` fills the flat scratch file (ids of
+    `spec.dtype`, EOD after each document) and returns (documents, tokens, facts for the
+    source metadata); then the windows, shuffle, split, MDS shards and metadata. An existing
+    dataset at `out` is replaced (with `overwrite`) only once the tokens and the split are
+    known to be good, so a build that fails on its input loses nothing."""
+    if options.seq_len < 1:
+        raise DataError(f"--seq-len {options.seq_len}: must be >= 1")
+    check_output(out, options.overwrite)
+    scratch = tempfile.mkdtemp(prefix="gpn-data-build-", dir=options.scratch_dir)
+    try:
+        token_file = os.path.join(scratch, "tokens.bin")
+        n_docs, n_tokens, facts = write_tokens(token_file)
         if n_docs == 0:
             raise DataError(
                 "the inputs hold no documents (empty files or wrong --field); check the inputs"
@@ -246,6 +278,7 @@ def build_dataset(
         train_idx, val_idx = split_windows(
             n_windows, options.seed, options.val_fraction, options.val_windows
         )
+        prepare_output(out, options.overwrite)  # the old dataset goes only now
         splits = {}
         for split, indices in (("train", train_idx), ("val", val_idx)):
             splits[split] = write_split(
@@ -267,7 +300,7 @@ def build_dataset(
         tokenizer=spec.identity(),
         eod_token_id=spec.eod_token_id,
         splits=splits,
-        source={**source, "documents": n_docs},
+        source={**source, **facts, "documents": n_docs},
         seed=options.seed,
         token_dtype=spec.dtype.name,
         val_fraction=float(

@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except DataError as err:
         print(f"gpn-data: error: {err}", file=sys.stderr)
@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpn-data: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `gpn-data inspect … | head`
+        from gpn_scale.core.pipes import quiet_broken_pipe
+
+        return quiet_broken_pipe()
 
 
 if __name__ == "__main__":

@@ -33,14 +33,25 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
         nargs="+",
         metavar="INPUT",
         help="text/JSONL/Parquet files or directories; hf:NAME[:CONFIG] for a "
-        "Hugging Face dataset (needs internet and `datasets`)",
+        "Hugging Face dataset (needs internet and `datasets`); with --format megatron a "
+        "Megatron .bin/.idx PREFIX or a folder of them",
     )
     p.add_argument("--out", "-o", required=True, help="dataset root: directory or s3://...")
     p.add_argument(
         "--format",
         default="auto",
-        choices=("auto", "text", "jsonl", "parquet", "hf"),
-        help="input format (default: from the file extension)",
+        choices=("auto", "text", "jsonl", "parquet", "hf", "megatron"),
+        help="input format (default: from the file extension); megatron: an already "
+        "tokenised Megatron indexed dataset, read with megatron-core (--tokenizer must be "
+        "the one it was made with)",
+    )
+    p.add_argument(
+        "--megatron-eod",
+        default="auto",
+        choices=("auto", "append", "none"),
+        help="--format megatron: the end-of-document id after each document: auto = "
+        "appended where a document does not already end with it (default), append = always, "
+        "none = never",
     )
     p.add_argument(
         "--field",
@@ -90,7 +101,9 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
         action="store_true",
         help="replace a dataset already at --out (never done otherwise)",
     )
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--quiet", "-q", action="store_true", help="no progress bars (none off a terminal either)"
+    )
     p.set_defaults(func=cmd_build)
 
 
@@ -213,16 +226,26 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_default_corpus)
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars only on a terminal: in a pipe or a log file, tqdm's redraws are noise."""
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
 def cmd_build(args: argparse.Namespace) -> int:
-    from data_tools.build import BuildOptions, build_dataset, prepare_output
-    from data_tools.sources import expand_inputs, iter_documents
+    from data_tools.build import BuildOptions, build_dataset, build_from_tokens, check_output
     from data_tools.tokenizer import resolve_tokenizer
 
-    files = expand_inputs(args.inputs, args.format)
+    megatron = args.format == "megatron"
+    if megatron:
+        from data_tools.megatron import expand_prefixes
+
+        prefixes = expand_prefixes(args.inputs)
+    else:
+        from data_tools.sources import expand_inputs
+
+        files = expand_inputs(args.inputs, args.format)
     spec = resolve_tokenizer(args.tokenizer, args.eod_token)
-    if not args.overwrite:  # fail before reading any input if --out is taken
-        prepare_output(args.out, overwrite=False)
-    docs = iter_documents(files, field=args.field, hf_split=args.hf_split, max_docs=args.max_docs)
+    check_output(args.out, args.overwrite)  # before reading any input: --out taken/unwritable
     options = BuildOptions(
         seq_len=args.seq_len,
         seed=args.seed,
@@ -232,20 +255,50 @@ def cmd_build(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         overwrite=args.overwrite,
         scratch_dir=args.scratch_dir,
-        progress=not args.quiet,
+        progress=show_progress(args),
     )
-    source = {
+    source: dict[str, Any] = {
         "description": ", ".join(args.inputs)[:500],
         "inputs": list(args.inputs),
         "format": args.format,
-        "field": args.field,
     }
-    meta = build_dataset(docs, args.out, spec, options, source)
+    if megatron:
+        from data_tools.megatron import write_tokens
+
+        def read_megatron(token_file: str) -> tuple[int, int, dict[str, Any]]:
+            counts = write_tokens(
+                prefixes,
+                token_file,
+                dtype=spec.dtype,
+                vocab_size=spec.vocab_size,
+                eod_id=spec.eod_token_id,
+                mode=args.megatron_eod,
+                max_docs=args.max_docs,
+                progress=options.progress,
+            )
+            facts = {"megatron": {"eod": args.megatron_eod, **counts}}
+            return counts["documents"], counts["tokens"], facts
+
+        meta = build_from_tokens(read_megatron, args.out, spec, options, source)
+    else:
+        from data_tools.sources import iter_documents
+
+        source["field"] = args.field
+        docs = iter_documents(
+            files, field=args.field, hf_split=args.hf_split, max_docs=args.max_docs
+        )
+        meta = build_dataset(docs, args.out, spec, options, source)
     print(
         f"wrote {args.out}: train {meta.splits['train'].samples} windows "
         f"({meta.splits['train'].tokens:,} tokens), val {meta.splits['val'].samples} windows "
         f"({meta.splits['val'].tokens:,} tokens), vocab {meta.vocab_size}, seq_len "
         f"{meta.seq_len}"
+        + (
+            f"; {meta.source['documents']:,} Megatron documents, EOD appended to "
+            f"{meta.source['megatron']['eod_appended']:,} (--megatron-eod {args.megatron_eod})"
+            if megatron
+            else ""
+        )
     )
     return 0
 
@@ -262,7 +315,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         eod_token=args.eod_token,
         min_frequency=args.min_frequency,
-        show_progress=not args.quiet,
+        show_progress=show_progress(args),
     )
     print(
         f"wrote {spec.name}: vocab {spec.vocab_size}, eod {spec.eod_token!r} = {spec.eod_token_id}"
@@ -282,7 +335,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from data_tools.verify import verify_dataset
 
-    report = verify_dataset(args.root, progress=not args.quiet)
+    report = verify_dataset(args.root, progress=show_progress(args))
     for line in report.bad:
         print(f"BAD  {line}")
     for line in report.problems:
@@ -305,7 +358,11 @@ def cmd_default_corpus(args: argparse.Namespace) -> int:
             sys.stdout.write(doc + "\n\n")
         return 0
     root = build_default_dataset(
-        args.out, seq_len=args.seq_len, seed=args.seed, overwrite=args.overwrite, progress=True
+        args.out,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        overwrite=args.overwrite,
+        progress=show_progress(args),
     )
     from gpn_scale.data.metadata import read_metadata
 

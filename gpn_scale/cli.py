@@ -46,16 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0 if args.command is None else 2
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0 if args.command is None else 2
         return int(args.func(args) or 0)
     except ConfigError as err:
         print(f"gpn-scale: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `gpn-scale sweep plan … | head`: the reader left; so do we
+        from gpn_scale.core.pipes import quiet_broken_pipe
+
+        return quiet_broken_pipe()
 
 
 if __name__ == "__main__":

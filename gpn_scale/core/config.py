@@ -36,6 +36,24 @@ def check_fields(cls: Any, values: Mapping[str, Any], unknown: str = "unknown ke
                 raise ConfigError(f"model.{f.name}: required key is missing")
 
 
+def check_float_fields(cfg: Any, prefix: str = "model.") -> None:
+    """One ConfigError line for the first float field of the dataclass `cfg` (declared
+    `float`) that is not a finite number >= 0: every float of a model config is a scale (an
+    epsilon, an init std, a rope base), and nan / inf / a string such as 'nan' from a dotlist
+    otherwise fail only once training has started."""
+    import math
+
+    for f in dataclasses.fields(cfg):
+        declared = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if declared != "float":
+            continue
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{prefix}{f.name}: expected a number, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{prefix}{f.name}: must be a finite number >= 0, got {value}")
+
+
 def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> Any:
     """A YAML file as plain containers (OmegaConf: `${...}` interpolation when `resolve`).
 

@@ -347,6 +347,17 @@ class TokenLoader:
         iterator = getattr(self._loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+        # streaming's download threads of the main process (num_workers=0) run on until the
+        # epoch ends: stop them and wait, so that nothing is written into the cache after
+        # close() (a failed start removes the cache it had made)
+        epoch = getattr(self.dataset, "_iterator", None)
+        if epoch is not None and hasattr(epoch, "exit"):
+            epoch.exit()
+        executor = getattr(self.dataset, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+            with contextlib.suppress(AttributeError):
+                del self.dataset._executor
         _release_shared_memory(self.dataset)
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError, closest_key_hint
@@ -254,9 +257,108 @@ def _task_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_lm_eval(tasks: list[str], include_path: str | None) -> None:
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _hub_offline() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here (None: it answers, or offline
+    mode is already set). A 3 s probe: the harness's own retries take over a minute per task
+    before failing in a traceback."""
+    import urllib.error
+    import urllib.request
+
+    if any(
+        os.environ.get(k, "").lower() in _TRUE for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     try:
-        from lm_eval.tasks import TaskManager
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=3)
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        return f"{endpoint} is not reachable ({reason})"
+    return None
+
+
+def _go_offline() -> None:
+    """Cache-only from now on: datasets and huggingface_hub read these at import, and are
+    patched as well where already imported."""
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for module, name in (("datasets.config", "HF_HUB_OFFLINE"),
+                         ("huggingface_hub.constants", "HF_HUB_OFFLINE")):  # fmt: skip
+        mod = sys.modules.get(module)
+        if mod is not None and hasattr(mod, name):
+            setattr(mod, name, True)
+
+
+def _load_task_data(tasks: list[str], manager: Any, offline: str | None) -> None:
+    """Build the tasks (which fetches their data) before the model loads: a task whose data
+    cannot be had fails here in one line."""
+    import logging
+
+    from lm_eval.tasks import get_task_dict
+
+    quiet = [logging.getLogger(n) for n in ("lm_eval", "datasets", "huggingface_hub")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        get_task_dict(tasks, manager)
+    except Exception as err:  # noqa: BLE001 - offline, gated, a bad task YAML: one line
+        first = " ".join(str(err).split())[:300] or type(err).__name__
+        where = (
+            f"{offline} and the data is not in the local cache "
+            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}); fetch it once "
+            "with the same HF_HOME on a machine with internet, or use --include-path DIR for "
+            "a task with local data"
+            if offline
+            else "check the task and the network (or set HF_DATASETS_OFFLINE=1 with a warm cache)"
+        )
+        raise ConfigError(
+            f"--lm-eval {','.join(tasks)}: the task data could not be loaded "
+            f"({type(err).__name__}: {first}); {where}"
+        ) from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+
+
+def _hf_cache_is_empty() -> str | None:
+    """The Hugging Face caches (hub downloads, datasets) when they hold nothing, else None."""
+    home = Path(os.path.expanduser(os.environ.get("HF_HOME", "~/.cache/huggingface")))
+    dirs = [
+        Path(os.path.expanduser(os.environ.get("HF_HUB_CACHE", str(home / "hub")))),
+        Path(os.path.expanduser(os.environ.get("HF_DATASETS_CACHE", str(home / "datasets")))),
+    ]
+    if any(d.is_dir() and any(d.iterdir()) for d in dirs):
+        return None
+    return " and ".join(str(d) for d in dirs)
+
+
+@functools.cache
+def _task_manager(include_path: str | None) -> Any:
+    """lm-eval's task index (it reads every task YAML: tens of seconds), built once."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def _check_lm_eval(tasks: list[str], include_path: str | None) -> None:
+    offline = _hub_offline()
+    if offline:  # before lm_eval imports datasets: cache-only, fast
+        _go_offline()
+        empty = _hf_cache_is_empty() if include_path is None else None
+        if empty:  # no stock task can load: say so now, not after indexing every task
+            raise ConfigError(
+                f"--lm-eval {','.join(tasks)}: the task data comes from the Hugging Face Hub, "
+                f"but {offline} and the local cache is empty ({empty}); fetch the data once "
+                "with the same HF_HOME on a machine with internet, or use --include-path DIR "
+                "for a task with local data"
+            )
+    try:
+        from lm_eval.tasks import TaskManager  # noqa: F401 - is the harness installed?
     except ImportError:
         raise ConfigError(
             "--lm-eval: lm-evaluation-harness is not installed; pip install 'gpn_scale[eval]'"
@@ -265,7 +367,7 @@ def _check_lm_eval(tasks: list[str], include_path: str | None) -> None:
 
     if include_path is not None and not os.path.isdir(include_path):
         raise ConfigError(f"--include-path {include_path}: not a directory")
-    manager = TaskManager(include_path=include_path)
+    manager = _task_manager(include_path)
     known = set(manager.all_tasks)
     for task in tasks:
         if task not in known:
@@ -273,11 +375,11 @@ def _check_lm_eval(tasks: list[str], include_path: str | None) -> None:
                 f"--lm-eval {task}: unknown lm-eval task{closest_key_hint(task, sorted(known))}"
                 "; list them with `lm_eval ls tasks` (or --include-path DIR for your own)"
             )
+    _load_task_data(tasks, manager, offline)
 
 
 def _run_lm_eval(loaded: Any, args: argparse.Namespace, tasks: list[str]) -> dict[str, Any]:
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     from gpn_scale.eval.lm_eval_adapter import GPNScaleLM
 
@@ -293,7 +395,7 @@ def _run_lm_eval(loaded: Any, args: argparse.Namespace, tasks: list[str]) -> dic
         tasks=tasks,
         num_fewshot=args.num_fewshot,
         limit=args.limit,
-        task_manager=TaskManager(include_path=args.include_path),
+        task_manager=_task_manager(args.include_path),
         log_samples=False,
     )
     if out is None:  # non-zero ranks; we run one process

@@ -31,10 +31,11 @@ def _info(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1 or args.seq_len < 1:
         raise ConfigError("--batch-size and --seq-len must be >= 1")
-    spec, cfg = load_any(args.config)
+    model, overrides = _model_of_training_config(args.config)
+    spec, cfg = load_any(model, overrides or None)
     if spec.name != "gpn":
         return _print_rows(_family_rows(spec, cfg, args))
-    cfg = load_model_config(args.config)
+    cfg = load_model_config(model, overrides or None)
     mem = estimate_training_memory(cfg, args.batch_size, args.seq_len)
     gib = 1024**3
     rows = [
@@ -57,6 +58,33 @@ def _info(args: argparse.Namespace) -> int:
         ),
     ]
     return _print_rows(rows)
+
+
+def _model_of_training_config(name: str) -> tuple[str, dict]:
+    """`info` on a training config (a YAML path, or a configs/train name that is no model's)
+    describes the model it trains, saying so on stderr; anything else is passed through."""
+    import sys
+    from pathlib import Path
+
+    from gpn_scale.core.config import read_yaml
+    from gpn_scale.models.registry import CONFIG_DIR, training_config_model
+
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = CONFIG_DIR.parent / "train" / f"{name}.yaml"  # configs/train, beside configs/model
+        if (CONFIG_DIR / f"{name}.yaml").is_file() or not path.is_file():
+            return name, {}
+    raw = read_yaml(path, what="config")
+    named = training_config_model(raw) if isinstance(raw, dict) else None
+    if named is None:
+        return name, {}
+    model, overrides = named
+    print(
+        f"{name} is a training config; showing its model, {model}"
+        + (f", with model_overrides {overrides}" if overrides else ""),
+        file=sys.stderr,
+    )
+    return model, overrides
 
 
 def _family_rows(spec, cfg, args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -68,6 +68,9 @@ class FamilySpec:
       declarative plan applied by DTensor; GPN: parameter placements, Transformer++:
       parallelize_module styles); None when the family is not tensor-parallel.
     - `check_tp(cfg, tp)`: one ConfigError line naming the field that does not split.
+    - `check_device(cfg, device_type)`: one ConfigError line when the config's kernels
+      cannot run on that device type ("cpu", "cuda"), e.g. a backend forced to CUDA-only
+      kernels; run before anything is created.
     - `compat_keys(cfg)`: the config fields a checkpoint must match to be resumed.
     - `recurrent`: the state is O(1) in the context length (scoring and generation reuse it).
     """
@@ -82,4 +85,5 @@ class FamilySpec:
     recurrent: bool
     apply_tp: Callable[[nn.Module, Any], None] | None = None
     check_tp: Callable[[Any, int], None] = field(default=lambda cfg, tp: None)
+    check_device: Callable[[Any, str], None] = field(default=lambda cfg, device_type: None)
     description: str = ""

@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
+from gpn_scale.core.config import (
+    ConfigError,
+    check_float_fields,
+    closest_key_hint,
+    read_yaml,
+    resolve_named_yaml,
+)
 from gpn_scale.models.protocol import FamilySpec
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
@@ -54,7 +60,9 @@ def split_family(values: Mapping[str, Any]) -> tuple[FamilySpec, dict[str, Any]]
 def config_from_dict(values: Mapping[str, Any]) -> tuple[FamilySpec, Any]:
     """(spec, validated config) from a model mapping (a checkpoint's saved config, a sweep's)."""
     spec, fields = split_family(values)
-    return spec, spec.config_from_dict(fields)
+    cfg = spec.config_from_dict(fields)
+    check_float_fields(cfg)  # nan / inf / negative epsilons and scales, for every family
+    return spec, cfg
 
 
 def load_model_config(
@@ -71,10 +79,32 @@ def load_model_config(
         raise ConfigError(f"{path}: expected a mapping of model fields")
     if "model" in raw and isinstance(raw["model"], dict):
         raw = raw["model"]
+    named = training_config_model(raw)
+    if named is not None:
+        raise ConfigError(
+            f"{path}: this is a training config (model: {named[0]}), not a model config; "
+            f"pass its model, {named[0]}, or train it with `gpn-scale train {path}`"
+        )
     raw.setdefault("name", Path(path).stem)
     if overrides:
         raw.update(overrides)
     return config_from_dict(raw)
+
+
+# Top-level sections of a training config (gpn_scale/train/config.py) that no model has.
+_TRAINING_SECTIONS = frozenset(
+    {"data", "optim", "schedule", "train", "parallel", "checkpoint", "logging", "eval"}
+)
+
+
+def training_config_model(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(model, model_overrides) when the mapping read from a YAML is a training config (a
+    `model:` name beside training sections), else None."""
+    model = raw.get("model")
+    if isinstance(model, str) and _TRAINING_SECTIONS & set(raw):
+        overrides = raw.get("model_overrides")
+        return model, dict(overrides) if isinstance(overrides, Mapping) else {}
+    return None
 
 
 def family_of(config: Any) -> FamilySpec:

@@ -156,7 +156,10 @@ def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     except Exception:
         return
-    if not any(build_dir.glob(f"{name}*.so")):
+    # A build is due when no library is there, or the source is newer than every library
+    # (an upgraded package: ninja rebuilds, and an .so of the old source is still there).
+    built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
+    if not built or max(built) < _SOURCE.stat().st_mtime:
         print(
             f"gpn_scale: compiling the fused CPU step kernels into {build_dir} "
             "(once; about a minute)",

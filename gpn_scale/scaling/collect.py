@@ -7,6 +7,8 @@ Where a run leaves what (see gpn_scale.train.loop):
                                       default checkpoint root is <run_dir>/checkpoints
     <run_dir>/metrics.jsonl           one JSON per line; eval lines carry "eval/loss", "tokens"
     <run_dir>/config.yaml             the resolved training config (model name, seed, ...)
+    <checkpoint root>/step_N.lambada.json   `gpn-scale eval RUN --task lambada` of the final
+                                      step N (optional; the report's paper comparison)
 
 The DONE marker is authoritative. Without a loss in it, or without a marker, the last
 `eval/loss` of metrics.jsonl is used only when the run provably reached its planned token
@@ -50,6 +52,9 @@ class RunRecord:
     C: float | None = None
     loss: float | None = None
     detail: str = ""
+    # LAMBADA of the final checkpoint, when it was evaluated (gpn_scale/eval/lambada.py)
+    lambada_acc: float | None = None
+    lambada_ppl: float | None = None
 
     def observation(self) -> Observation:
         # only called for usable records, whose N, D, C and loss are all set
@@ -218,6 +223,8 @@ def read_run(
         seed=seed,
     )
 
+    if done is not None and done_at is not None:
+        rec.lambada_acc, rec.lambada_ppl = _lambada_of(done_at, done)
     if done is not None and _finite(done.get("final_eval_loss")):
         rec.status, rec.loss = "done", float(done["final_eval_loss"])
         rec.N = done.get("params") if _finite(done.get("params")) else params
@@ -259,6 +266,27 @@ def read_run(
             "pass the sweep file (--sweep) so the plan supplies them"
         )
     return rec
+
+
+def _lambada_of(root: str, done: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(accuracy, ppl) from the LAMBADA result of the run's final step, written by `gpn-scale
+    eval ... --task lambada` beside the checkpoint as <step dir>.lambada.json; (None, None)
+    when there is none."""
+    names = []
+    if isinstance(done.get("checkpoint"), str):
+        names.append(done["checkpoint"].rstrip("/").rpartition("/")[2] + ".lambada.json")
+    if isinstance(done.get("step"), int) and not isinstance(done.get("step"), bool):
+        names.append(f"step_{done['step']:09d}.lambada.json")
+    for name in dict.fromkeys(names):
+        result = _json(_read(root, name), f"{root.rstrip('/')}/{name}")
+        metrics = (result or {}).get("metrics")
+        if isinstance(metrics, dict):
+            acc, ppl = metrics.get("accuracy"), metrics.get("ppl")
+            return (
+                float(acc) if isinstance(acc, (int, float)) and math.isfinite(acc) else None,
+                float(ppl) if _finite(ppl) else None,
+            )
+    return None, None
 
 
 def _parse_config(raw: bytes, where: str) -> dict[str, Any]:
@@ -345,12 +373,13 @@ def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Co
     return Collection(records, sources)
 
 
-TABLE_COLUMNS = ("family", "N", "D", "C", "loss", "seed", "run")
+TABLE_COLUMNS = ("family", "N", "D", "C", "loss", "seed", "run", "lambada_acc", "lambada_ppl")
 
 
 def read_table(path: str | Path) -> Collection:
     """External results (e.g. Transformer++ / Gated DeltaNet baselines) from CSV or JSONL with
-    columns family, N, D, loss and optionally C (default 6·N·D), seed, run."""
+    columns family, N, D, loss and optionally C (default 6·N·D), seed, run, lambada_acc,
+    lambada_ppl (the final checkpoint's LAMBADA, for the report's paper comparison)."""
     path = Path(path)
     if not path.is_file():
         raise FitError(f"{path}: table not found")
@@ -383,12 +412,18 @@ def read_table(path: str | Path) -> Collection:
             vals = {k: float(row[k]) for k in ("N", "D", "loss")}
             C = float(row["C"]) if row.get("C") not in (None, "") else 6.0 * vals["N"] * vals["D"]
             seed = int(float(row["seed"])) if row.get("seed") not in (None, "") else None
+            lambada = {
+                k: float(row[k]) if row.get(k) not in (None, "") else None
+                for k in ("lambada_acc", "lambada_ppl")
+            }
         except KeyError as err:
             raise FitError(
                 f"{where}: missing column {err.args[0]}; need family, N, D, loss"
             ) from None
         except (TypeError, ValueError):
-            raise FitError(f"{where}: N, D, C, loss and seed must be numbers") from None
+            raise FitError(
+                f"{where}: N, D, C, loss, seed and the lambada columns must be numbers"
+            ) from None
         family = str(row.get("family") or "").strip()
         if not family:
             raise FitError(f"{where}: empty family")
@@ -404,6 +439,8 @@ def read_table(path: str | Path) -> Collection:
                 C=C,
                 loss=vals["loss"],
                 detail="table",
+                lambada_acc=lambada["lambada_acc"],
+                lambada_ppl=lambada["lambada_ppl"],
             )
         )
     return Collection(records, [str(path)])

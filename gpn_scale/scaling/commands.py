@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
 from gpn_scale.core.config import ConfigError
 
@@ -395,7 +396,16 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
     )
     fit.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read finished W&B runs")
     fit.add_argument("--wandb-group", metavar="GROUP", help="only this W&B group")
-    fit.add_argument("--out", default="scaling_fit", help="output directory [scaling_fit]")
+    fit.add_argument(
+        "--out",
+        default="scaling_fit",
+        help="output directory [scaling_fit]; one that holds a fit is refused unless --overwrite",
+    )
+    fit.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the fit already in --out (its report.md, fit.json and plots)",
+    )
     fit.add_argument(
         "--laws",
         nargs="+",
@@ -456,6 +466,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise FitError("nothing to fit: give run roots, --sweep, --table or --wandb")
     if not 0 < args.ci < 1:
         raise FitError(f"--ci: a level in (0, 1), got {args.ci}")
+    check_fit_out(args.out, args.overwrite)  # before collecting: nothing found is lost
     parts = []
     for s in args.sweep:
         parts.append(
@@ -495,9 +506,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
     comparison = compare(
         fits, cells, reference=args.reference, at_N=args.at_N, at_C=args.at_C, seed=args.seed
     )
-    settings = {"resamples": args.resamples, "seed": args.seed, "ci_level": args.ci}
+    settings: dict[str, Any] = {"resamples": args.resamples, "seed": args.seed, "ci_level": args.ci}
+    if args.families:
+        settings["families"] = list(args.families)
     if comparison is not None:
         settings["reference"] = comparison.reference
+    if args.overwrite:
+        remove_fit_outputs(args.out)  # the old fit goes only once the new one exists
     paths = write_outputs(args.out, fits, notes, collection, settings, comparison)
     for f in fits:
         ci = f.ci
@@ -522,6 +537,33 @@ def cmd_fit(args: argparse.Namespace) -> int:
         f"{len([p for k, p in paths.items() if p.suffix == '.png'])} plots in {args.out}"
     )
     return 0
+
+
+def check_fit_out(out: str, overwrite: bool) -> None:
+    """`fit --out`: a directory this command can write (gpn_scale/io/outputs.py), holding no
+    earlier fit unless `overwrite` (one line, exit 2, before any run is read)."""
+    from gpn_scale.io.outputs import check_out_dir
+    from gpn_scale.scaling.fit import FitError
+    from gpn_scale.scaling.report import fit_output_files
+
+    if not check_out_dir(out, "--out", error=FitError) or overwrite:
+        return
+    found = fit_output_files(out)
+    if found:
+        raise FitError(
+            f"--out {out} already holds a fit ({', '.join(p.name for p in found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}); pass --overwrite to replace it or choose "
+            "another --out"
+        )
+
+
+def remove_fit_outputs(out: str) -> None:
+    """Delete the files an earlier fit wrote in `out` (a plot of a family no longer fitted
+    would otherwise stay beside the new report)."""
+    from gpn_scale.scaling.report import fit_output_files
+
+    for path in fit_output_files(out):
+        path.unlink(missing_ok=True)
 
 
 __all__ = ["register", "cmd_fit", "cmd_sweep_plan", "ConfigError"]

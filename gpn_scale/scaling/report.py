@@ -1,4 +1,5 @@
-"""Write a fit's outputs: fit.json (parameters with CIs), report.md, and PNG plots."""
+"""Write a fit's outputs: fit.json (parameters with CIs, the gaps, the paper's 130M figures
+beside the sweep's), report.md, and PNG plots."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from gpn_scale.scaling.collect import Collection
 from gpn_scale.scaling.fit import HUBER_DELTA, Cell, FitResult, aggregate
 from gpn_scale.scaling.gaps import MEASURES, Comparison, format_point, format_value
+from gpn_scale.scaling.paper import SOURCE, compare_with_paper, paper_lines
 
 
 def _g(x: float | None, digits: int = 4) -> str:
@@ -27,6 +29,7 @@ def build_json(
     collection: Collection,
     settings: dict[str, Any],
     comparison: Comparison | None = None,
+    paper: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     return {
         "generated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -41,6 +44,7 @@ def build_json(
         "sources": collection.sources,
         "fits": [f.to_dict() for f in fits],
         "gaps": comparison.to_dict() if comparison is not None else None,
+        "paper_130m": None if paper is None else {"source": SOURCE, "families": list(paper)},
         "cells": [
             {
                 "family": c.family,
@@ -69,6 +73,7 @@ def build_markdown(
     settings: dict[str, Any],
     plots: Sequence[Path],
     comparison: Comparison | None = None,
+    paper: Sequence[dict[str, Any]] | None = None,
 ) -> str:
     lvl = fits[0].ci_level if fits else 0.95
     lines = ["# Scaling-law fits", ""]
@@ -124,6 +129,8 @@ def build_markdown(
         lines.append("")
     if comparison is not None:
         lines += gap_lines(comparison)
+    if paper is not None:
+        lines += paper_lines(paper, float(settings.get("ci_level", lvl)))
     lines += [
         "## Data (seed-aggregated)",
         "",
@@ -213,13 +220,31 @@ def write_outputs(
             paths[f"loss_vs_D_{f.family}"] = P.plot_loss_vs_tokens(f, out / f"loss_vs_D_{safe}.png")
     if fits:
         paths["residuals"] = P.plot_residuals(fits, out / "residuals.png", colours)
-    data = build_json(fits, cells, notes, collection, settings, comparison)
+    families = settings.get("families")
+    paper = compare_with_paper(
+        [r for r in collection.usable if not families or r.family in families],
+        float(settings.get("ci_level", 0.95)),
+    )
+    data = build_json(fits, cells, notes, collection, settings, comparison, paper)
     (out / "fit.json").write_text(json.dumps(_clean(data), indent=1, allow_nan=False))
     paths["json"] = out / "fit.json"
-    md = build_markdown(fits, cells, notes, collection, settings, list(paths.values()), comparison)
+    md = build_markdown(
+        fits, cells, notes, collection, settings, list(paths.values()), comparison, paper
+    )
     (out / "report.md").write_text(md)
     paths["report"] = out / "report.md"
     return paths
+
+
+def fit_output_files(out_dir: str | Path) -> list[Path]:
+    """The files `write_outputs` writes that are in `out_dir` now: fit.json, report.md and its
+    plots (loss_vs_*.png, residuals.png)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    names = [out / "fit.json", out / "report.md", out / "residuals.png"]
+    found = [p for p in names if p.is_file()]
+    return found + sorted(p for p in out.glob("loss_vs_*.png") if p.is_file())
 
 
 def _clean(o: Any) -> Any:

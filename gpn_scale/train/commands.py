@@ -32,6 +32,19 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._intermixing = False
 
 
+class _HelpConfig(argparse.Action):
+    """`train --help-config`: like --help, it prints and exits before anything is parsed."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kw):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from gpn_scale.train.config import format_config_help
+
+        print(format_config_help())
+        parser.exit(0)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     # add_parser has no per-call class argument; swap the action's class for our three.
     previous = subparsers._parser_class
@@ -112,6 +125,12 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         "(<checkpoint.root>/LEASE); only once that job has stopped",
     )
     p.add_argument(
+        "--help-config",
+        action=_HelpConfig,
+        help="list every config key with its type, default and meaning (from the schema) "
+        "and exit; reads no config, checks nothing",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="resolve and check the config, model, data and checkpoint locations "
@@ -127,7 +146,12 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
         "(a minute or two). Leaves a checkpoint, metrics.jsonl and loss_curve.png.",
     )
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
-    d.add_argument("--steps", type=int, default=None, help="override schedule.total_steps")
+    d.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="override schedule.total_steps (>= 1; default: the demo config's)",
+    )
     d.add_argument(
         "overrides",
         nargs="*",

@@ -13,6 +13,8 @@ The sweep launcher relies on these exact keys: `model`, `seed`, `run_name`, `opt
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -28,19 +30,21 @@ DEFAULT_CORPUS = "default"
 @dataclass
 class DataSection:
     remote: str = DEFAULT_CORPUS  # MDS root: local dir, s3://bucket/prefix, or "default"
-    local_cache: str | None = None  # streaming's local cache (default: <run_dir>/data_cache)
-    seq_len: int = 256
-    shuffle_seed: int = 0
+    local_cache: str | None = None  # streaming's local cache (default: <run_dir>/data/cache)
+    seq_len: int = 256  # tokens per window; must equal the dataset's
+    shuffle_seed: int = 0  # the sample order of every epoch
+    # streaming's canonical nodes: fixes the global sample order across world sizes
+    # (None: from the first run's node count, kept on resume)
     num_canonical_nodes: int | None = None
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes per rank (0 = in the main process)
 
 
 @dataclass
 class OptimSection:
-    lr: float = 6e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 6e-4  # peak learning rate (AdamW), reached after the warm-up
+    beta1: float = 0.9  # AdamW beta1, in [0, 1)
+    beta2: float = 0.95  # AdamW beta2, in [0, 1)
+    eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # matrices only (ndim >= 2); never 1-D, A_log, dt_bias
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     fused: bool = False  # torch's fused AdamW (GPU only)
@@ -56,9 +60,8 @@ class ScheduleSection:
 @dataclass
 class TrainSection:
     global_batch_size: int = 8  # sequences per optimizer step, all ranks together
-    micro_batch_size: int | None = (
-        None  # per rank per forward; None = global / world (no accumulation)
-    )
+    # sequences per rank per forward; None = global / world (no gradient accumulation)
+    micro_batch_size: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # torch.use_deterministic_algorithms: auto = on on CPU (exact resume, the tests), off on
@@ -68,8 +71,8 @@ class TrainSection:
     tbptt: int | None = None  # overrides the model's truncated-BPTT length when set
     stateful_windows: bool = False  # carry the (detached) state from one batch to the next
     max_nonfinite_in_a_row: int = 5  # stop after this many consecutive skipped steps
-    log_every: int = 1
-    progress_bar: bool = True
+    log_every: int = 1  # a metrics line (and a plain step line off a terminal) every N steps
+    progress_bar: bool = True  # a tqdm bar on a terminal; plain timestamped lines otherwise
 
 
 @dataclass
@@ -80,7 +83,7 @@ class ParallelSection:
     # 0 partitions every parameter (tests use it so that tiny models are really sharded).
     zero3_persistence_threshold: int | None = None
     reduce_dtype: str = "fp32"  # FSDP2 mixed-precision gradient reduction dtype
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True  # FSDP2: free gathered weights after each forward
     tp: int = 1  # tensor parallel degree (mesh dim "tp", innermost; FSDP2 over "dp" = world/tp)
 
 
@@ -88,11 +91,11 @@ class ParallelSection:
 class CheckpointSection:
     root: str | None = None  # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
     every_steps: int = 0  # 0 = only on preemption and at the end
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     # The run's lease (<root>/LEASE: one job at a time): stale after this many seconds
     # without a heartbeat; 0 = no lease.
     lease_ttl_s: float = 300.0
-    save_final: bool = True
+    save_final: bool = True  # save a checkpoint at the last step
     # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
     # (gathered from FSDP2 / ZeRO shards), loadable with GPN(cfg).load_state_dict.
     export_final: bool = False
@@ -104,10 +107,10 @@ class WandbSection:
     # The W&B run id (sweeps derive it from sweep + run name: one W&B run per run, across
     # requeues and re-submissions); a checkpoint's recorded id wins on resume. None: new.
     run_id: str | None = None
-    project: str = "gpn-scale"
-    entity: str | None = None
-    group: str | None = None
-    job_type: str = "train"
+    project: str = "gpn-scale"  # the W&B project
+    entity: str | None = None  # the W&B entity (None: the account's default)
+    group: str | None = None  # the W&B group (sweeps set the sweep's)
+    job_type: str = "train"  # the W&B job type
     dir: str | None = None  # default <run_dir>
     init_timeout: float = 60.0  # online: seconds to reach the server before failing
 
@@ -123,7 +126,7 @@ class EvalSection:
     every_steps: int = 0  # 0 = only at the end
     batches: int = 4  # fixed held-out windows: batches x batch_size
     batch_size: int | None = None  # per rank (default: the training micro batch)
-    at_end: bool = True
+    at_end: bool = True  # evaluate after the last step (the DONE marker's final_eval_loss)
 
 
 @dataclass
@@ -148,19 +151,22 @@ class PreemptionSection:
 class DebugSection:
     # Test hooks: the loss is replaced by NaN at these steps / from this step on.
     inject_nan_steps: list[int] = field(default_factory=list)
-    inject_nan_from: int | None = None
+    inject_nan_from: int | None = None  # (None: never)
     # Sleep this many seconds after each step (tests that signal a running job).
     step_sleep: float = 0.0
     # Sleep this many seconds inside each held-out eval (tests that signal the final eval).
     eval_sleep: float = 0.0
+    # Sleep this many seconds at the end of the setup (tests that signal during it).
+    setup_sleep: float = 0.0
 
 
 @dataclass
 class TrainConfig:
     model: str = "tiny"  # configs/model/<name>.yaml or a path
+    # model config fields to replace, e.g. {d_ffn: 1536} (checked by the model's family)
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    run_name: str = "run"
+    seed: int = 0  # initial weights and every rank's RNG
+    run_name: str = "run"  # names the default run_dir and the W&B run
     run_dir: str | None = None  # default runs/<run_name>
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -186,6 +192,31 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+# One rule for every number of the schema: finite, never negative. Where 0 means "off" (or
+# "none"), the message says so; any other lower bound is checked in `validate`.
+ZERO_IS_OFF = {
+    "checkpoint.every_steps": "0 = only on preemption and at the end",
+    "checkpoint.lease_ttl_s": "0 = no lease",
+    "eval.every_steps": "0 = only at the end",
+    "analysis.every_steps": "0 = off",
+    "preemption.end_margin_s": "0 = off",
+    "optim.grad_clip": "0 = no clipping",
+    "optim.weight_decay": "0 = no decay",
+    "train.tbptt": "0 = full BPTT",
+    "debug.step_sleep": "0 = off",
+    "debug.eval_sleep": "0 = off",
+    "debug.setup_sleep": "0 = off",
+}
+# Keys that name a place on disk: a leading ~ is the user's home, as in a shell.
+PATH_KEYS = (
+    "model",
+    "run_dir",
+    "data.remote",
+    "data.local_cache",
+    "checkpoint.root",
+    "logging.wandb.dir",
+)
 
 _ENUMS = {
     "train.device": ("auto", "cpu", "cuda"),
@@ -234,6 +265,7 @@ _SECTION_TYPES: dict[str, type] = {
         WandbSection,
         LoggingSection,
         EvalSection,
+        AnalysisSection,
         PreemptionSection,
         DebugSection,
     )
@@ -251,6 +283,78 @@ def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{f.name}")
     return out
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's meaning: the comments on its line and the comment block just above it,
+    read from the dataclass's source (the schema's own comments, so the help cannot drift)."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            comments[tok.start[0]] = text.split("(noqa", 1)[0].split("noqa:", 1)[0].strip()
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    out: dict[str, str] = {}
+    previous_end = body.lineno
+    for node in body.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            end = node.end_lineno or node.lineno
+            above = [
+                comments[n]
+                for n in range(previous_end + 1, node.lineno)
+                if n in comments and comments[n]
+            ]
+            inline = [comments[n] for n in range(node.lineno, end + 1) if comments.get(n)]
+            out[node.target.id] = " ".join(above + inline)
+        previous_end = node.end_lineno or node.lineno
+    return out
+
+
+def config_help(schema: type = TrainConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, meaning) of every key of the schema, in schema order:
+    what `gpn-scale train --help-config` prints (no config is read, nothing is checked)."""
+    rows: list[tuple[str, str, str, str]] = []
+    meanings = _field_comments(schema)
+    defaults = schema()
+    for f in dataclasses.fields(schema):
+        ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        sub = _SECTION_TYPES.get(ftype)
+        if sub is not None:
+            rows.extend(config_help(sub, f"{prefix}{f.name}."))
+            continue
+        value = getattr(defaults, f.name)
+        default = "null" if value is None else repr(value) if isinstance(value, str) else value
+        kind = str(ftype).replace("Union[bool, str]", "bool | str")
+        rows.append((f"{prefix}{f.name}", kind, str(default), meanings.get(f.name, "")))
+    return rows
+
+
+def format_config_help() -> str:
+    lines = [
+        "Every key of the training config (configs/train/*.yaml; override any with key=value)."
+        " Type, default, meaning; numbers are finite and never negative (0 = off where a key"
+        " has an off).",
+        "",
+    ]
+    section = None
+    for key, kind, default, meaning in config_help():
+        head = key.split(".")[0] if "." in key else ""
+        if head != section:
+            section = head
+            if head:
+                lines += ["", f"[{head}]"]
+        lines.append(f"  {key}: {kind} = {default}")
+        if meaning:
+            lines.append(f"      {meaning}")
+    return "\n".join(lines)
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -291,12 +395,67 @@ def load_train_config(
         msg = str(err).splitlines()[0]
         key = getattr(err, "full_key", None)
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
+    expand_user_paths(cfg)
     validate(cfg)
     return cfg
 
 
+def _numbers(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every number in the config (lists included; bools are not
+    numbers; model_overrides is the model config's to check)."""
+    out: list[tuple[str, float]] = []
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if key in _FREE_MAPPINGS:
+            continue
+        if dataclasses.is_dataclass(value):
+            out += _numbers(value, f"{key}.")
+        elif isinstance(value, (list, tuple)):
+            out += [
+                (f"{key}[{i}]", v)
+                for i, v in enumerate(value)
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((key, value))
+    return out
+
+
+def check_numbers(cfg: TrainConfig) -> None:
+    """Every number finite and >= 0 (the one rule; docs/training.md): `optim.lr=nan` or
+    `checkpoint.every_steps=-1` is refused in one line naming the key, never read as "off"."""
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
+        if value < 0:
+            off = ZERO_IS_OFF.get(key)
+            raise ConfigError(
+                f"{key}: must be >= 0{f' ({off})' if off else ''}, got {value}; negative "
+                "numbers are never read as off"
+            )
+
+
+def expand_user_paths(cfg: TrainConfig) -> None:
+    """A leading ~ in a path key is the home directory (never a folder named ~)."""
+    for key in PATH_KEYS:
+        *parents, name = key.split(".")
+        owner: Any = cfg
+        for part in parents:
+            owner = getattr(owner, part)
+        value = getattr(owner, name)
+        if isinstance(value, str) and value.startswith("~"):
+            expanded = os.path.expanduser(value)
+            if expanded.startswith("~"):  # ~user of an unknown user
+                raise ConfigError(
+                    f"{key}={value}: cannot expand {value.split('/')[0]} (no such user's home); "
+                    "give the path in full"
+                )
+            setattr(owner, name, expanded)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Value checks the types cannot express (one line each)."""
+    check_numbers(cfg)
     for key, allowed in _ENUMS.items():
         value = cfg
         for part in key.split("."):
@@ -338,6 +497,11 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
+    for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
+    if cfg.optim.eps <= 0:
+        raise ConfigError(f"optim.eps: must be > 0, got {cfg.optim.eps}")
     if cfg.parallel.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage: expected 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if isinstance(cfg.parallel.tp, bool) or not isinstance(cfg.parallel.tp, int):

@@ -46,12 +46,18 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
 def run_demo(
     out: str = "runs/demo", steps: int | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> int:
+    from gpn_scale.core.config import ConfigError
     from gpn_scale.train.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
+    if steps is not None and steps < 1:  # 0 is a number given, not "not given"
+        raise ConfigError(
+            f"--steps {steps}: the demo trains at least 1 step; omit --steps for the demo's "
+            f"{load_train_config('demo').schedule.total_steps}"
+        )
     run_dir = Path(out)
     extra = [f"run_dir={run_dir}"]
-    if steps:  # a shorter demo keeps warmup at ~10% of the run
+    if steps is not None:  # a shorter demo keeps warmup at ~10% of the run
         base = load_train_config("demo").schedule.warmup_steps
         extra += [
             f"schedule.total_steps={steps}",

@@ -490,7 +490,13 @@ class Trainer:
                 self._remove_new_dirs()
             return result
         except ConfigError:
-            if not self._started:  # exit 2: leave nothing that was not there before
+            # exit 2 before anything was trained (a bad setting, or bad data met by the first
+            # batch): leave nothing that was not there before
+            if not self._started or not getattr(self, "_stepped", True):
+                # writers first: a loader's download threads would refill its cache
+                for closeable in [*getattr(self, "_sinks", []), *self._loaders]:
+                    with contextlib.suppress(Exception):
+                        closeable.close()
                 self._remove_new_dirs()
             raise
         finally:
@@ -532,6 +538,9 @@ class Trainer:
         from gpn_scale.train.preflight import check_tensor_parallel
 
         check_tensor_parallel(model_cfg, topo.tp_size)
+        from gpn_scale.train.preflight import check_model_device
+
+        check_model_device(cfg, model_cfg, device.type)
         seq_len = cfg.data.seq_len
 
         # Checkpoint storage first: a bad path or missing credentials fails before any work.
@@ -601,12 +610,24 @@ class Trainer:
                 self.log("eval: --checkpoint none: evaluating the untrained model")
             result = self._evaluate(backend, val_loader, val_start, step, tokens)
             return RunResult(0, step, tokens, self.run_dir, resume_uri, result)
+        if cfg.debug.setup_sleep:
+            self.log(f"debug: sleeping {cfg.debug.setup_sleep:g}s at the end of the setup")
+            time.sleep(cfg.debug.setup_sleep)
+        if self._stop_requested():  # Ctrl-C or a preemption signal during the setup
+            return self._stopped_in_setup(step, tokens, skipped)
         if self.fresh:  # the explicit choice, acted on only now that the setup has worked
             self._discard_previous_run(mgr)
         # A fresh start (step 0) drops the history of an earlier attempt that left no
         # checkpoint, as a resume drops the steps after its checkpoint: one history per run.
+        run_path = Path(self.run_dir)
+        self._new_files = [
+            p for p in (run_path / "config.yaml", run_path / "metrics.jsonl") if not p.exists()
+        ]
         self._open_sinks(step, wandb_id, model_cfg, n_params)
         self._started = True
+        self._stepped = False  # no optimizer step or checkpoint of this process yet
+        if self._flag is not None:
+            self._flag.phase = "training"
         tokens_per_step = cfg.train.global_batch_size * seq_len
         total = cfg.schedule.total_steps
         peak = peak_flops(device)
@@ -620,6 +641,8 @@ class Trainer:
         self._pbar = self._progress(step, total)
         data = self._batches(train_loader)
         t_loop, step0 = time.perf_counter(), step  # for the ETA of the plain progress lines
+        tps_sum, mfu_sum, timed_steps = 0.0, 0.0, 0  # the end-of-run summary's means
+        notice = FirstStepNotice(self.log, device.type, step + 1)
         state = None
         in_a_row = 0
         last_ckpt = resume_uri
@@ -654,7 +677,9 @@ class Trainer:
                     cfg.optim.grad_clip, lr, math.isfinite(loss_val)
                 )
                 t_update = time.perf_counter() - t_update
+                notice.done()
                 step += 1
+                self._stepped = True
                 tokens += tokens_per_step
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -669,9 +694,13 @@ class Trainer:
                         f"norm {grad_norm}); update skipped ({in_a_row} in a row, "
                         f"{skipped} in total)"
                     )
+                tps = tokens_per_step / dt
+                mfu = (flops_tok * tps / (peak * topo.world_size)) if peak else None
+                if step > step0 + 1 or total - step0 == 1:  # the first step compiles: not timed
+                    tps_sum += tps
+                    mfu_sum += mfu or 0.0
+                    timed_steps += 1
                 if step % cfg.train.log_every == 0 or step == total or not applied:
-                    tps = tokens_per_step / dt
-                    mfu = (flops_tok * tps / (peak * topo.world_size)) if peak else None
                     if self._pbar is None:  # a log file (SLURM): plain lines, no bar
                         self.log(
                             progress_line(
@@ -752,9 +781,19 @@ class Trainer:
                         mgr, backend, step, tokens, skipped, train_loader, model_cfg
                     )
         finally:
+            notice.done()
             if self._pbar is not None:  # the bar ends with the steps; the summary follows it
                 self._pbar.close()
                 self._pbar = None
+        if step > step0:
+            self.log(
+                run_summary(
+                    step - step0,
+                    time.perf_counter() - t_loop,
+                    tps_sum / timed_steps if timed_steps else None,
+                    mfu_sum / timed_steps if timed_steps and peak else None,
+                )
+            )
 
         # ---- finish: eval, final checkpoint, DONE marker ------------------------------
         if cfg.eval.at_end and self._stop_requested():  # (a resumed run evaluates later)
@@ -885,9 +924,8 @@ class Trainer:
         if done is None:
             return None
         done_step = int(done.get("step", 0) or 0)
-        ckpt_step = last_ckpt_step(resume_uri)
         total = self.cfg.schedule.total_steps
-        if done_step >= total and (ckpt_step is None or ckpt_step <= done_step):
+        if finished_at(done, resume_uri, total) is not None:
             msg = (
                 f"run already finished at step {done_step} ({mgr.storage.child_uri(DONE_MARKER)}); "
                 "nothing to do: raise schedule.total_steps to train further, or --fresh "
@@ -920,12 +958,42 @@ class Trainer:
         self.topo.barrier()
 
     def _remove_new_dirs(self) -> None:
+        """Remove what this run created (directories that did not exist, and config.yaml /
+        metrics.jsonl where the run dir did); never anything that was there before."""
         if self.topo is not None and not self.topo.is_main:
             return
         import shutil
 
         for path in self._new_dirs:
             shutil.rmtree(path, ignore_errors=True)
+        for file in getattr(self, "_new_files", []):
+            file.unlink(missing_ok=True)
+
+    def _stopped_in_setup(self, step: int, tokens: int, skipped: int) -> RunResult:
+        """A Ctrl-C or preemption signal before the first step: stop without training (a
+        step trained only to be saved would be a step nobody asked for), leave nothing new,
+        exit 75 (a rerun starts where this one would have)."""
+        flag = self._flag
+        why = f"signal {flag.signum}" if flag is not None and flag.signum else "the job's deadline"
+        if flag is not None and flag.interrupted:
+            why = "Ctrl-C"
+        self._remove_new_dirs()
+        self.log(
+            f"stopped ({why}) during the setup, before step {step + 1}: nothing trained or "
+            f"saved; exiting {EXIT_PREEMPTED}; rerun to start (--resume auto)"
+        )
+        if (
+            self.cfg.preemption.requeue
+            and self.topo.is_main
+            and flag is not None
+            and not flag.interrupted
+        ):
+            request_slurm_requeue(self.log)
+        self.topo.barrier()
+        return RunResult(
+            EXIT_PREEMPTED, step, tokens, self.run_dir, None, skipped_steps=skipped,
+            message="stopped during the setup",
+        )  # fmt: skip
 
     def _breakdown(
         self, dt: float, t_data: float, t_update: float, backend: _Backend
@@ -1162,13 +1230,78 @@ def progress_line(
     mfu: float | None,
     s_per_step: float,
 ) -> str:
-    """The plain progress line written instead of the tqdm bar when stderr is no terminal."""
+    """The plain progress line written instead of the tqdm bar when stderr is no terminal
+    (a SLURM log, a pipe), led by the wall-clock time (ISO 8601, local time with its UTC
+    offset: one format whatever the locale, sortable, and comparable across nodes)."""
     eta = int(round(s_per_step * (total - step)))
     return (
-        f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s"
+        f"{timestamp()} step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | "
+        f"{tokens_per_s:,.0f} tok/s"
         f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
         f" | ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
     )
+
+
+def timestamp() -> str:
+    """Now, as 2025-01-31T14:05:09+01:00 (seconds; the offset names the zone)."""
+    import datetime as dt
+
+    return dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def run_summary(
+    steps: int, wall_s: float, mean_tokens_per_s: float | None, mean_mfu: float | None
+) -> str:
+    """The end-of-run line: steps trained by this process, their wall time, and the mean
+    tokens/s and MFU per step (the first step, which builds the kernels, left out when
+    there are others)."""
+    tps = "n/a" if mean_tokens_per_s is None else f"{mean_tokens_per_s:,.0f}"
+    mfu = "n/a" if mean_mfu is None else f"{100 * mean_mfu:.1f}%"
+    return (
+        f"summary: {steps} step(s) in {_clock(wall_s)} wall time | mean {tps} tok/s | "
+        f"mean MFU {mfu}"
+    )
+
+
+class FirstStepNotice:
+    """On a GPU, one line when the first step of a process is still running after `after_s`
+    seconds: Triton compiles the kernels it launches there (cached for later runs), which
+    can take a minute or more, and a silent `step 1` looks like a hang. (On a CPU the fused
+    step kernels say so themselves before they compile: gpn_scale/ops/step_kernels.py.)
+    GPN_SCALE_SLOW_STEP_S sets the wait (default 20 s)."""
+
+    def __init__(
+        self, log: Callable[[str], None], device_type: str, step: int, after_s: float | None = None
+    ) -> None:
+        import threading
+
+        self._timer: Any = None
+        if device_type != "cuda":
+            return
+        if after_s is None:
+            after_s = float(os.environ.get("GPN_SCALE_SLOW_STEP_S", "20"))
+        cache = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
+        self._message = (
+            f"step {step} is still running after {after_s:g}s: the first step on a GPU "
+            f"compiles its Triton kernels (once; cached in {cache}, later runs start at once)"
+        )
+        self._log = log
+        self._timer = threading.Timer(after_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self._log(self._message)
+
+    def done(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _no_resume(resume: str) -> bool:
@@ -1190,6 +1323,18 @@ def _missing_tops(paths: list[str | None]) -> list[Path]:
         if top is not None and top not in out:
             out.append(top)
     return out
+
+
+def finished_at(done: dict | None, resume_uri: str | None, total_steps: int) -> int | None:
+    """The step a run finished at when its DONE marker says it reached `total_steps` and no
+    newer checkpoint exists (a start then has nothing to do), else None."""
+    if done is None:
+        return None
+    done_step = int(done.get("step", 0) or 0)
+    ckpt_step = last_ckpt_step(resume_uri)
+    if done_step >= total_steps and (ckpt_step is None or ckpt_step <= done_step):
+        return done_step
+    return None
 
 
 def last_ckpt_step(uri: str | None) -> int | None:

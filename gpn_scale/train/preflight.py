@@ -8,7 +8,6 @@ Nothing in this module creates a file or a directory.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +69,22 @@ def check_tensor_parallel(model_cfg: Any, tp: int) -> None:
     spec.check_tp(model_cfg, tp)
 
 
+def check_model_device(cfg: TrainConfig, model_cfg: Any, device_type: str) -> None:
+    """One line when the model's kernels cannot run on this device (a Gated DeltaNet backend
+    forced to fla's CUDA kernels on a CPU, a bogus GPN_SCALE_GDN_BACKEND): before the run
+    folder exists, not at step 1; a model field is named as the override the user set."""
+    from gpn_scale.models.registry import family_of
+
+    try:
+        family_of(model_cfg).check_device(model_cfg, device_type)
+    except ConfigError as err:
+        msg = str(err)
+        field = msg.split("=", 1)[0].split(":", 1)[0]
+        if field in cfg.model_overrides:
+            raise ConfigError(f"model_overrides.{msg}") from None
+        raise
+
+
 def check_launch(cfg: TrainConfig, nodes: int, procs_per_node: int) -> list[str]:
     """What `slurm/train.sbatch` checks before it starts any trainer (no I/O): the world of
     `nodes` x `procs_per_node` processes splits into tp groups, the model splits over tp,
@@ -112,26 +127,18 @@ def check_launch(cfg: TrainConfig, nodes: int, procs_per_node: int) -> list[str]
 
 
 def check_run_dir(run_dir: str) -> None:
-    """One line naming `run_dir` when it cannot be created or written (nothing is created)."""
-    check_local_dir(run_dir, "run_dir")
+    """One line naming `run_dir` when it cannot be created or written (nothing is left: the
+    probe directory a write test makes is removed at once)."""
+    check_local_dir(run_dir, "run_dir", probe=True)
 
 
-def check_local_dir(path_str: str, key: str) -> bool:
+def check_local_dir(path_str: str, key: str, probe: bool = False) -> bool:
     """One line naming `key` when the directory cannot be created or written; returns
-    whether it exists already. Nothing is created (the first existing ancestor decides)."""
-    path = Path(path_str).absolute()
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(
-            f"{key} {path_str}: {probe} is a file, not a directory; choose another {key}"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} {path_str}: {probe} is not writable; choose another {key}")
-    return probe == path
+    whether it exists already. Nothing is created (the first existing ancestor decides;
+    `probe`: a write test there too, gpn_scale/io/outputs.py)."""
+    from gpn_scale.io.outputs import check_out_dir
+
+    return check_out_dir(path_str, key, error=ConfigError, probe=probe)
 
 
 def check_data(
@@ -190,14 +197,20 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     local locations are checked for writability without being created, an S3 checkpoint
     root is listed (credentials, bucket) but not written to."""
     import copy
+    import json
+
+    import torch
 
     from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.models.registry import family_of
     from gpn_scale.train.config import DEFAULT_CORPUS, batch_layout, to_yaml
     from gpn_scale.train.env import detect
+    from gpn_scale.train.loop import DONE_MARKER, finished_at
 
     model_cfg = model_config(cfg)
     world = detect().world_size
+    cuda = cfg.train.device != "cpu" and torch.cuda.is_available()  # as pick_device decides
+    check_model_device(cfg, model_cfg, "cuda" if cuda else "cpu")
     micro, accum = batch_layout(cfg, world)
     run_dir, ckpt_root = cfg.resolved_run_dir, cfg.resolved_checkpoint_root
     run_dir_exists = check_local_dir(run_dir, "run_dir")
@@ -211,7 +224,15 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
         mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
         where = f"{ckpt_root}{'' if exists else ' (would be created)'}"
     resume_uri = mgr.resolve_resume(resume) if resume != "none" else None
-    if resume_uri:  # the shape check a start makes before loading
+    finished = None
+    if resume != "none":
+        raw = mgr.storage.get_bytes(DONE_MARKER)
+        try:
+            done = json.loads(raw) if raw else None
+        except ValueError:
+            done = None
+        finished = finished_at(done, resume_uri, cfg.schedule.total_steps)
+    if resume_uri and finished is None:  # the shape check a start makes before loading
         from gpn_scale.train.loop import check_model_compatible
 
         check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg, resume_uri)
@@ -240,7 +261,11 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
         f"checkpoints: {where}",
         "resume: "
         + (
-            f"{resume} -> {resume_uri}"
+            f"{resume}: the run already finished at step {finished} "
+            f"({mgr.storage.child_uri(DONE_MARKER)}); a start would do nothing: raise "
+            "schedule.total_steps to train further, or --fresh to start over"
+            if finished is not None
+            else f"{resume} -> {resume_uri}"
             if resume_uri
             else f"{resume}: no complete checkpoint, would start fresh"
             if resume == "auto"

@@ -39,6 +39,7 @@ class PreemptionFlag:
         self.requested = False
         self.signum: int | None = None
         self.interrupted = False  # a first Ctrl-C was seen
+        self.phase = "setup"  # the trainer sets "training" once its first step can start
         self._previous: dict[int, object] = {}
 
     def _handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
@@ -50,6 +51,13 @@ class PreemptionFlag:
             raise KeyboardInterrupt  # the second Ctrl-C: abort without saving
         self.interrupted = True
         self._handler(signum, frame)
+        if self.phase == "setup":
+            os.write(
+                2,
+                b"interrupted (Ctrl-C) during the setup: stopping before the first step, "
+                b"nothing trained or saved; press Ctrl-C again to abort at once\n",
+            )
+            return
         os.write(
             2,
             b"interrupted (Ctrl-C): saving a checkpoint at the end of this step, "

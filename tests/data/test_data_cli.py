@@ -52,3 +52,48 @@ def test_gpn_scale_reports_data_errors_as_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert "no dataset metadata" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_build_refuses_an_unwritable_or_wrong_out_before_reading(tmp_path, capsys):
+    """An existing file or a read-only place as --out: one line naming --out, exit 2, before
+    the inputs are read (the input here does not even exist as a corpus)."""
+    from data_tools.cli import main as gpn_data
+
+    text = tmp_path / "doc.txt"
+    text.write_text("hello world " * 50)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    for out, words in (
+        (a_file, "exists and is a file, not a directory"),
+        ("/proc/sys/gpn_data_out", "not writable"),  # a read-only place, also for root
+        ("/proc/gpn_data_out", "refuses new entries"),
+    ):
+        assert gpn_data(["build", str(text), "--seq-len", "16", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"--out {out}: " in err and words in err, err
+        assert "choose another --out" in err
+    assert a_file.read_text() == "keep me"
+
+
+def test_no_progress_bars_into_a_pipe(tmp_path):
+    text = tmp_path / "doc.txt"
+    text.write_text("hello world " * 200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_tools",
+            "build",
+            str(text),
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path / "out"),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr and "tokenise" not in proc.stderr and "%|" not in proc.stderr
+    assert proc.stdout.startswith("wrote ")

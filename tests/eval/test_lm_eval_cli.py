@@ -125,3 +125,49 @@ def test_the_startup_hook_imports_nothing_heavy() -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "GPNScaleLM"
+
+
+def _offline_eval(tmp_path: Path, checkpoint: str, warm: bool) -> subprocess.CompletedProcess:
+    """`gpn-scale eval --lm-eval hellaswag` on a node whose Hub is unreachable (HF_ENDPOINT at
+    a closed local port), with an empty or an unrelated-but-warm HF cache."""
+    home = tmp_path / "hf"
+    if warm:
+        (home / "hub" / "datasets--someone--else").mkdir(parents=True)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    }
+    env.update(HF_HOME=str(home), HF_ENDPOINT="http://127.0.0.1:9", PYTHONPATH=str(REPO))
+    argv = ["eval", checkpoint, "--lm-eval", "hellaswag", "--device", "cpu"]
+    return subprocess.run(
+        [sys.executable, "-m", "gpn_scale", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_lm_eval_on_an_offline_node_is_one_line_at_once(tmp_path: Path, gpn_m_checkpoint: str):
+    """It used to retry the Hub for over a minute and end in a 60-line traceback."""
+    import time
+
+    start = time.monotonic()
+    proc = _offline_eval(tmp_path, gpn_m_checkpoint, warm=False)
+    took = time.monotonic() - start
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("gpn-scale: error: --lm-eval hellaswag: the task data comes")
+    assert "http://127.0.0.1:9 is not reachable" in lines[0] and "cache is empty" in lines[0]
+    assert took < 60, took  # imports only: no retries, no task index
+    assert not list(Path(gpn_m_checkpoint).parent.glob("*.lm_eval.*"))
+
+
+@pytest.mark.slow
+def test_lm_eval_offline_with_a_cache_that_lacks_the_task_is_one_line(
+    tmp_path: Path, gpn_m_checkpoint: str
+):
+    proc = _offline_eval(tmp_path, gpn_m_checkpoint, warm=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "--lm-eval hellaswag: the task data could not be loaded" in lines[0]
+    assert "not in the local cache" in lines[0]

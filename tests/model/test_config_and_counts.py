@@ -131,3 +131,40 @@ def test_info_command_prints_counts():
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "did you mean 'gpn_m_130m'" in bad.stderr
+
+
+def test_info_on_a_training_config_shows_its_model(tmp_path, capsys):
+    """`info <a training YAML>` used to say `model.model: unknown key`: it now says what the
+    file is and describes the model it trains (overrides applied); every other model loader
+    refuses it in one line saying the same."""
+    from gpn_scale.cli import main
+    from gpn_scale.core.config import ConfigError
+    from gpn_scale.models.registry import load_model_config as load_any
+
+    run = tmp_path / "run.yaml"
+    run.write_text("model: tiny\nmodel_overrides:\n  d_ffn: 256\noptim:\n  lr: 1.0e-3\n")
+    assert main(["info", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{run} is a training config; showing its model, tiny, with model_overrides" in err
+    assert "f=256" in out and "model.model" not in out + err
+    assert main(["info", "ci_tiny"]) == 0  # a shipped training config by name
+    assert "ci_tiny is a training config; showing its model, tiny" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"this is a training config \(model: tiny\), not a"):
+        load_any(run)
+
+
+@pytest.mark.parametrize("family", ["tiny", "transformer_pp_tiny", "gated_deltanet_tiny"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_model_floats_are_refused(family, bad):
+    from gpn_scale.core.config import ConfigError
+    from gpn_scale.models.registry import load_model_config as load_any
+
+    with pytest.raises(ConfigError) as err:
+        load_any(family, {"norm_eps": bad})
+    msg = str(err.value)
+    if bad < 0:  # a family's own check may come first
+        assert "norm_eps" in msg and "\n" not in msg
+    else:
+        assert msg == f"model.norm_eps: must be a finite number >= 0, got {bad}"
+    with pytest.raises(ConfigError, match=r"norm_eps: expected a (positive )?number, got 'nan'"):
+        load_any(family, {"norm_eps": "nan"})  # what a dotlist's `norm_eps=nan` gives

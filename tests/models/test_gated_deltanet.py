@@ -240,8 +240,22 @@ def test_parameter_count_is_exact(changes) -> None:
     assert count_parameters(cfg) == GatedDeltaNet(cfg).num_parameters()
 
 
-def test_the_papers_130m_config() -> None:
+def test_the_130m_rung_is_the_papers_shape_at_gpn_m_parameters() -> None:
+    """The families ladder compares at equal parameters: the paper's shape with f=1536 is
+    within 5% of GPN+M's 130M (the paper's own f=2048 is +11.3%)."""
     spec, cfg = load_model_config("gated_deltanet_130m")
+    paper_spec, paper = load_model_config("gated_deltanet_130m_paper")
+    gpn_spec, gpn = load_model_config("gpn_m_130m")
+    shape = ("n_layers", "d_model", "n_heads", "d_key", "d_value", "conv_size", "vocab_size")
+    assert [getattr(cfg, k) for k in shape] == [getattr(paper, k) for k in shape]
+    assert (cfg.d_ffn, paper.d_ffn) == (1536, 2048) and cfg.cells == paper.cells
+    ours, theirs = spec.count_parameters(cfg), gpn_spec.count_parameters(gpn)
+    assert ours == 131_961_976 and abs(ours / theirs - 1) < 0.05
+    assert paper_spec.count_parameters(paper) / theirs - 1 > 0.11
+
+
+def test_the_papers_130m_config() -> None:
+    spec, cfg = load_model_config("gated_deltanet_130m_paper")
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_key, cfg.d_value) == (
         10,
         768,

@@ -260,11 +260,34 @@ def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, t
     for d in (tmp_path / "ckpt").iterdir():
         if "-m3-" in d.name:
             shutil.rmtree(d)
-    assert main(["fit", str(tmp_path / "ckpt"), "--out", str(out), "--laws", "L(N)"]) == 0
+    # an earlier fit in --out is never replaced silently: refused in one line, kept whole
+    argv = ["fit", str(tmp_path / "ckpt"), "--out", str(out), "--laws", "L(N)"]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "loss_vs_C.png" in before
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--out {out} already holds a fit (fit.json, report.md" in err
+    assert err.endswith("pass --overwrite to replace it or choose another --out")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (out / "loss_vs_C.png").exists()  # the old fit's plot went with it
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "L(N)" in ln)
     assert "3 points = parameters: interpolates, no interval" in line and "[" not in line
     report = (out / "report.md").read_text()
     assert "| gpn+m | 3 (interpolates) |" in report and "interval is reported" in report
+
+
+def test_fit_out_that_cannot_be_written_is_refused_before_collecting(tmp_path, capsys):
+    """An existing file or an unwritable place as --out: one line, exit 2, before any run is
+    read (the run root here does not exist: the --out check comes first)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    for out, words in ((a_file, "exists and is a file"), ("/proc/sys/gpn_fit", "not writable")):
+        assert main(["fit", str(tmp_path / "no_runs"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"--out {out}: " in err and words in err, err
+    assert a_file.read_text() == "keep"
 
 
 def test_collect_roots_reads_runs_from_s3(s3_bucket, s3_endpoint):

@@ -198,3 +198,79 @@ def test_unknown_reference_is_a_one_line_error(sweep_path, tmp_path, capsys):
     assert rc == 2 and "\n" not in err
     assert "--reference: family 'gdn' has no runs; known: gpn, gpn+m, gpn+m-2l" in err
     assert not (tmp_path / "f").exists()
+
+
+def test_report_sets_the_papers_130m_figures_beside_the_sweeps(sweep_path, tmp_path, capsys):
+    """The fit report's "The paper at 130M": every family's published FineWeb-Edu PPL and
+    LAMBADA (the model spec's table) beside the sweep's cell at the paper's N, with t-intervals
+    over the seeds; LAMBADA from the `eval --task lambada` JSON beside a run's final step, or
+    from a table's columns."""
+    from scipy import stats
+
+    from gpn_scale.scaling.paper import PAPER_TOKENS, paper_params
+
+    runs = finish_runs(sweep_path)
+    n_gpn = paper_params("gpn_m_130m")
+    assert n_gpn == 129_151_902  # counted from configs/model/gpn_m_130m.yaml
+    rng = np.random.default_rng(2)
+    losses, accs, lppls = [], [0.141, 0.152, 0.147], [35.1, 33.0, 34.2]
+    root = tmp_path / "runs130"
+    for seed in range(3):  # three finished runs of the paper's 1-layer GPN+M, LAMBADA-scored
+        run = root / f"gpn_m_130m-s{seed}"
+        ck = run / "checkpoints"
+        ck.mkdir(parents=True)
+        loss = law("gpn+m", n_gpn) * float(np.exp(rng.normal(0, 0.01)))
+        losses.append(loss)
+        (run / "config.yaml").write_text(
+            f"model: gpn_m_130m\nseed: {seed}\ndata:\n  seq_len: 2048\n"
+        )
+        step = ck / "step_000010000"
+        done = {"step": 10000, "tokens": PAPER_TOKENS, "final_eval_loss": loss, "params": n_gpn}
+        done |= {"flops": 6.0 * n_gpn * PAPER_TOKENS, "checkpoint": str(step)}
+        (ck / "DONE").write_text(json.dumps(done))
+        result = {"task": "lambada", "metrics": {"accuracy": accs[seed], "ppl": lppls[seed]}}
+        (ck / "step_000010000.lambada.json").write_text(json.dumps(result))
+    n_tpp = paper_params("transformer_pp_130m")
+    table = tmp_path / "tpp.csv"  # Transformer++ trained elsewhere, LAMBADA at 130M only
+    rows = ["family,N,D,loss,seed,lambada_acc,lambada_ppl"]
+    for n in sorted({r.params for r in runs if r.family == "gpn+m"}) + [n_tpp]:
+        for s in range(3):
+            lam = f"{0.22 + 0.001 * s},{19.0 + s}" if n == n_tpp else ","
+            rows.append(f"transformer_pp,{n},{2 * n},{law('transformer++', n):.6f},{s},{lam}")
+    table.write_text("\n".join(rows) + "\n")
+
+    out = tmp_path / "fit"
+    argv = ["fit", "--sweep", str(sweep_path), str(root), "--table", str(table)]
+    assert main([*argv, "--out", str(out), "--laws", "L(N)"]) == 0, capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    assert "## The paper at 130M" in report and "gpn-model.md" in report
+
+    def t_ci(xs, log=False):
+        xs = np.log(xs) if log else np.asarray(xs)
+        half = stats.t.ppf(0.975, len(xs) - 1) * xs.std(ddof=1) / np.sqrt(len(xs))
+        return xs.mean(), xs.mean() - half, xs.mean() + half
+
+    m, lo, hi = t_ci(losses)
+    a, alo, ahi = t_ci(accs)
+    p, plo, phi = t_ci(lppls, log=True)
+    row = next(line for line in report.splitlines() if line.startswith("| gpn+m | gpn_m_130m"))
+    assert row == (
+        f"| gpn+m | gpn_m_130m (129.2M) | 18.06 | 0.146 | 33.45 | 129.2M (+0.0%), 2.62e+09, 3 | "
+        f"{np.exp(m):.2f} [{np.exp(lo):.2f}, {np.exp(hi):.2f}] | {a:.3f} [{alo:.3f}, {ahi:.3f}] "
+        f"| {np.exp(p):.2f} [{np.exp(plo):.2f}, {np.exp(phi):.2f}] |"
+    )
+    tpp = next(ln for ln in report.splitlines() if ln.startswith("| transformer_pp | transf"))
+    assert "| 16.05 | 0.223 | 18.99 | 134.1M (+0.0%)" in tpp and "| 0.221 [" in tpp
+    for fam, ppl in (("gated_deltanet", "15.34"), ("gpn+m-2l", "16.95"), ("gpn", "23.51")):
+        line = next(ln for ln in report.splitlines() if ln.startswith(f"| {fam} | {fam[:3]}"))
+        assert f"| {ppl} |" in line and "no run within ±15% of N | — | — | — |" in line, line
+
+    data = json.loads((out / "fit.json").read_text())["paper_130m"]
+    assert "gpn-model.md" in data["source"]
+    got = {e["family"]: e for e in data["families"]}
+    assert set(got) == {"transformer_pp", "gated_deltanet", "gpn+m", "gpn+m-2l", "gpn"}
+    assert got["gated_deltanet"]["paper"]["N"] == 143_758_456  # the paper's shape, counted
+    sweep = got["gpn+m"]["sweep"]
+    assert sweep["seeds"] == 3 and sweep["heldout_ppl"] == pytest.approx(np.exp(m))
+    assert sweep["lambada_acc_ci"] == pytest.approx([alo, ahi])
+    assert got["gpn"]["sweep"] is None

@@ -41,11 +41,11 @@ def test_families_sweeps_plan_every_family(name, sizes, seeds, capsys):
         assert r.params == spec.count_parameters(cfg)
         assert r.flops == pytest.approx(spec.flops_per_token(cfg, r.seq_len) * r.tokens)
     if name == "families_ladder":
-        # the ladders match GPN+M's parameter counts within 3%; at 130M every family is the
-        # paper's own configuration (Transformer++ 134M, GDN 144M: the published shapes)
+        # the ladders match GPN+M's parameter counts within 3%, and within 5% at 130M (the
+        # paper's Transformer++ +3.8%; GDN at f=1536 +2.2%, the paper's f=2048 +11.3% aside)
         by = {(r.family, re.search(r"_(\d+[mb])(_2l)?$", r.size)[1]): r.params for r in sweep.runs}
         for (label, size), n in by.items():
-            tol = 0.12 if size == "130m" else 0.03
+            tol = 0.05 if size == "130m" else 0.03
             assert abs(n / by[("gpn+m", size)] - 1) < tol, (label, size)
     assert main(["sweep", "plan", name]) == 0
     out = capsys.readouterr().out

@@ -339,3 +339,25 @@ def test_sweep_checkpoint_every_and_wandb_mode_are_checked(sweep_dir):
     ok = {"wandb: {project: proj}": "wandb: {project: proj}\ncheckpoint_every_steps: 7"}
     sweep = load_sweep(write_sweep(sweep_dir, **ok), price=False)
     assert {r.checkpoint_every_steps for r in sweep.runs} == {7}
+
+
+def test_sweep_plan_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`gpn-scale sweep plan … | head` used to end in a BrokenPipeError traceback."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    fcntl.fcntl(write, 1031, 4096)  # F_SETPIPE_SZ: a small pipe, so the writer must wait
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpn_scale", "sweep", "plan", "families_ladder", "--overrides"],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write)
+    with os.fdopen(read) as reader:
+        assert reader.readline().startswith("sweep families-ladder")  # what `head -1` reads
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

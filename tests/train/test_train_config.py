@@ -208,3 +208,51 @@ def test_deterministic_auto_is_on_for_cpu_off_for_cuda(value, cpu, cuda, monkeyp
     assert loop.set_determinism(cfg, torch.device("cpu")) is cpu
     assert loop.set_determinism(cfg, torch.device("cuda", 0)) is cuda
     assert calls == [True] * (cpu + cuda)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["optim.lr=nan", "optim.lr=inf", "optim.weight_decay=-inf", "checkpoint.lease_ttl_s=nan"],
+)
+def test_non_finite_numbers_are_refused_naming_the_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_train_config("ci_tiny", [override])
+    msg = str(err.value)
+    assert msg.startswith(f"{key}: must be a finite number, got ") and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "override, off",
+    [
+        ("checkpoint.every_steps=-1", "(0 = only on preemption and at the end)"),
+        ("eval.every_steps=-5", "(0 = only at the end)"),
+        ("optim.grad_clip=-1", "(0 = no clipping)"),
+        ("checkpoint.lease_ttl_s=-3", "(0 = no lease)"),
+        ("preemption.end_margin_s=-60", "(0 = off)"),
+        ("analysis.every_steps=-1", "(0 = off)"),
+        ("data.shuffle_seed=-1", ""),
+        ("seed=-2", ""),
+        ("debug.inject_nan_steps=[3,-1]", ""),
+    ],
+)
+def test_negative_numbers_are_refused_never_read_as_off(override, off):
+    """One rule for every number of the schema: 0 is off where a key has an off, and a
+    negative value is refused in one line naming the key (it used to mean off for some keys,
+    every step for others)."""
+    key = override.split("=")[0].replace("[3,-1]", "")
+    with pytest.raises(ConfigError) as err:
+        load_train_config("ci_tiny", [override])
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(key) and "must be >= 0" in msg, msg
+    assert off in msg and msg.endswith("negative numbers are never read as off")
+    assert load_train_config("ci_tiny", [f"{key.split('[')[0]}=0"] if "[" not in override else [])
+
+
+def test_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_train_config("ci_tiny", ["run_dir=~/runs/x", "checkpoint.root=~/ck"])
+    assert cfg.run_dir == str(tmp_path / "runs" / "x")
+    assert cfg.resolved_checkpoint_root == str(tmp_path / "ck")
+    with pytest.raises(ConfigError, match=r"run_dir=~nosuchuser_gpn/x: cannot expand"):
+        load_train_config("ci_tiny", ["run_dir=~nosuchuser_gpn/x"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import time
 
 import pytest
 from train_helpers import (
@@ -27,7 +28,8 @@ from gpn_scale.train.signals import EXIT_ABORTED, EXIT_PREEMPTED
 pytestmark = pytest.mark.slow
 
 LINE = re.compile(
-    r"^step (\d+)/6 \| loss \d+\.\d{4} \| lr \d\.\d{3}e-\d\d \| [\d,]+ tok/s \| "
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d "  # ISO 8601 with the UTC offset
+    r"step (\d+)/6 \| loss \d+\.\d{4} \| lr \d\.\d{3}e-\d\d \| [\d,]+ tok/s \| "
     r"MFU (n/a|\d+\.\d%) \| ETA \d+:\d\d:\d\d$"
 )
 
@@ -57,6 +59,29 @@ def test_no_tty_plain_lines_every_log_every_steps(corpus, tmp_path):
     out = proc.stdout.decode()
     steps = [int(m.group(1)) for line in out.splitlines() if (m := LINE.match(line))]
     assert steps == [2, 4, 6], out
+    assert re.search(r"^summary: 6 step\(s\) in 0:\d\d:\d\d wall time \| mean", out, re.M), out
+
+
+def test_ctrl_c_during_the_setup_stops_without_training(corpus, tmp_path):
+    """A first Ctrl-C before step 1 used to train a step only to save it: it now stops
+    there, says so, leaves nothing new behind and exits 75 (a rerun starts afresh)."""
+    run_dir = tmp_path / "run"
+    proc = start_train(corpus, run_dir, "debug.setup_sleep=30")
+    deadline = time.time() + 180
+    seen = ""
+    while "sleeping 30s at the end of the setup" not in seen:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen
+        seen += line
+        assert time.time() < deadline, seen
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    out = seen + out
+    assert proc.returncode == EXIT_PREEMPTED, out[-2000:]
+    assert "interrupted (Ctrl-C) during the setup: stopping before the first step" in out
+    assert "stopped (Ctrl-C) during the setup, before step 1: nothing trained or saved" in out
+    assert "Traceback" not in out and "step 1/" not in out and "saving a checkpoint" not in out
+    assert not run_dir.exists()  # nothing of the run was left behind
 
 
 def test_first_ctrl_c_saves_and_exits_75(corpus, tmp_path):

@@ -58,6 +58,26 @@ def _check_tp(cfg: GatedDeltaNetConfig, tp: int) -> None:
     check_tp(cfg, tp)
 
 
+def _check_device(cfg: GatedDeltaNetConfig, device_type: str) -> None:
+    """The gated-delta-rule backend (`backend`, or GPN_SCALE_GDN_BACKEND over it) must be one
+    that runs on this device: refused here, not at the first step."""
+    import os
+
+    import torch
+
+    from gpn_scale.core.config import ConfigError
+    from gpn_scale.ops import gated_delta_rule as gdr
+
+    try:
+        gdr.select(cfg.backend, torch.device(device_type))
+    except gdr.GatedDeltaRuleError as err:
+        msg = str(err)
+        if not msg.startswith(("backend=", gdr.ENV_VAR)):  # name where the choice came from
+            env = os.environ.get(gdr.ENV_VAR, "").strip()
+            msg = f"{f'{gdr.ENV_VAR}={env}' if env else f'backend={cfg.backend}'}: {msg}"
+        raise ConfigError(msg) from None
+
+
 def _compat_keys(cfg: GatedDeltaNetConfig) -> dict[str, Any]:
     values = cfg.to_dict()
     return {"family": GatedDeltaNetConfig.family_name, **{k: values[k] for k in SHAPE_KEYS}}
@@ -74,6 +94,7 @@ SPEC = FamilySpec(
     recurrent=True,
     apply_tp=_apply_tp,  # heads split (parallelize.py); residual norms, embedding, head on dp
     check_tp=_check_tp,
+    check_device=_check_device,
     description=(
         "Gated DeltaNet (Yang et al.): gated delta-rule memory per layer, short convolutions, "
         "output gate and norm, SwiGLU MLP; fla's kernels on CUDA, our chunkwise op elsewhere"
