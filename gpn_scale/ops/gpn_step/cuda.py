@@ -1055,8 +1055,8 @@ def _sweep_history_bytes(
 ) -> int:
     """HBM bytes of the chunk's history one reverse step moves: the keys, errors and
     decays up to t read (the read and the write need them all; the keys twice), their
-    adjoints read and written over the block's rows [b0, t], the step's do / dpred kept (the flush after a
-    block's first step counts its own: `_flush_block`)."""
+    adjoints read and written over the block's rows [b0, t], the step's do / dpred kept
+    (the flush after a block's first step counts its own: `_flush_block`)."""
     row = dk + dv + 1
     b0 = tau - tau % S
     # the keys are read twice (before and after the d_value loop: registers)
