@@ -59,8 +59,16 @@ def test_dry_accounting_matches_a_real_run(monkeypatch):
     with cuda.recording() as real:
         model(tokens).loss.backward()
     dry = gpu_model.account(cfg, batch=2, seq_len=8).ops
+    # Split-K sums follow the GEMMs split to fill the SMs, a choice of the block sizes (the
+    # interpreter's 16-wide tiles split where the GPU's 64-wide ones do not): compared apart.
+    real_names = [f"{r.phase}: {r.name}" for r in real]
+    for i, name in enumerate(real_names):
+        if name.endswith(gpu_model.SPLIT_SUM):
+            assert real_names[i - 1] == name.removesuffix(" " + gpu_model.SPLIT_SUM)
     steps = [op.name for op in dry if op.triton and op.phase in gpu_model.SEQUENTIAL]
-    assert steps == [f"{r.phase}: {r.name}" for r in real]
+    assert [n for n in steps if gpu_model.SPLIT_SUM not in n] == [
+        n for n in real_names if gpu_model.SPLIT_SUM not in n
+    ]
     # On CUDA (and so in the dry run) the decode's cross-entropy is a Triton kernel too.
     assert any(op.triton and op.phase == "decode" for op in dry)
 
