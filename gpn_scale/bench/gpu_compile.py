@@ -247,11 +247,26 @@ def specialise(
     backend = make_backend(GPUTarget("cuda", target.arch, 32))
     binders: dict[int, Any] = {}
     variants: dict[str, Variant] = {}
+    seen: dict[tuple, str] = {}  # what the binder reads of a launch -> its variant's key
     for rec in launches:
         kernel = rec.kernel
         if kernel is None:  # an ATen copy or a collective, recorded for the accounting
             if keys is not None:
                 keys.append(None)
+            continue
+        # Triton's binder (~1 ms a launch) only reads dtypes, pointer alignment and, of ints,
+        # whether they are 1, divisible by 16 and 32-bit: launches alike in those are one
+        # variant, specialised once.
+        probe = (id(kernel), *map(_arg_key, rec.args), *sorted(rec.meta.items()))
+        key = seen.get(probe)
+        if key is not None:
+            v = variants[key]
+            v.names.add(rec.name)
+            v.phases.add(rec.phase)
+            v.grids.add(tuple(rec.grid))
+            v.launches += 1
+            if keys is not None:
+                keys.append(key)
             continue
         binder = binders.get(id(kernel))
         if binder is None:
@@ -294,9 +309,18 @@ def specialise(
         v.phases.add(rec.phase)
         v.grids.add(tuple(rec.grid))
         v.launches += 1
+        seen[probe] = key
         if keys is not None:
             keys.append(key)
     return list(variants.values())
+
+
+def _arg_key(a: Any) -> tuple:
+    if isinstance(a, torch.Tensor):
+        return ("t", a.dtype, (a.storage_offset() * a.element_size()) % 16 == 0)
+    if isinstance(a, bool) or not isinstance(a, int):
+        return ("v", type(a).__name__, a if isinstance(a, (bool, str)) or a is None else None)
+    return ("i", a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
 
 
 def _plain(value: Any) -> Any:

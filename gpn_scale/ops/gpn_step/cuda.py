@@ -991,6 +991,8 @@ def _memory_backward(
         NORM_WIDTH=H * dv * (plan.tp_size if sums is not None else 1),
         BLOCK_S=_sweep_block(y),
         num_warps=MEMORY_BACKWARD_WARPS,
+        # ptxas otherwise caps the layers above 0 (no write) at 128 registers and spills
+        maxnreg=255,
     )
     S = _sweep_block(y)
     if mem and tau % S == 0 and tau > 0:
@@ -1040,6 +1042,7 @@ def _flush_block(
         BLOCK_J=S,
         BLOCK_S=S,
         num_warps=8,
+        maxnreg=255,
     )
 
 
