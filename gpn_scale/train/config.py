@@ -266,10 +266,7 @@ def load_train_config(
 
     layers = []
     if name_or_path is not None:
-        path = resolve_config_path(name_or_path)
-        raw = read_yaml(path, resolve=False, what="training config")
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of config sections")
+        raw = _read_config_layer(name_or_path)
         _check_keys(raw, TrainConfig)
         layers.append(OmegaConf.create(raw))
     for item in overrides:
@@ -293,6 +290,24 @@ def load_train_config(
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
     validate(cfg)
     return cfg
+
+
+def _read_config_layer(name_or_path: str | Path) -> dict[str, Any]:
+    """A training YAML's mapping; a run folder (or the config.yaml a run wrote in it) is
+    its recorded config with the paths resolved for where the folder lies now
+    (train/run_paths.py), so `gpn-scale eval runs/x` and `train runs/x` read runs/x."""
+    from gpn_scale.train import run_paths
+
+    shipped = "/" not in str(name_or_path) and (CONFIG_DIR / f"{name_or_path}.yaml").is_file()
+    if run_paths.is_run_folder(name_or_path) and not shipped:  # a shipped name wins
+        return run_paths.read_run_config(name_or_path)
+    path = resolve_config_path(name_or_path)
+    raw = read_yaml(path, resolve=False, what="training config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections")
+    if path.name == run_paths.RUN_CONFIG and raw.get("run_dir") == run_paths.HERE:
+        return run_paths.rebase_run_config(raw, str(path.parent))
+    return raw
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -38,6 +38,7 @@ from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
 from gpn_scale.train.env import detect
 from gpn_scale.train.hardware import device_peak_flops as peak_flops  # MFU's denominator
+from gpn_scale.train.run_paths import record_run_dir, relocatable, resolve_recorded
 from gpn_scale.train.signals import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
@@ -148,11 +149,13 @@ class _Backend:
         self.model.train(mode)
 
     # Checkpoint plumbing (torch DCP via the CheckpointManager).
-    def save(self, mgr, step: int, meta: dict, rank_state: dict) -> str:
+    def save(self, mgr, step: int, meta: dict, rank_state: dict, files: dict) -> str:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
-        return mgr.save(step, {"model": msd, "optim": osd}, meta=meta, rank_state=rank_state)
+        return mgr.save(
+            step, {"model": msd, "optim": osd}, meta=meta, rank_state=rank_state, files=files
+        )
 
     def load(self, mgr, uri: str):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -233,8 +236,8 @@ class _DeepSpeedBackend(_Backend):
     def train(self, mode):
         self.engine.train(mode)
 
-    def save(self, mgr, step, meta, rank_state):
-        return mgr.save_deepspeed(step, self.engine, meta=meta, rank_state=rank_state)
+    def save(self, mgr, step, meta, rank_state, files):
+        return mgr.save_deepspeed(step, self.engine, meta=meta, rank_state=rank_state, files=files)
 
     def load(self, mgr, uri):
         return mgr.load_deepspeed(uri, self.engine)
@@ -352,7 +355,7 @@ class Trainer:
         from gpn_scale.data import DataConfig, build_loader
 
         cfg = self.cfg
-        cache = cfg.data.local_cache or str(Path(self.run_dir) / "data" / "cache")
+        cache = cfg.data.local_cache or self._default_cache()
         dcfg = DataConfig(
             remote=remote,
             local_cache=cache,
@@ -383,6 +386,17 @@ class Trainer:
 
             return TPGroupBatches(loader, topo.tp_mesh.get_group(), tp)
         return loader
+
+    def _default_cache(self) -> str:
+        """<run_dir>/data/cache for training; eval only reads the run, so its shard copies
+        go to a temporary directory of their own (removed when the run object ends)."""
+        if not self.eval_only:
+            return str(Path(self.run_dir) / "data" / "cache")
+        if getattr(self, "_eval_cache", None) is None:
+            import tempfile
+
+            self._eval_cache = tempfile.mkdtemp(prefix="gpn_eval_cache_")
+        return str(self._eval_cache)
 
     def _build_backend(
         self, model: nn.Module, micro: int, accum: int, fsdp_units: list[nn.Module]
@@ -502,6 +516,10 @@ class Trainer:
             for loader in self._loaders:
                 with contextlib.suppress(Exception):
                     loader.close()
+            if getattr(self, "_eval_cache", None):
+                import shutil
+
+                shutil.rmtree(self._eval_cache, ignore_errors=True)
             if self._lease is not None:
                 self._lease.release()
             if self._flag is not None:
@@ -540,8 +558,9 @@ class Trainer:
 
             check_run_dir(self.run_dir)  # names run_dir, not the checkpoint root under it
         mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
-        self._new_dirs += _missing_tops([mgr.staging_root])
-        mgr.preflight()
+        if not self.eval_only:  # eval only reads: a read-only run (or mount) evaluates
+            self._new_dirs += _missing_tops([mgr.staging_root])
+            mgr.preflight()
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
         for uri, reason in mgr.skipped if self.resume == "auto" else ():
             self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
@@ -573,7 +592,8 @@ class Trainer:
         )
         # Saved with every checkpoint: eval and generation find the tokenizer without the
         # training data (eval/load.py).
-        self._tokenizer_identity = dict(data_meta.tokenizer)
+        self._tokenizer_identity, self._ckpt_files = _tokenizer_record(data_meta.tokenizer)
+        self._data_fingerprint, self._remote = data_meta.fingerprint, remote
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -591,7 +611,11 @@ class Trainer:
         step, tokens, skipped, wandb_id = 0, 0, 0, None
         if self.resume == "auto" and resume_uri is None and not self.eval_only:
             self.log(f"resume auto: no complete checkpoint under {mgr.root}; starting fresh")
-        if resume_uri:
+        if resume_uri and self.eval_only and self.resume == "auto":
+            resume_uri, (step, tokens, skipped, wandb_id) = self._restore_newest(
+                mgr, resume_uri, backend, train_loader, model_cfg
+            )
+        elif resume_uri:
             step, tokens, skipped, wandb_id = self._restore(
                 mgr, resume_uri, backend, train_loader, model_cfg
             )
@@ -779,8 +803,10 @@ class Trainer:
             "params": n_params,
             "flops": flops_tok * tokens,
             "skipped_steps": skipped,
-            "checkpoint": last_ckpt,
-            "run_dir": self.run_dir,
+            # Both relative to the checkpoint root holding DONE when local (it travels with
+            # the folder), else absolute (train/run_paths.py).
+            "checkpoint": last_ckpt.rstrip("/").rsplit("/", 1)[-1] if last_ckpt else None,
+            "run_dir": record_run_dir(self.run_dir, mgr.root),
         }
         if topo.is_main:
             mgr.storage.put_bytes(DONE_MARKER, json.dumps(done, indent=1).encode())
@@ -899,7 +925,7 @@ class Trainer:
                 done_step,
                 int(done.get("tokens", 0) or 0),
                 self.run_dir,
-                done.get("checkpoint") or resume_uri,
+                resolve_recorded(done.get("checkpoint"), mgr.storage.uri) or resume_uri,
                 message=msg,
             )
         if resume_uri is None:
@@ -1040,11 +1066,14 @@ class Trainer:
             "world_size": self.topo.world_size,
             "backend": self.backend_name,
             "model_config": model_cfg.to_dict(),
-            "config": self.cfg.to_dict(),
+            "config": relocatable(self.cfg).to_dict(),
+            # The run folder relative to the checkpoint root (or absolute): eval finds the
+            # run's own data beside a copied or moved checkpoint (train/run_paths.py).
+            "run_dir": record_run_dir(self.run_dir, mgr.root),
             "tokenizer": getattr(self, "_tokenizer_identity", None),
         }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
-        uri = backend.save(mgr, step, meta, rank_state)
+        uri = backend.save(mgr, step, meta, rank_state, getattr(self, "_ckpt_files", {}))
         self.log(f"step {step}: checkpoint {uri}")
         self._emit({"event": "checkpoint", "checkpoint": uri}, step, tokens)
         return uri
@@ -1058,13 +1087,17 @@ class Trainer:
         ck = backend.load(mgr, uri)
         meta = ck.meta
         check_model_compatible(meta.get("model_config"), model_cfg, uri)
+        self._check_same_data(meta, uri)
         rank_state = ck.rank_state
-        if rank_state:
-            restore_rng_state(rank_state["rng"])
-            loader.load_state_dict(rank_state["loader"])
-        else:  # another world size: streaming's global position is valid for any world
-            loader.load_state_dict(meta["loader"])
-        self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
+        if self.eval_only:  # the training position is not needed (nor another dataset's)
+            self.log(f"eval: loaded {uri} (step {meta['step']}, {meta['tokens']:,} tokens)")
+        else:
+            if rank_state:
+                restore_rng_state(rank_state["rng"])
+                loader.load_state_dict(rank_state["loader"])
+            else:  # another world size: streaming's global position is valid for any world
+                loader.load_state_dict(meta["loader"])
+            self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
         if not self.eval_only:
             for line in changed_settings(meta.get("config"), self.cfg.to_dict()):
                 self.log(f"warning: resuming with a changed setting: {line}")
@@ -1074,6 +1107,44 @@ class Trainer:
             int(meta.get("skipped_steps", 0)),
             meta.get("wandb_run_id"),
         )
+
+    def _check_same_data(self, meta: dict, uri: str) -> None:
+        """A checkpoint read with data tokenized otherwise is refused (its ids would mean
+        other text); held-out eval on another dataset of the same tokenizer says so."""
+        from gpn_scale.eval.load import describe_tokenizer, same_tokenizer
+
+        recorded, ours = meta.get("tokenizer"), getattr(self, "_tokenizer_identity", None)
+        if isinstance(recorded, dict) and ours and not same_tokenizer(recorded, ours):
+            raise ConfigError(
+                f"data.remote {self._remote} is tokenized with {describe_tokenizer(ours)}, but "
+                f"checkpoint {uri} was trained with {describe_tokenizer(recorded)}; point "
+                "data.remote at data built with the checkpoint's tokenizer"
+            )
+        saved = (meta.get("loader") or {}).get("dataset")
+        fingerprint = getattr(self, "_data_fingerprint", None)
+        if self.eval_only and saved and fingerprint and saved != fingerprint:
+            self.log(
+                f"eval: warning: data.remote {self._remote} is not the dataset {uri} was "
+                f"trained on (fingerprint {fingerprint} != {saved}); evaluating on it"
+            )
+
+    def _restore_newest(
+        self, mgr, uri: str, backend: _Backend, loader, model_cfg
+    ) -> tuple[str, tuple[int, int, int, str | None]]:
+        """`eval --checkpoint auto` beside a live run: the newest complete checkpoint now
+        (the run may have saved since the start), loaded whole before anything uses it; if
+        the run's retention deletes it meanwhile, the newest one then (a few tries)."""
+        from gpn_scale.checkpoint import CheckpointError
+
+        for attempt in range(4):
+            uri = mgr.latest() or uri
+            try:
+                return uri, self._restore(mgr, uri, backend, loader, model_cfg)
+            except CheckpointError:
+                if attempt == 3 or mgr.is_complete(uri):
+                    raise
+                self.log(f"eval: {uri} was deleted while loading (retention); trying the newest")
+        raise AssertionError("unreachable")
 
     _wandb_id: str | None = None
     _sinks: list = []
@@ -1088,13 +1159,11 @@ class Trainer:
         from gpn_scale.train.metrics import JsonlSink, scrub_secrets
 
         run_dir = Path(self.run_dir)
-        # Resolved: defaults filled in and the derived paths written out.
-        import copy
+        # Resolved (defaults filled in, the derived paths written out) and relocatable: paths
+        # inside the run folder relative to it, so a copied folder reads its own files.
+        from gpn_scale.train.run_paths import RUN_CONFIG, relocatable
 
-        resolved = copy.deepcopy(self.cfg)
-        resolved.run_dir = self.cfg.resolved_run_dir
-        resolved.checkpoint.root = self.cfg.resolved_checkpoint_root
-        (run_dir / "config.yaml").write_text(to_yaml(resolved))
+        (run_dir / RUN_CONFIG).write_text(to_yaml(relocatable(self.cfg)))
         self._sinks.append(JsonlSink(str(run_dir / "metrics.jsonl"), resume_step=resume_step))
         wb = self.cfg.logging.wandb
         if wb.mode != "disabled":
@@ -1151,6 +1220,28 @@ class Trainer:
     def _emit(self, metrics: dict[str, Any], step: int, tokens: int) -> None:
         for sink in self._sinks:
             sink.log({"tokens": tokens, **metrics}, step=step)
+
+
+def _tokenizer_record(identity: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(the tokenizer identity every checkpoint records, the files it carries): a Hugging
+    Face tokenizer's tokenizer.json travels in each step directory (checked against the
+    dataset's sha256), so eval, generation and export need neither the training data nor
+    the file at its recorded path (a relative one is made absolute while it resolves)."""
+    identity = dict(identity)
+    if identity.get("kind") != "huggingface":
+        return identity, {}
+    name = str(identity.get("name") or "")
+    if name and not os.path.isabs(name) and os.path.exists(os.path.expanduser(name)):
+        identity["name"] = os.path.abspath(os.path.expanduser(name))
+    from gpn_scale.eval.tokenizer import from_identity
+
+    try:
+        text = from_identity(identity, where="the training data's tokenizer").serialized()
+    except ConfigError:  # not at hand here: the identity alone (the data is tokenized)
+        return identity, {}
+    from gpn_scale.eval.load import TOKENIZER_FILE
+
+    return identity, ({TOKENIZER_FILE: text.encode()} if text else {})
 
 
 def progress_line(
