@@ -141,7 +141,15 @@ def from_name(name: str) -> Tokenizer:
         return ByteTokenizer()
     tok = _load_hf(name, "--tokenizer")
     vocab = tok.get_vocab(with_added_tokens=True)
-    for candidate in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]"):
+    for candidate in (
+        "<|endoftext|>",
+        "</s>",
+        "<|end_of_text|>",
+        "<eos>",
+        "<|eot_id|>",
+        "[SEP]",
+        "<eod>",  # the byte tokenizer as `gpn-scale export` writes it
+    ):
         if candidate in vocab:
             return HFTokenizer(tok, name, vocab[candidate])
     raise ConfigError(f"--tokenizer {name}: no end-of-document token in its vocabulary")

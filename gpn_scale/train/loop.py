@@ -594,6 +594,8 @@ class Trainer:
         # training data (eval/load.py).
         self._tokenizer_identity, self._ckpt_files = _tokenizer_record(data_meta.tokenizer)
         self._data_fingerprint, self._remote = data_meta.fingerprint, remote
+        if resume_uri:  # before any loader streams: data of another tokenizer is refused
+            self._check_same_data(mgr.read_meta(resume_uri), resume_uri)
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -1087,7 +1089,6 @@ class Trainer:
         ck = backend.load(mgr, uri)
         meta = ck.meta
         check_model_compatible(meta.get("model_config"), model_cfg, uri)
-        self._check_same_data(meta, uri)
         rank_state = ck.rank_state
         if self.eval_only:  # the training position is not needed (nor another dataset's)
             self.log(f"eval: loaded {uri} (step {meta['step']}, {meta['tokens']:,} tokens)")

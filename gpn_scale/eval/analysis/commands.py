@@ -152,7 +152,6 @@ def _analyze(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     loaded = load(args.checkpoint, device=device, with_tokenizer=False)
-    print(f"analyze: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     if loaded.spec.name != "gpn":
         return _fail(
             f"{args.checkpoint} is a {loaded.spec.name} checkpoint; the state analyses read "
@@ -176,6 +175,7 @@ def _analyze(args: argparse.Namespace) -> int:
             f"{loaded.checkpoint} was trained with {describe_tokenizer(recorded)}; pass a "
             "dataset built with the checkpoint's tokenizer"
         )
+    print(f"analyze: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     cache = tempfile.mkdtemp(prefix="gpn_analyze_")  # the streamed shards; removed below
     try:
         result, unigram_source = _stream(args, loaded, remote, meta, cache, device)
