@@ -135,11 +135,11 @@ class ExportResult:
 
 def peek_family(ref: str) -> str:
     """The family a reference holds, from its manifest / config (no tensors read)."""
-    from gpn_scale.eval.load import _source, resolve
+    from gpn_scale.eval.load import read_source, resolve
     from gpn_scale.models.registry import DEFAULT_FAMILY
 
     kind, uri = resolve(ref)
-    saved = _source(kind, uri).meta.get("model_config") or {}
+    saved = read_source(kind, uri).meta.get("model_config") or {}
     return str(saved.get("family", DEFAULT_FAMILY)) if isinstance(saved, dict) else DEFAULT_FAMILY
 
 

@@ -203,7 +203,7 @@ def _weights_from_final(path: str) -> dict[str, torch.Tensor]:
 
 
 @dataclass
-class _Source:
+class Source:
     """What a reference names, before any tensor is read."""
 
     kind: str  # "dcp" | "final" | "export"
@@ -213,7 +213,8 @@ class _Source:
     serialized_tokenizer: str | None = None  # the tokenizer.json that travels with it
 
 
-def _source(kind: str, uri: str) -> _Source:
+def read_source(kind: str, uri: str) -> Source:
+    """What the resolved reference (`resolve`) holds: its meta, run folder and tokenizer file."""
     from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.train.run_paths import checkpoint_run_dir, is_run_folder, read_run_config
 
@@ -222,13 +223,11 @@ def _source(kind: str, uri: str) -> _Source:
         mgr = CheckpointManager(parent)
         meta = mgr.read_meta(uri)
         raw = mgr.storage.get_bytes(f"{uri.rstrip('/').rsplit('/', 1)[-1]}/{TOKENIZER_FILE}")
-        return _Source(
-            kind, uri, meta, checkpoint_run_dir(uri, meta), raw.decode() if raw else None
-        )
+        return Source(kind, uri, meta, checkpoint_run_dir(uri, meta), raw.decode() if raw else None)
     if kind == "export":
         from gpn_scale.eval.export import read_export_meta
 
-        return _Source(kind, uri, read_export_meta(uri), None)
+        return Source(kind, uri, read_export_meta(uri), None)
     folder = str(Path(uri).parent)
     meta = {}
     if "://" not in uri and is_run_folder(folder):
@@ -237,10 +236,10 @@ def _source(kind: str, uri: str) -> _Source:
 
         meta["config"] = read_run_config(folder)
         meta["model_config"] = run_model_config(load_train_config(folder)).to_dict()
-    return _Source(kind, uri, meta, folder if meta else None)
+    return Source(kind, uri, meta, folder if meta else None)
 
 
-def _check_family(source: _Source, spec: FamilySpec, cfg: Any, flag: str) -> None:
+def _check_family(source: Source, spec: FamilySpec, cfg: Any, flag: str) -> None:
     """`--model-config` must describe the model the checkpoint holds: one line otherwise
     (not a DCP traceback about missing keys)."""
     from gpn_scale.models.registry import DEFAULT_FAMILY
@@ -279,7 +278,7 @@ def describe_tokenizer(identity: dict[str, Any]) -> str:
     return f"{identity.get('kind')}:{identity.get('name')}" + (f" (sha256 {sha})" if sha else "")
 
 
-def _tokenizer(source: _Source, override: str | None) -> Tokenizer:
+def _tokenizer(source: Source, override: str | None) -> Tokenizer:
     recorded = source.meta.get("tokenizer")
     where = f"checkpoint {source.uri} (tokenizer)"
     if override:
@@ -362,7 +361,7 @@ def _load(
     from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.models.registry import config_from_dict, load_model_config
 
-    source = _source(kind, uri)
+    source = read_source(kind, uri)
     meta = source.meta
     step = int(meta["step"]) if meta.get("step") is not None else None
     if kind == "final" and model_config is None and "model_config" not in meta:

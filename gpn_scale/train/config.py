@@ -96,6 +96,14 @@ class CheckpointSection:
     # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
     # (gathered from FSDP2 / ZeRO shards), loadable with GPN(cfg).load_state_dict.
     export_final: bool = False
+    # Warm start: start from the weights of this checkpoint (a step dir local or s3:// of any
+    # dp/tp layout, a checkpoint root or run dir: its newest; a model_final.pt; an export)
+    # of the same family and shape, at step 0 with a fresh optimizer, schedule and data
+    # position. Ignored once the run has a checkpoint of its own to resume.
+    initial_load: str | None = None
+    # false: the optimizer state too (a DCP checkpoint, not under DeepSpeed); schedule, step
+    # and data position still start fresh.
+    initial_load_model_only: bool = True
 
 
 @dataclass

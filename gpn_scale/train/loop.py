@@ -564,6 +564,15 @@ class Trainer:
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
         for uri, reason in mgr.skipped if self.resume == "auto" else ():
             self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
+        warm = None  # checkpoint.initial_load: checked before anything is written
+        if cfg.checkpoint.initial_load and not self.eval_only:
+            if resume_uri:
+                self.log(
+                    f"checkpoint.initial_load: ignored, the run resumes its own checkpoint "
+                    f"{resume_uri}"
+                )
+            else:
+                warm = self._initial_load_source(model_cfg)
         if self.eval_only and resume_uri is None and not _no_resume(self.resume):
             raise ConfigError(
                 f"eval: no complete checkpoint under {mgr.root} to evaluate; "
@@ -596,6 +605,8 @@ class Trainer:
         self._data_fingerprint, self._remote = data_meta.fingerprint, remote
         if resume_uri:  # before any loader streams: data of another tokenizer is refused
             self._check_same_data(mgr.read_meta(resume_uri), resume_uri)
+        if warm is not None:
+            self._check_same_data(warm.meta, warm.uri)
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -605,10 +616,25 @@ class Trainer:
         seed_everything(cfg.seed)
         spec = family_of(model_cfg)
         model = spec.build(model_cfg).to(device)
+        if warm is not None and cfg.checkpoint.initial_load_model_only:
+            self._load_initial_weights(model, warm, spec, model_cfg)  # before any sharding
         n_params = sum(p.numel() for p in model.parameters())
         flops_tok = training_flops_per_token(model_cfg, seq_len)
         backend = self._build_backend(model, micro, accum, spec.fsdp_units(model))
         backend.train(True)
+        if warm is not None and not cfg.checkpoint.initial_load_model_only:
+            from gpn_scale.checkpoint import CheckpointManager as Manager
+
+            backend.load(Manager(warm.uri.rstrip("/").rsplit("/", 1)[0]), warm.uri)
+        if warm is not None:
+            what = "weights" + ("" if cfg.checkpoint.initial_load_model_only else " and optimizer")
+            fresh = "" if cfg.checkpoint.initial_load_model_only else "no fresh optimizer; "
+            step_of = warm.meta.get("step")
+            self.log(
+                f"checkpoint.initial_load: {what} of {warm.uri}"
+                + (f" (step {step_of})" if step_of is not None else "")
+                + f"; starting at step 0 ({fresh}fresh schedule and data position)"
+            )
 
         step, tokens, skipped, wandb_id = 0, 0, 0, None
         if self.resume == "auto" and resume_uri is None and not self.eval_only:
@@ -1073,6 +1099,7 @@ class Trainer:
             # run's own data beside a copied or moved checkpoint (train/run_paths.py).
             "run_dir": record_run_dir(self.run_dir, mgr.root),
             "tokenizer": getattr(self, "_tokenizer_identity", None),
+            "initial_load": self._initial_load_uri,  # the weights step 0 started from
         }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
         uri = backend.save(mgr, step, meta, rank_state, getattr(self, "_ckpt_files", {}))
@@ -1108,6 +1135,72 @@ class Trainer:
             int(meta.get("skipped_steps", 0)),
             meta.get("wandb_run_id"),
         )
+
+    _initial_load_uri: str | None = None
+
+    def _initial_load_source(self, model_cfg):
+        """The checkpoint `checkpoint.initial_load` names, checked against this run's model
+        (family and shape) from its manifest or config, before any tensor is read."""
+        from gpn_scale.eval.load import read_source, resolve
+
+        ref = str(self.cfg.checkpoint.initial_load)
+        try:
+            kind, uri = resolve(ref)
+            source = read_source(kind, uri)
+        except ConfigError as err:
+            raise ConfigError(f"checkpoint.initial_load: {err}") from None
+        saved = source.meta.get("model_config")
+        if not isinstance(saved, dict):
+            raise ConfigError(
+                f"checkpoint.initial_load {uri}: no model config recorded with it (a "
+                "model_final.pt needs its run's config.yaml beside it) to check against "
+                f"model={self.cfg.model}; give a step directory or an export"
+            )
+        check_model_compatible(saved, model_cfg, uri, use="checkpoint.initial_load")
+        if not self.cfg.checkpoint.initial_load_model_only and (
+            kind != "dcp" or self.backend_name == "deepspeed"
+        ):
+            raise ConfigError(
+                f"checkpoint.initial_load_model_only=false: the optimizer state is read from a "
+                f"DCP step directory under parallel.backend none / fsdp2 ({uri} is a {kind} "
+                f"checkpoint, backend {self.backend_name}); set initial_load_model_only=true"
+            )
+        self._initial_load_uri = uri
+        return source
+
+    def _load_initial_weights(self, model, source, spec, model_cfg) -> None:
+        """Collective for a DCP source: every rank reads the full weights (DCP reassembles
+        any dp/tp layout) into the unsharded model, which the backend then shards."""
+        from gpn_scale.checkpoint import CheckpointError, CheckpointManager
+
+        if source.kind == "dcp":
+            state = model.state_dict()
+            try:
+                CheckpointManager(source.uri.rstrip("/").rsplit("/", 1)[0]).load(
+                    source.uri, {"model": state}
+                )
+            except CheckpointError as err:
+                if "it is a deepspeed checkpoint" in str(err):
+                    raise ConfigError(
+                        f"checkpoint.initial_load {source.uri} is a DeepSpeed checkpoint; give "
+                        "its run's model_final.pt (checkpoint.export_final) or a DCP checkpoint"
+                    ) from None
+                raise
+        elif source.kind == "export":
+            from gpn_scale.eval.export import read_export_weights
+
+            state = read_export_weights(source.uri, spec, model_cfg)
+        else:
+            from gpn_scale.eval.load import _weights_from_final
+
+            state = _weights_from_final(source.uri)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ConfigError(
+                f"checkpoint.initial_load {source.uri}: its weights do not fit model="
+                f"{self.cfg.model} ({str(err).strip().splitlines()[0][:160]})"
+            ) from None
 
     def _check_same_data(self, meta: dict, uri: str) -> None:
         """A checkpoint read with data tokenized otherwise is refused (its ids would mean
@@ -1312,25 +1405,28 @@ def changed_settings(saved: dict | None, current: dict) -> list[str]:
     return out
 
 
-def check_model_compatible(saved: dict | None, current, uri: str) -> None:
+def check_model_compatible(saved: dict | None, current, uri: str, use: str = "resume") -> None:
     """One line when a checkpoint was written for another family or model shape (the keys
-    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's)."""
+    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's).
+    `use`: "resume", or the key that named the checkpoint (checkpoint.initial_load)."""
     if not saved:
         return
     from gpn_scale.models.registry import DEFAULT_FAMILY, family_of
 
     spec = family_of(current)
     saved_family = saved.get("family", DEFAULT_FAMILY)
+    what = "checkpoint" if use == "resume" else use
+    fix = "or a fresh checkpoint.root" if use == "resume" else f"or another {use}"
     if saved_family != spec.name:
         raise ConfigError(
-            f"checkpoint {uri} is a {saved_family} model, not {spec.name} "
+            f"{what} {uri} is a {saved_family} model, not {spec.name} "
             f"(model={getattr(current, 'name', '') or spec.name}); use a {saved_family} model "
-            "config to resume it, or a fresh checkpoint.root"
+            f"config to {'resume it' if use == 'resume' else 'start from it'}, {fix}"
         )
     keys = {k: v for k, v in spec.compat_keys(current).items() if k != "family"}
     diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
     if diff:
         raise ConfigError(
-            f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
-            "use the model config it was trained with, or a fresh checkpoint.root"
+            f"{what} {uri} is for another model shape ({', '.join(diff)}); "
+            f"use the model config it was trained with, {fix}"
         )
