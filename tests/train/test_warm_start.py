@@ -112,8 +112,9 @@ def test_the_optimizer_state_comes_too_when_asked(
 ) -> None:
     run = tmp_path / "with_optim"
     proc = run_train(
-        corpus, run, f"checkpoint.initial_load={source}", "checkpoint.initial_load_model_only=false",
-        "schedule.total_steps=1", "schedule.warmup_steps=1",
+        corpus, run, f"checkpoint.initial_load={source}",
+        "checkpoint.initial_load_model_only=false", "schedule.total_steps=1",
+        "schedule.warmup_steps=1",
     )  # fmt: skip
     assert "weights and optimizer of" in proc.stdout
     assert load_optimizer_steps(run / "checkpoints" / "step_000000001") == {3.0}
