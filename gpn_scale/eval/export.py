@@ -6,7 +6,7 @@ checkpoint; a model_final.pt; another export). Two layouts:
 
   --format safetensors (default, every family)
       model.safetensors   the model's state dict (our parameter names), float32 by default
-      config.json         {"format": "gpn_scale.export/1", "model_config": {family, ...},
+      config.json         {"format": "gpn_scale.export/1", "family", "model_config",
                            "tokenizer": {identity}, "step", "source", "dtype"}
       tokenizer.json      the training tokenizer (the byte tokenizer as its Hugging Face
                           byte-level equivalent: ids are the UTF-8 bytes, <eod> = 256)
@@ -213,6 +213,7 @@ def _write_native(loaded: Any, out: Path, dtype: torch.dtype) -> None:
     (out / TOKENIZER_FILE).write_text(hf_tokenizer(loaded.tokenizer).to_str())
     config = {
         "format": EXPORT_FORMAT,
+        "family": loaded.spec.name,
         "model_config": loaded.config.to_dict(),
         "tokenizer": _identity(loaded),
         "step": loaded.step,

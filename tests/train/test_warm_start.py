@@ -121,9 +121,11 @@ def test_the_optimizer_state_comes_too_when_asked(
 
 
 @pytest.mark.slow
-def test_a_warm_start_from_a_two_rank_fsdp2_checkpoint(corpus: str, tmp_path: Path) -> None:
+def test_a_warm_start_and_an_export_from_a_two_rank_fsdp2_checkpoint(
+    corpus: str, tmp_path: Path
+) -> None:
     """Another layout: the source trained on 2 FSDP2 ranks (DTensor shards), the warm start
-    in one plain process; DCP reassembles the weights."""
+    in one plain process and the export; DCP reassembles the weights."""
     src = tmp_path / "fsdp2"
     run_train(corpus, src, "schedule.total_steps=2", "parallel.backend=fsdp2", nproc=2)
     run = tmp_path / "warm"
@@ -135,3 +137,13 @@ def test_a_warm_start_from_a_two_rank_fsdp2_checkpoint(corpus: str, tmp_path: Pa
         _weights(run / "checkpoints" / "step_000000001"),
         _weights(src / "checkpoints" / "step_000000002"),
     )
+    # The same sharded step exports whole (gpn-scale export reads it through DCP too).
+    from gpn_scale.cli import main
+
+    exported = tmp_path / "exported"
+    assert (
+        main(["export", str(src / "checkpoints" / "step_000000002"), "--out", str(exported)]) == 0
+    )
+    _assert_same(_weights(exported), _weights(src / "checkpoints" / "step_000000002"))
+    manifest = json.loads((src / "checkpoints" / "step_000000002" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2  # it was sharded
