@@ -402,11 +402,11 @@ def _generate(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         model_config=args.model_config,
     )
-    print(f"generate: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     tok = loaded.tokenizer
     for t in args.stop_token:
         if not 0 <= t < tok.vocab_size:
             raise ConfigError(f"--stop-token {t}: not a token id (0..{tok.vocab_size - 1})")
+    print(f"generate: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     sampling = dataclasses.replace(
         sampling,
         stop_tokens=frozenset({tok.eod_token_id, *args.stop_token}),

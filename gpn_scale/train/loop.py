@@ -628,12 +628,16 @@ class Trainer:
             backend.load(Manager(warm.uri.rstrip("/").rsplit("/", 1)[0]), warm.uri)
         if warm is not None:
             what = "weights" + ("" if cfg.checkpoint.initial_load_model_only else " and optimizer")
-            fresh = "" if cfg.checkpoint.initial_load_model_only else "no fresh optimizer; "
+            fresh = (
+                "fresh optimizer, schedule and data position"
+                if cfg.checkpoint.initial_load_model_only
+                else "its optimizer state; fresh schedule and data position"
+            )
             step_of = warm.meta.get("step")
             self.log(
                 f"checkpoint.initial_load: {what} of {warm.uri}"
                 + (f" (step {step_of})" if step_of is not None else "")
-                + f"; starting at step 0 ({fresh}fresh schedule and data position)"
+                + f"; starting at step 0 ({fresh})"
             )
 
         step, tokens, skipped, wandb_id = 0, 0, 0, None

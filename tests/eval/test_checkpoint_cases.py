@@ -4,10 +4,13 @@ one line (exit 2) or, for Ctrl-C, the text so far and exit 130; nothing is writt
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -153,16 +156,57 @@ def test_ctrl_c_during_generate_keeps_the_text_so_far_and_exits_130(
         # A job started in the background inherits SIGINT ignored; a terminal's Ctrl-C is not.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    lines: queue.Queue[str] = queue.Queue()
+    chunks: list[str] = []
+    assert proc.stderr is not None and proc.stdout is not None
+    readers = [
+        threading.Thread(target=lambda f=proc.stderr: [lines.put(x) for x in f], daemon=True),
+        threading.Thread(target=lambda f=proc.stdout: chunks.append(f.read()), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    seen: list[str] = []
     deadline = time.monotonic() + 120
-    assert proc.stderr is not None
-    while time.monotonic() < deadline:  # decoding once the checkpoint is loaded
-        line = proc.stderr.readline()
-        if "loaded" in line or not line:
-            break
+    while time.monotonic() < deadline and not any("loaded" in x for x in seen):
+        with contextlib.suppress(queue.Empty):  # decoding once the checkpoint is loaded
+            seen.append(lines.get(timeout=1))
     time.sleep(2.0)
     assert proc.poll() is None, "generate ended before Ctrl-C"
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    for reader in readers:
+        reader.join(timeout=10)
+    while not lines.empty():
+        seen.append(lines.get())
+    err, out = "".join(seen), "".join(chunks)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "interrupted by Ctrl-C" in err
     assert out.startswith("abc") and len(out.strip()) > len("abc") + 10  # the text so far
+
+
+def test_a_hugging_face_tokenizer_travels_with_the_checkpoint(tmp_path: Path) -> None:
+    """The trainer keeps the dataset's tokenizer.json in every step directory: eval finds it
+    there when the file at the recorded path is gone (a moved run, another machine)."""
+    from data_tools.tokenizer import resolve_tokenizer
+    from gpn_scale.checkpoint import CheckpointManager
+    from gpn_scale.eval.load import load
+    from gpn_scale.train.loop import _tokenizer_record
+
+    path = _hf_tokenizer_file(tmp_path / "tok.json")
+    identity, files = _tokenizer_record(resolve_tokenizer(str(path), "<eod>").identity())
+    assert identity["name"] == str(path) and set(files) == {"tokenizer.json"}
+    model = perturbed_model(tiny_config(vocab_size=257), dtype=torch.float32).eval()
+    meta = {"step": 1, "model_config": model.config.to_dict(), "tokenizer": identity}
+    mgr = CheckpointManager(str(tmp_path / "ckpt"))
+    uri = mgr.save(1, {"model": model.state_dict()}, meta=meta, files=files)
+    path.unlink()  # the recorded path is gone
+    loaded = load(uri, device="cpu")
+    assert loaded.tokenizer.kind == "huggingface" and loaded.tokenizer.encode("ab") == [97, 98]
+    (Path(uri) / "tokenizer.json").write_text(
+        _hf_tokenizer_file(tmp_path / "x.json").read_text()[:-2]
+    )
+    with pytest.raises(Exception, match="sha256|does not match|parse"):
+        load(uri, device="cpu")  # a damaged copy is never used silently

@@ -95,7 +95,7 @@ def test_transformer_pp_as_a_hugging_face_llama_gives_our_logits(
     out = tmp_path / "hf"
     code, _, err = _call(capsys, "export", ckpt, "--out", str(out), "--format", "hf")
     assert code == 0, err
-    hf = LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ours = load(ckpt, device="cpu").model
     vocab = ours.config.vocab_size  # 512; id 512 is the start token, Llama's bos
     assert hf.config.bos_token_id == vocab and hf.config.vocab_size == vocab + 1

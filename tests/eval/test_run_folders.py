@@ -144,11 +144,12 @@ def test_eval_device_cuda_without_cuda_is_refused(
 def test_a_missing_step_folder_is_named_missing(finished_run: Path, tmp_path: Path, capsys) -> None:
     run = copy_run(finished_run, tmp_path / "run")
     step = run / "checkpoints" / "step_000000099"
-    code, _, err = _call(capsys, "eval", str(run), "--checkpoint", str(step))
-    assert code == 2 and err.count("\n") == 1 and "missing" in err
-    assert "did not finish" not in err
+    for config in (["ci_tiny", f"run_dir={run}"], [str(run)]):
+        code, _, err = _call(capsys, "eval", *config, "--checkpoint", str(step))
+        assert code == 2 and err.count("\n") == 1 and "no such step folder (it is missing" in err
+        assert "did not finish" not in err
     code, _, err = _call(capsys, "generate", str(step), "--prompt", "a")
-    assert code == 2 and err.count("\n") == 1 and "missing" in err
+    assert code == 2 and err.count("\n") == 1 and "no such step folder (it is missing)" in err
 
 
 def test_eval_auto_beside_a_live_run_loads_the_newest_surviving_step(

@@ -45,7 +45,7 @@ def test_a_warm_start_takes_the_weights_and_starts_everything_else_fresh(
         "checkpoint.every_steps=1", "schedule.warmup_steps=1",
     )  # fmt: skip
     assert f"checkpoint.initial_load: weights of {step2} (step 2)" in proc.stdout
-    assert "starting at step 0" in proc.stdout
+    assert "starting at step 0 (fresh optimizer, schedule and data position)" in proc.stdout
     ck = run / "checkpoints" / "step_000000001"
     _assert_same(_weights(ck), _weights(step2))  # the source's weights, one 1e-12 step on
     meta = json.loads((ck / "manifest.json").read_text())["meta"]

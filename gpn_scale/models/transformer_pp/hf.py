@@ -57,7 +57,6 @@ def llama_config(cfg: TransformerPPConfig, *, eos_token_id: int, max_positions: 
         mlp_bias=False,
         bos_token_id=start_token_id(cfg),
         eos_token_id=eos_token_id,
-        torch_dtype="float32",
     )
 
 
