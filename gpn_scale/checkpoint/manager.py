@@ -198,6 +198,8 @@ class CheckpointManager:
         """
         raw = storage.get_bytes(f"{name}/{MANIFEST}")
         if raw is None:
+            if not storage.list(f"{name}/"):
+                return None, "no such step folder (it is missing: deleted, or never written)"
             return None, "no manifest.json (the save did not finish)"
         try:
             manifest = json.loads(raw)
@@ -269,6 +271,11 @@ class CheckpointManager:
             if reason:
                 self.skipped.append((self.storage.child_uri(name), reason))
 
+    def is_complete(self, uri: str) -> bool:
+        """Whether the checkpoint at `uri` (under this root or another) is complete now."""
+        storage, name = self._locate(uri)
+        return self._check(storage, name)[0] is not None
+
     def list_checkpoints(self) -> list[tuple[int, str, bool]]:
         """(step, uri, complete) for every step directory, newest first (for status displays)."""
         out = []
@@ -310,8 +317,9 @@ class CheckpointManager:
         storage, name = self._locate(uri)
         raw = storage.get_bytes(f"{name}/{MANIFEST}")
         if raw is None:
+            reason = self._check(storage, name)[1]
             raise CheckpointError(
-                f"{storage.child_uri(name)} has no manifest.json; pick a complete checkpoint"
+                f"{storage.child_uri(name)}: {reason}; pick a complete checkpoint"
             )
         try:
             return dict(json.loads(raw).get("meta", {}))
@@ -482,8 +490,12 @@ class CheckpointManager:
         *,
         meta: dict[str, Any],
         rank_state: dict[str, Any] | None = None,
+        files: dict[str, bytes] | None = None,
     ) -> str:
         """COLLECTIVE. Save a DCP state dict (+ per-rank state, + meta on rank 0); returns the URI.
+
+        `files`: small files rank 0 adds to the step directory (name -> content; e.g. the
+        tokenizer.json the weights were trained with), uploaded and hashed with the rest.
 
         The checkpoint becomes `latest` only after every rank's files are uploaded and verified.
         Any failure raises a one-line CheckpointError on every rank and leaves `latest` unchanged.
@@ -507,10 +519,19 @@ class CheckpointManager:
         try:
             if rank_state is not None:
                 torch.save(rank_state, stage / _rank_file(self.rank))
+            self._stage_files(stage, files)
         except Exception as exc:  # noqa: BLE001
             err = f"cannot write rank_state ({one_line(exc, 160)})"
         per_rank = err if err else self._upload_stage(name, stage)
         return self._commit(step, name, stage, "dcp", per_rank, meta)
+
+    def _stage_files(self, stage: Path, files: dict[str, bytes] | None) -> None:
+        if self.rank != 0 or not files:
+            return
+        for rel, content in files.items():
+            if "/" in rel or rel.startswith(".") or _rank_file(0)[:5] in rel:
+                raise CheckpointError(f"extra checkpoint file {rel!r}: give a plain file name")
+            (stage / rel).write_bytes(content)
 
     def save_deepspeed(
         self,
@@ -519,9 +540,10 @@ class CheckpointManager:
         *,
         meta: dict[str, Any],
         rank_state: dict[str, Any] | None = None,
+        files: dict[str, bytes] | None = None,
     ) -> str:
         """COLLECTIVE. engine.save_checkpoint into this rank's staging dir, then
-        upload/manifest/latest."""
+        upload/manifest/latest (`files`: as in `save`)."""
         name, stage = self._begin(step, meta)
         err = None
         try:
@@ -537,6 +559,8 @@ class CheckpointManager:
         try:
             if not err and rank_state is not None:
                 torch.save(rank_state, stage / _rank_file(self.rank))
+            if not err:
+                self._stage_files(stage, files)
         except Exception as exc:  # noqa: BLE001
             err = f"cannot write rank_state ({one_line(exc, 160)})"
         per_rank = err if err else self._upload_stage(name, stage)

@@ -20,6 +20,8 @@ from typing import Any
 from gpn_scale.core.config import ConfigError, closest_key_hint
 
 TASKS = ("lambada",)
+DEFAULT_BATCH = 16
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +65,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.set_defaults(func=cmd_generate)
 
+    x = sub.add_parser(
+        "export",
+        help="a checkpoint as safetensors + config.json + tokenizer (or a Hugging Face Llama)",
+        description="Write any checkpoint (a step directory local or s3:// of any dp/tp "
+        "layout, a checkpoint root or run dir: its newest checkpoint; a model_final.pt) as "
+        "model.safetensors + config.json + tokenizer.json in --out, loadable by eval / "
+        "generate / analyze; --format hf writes a Transformer++ checkpoint as a Hugging Face "
+        "LlamaForCausalLM. Exit codes: 0 done, 2 bad input (one line on stderr, nothing "
+        "written).",
+    )
+    x.add_argument("checkpoint", help="a step directory, checkpoint root, run dir or .pt")
+    x.add_argument("--out", required=True, help="the export directory (new or empty)")
+    x.add_argument(
+        "--format",
+        default="safetensors",
+        choices=("safetensors", "hf"),
+        help="safetensors (ours, every family) or hf (Transformer++ as Llama); default %(default)s",
+    )
+    x.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype (default %(default)s: the checkpoint's fp32 master weights)",
+    )
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    x.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer.json if it moved (must be the recorded tokenizer)",
+    )
+    x.set_defaults(func=cmd_export)
+
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags every checkpoint-reading command shares (eval/load.py)."""
@@ -77,7 +111,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a model config name / YAML (default: the one saved with the checkpoint)",
     )
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per forward (default 16)"
+    )
 
 
 def add_task_flags(p: argparse.ArgumentParser) -> None:
@@ -149,6 +185,19 @@ def check_writable(uri: str, overwrite: bool) -> None:
     storage, name = _split(uri)
     if storage.exists(name) and not overwrite:
         raise ConfigError(f"{uri} exists; pass --overwrite to replace it, or --out another file")
+    if "://" not in uri:  # a read-only run (or mount) fails here, not after the work
+        import os
+
+        from gpn_scale.io.storage import writable_dir
+
+        parent = os.path.dirname(os.path.abspath(uri))
+        probe = parent
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        if os.path.isdir(probe) and not writable_dir(probe):
+            raise ConfigError(
+                f"{uri}: {probe} is not writable (a read-only run?); pass --out FILE elsewhere"
+            )
 
 
 def write_result(uri: str, result: dict[str, Any]) -> None:
@@ -180,7 +229,7 @@ def cmd_task_eval(args: argparse.Namespace) -> int:
 
 
 def _task_eval(args: argparse.Namespace) -> int:
-    from gpn_scale.eval.load import load, pick_device, resolve
+    from gpn_scale.eval.load import describe_loaded, load, pick_device, resolve
 
     if args.overrides:
         raise ConfigError(
@@ -205,6 +254,7 @@ def _task_eval(args: argparse.Namespace) -> int:
         raise ConfigError("--lm-eval: name at least one task, e.g. --lm-eval lambada_openai")
     name = args.task or "lm_eval." + "+".join(tasks)
     pick_device(args.device)  # a bad --device fails before anything loads
+    args.batch_size = args.batch_size or DEFAULT_BATCH
     _, ckpt = resolve(args.config)
     texts = None
     if args.task == "lambada":
@@ -215,11 +265,15 @@ def _task_eval(args: argparse.Namespace) -> int:
         _check_lm_eval(tasks, args.include_path)
     out = args.out or default_result_uri(ckpt, name)
     check_writable(out, args.overwrite)
-    log = sys.stderr if args.json else sys.stdout
     loaded = load(
         args.config, device=args.device, tokenizer=args.tokenizer, model_config=args.model_config
     )
-    print(f"eval: {name} on {loaded.checkpoint} ({loaded.spec.name})", file=log, flush=True)
+    if loaded.checkpoint != ckpt:  # a live run saved (or its retention deleted) meanwhile
+        ckpt = loaded.checkpoint
+        out = args.out or default_result_uri(ckpt, name)
+        check_writable(out, args.overwrite)
+    # stdout holds the result line alone (or the JSON); which weights went to stderr.
+    print(f"eval: {name}: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     result = _header(loaded, name)
     if texts is not None:
         from gpn_scale.eval.lambada import evaluate_lambada
@@ -415,13 +469,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate(args)
     except _errors() as err:
         return _fail(err)
+    except KeyboardInterrupt:  # before decoding (loading the checkpoint): nothing to show
+        print("gpn-scale: generate interrupted by Ctrl-C", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gpn_scale.eval.generate import Sampling, generate
-    from gpn_scale.eval.load import load, pick_device
+    from gpn_scale.eval.generate import GenerationInterrupted, Sampling, generate
+    from gpn_scale.eval.load import describe_loaded, load, pick_device
 
     prompts = list(args.prompt)
     if args.prompt_file:
@@ -451,17 +508,34 @@ def _generate(args: argparse.Namespace) -> int:
     for t in args.stop_token:
         if not 0 <= t < tok.vocab_size:
             raise ConfigError(f"--stop-token {t}: not a token id (0..{tok.vocab_size - 1})")
+    print(f"generate: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     sampling = dataclasses.replace(
-        sampling, stop_tokens=frozenset({tok.eod_token_id, *args.stop_token})
-    )
-    gens = generate(
-        loaded.model,
-        [tok.encode(p) for p in prompts],
         sampling,
-        decode=tok.decode,
-        batch_size=args.batch_size,
-        device=loaded.device,
+        stop_tokens=frozenset({tok.eod_token_id, *args.stop_token}),
+        vocab_limit=tok.vocab_size,  # a padded vocabulary's extra ids are never drawn
     )
+    try:
+        gens = generate(
+            loaded.model,
+            [tok.encode(p) for p in prompts],
+            sampling,
+            decode=tok.decode,
+            batch_size=args.batch_size or DEFAULT_BATCH,
+            device=loaded.device,
+        )
+    except GenerationInterrupted as stop:  # Ctrl-C while decoding: the text so far
+        _print_generations(args, prompts, stop.generations)
+        print(
+            "gpn-scale: generate interrupted by Ctrl-C; printed the text so far",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
+    _print_generations(args, prompts, gens)
+    return 0
+
+
+def _print_generations(args: argparse.Namespace, prompts: list[str], gens: list[Any]) -> None:
     if args.json:
         print(
             json.dumps(
@@ -469,11 +543,35 @@ def _generate(args: argparse.Namespace) -> int:
                     {"prompt": p, "text": g.text, "tokens": g.tokens, "stopped": g.stopped}
                     for p, g in zip(prompts, gens)
                 ]
-            )
+            ),
+            flush=True,
         )
-        return 0
+        return
     for i, (p, g) in enumerate(zip(prompts, gens)):
         if len(prompts) > 1:
             print(f"--- prompt {i + 1} ({len(g.tokens)} new tokens, stopped: {g.stopped})")
-        print(p + g.text)
+        print(p + g.text, flush=True)
+
+
+# ------------------------------------------------------------------------------ export
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        from gpn_scale.eval.export import export_checkpoint
+
+        result = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            layout=args.format,
+            overwrite=args.overwrite,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            log=lambda line: print(f"export: {line}", file=sys.stderr, flush=True),
+        )
+    except _errors() as err:
+        return _fail(err)
+    step = f"step {result.step}" if result.step is not None else "step unknown"
+    print(
+        f"export: {result.family} ({result.parameters:,} parameters, {step}) from "
+        f"{result.source} -> {result.out} ({result.layout})"
+    )
     return 0

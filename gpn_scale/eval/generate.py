@@ -33,6 +33,9 @@ class Sampling:
     seed: int = 0
     stop_tokens: frozenset[int] = field(default_factory=frozenset)
     stop_strings: tuple[str, ...] = ()
+    # Ids >= this are never chosen: a padded vocabulary (tp needs it) has logits for ids the
+    # tokenizer does not have, which decode to nothing. None: every id of the model.
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -53,7 +56,16 @@ class Sampling:
 class Generation:
     tokens: list[int]  # the new tokens (a stop token included; cut at a stop string)
     text: str  # their text, cut before the first stop string
-    stopped: str  # "token", "string" or "length"
+    stopped: str  # "token", "string", "length" or "interrupted" (Ctrl-C)
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `generate`: `generations` holds every prompt's text so far (stopped
+    "interrupted" where it was cut, empty for prompts not yet started)."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        super().__init__("interrupted")
+        self.generations = generations
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -72,6 +84,8 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 def _choose(logits: Tensor, sampling: Sampling, gens: list[torch.Generator]) -> Tensor:
     logits = logits.double()
+    if sampling.vocab_limit is not None and sampling.vocab_limit < logits.shape[-1]:
+        logits[:, sampling.vocab_limit :] = float("-inf")
     if sampling.temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(
@@ -104,14 +118,26 @@ def generate(
     for i, p in enumerate(prompts):
         by_length[len(p)].append(i)
     out: list[Generation | None] = [None] * len(prompts)
-    for length in sorted(by_length):
-        members = by_length[length]
-        for start in range(0, len(members), batch_size):
-            idx = members[start : start + batch_size]
-            for i, gen in zip(
-                idx, _decode_group(model, [prompts[i] for i in idx], idx, sampling, decode, device)
-            ):
-                out[i] = gen
+    try:
+        for length in sorted(by_length):
+            members = by_length[length]
+            for start in range(0, len(members), batch_size):
+                idx = members[start : start + batch_size]
+                group: list[Generation] = []
+                try:
+                    group = _decode_group(
+                        model, [prompts[i] for i in idx], idx, sampling, decode, device
+                    )
+                except GenerationInterrupted as stop:
+                    group = stop.generations
+                    raise
+                finally:
+                    for i, gen in zip(idx, group):
+                        out[i] = gen
+    except KeyboardInterrupt:  # in a group's decoding, or before it (its prompt's forward)
+        raise GenerationInterrupted(
+            [g if g is not None else Generation([], "", "interrupted") for g in out]
+        ) from None
     return [g for g in out if g is not None]
 
 
@@ -129,6 +155,32 @@ def _decode_group(
     new: list[list[int]] = [[] for _ in range(n)]
     result: list[Generation | None] = [None] * n
     rows = list(range(n))  # batch position -> prompt of this group
+    try:
+        _decode_steps(model, state, sampling, decode, device, gens, new, result, rows)
+    except KeyboardInterrupt:  # keep the text so far of every row of the group
+        for row in range(n):
+            if result[row] is None:
+                text = decode(new[row]) if decode is not None else ""
+                result[row] = Generation(
+                    list(new[row]), _cut(text, sampling.stop_strings)[0], "interrupted"
+                )
+        raise GenerationInterrupted([r for r in result if r is not None]) from None
+    return [r for r in result if r is not None]
+
+
+def _decode_steps(
+    model: Any,
+    state: Any,
+    sampling: Sampling,
+    decode: Callable[[list[int]], str] | None,
+    device: torch.device,
+    gens: list[torch.Generator],
+    new: list[list[int]],
+    result: list[Generation | None],
+    rows: list[int],
+) -> None:
+    """The decoding loop of one group: fills `new` and `result` in place (so an interrupt
+    leaves them holding everything decoded so far)."""
     indexable = True
     for step in range(sampling.max_new_tokens):
         tok = _choose(model.next_token_logits(state), sampling, [gens[r] for r in rows])
@@ -158,4 +210,3 @@ def _decode_group(
             else:
                 tok, rows = tok[keep], [rows[p] for p in keep]
         state = model(tok.to(device)[:, None], state, return_state=True).state
-    return [r for r in result if r is not None]

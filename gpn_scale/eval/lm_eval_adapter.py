@@ -73,11 +73,12 @@ class GPNScaleLM(LM):
         if model is None:
             if not checkpoint:
                 raise ValueError("gpn_scale: pass --model_args checkpoint=PATH")
-            from gpn_scale.eval.load import load
+            from gpn_scale.eval.load import describe_loaded, load
 
             loaded = load(
                 str(checkpoint), device=device or "auto", tokenizer=tokenizer, model_config=config
             )
+            print(f"gpn_scale: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
             model, tok, dev = loaded.model, loaded.tokenizer, loaded.device
             self.checkpoint = loaded.checkpoint
         else:
@@ -186,4 +187,5 @@ class GPNScaleLM(LM):
             seed=int(kwargs.get("seed") or 0),
             stop_tokens=frozenset({self.tok.eod_token_id}),
             stop_strings=stops,
+            vocab_limit=self.tok.vocab_size,  # padded vocabulary ids are never generated
         )

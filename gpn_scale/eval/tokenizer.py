@@ -37,6 +37,10 @@ class Tokenizer:
     def identity(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "eod_token_id": self.eod_token_id}
 
+    def serialized(self) -> str | None:
+        """Its tokenizer.json content (None for the byte tokenizer, which has no file)."""
+        return None
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes are the ids (data_tools' built-in byte tokenizer, vocab 257)."""
@@ -64,6 +68,15 @@ class HFTokenizer(Tokenizer):
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
 
+    def identity(self) -> dict[str, Any]:
+        return {
+            **super().identity(),
+            "sha256": hashlib.sha256(self._tok.to_str().encode()).hexdigest(),
+        }
+
+    def serialized(self) -> str | None:
+        return str(self._tok.to_str())
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -88,15 +101,27 @@ def _load_hf(name: str, what: str) -> Any:
     )
 
 
-def from_identity(identity: dict[str, Any], where: str = "dataset metadata") -> Tokenizer:
-    """The tokenizer a dataset's metadata names, checked against its recorded sha256."""
+def from_identity(
+    identity: dict[str, Any], where: str = "dataset metadata", serialized: str | None = None
+) -> Tokenizer:
+    """The tokenizer a dataset's metadata names, checked against its recorded sha256.
+    `serialized`: its tokenizer.json content (the copy a checkpoint carries) instead of the
+    file at the recorded path."""
     kind = identity.get("kind")
     if kind == "byte":
         return ByteTokenizer()
     if kind != "huggingface":
         raise ConfigError(f"{where}: unknown tokenizer kind {kind!r}; pass --tokenizer")
     name = str(identity.get("name"))
-    tok = _load_hf(name, where)
+    if serialized is not None:
+        from tokenizers import Tokenizer as HF
+
+        try:
+            tok = HF.from_str(serialized)
+        except Exception as err:  # noqa: BLE001 - the Rust side raises plain Exceptions
+            raise ConfigError(f"{where}: its tokenizer.json does not parse ({err})") from None
+    else:
+        tok = _load_hf(name, where)
     want = identity.get("sha256")
     have = hashlib.sha256(tok.to_str().encode()).hexdigest()
     if want and have != want:
@@ -116,7 +141,15 @@ def from_name(name: str) -> Tokenizer:
         return ByteTokenizer()
     tok = _load_hf(name, "--tokenizer")
     vocab = tok.get_vocab(with_added_tokens=True)
-    for candidate in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]"):
+    for candidate in (
+        "<|endoftext|>",
+        "</s>",
+        "<|end_of_text|>",
+        "<eos>",
+        "<|eot_id|>",
+        "[SEP]",
+        "<eod>",  # the byte tokenizer as `gpn-scale export` writes it
+    ):
         if candidate in vocab:
             return HFTokenizer(tok, name, vocab[candidate])
     raise ConfigError(f"--tokenizer {name}: no end-of-document token in its vocabulary")

@@ -34,6 +34,7 @@ import errno
 import functools
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -591,6 +592,20 @@ class LocalStorage(Storage):
         return self._path(key.rstrip("/"))
 
 
+def writable_dir(directory: str | os.PathLike[str]) -> bool:
+    """Whether a file can be created in the existing `directory`: a probe file created and
+    removed (os.access alone is not enough: root passes it on a read-only mount)."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, path = tempfile.mkstemp(prefix=".gpn-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -775,14 +790,23 @@ class S3Storage(Storage):
 
     def preflight(self) -> None:
         probe = self._key(f".preflight-{uuid.uuid4().hex[:12]}")
-        self._call(
-            "write a probe object",
-            lambda: self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"ok"),
-        )
-        self._call(
-            "delete a probe object",
-            lambda: self.client.delete_object(Bucket=self.bucket, Key=probe),
-        )
+        try:
+            self._call(
+                "write a probe object",
+                lambda: self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"ok"),
+            )
+            self._call(
+                "delete a probe object",
+                lambda: self.client.delete_object(Bucket=self.bucket, Key=probe),
+            )
+        except NotFound as exc:
+            # S3 answers a write into a missing bucket with NoSuchBucket; a plain 404 to a
+            # PUT means the endpoint is not S3 (a web server, a wrong path in the URL).
+            raise self.error(
+                f"{self.uri}: the endpoint {_where()} answered 404 Not Found to writing a "
+                f"probe object ({exc}); it is not an S3 service, or its URL is wrong: check "
+                f"{_endpoint_variable()} and the {self.subject}"
+            ) from exc
 
 
 def open_storage(

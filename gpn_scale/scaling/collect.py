@@ -193,8 +193,10 @@ def read_run(
         if done is not None:
             done_at = loc
             break
-    if done and isinstance(done.get("run_dir"), str) and done["run_dir"] not in locations:
-        locations.append(done["run_dir"])
+    if done and isinstance(done.get("run_dir"), str) and done_at is not None:
+        run_dir = _recorded_path(done["run_dir"], done_at)
+        if run_dir not in locations:
+            locations.append(run_dir)
     config = None
     for loc in locations:
         raw = _read(loc, CONFIG)
@@ -287,6 +289,18 @@ def _lambada_of(root: str, done: dict[str, Any]) -> tuple[float | None, float | 
                 float(ppl) if _finite(ppl) else None,
             )
     return None, None
+
+
+def _recorded_path(value: str, base: str) -> str:
+    """DONE records the run folder relative to the checkpoint root holding it (`..` in the
+    default layout) when both are local; older markers, and S3 roots, hold it whole."""
+    import os
+
+    if "://" in value or os.path.isabs(value) or "://" in base:
+        return value
+    beside = os.path.normpath(os.path.join(base, value))
+    # A marker written before that rule holds it relative to the launch directory.
+    return value if not os.path.isdir(beside) and os.path.isdir(value) else beside
 
 
 def _parse_config(raw: bytes, where: str) -> dict[str, Any]:

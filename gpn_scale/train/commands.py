@@ -313,6 +313,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _fail(err)
 
 
+# --task / --lm-eval options that mean nothing to the held-out eval (refused, not ignored).
+_TASK_ONLY = (
+    ("data", "--data"),
+    ("out", "--out"),
+    ("limit", "--limit"),
+    ("num_fewshot", "--num-fewshot"),
+    ("include_path", "--include-path"),
+    ("tokenizer", "--tokenizer"),
+    ("model_config", "--model-config"),
+)
+
+
+def _check_heldout_flags(args: argparse.Namespace) -> None:
+    from gpn_scale.core.config import ConfigError
+
+    for attr, flag in _TASK_ONLY:
+        if getattr(args, attr, None) is not None:
+            raise ConfigError(
+                f"{flag}: an option of --task / --lm-eval; the held-out eval reads the run's "
+                "own data, model and tokenizer (override data.remote=... for other data)"
+            )
+    if getattr(args, "overwrite", False):
+        raise ConfigError("--overwrite: the held-out eval writes no file; drop it")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {args.device}: the held-out eval takes auto, cpu or cuda")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: must be >= 1")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.task or args.lm_eval is not None:  # a task on a checkpoint: gpn_scale/eval
         from gpn_scale.eval.commands import cmd_task_eval
@@ -322,7 +351,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     errors = _errors()
     try:
+        _check_heldout_flags(args)
         cfg = load_train_config(args.config, args.overrides)
+        if args.device != "auto":  # the held-out eval runs where --device says, or refuses
+            from gpn_scale.eval.load import pick_device
+
+            pick_device(args.device)
+            cfg.train.device = args.device
+        if args.batch_size is not None:
+            cfg.eval.batch_size = args.batch_size
         if args.batches is not None:
             if args.batches < 1:
                 return _fail(

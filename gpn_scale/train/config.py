@@ -99,6 +99,14 @@ class CheckpointSection:
     # Also write <run_dir>/model_final.pt: the full fp32 weights as one plain state dict
     # (gathered from FSDP2 / ZeRO shards), loadable with GPN(cfg).load_state_dict.
     export_final: bool = False
+    # Warm start: start from the weights of this checkpoint (a step dir local or s3:// of any
+    # dp/tp layout, a checkpoint root or run dir: its newest; a model_final.pt; an export)
+    # of the same family and shape, at step 0 with a fresh optimizer, schedule and data
+    # position. Ignored once the run has a checkpoint of its own to resume.
+    initial_load: str | None = None
+    # false: the optimizer state too (a DCP checkpoint, not under DeepSpeed); schedule, step
+    # and data position still start fresh.
+    initial_load_model_only: bool = True
 
 
 @dataclass
@@ -370,10 +378,7 @@ def load_train_config(
 
     layers = []
     if name_or_path is not None:
-        path = resolve_config_path(name_or_path)
-        raw = read_yaml(path, resolve=False, what="training config")
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of config sections")
+        raw = _read_config_layer(name_or_path)
         _check_keys(raw, TrainConfig)
         layers.append(OmegaConf.create(raw))
     for item in overrides:
@@ -451,6 +456,24 @@ def expand_user_paths(cfg: TrainConfig) -> None:
                     "give the path in full"
                 )
             setattr(owner, name, expanded)
+
+
+def _read_config_layer(name_or_path: str | Path) -> dict[str, Any]:
+    """A training YAML's mapping; a run folder (or the config.yaml a run wrote in it) is
+    its recorded config with the paths resolved for where the folder lies now
+    (train/run_paths.py), so `gpn-scale eval runs/x` and `train runs/x` read runs/x."""
+    from gpn_scale.train import run_paths
+
+    shipped = "/" not in str(name_or_path) and (CONFIG_DIR / f"{name_or_path}.yaml").is_file()
+    if run_paths.is_run_folder(name_or_path) and not shipped:  # a shipped name wins
+        return run_paths.read_run_config(name_or_path)
+    path = resolve_config_path(name_or_path)
+    raw = read_yaml(path, resolve=False, what="training config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections")
+    if path.name == run_paths.RUN_CONFIG and raw.get("run_dir") == run_paths.HERE:
+        return run_paths.rebase_run_config(raw, str(path.parent))
+    return raw
 
 
 def validate(cfg: TrainConfig) -> None:

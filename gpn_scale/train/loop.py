@@ -38,6 +38,7 @@ from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
 from gpn_scale.train.env import detect
 from gpn_scale.train.hardware import device_peak_flops as peak_flops  # MFU's denominator
+from gpn_scale.train.run_paths import record_run_dir, relocatable, resolve_recorded
 from gpn_scale.train.signals import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
@@ -148,11 +149,13 @@ class _Backend:
         self.model.train(mode)
 
     # Checkpoint plumbing (torch DCP via the CheckpointManager).
-    def save(self, mgr, step: int, meta: dict, rank_state: dict) -> str:
+    def save(self, mgr, step: int, meta: dict, rank_state: dict, files: dict) -> str:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
-        return mgr.save(step, {"model": msd, "optim": osd}, meta=meta, rank_state=rank_state)
+        return mgr.save(
+            step, {"model": msd, "optim": osd}, meta=meta, rank_state=rank_state, files=files
+        )
 
     def load(self, mgr, uri: str):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -233,8 +236,8 @@ class _DeepSpeedBackend(_Backend):
     def train(self, mode):
         self.engine.train(mode)
 
-    def save(self, mgr, step, meta, rank_state):
-        return mgr.save_deepspeed(step, self.engine, meta=meta, rank_state=rank_state)
+    def save(self, mgr, step, meta, rank_state, files):
+        return mgr.save_deepspeed(step, self.engine, meta=meta, rank_state=rank_state, files=files)
 
     def load(self, mgr, uri):
         return mgr.load_deepspeed(uri, self.engine)
@@ -352,7 +355,7 @@ class Trainer:
         from gpn_scale.data import DataConfig, build_loader
 
         cfg = self.cfg
-        cache = cfg.data.local_cache or str(Path(self.run_dir) / "data" / "cache")
+        cache = cfg.data.local_cache or self._default_cache()
         dcfg = DataConfig(
             remote=remote,
             local_cache=cache,
@@ -383,6 +386,17 @@ class Trainer:
 
             return TPGroupBatches(loader, topo.tp_mesh.get_group(), tp)
         return loader
+
+    def _default_cache(self) -> str:
+        """<run_dir>/data/cache for training; eval only reads the run, so its shard copies
+        go to a temporary directory of their own (removed when the run object ends)."""
+        if not self.eval_only:
+            return str(Path(self.run_dir) / "data" / "cache")
+        if getattr(self, "_eval_cache", None) is None:
+            import tempfile
+
+            self._eval_cache = tempfile.mkdtemp(prefix="gpn_eval_cache_")
+        return str(self._eval_cache)
 
     def _build_backend(
         self, model: nn.Module, micro: int, accum: int, fsdp_units: list[nn.Module]
@@ -508,6 +522,10 @@ class Trainer:
             for loader in self._loaders:
                 with contextlib.suppress(Exception):
                     loader.close()
+            if getattr(self, "_eval_cache", None):
+                import shutil
+
+                shutil.rmtree(self._eval_cache, ignore_errors=True)
             if self._lease is not None:
                 self._lease.release()
             if self._flag is not None:
@@ -549,11 +567,21 @@ class Trainer:
 
             check_run_dir(self.run_dir)  # names run_dir, not the checkpoint root under it
         mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
-        self._new_dirs += _missing_tops([mgr.staging_root])
-        mgr.preflight()
+        if not self.eval_only:  # eval only reads: a read-only run (or mount) evaluates
+            self._new_dirs += _missing_tops([mgr.staging_root])
+            mgr.preflight()
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
         for uri, reason in mgr.skipped if self.resume == "auto" else ():
             self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
+        warm = None  # checkpoint.initial_load: checked before anything is written
+        if cfg.checkpoint.initial_load and not self.eval_only:
+            if resume_uri:
+                self.log(
+                    f"checkpoint.initial_load: ignored, the run resumes its own checkpoint "
+                    f"{resume_uri}"
+                )
+            else:
+                warm = self._initial_load_source(model_cfg)
         if self.eval_only and resume_uri is None and not _no_resume(self.resume):
             raise ConfigError(
                 f"eval: no complete checkpoint under {mgr.root} to evaluate; "
@@ -582,7 +610,12 @@ class Trainer:
         )
         # Saved with every checkpoint: eval and generation find the tokenizer without the
         # training data (eval/load.py).
-        self._tokenizer_identity = dict(data_meta.tokenizer)
+        self._tokenizer_identity, self._ckpt_files = _tokenizer_record(data_meta.tokenizer)
+        self._data_fingerprint, self._remote = data_meta.fingerprint, remote
+        if resume_uri:  # before any loader streams: data of another tokenizer is refused
+            self._check_same_data(mgr.read_meta(resume_uri), resume_uri)
+        if warm is not None:
+            self._check_same_data(warm.meta, warm.uri)
         train_loader = self._build_loader("train", micro, remote, model_cfg.vocab_size)
         eval_batch = cfg.eval.batch_size or micro
         val_loader = self._build_loader("val", eval_batch, remote, model_cfg.vocab_size)
@@ -592,15 +625,38 @@ class Trainer:
         seed_everything(cfg.seed)
         spec = family_of(model_cfg)
         model = spec.build(model_cfg).to(device)
+        if warm is not None and cfg.checkpoint.initial_load_model_only:
+            self._load_initial_weights(model, warm, spec, model_cfg)  # before any sharding
         n_params = sum(p.numel() for p in model.parameters())
         flops_tok = training_flops_per_token(model_cfg, seq_len)
         backend = self._build_backend(model, micro, accum, spec.fsdp_units(model))
         backend.train(True)
+        if warm is not None and not cfg.checkpoint.initial_load_model_only:
+            from gpn_scale.checkpoint import CheckpointManager as Manager
+
+            backend.load(Manager(warm.uri.rstrip("/").rsplit("/", 1)[0]), warm.uri)
+        if warm is not None:
+            what = "weights" + ("" if cfg.checkpoint.initial_load_model_only else " and optimizer")
+            fresh = (
+                "fresh optimizer, schedule and data position"
+                if cfg.checkpoint.initial_load_model_only
+                else "its optimizer state; fresh schedule and data position"
+            )
+            step_of = warm.meta.get("step")
+            self.log(
+                f"checkpoint.initial_load: {what} of {warm.uri}"
+                + (f" (step {step_of})" if step_of is not None else "")
+                + f"; starting at step 0 ({fresh})"
+            )
 
         step, tokens, skipped, wandb_id = 0, 0, 0, None
         if self.resume == "auto" and resume_uri is None and not self.eval_only:
             self.log(f"resume auto: no complete checkpoint under {mgr.root}; starting fresh")
-        if resume_uri:
+        if resume_uri and self.eval_only and self.resume == "auto":
+            resume_uri, (step, tokens, skipped, wandb_id) = self._restore_newest(
+                mgr, resume_uri, backend, train_loader, model_cfg
+            )
+        elif resume_uri:
             step, tokens, skipped, wandb_id = self._restore(
                 mgr, resume_uri, backend, train_loader, model_cfg
             )
@@ -818,8 +874,10 @@ class Trainer:
             "params": n_params,
             "flops": flops_tok * tokens,
             "skipped_steps": skipped,
-            "checkpoint": last_ckpt,
-            "run_dir": self.run_dir,
+            # Both relative to the checkpoint root holding DONE when local (it travels with
+            # the folder), else absolute (train/run_paths.py).
+            "checkpoint": last_ckpt.rstrip("/").rsplit("/", 1)[-1] if last_ckpt else None,
+            "run_dir": record_run_dir(self.run_dir, mgr.root),
         }
         if topo.is_main:
             mgr.storage.put_bytes(DONE_MARKER, json.dumps(done, indent=1).encode())
@@ -937,7 +995,7 @@ class Trainer:
                 done_step,
                 int(done.get("tokens", 0) or 0),
                 self.run_dir,
-                done.get("checkpoint") or resume_uri,
+                resolve_recorded(done.get("checkpoint"), mgr.storage.uri) or resume_uri,
                 message=msg,
             )
         if resume_uri is None:
@@ -1108,11 +1166,15 @@ class Trainer:
             "world_size": self.topo.world_size,
             "backend": self.backend_name,
             "model_config": model_cfg.to_dict(),
-            "config": self.cfg.to_dict(),
+            "config": relocatable(self.cfg).to_dict(),
+            # The run folder relative to the checkpoint root (or absolute): eval finds the
+            # run's own data beside a copied or moved checkpoint (train/run_paths.py).
+            "run_dir": record_run_dir(self.run_dir, mgr.root),
             "tokenizer": getattr(self, "_tokenizer_identity", None),
+            "initial_load": self._initial_load_uri,  # the weights step 0 started from
         }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
-        uri = backend.save(mgr, step, meta, rank_state)
+        uri = backend.save(mgr, step, meta, rank_state, getattr(self, "_ckpt_files", {}))
         self.log(f"step {step}: checkpoint {uri}")
         self._emit({"event": "checkpoint", "checkpoint": uri}, step, tokens)
         return uri
@@ -1127,12 +1189,15 @@ class Trainer:
         meta = ck.meta
         check_model_compatible(meta.get("model_config"), model_cfg, uri)
         rank_state = ck.rank_state
-        if rank_state:
-            restore_rng_state(rank_state["rng"])
-            loader.load_state_dict(rank_state["loader"])
-        else:  # another world size: streaming's global position is valid for any world
-            loader.load_state_dict(meta["loader"])
-        self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
+        if self.eval_only:  # the training position is not needed (nor another dataset's)
+            self.log(f"eval: loaded {uri} (step {meta['step']}, {meta['tokens']:,} tokens)")
+        else:
+            if rank_state:
+                restore_rng_state(rank_state["rng"])
+                loader.load_state_dict(rank_state["loader"])
+            else:  # another world size: streaming's global position is valid for any world
+                loader.load_state_dict(meta["loader"])
+            self.log(f"resumed from {uri} at step {meta['step']} ({meta['tokens']:,} tokens)")
         if not self.eval_only:
             for line in changed_settings(meta.get("config"), self.cfg.to_dict()):
                 self.log(f"warning: resuming with a changed setting: {line}")
@@ -1142,6 +1207,110 @@ class Trainer:
             int(meta.get("skipped_steps", 0)),
             meta.get("wandb_run_id"),
         )
+
+    _initial_load_uri: str | None = None
+
+    def _initial_load_source(self, model_cfg):
+        """The checkpoint `checkpoint.initial_load` names, checked against this run's model
+        (family and shape) from its manifest or config, before any tensor is read."""
+        from gpn_scale.eval.load import read_source, resolve
+
+        ref = str(self.cfg.checkpoint.initial_load)
+        try:
+            kind, uri = resolve(ref)
+            source = read_source(kind, uri)
+        except ConfigError as err:
+            raise ConfigError(f"checkpoint.initial_load: {err}") from None
+        saved = source.meta.get("model_config")
+        if not isinstance(saved, dict):
+            raise ConfigError(
+                f"checkpoint.initial_load {uri}: no model config recorded with it (a "
+                "model_final.pt needs its run's config.yaml beside it) to check against "
+                f"model={self.cfg.model}; give a step directory or an export"
+            )
+        check_model_compatible(saved, model_cfg, uri, use="checkpoint.initial_load")
+        if not self.cfg.checkpoint.initial_load_model_only and (
+            kind != "dcp" or self.backend_name == "deepspeed"
+        ):
+            raise ConfigError(
+                f"checkpoint.initial_load_model_only=false: the optimizer state is read from a "
+                f"DCP step directory under parallel.backend none / fsdp2 ({uri} is a {kind} "
+                f"checkpoint, backend {self.backend_name}); set initial_load_model_only=true"
+            )
+        self._initial_load_uri = uri
+        return source
+
+    def _load_initial_weights(self, model, source, spec, model_cfg) -> None:
+        """Collective for a DCP source: every rank reads the full weights (DCP reassembles
+        any dp/tp layout) into the unsharded model, which the backend then shards."""
+        from gpn_scale.checkpoint import CheckpointError, CheckpointManager
+
+        if source.kind == "dcp":
+            state = model.state_dict()
+            try:
+                CheckpointManager(source.uri.rstrip("/").rsplit("/", 1)[0]).load(
+                    source.uri, {"model": state}
+                )
+            except CheckpointError as err:
+                if "it is a deepspeed checkpoint" in str(err):
+                    raise ConfigError(
+                        f"checkpoint.initial_load {source.uri} is a DeepSpeed checkpoint; give "
+                        "its run's model_final.pt (checkpoint.export_final) or a DCP checkpoint"
+                    ) from None
+                raise
+        elif source.kind == "export":
+            from gpn_scale.eval.export import read_export_weights
+
+            state = read_export_weights(source.uri, spec, model_cfg)
+        else:
+            from gpn_scale.eval.load import _weights_from_final
+
+            state = _weights_from_final(source.uri)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ConfigError(
+                f"checkpoint.initial_load {source.uri}: its weights do not fit model="
+                f"{self.cfg.model} ({str(err).strip().splitlines()[0][:160]})"
+            ) from None
+
+    def _check_same_data(self, meta: dict, uri: str) -> None:
+        """A checkpoint read with data tokenized otherwise is refused (its ids would mean
+        other text); held-out eval on another dataset of the same tokenizer says so."""
+        from gpn_scale.eval.load import describe_tokenizer, same_tokenizer
+
+        recorded, ours = meta.get("tokenizer"), getattr(self, "_tokenizer_identity", None)
+        if isinstance(recorded, dict) and ours and not same_tokenizer(recorded, ours):
+            raise ConfigError(
+                f"data.remote {self._remote} is tokenized with {describe_tokenizer(ours)}, but "
+                f"checkpoint {uri} was trained with {describe_tokenizer(recorded)}; point "
+                "data.remote at data built with the checkpoint's tokenizer"
+            )
+        saved = (meta.get("loader") or {}).get("dataset")
+        fingerprint = getattr(self, "_data_fingerprint", None)
+        if self.eval_only and saved and fingerprint and saved != fingerprint:
+            self.log(
+                f"eval: warning: data.remote {self._remote} is not the dataset {uri} was "
+                f"trained on (fingerprint {fingerprint} != {saved}); evaluating on it"
+            )
+
+    def _restore_newest(
+        self, mgr, uri: str, backend: _Backend, loader, model_cfg
+    ) -> tuple[str, tuple[int, int, int, str | None]]:
+        """`eval --checkpoint auto` beside a live run: the newest complete checkpoint now
+        (the run may have saved since the start), loaded whole before anything uses it; if
+        the run's retention deletes it meanwhile, the newest one then (a few tries)."""
+        from gpn_scale.checkpoint import CheckpointError
+
+        for attempt in range(4):
+            uri = mgr.latest() or uri
+            try:
+                return uri, self._restore(mgr, uri, backend, loader, model_cfg)
+            except CheckpointError:
+                if attempt == 3 or mgr.is_complete(uri):
+                    raise
+                self.log(f"eval: {uri} was deleted while loading (retention); trying the newest")
+        raise AssertionError("unreachable")
 
     _wandb_id: str | None = None
     _sinks: list = []
@@ -1156,13 +1325,11 @@ class Trainer:
         from gpn_scale.train.metrics import JsonlSink, scrub_secrets
 
         run_dir = Path(self.run_dir)
-        # Resolved: defaults filled in and the derived paths written out.
-        import copy
+        # Resolved (defaults filled in, the derived paths written out) and relocatable: paths
+        # inside the run folder relative to it, so a copied folder reads its own files.
+        from gpn_scale.train.run_paths import RUN_CONFIG, relocatable
 
-        resolved = copy.deepcopy(self.cfg)
-        resolved.run_dir = self.cfg.resolved_run_dir
-        resolved.checkpoint.root = self.cfg.resolved_checkpoint_root
-        (run_dir / "config.yaml").write_text(to_yaml(resolved))
+        (run_dir / RUN_CONFIG).write_text(to_yaml(relocatable(self.cfg)))
         self._sinks.append(JsonlSink(str(run_dir / "metrics.jsonl"), resume_step=resume_step))
         wb = self.cfg.logging.wandb
         if wb.mode != "disabled":
@@ -1219,6 +1386,28 @@ class Trainer:
     def _emit(self, metrics: dict[str, Any], step: int, tokens: int) -> None:
         for sink in self._sinks:
             sink.log({"tokens": tokens, **metrics}, step=step)
+
+
+def _tokenizer_record(identity: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(the tokenizer identity every checkpoint records, the files it carries): a Hugging
+    Face tokenizer's tokenizer.json travels in each step directory (checked against the
+    dataset's sha256), so eval, generation and export need neither the training data nor
+    the file at its recorded path (a relative one is made absolute while it resolves)."""
+    identity = dict(identity)
+    if identity.get("kind") != "huggingface":
+        return identity, {}
+    name = str(identity.get("name") or "")
+    if name and not os.path.isabs(name) and os.path.exists(os.path.expanduser(name)):
+        identity["name"] = os.path.abspath(os.path.expanduser(name))
+    from gpn_scale.eval.tokenizer import from_identity
+
+    try:
+        text = from_identity(identity, where="the training data's tokenizer").serialized()
+    except ConfigError:  # not at hand here: the identity alone (the data is tokenized)
+        return identity, {}
+    from gpn_scale.eval.load import TOKENIZER_FILE
+
+    return identity, ({TOKENIZER_FILE: text.encode()} if text else {})
 
 
 def progress_line(
@@ -1365,25 +1554,28 @@ def changed_settings(saved: dict | None, current: dict) -> list[str]:
     return out
 
 
-def check_model_compatible(saved: dict | None, current, uri: str) -> None:
+def check_model_compatible(saved: dict | None, current, uri: str, use: str = "resume") -> None:
     """One line when a checkpoint was written for another family or model shape (the keys
-    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's)."""
+    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's).
+    `use`: "resume", or the key that named the checkpoint (checkpoint.initial_load)."""
     if not saved:
         return
     from gpn_scale.models.registry import DEFAULT_FAMILY, family_of
 
     spec = family_of(current)
     saved_family = saved.get("family", DEFAULT_FAMILY)
+    what = "checkpoint" if use == "resume" else use
+    fix = "or a fresh checkpoint.root" if use == "resume" else f"or another {use}"
     if saved_family != spec.name:
         raise ConfigError(
-            f"checkpoint {uri} is a {saved_family} model, not {spec.name} "
+            f"{what} {uri} is a {saved_family} model, not {spec.name} "
             f"(model={getattr(current, 'name', '') or spec.name}); use a {saved_family} model "
-            "config to resume it, or a fresh checkpoint.root"
+            f"config to {'resume it' if use == 'resume' else 'start from it'}, {fix}"
         )
     keys = {k: v for k, v in spec.compat_keys(current).items() if k != "family"}
     diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
     if diff:
         raise ConfigError(
-            f"checkpoint {uri} is for another model shape ({', '.join(diff)}); "
-            "use the model config it was trained with, or a fresh checkpoint.root"
+            f"{what} {uri} is for another model shape ({', '.join(diff)}); "
+            f"use the model config it was trained with, {fix}"
         )

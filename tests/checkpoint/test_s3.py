@@ -299,3 +299,46 @@ def test_transient_errors_are_retried_with_backoff(
     assert (
         len(sleeps) == 2 and sleeps[1] >= 2 * sleeps[0] * 0.99 and sleeps[0] >= 0.01
     )  # exponential
+
+
+def test_an_endpoint_that_answers_404_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A web server (not S3) at S3_ENDPOINT_URL: the checkpoint write probe says so in one
+    line, and `train` stops with exit 2 before it creates anything."""
+    import http.server
+    import threading
+
+    from gpn_scale.cli import main
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def _404(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html><body>404 Not Found</body></html>")
+
+        do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _404
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("S3_ENDPOINT_URL", url)
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "a",
+            "AWS_SECRET_ACCESS_KEY": "b",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "GPN_S3_RETRIES": "1",
+        }.items():
+            monkeypatch.setenv(k, v)
+        msg = _one_line_error(CheckpointManager("s3://bkt/x", staging_dir=str(tmp_path / "s")))
+        assert "404 Not Found" in msg and "not an S3 service" in msg and url in msg
+        run_dir = tmp_path / "run"
+        code = main(["train", "ci_tiny", f"run_dir={run_dir}", "checkpoint.root=s3://bkt/x"])
+        assert code == 2 and not run_dir.exists()
+    finally:
+        server.shutdown()

@@ -30,3 +30,15 @@ def gpn_m_checkpoint(tmp_path: Path) -> str:
     cfg = tiny_config(vocab_size=257)
     model = perturbed_model(cfg, dtype=torch.float32, scale=0.3).eval()
     return save_checkpoint(tmp_path / "run", model, byte_dataset(tmp_path / "data"))
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished `gpn-scale train ci_tiny run_dir=runs/x4` (2 steps, a checkpoint at each,
+    the default corpus built inside the run folder), trained once per session from its own
+    working directory, as a user would. Tests copy it (run_helpers.copy_run), never change it."""
+    import run_helpers
+
+    base = tmp_path_factory.mktemp("finished_run")
+    run_helpers.train(base, "runs/x4")
+    return base / "runs" / "x4"

@@ -96,17 +96,6 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _default_data(meta: dict[str, Any]) -> str | None:
-    cfg = meta.get("config") or {}
-    data = cfg.get("data") or {}
-    remote = data.get("remote")
-    if remote == "default":  # the embedded corpus, built under the run directory
-        run_dir = cfg.get("run_dir") or str(Path("runs") / cfg.get("run_name", "run"))
-        candidate = Path(run_dir) / "data" / f"default_corpus_T{data.get('seq_len')}"
-        return str(candidate) if candidate.is_dir() else None
-    return remote
-
-
 def _token_names(tokenizer: dict[str, Any], ids: list[int]) -> list[str] | None:
     """Decoded tokens for display; None when the tokenizer is not at hand."""
     if tokenizer.get("kind") == "byte":
@@ -152,7 +141,7 @@ def _analyze(args: argparse.Namespace) -> int:
     from gpn_scale.data import read_metadata
     from gpn_scale.data.metadata import check_compatible
     from gpn_scale.eval.analysis.report import write_report
-    from gpn_scale.eval.load import load
+    from gpn_scale.eval.load import describe_loaded, describe_tokenizer, load, same_tokenizer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is visible; use --device cpu")
@@ -169,7 +158,9 @@ def _analyze(args: argparse.Namespace) -> int:
             "GPN / GPN+M's single recurrent state and memory heads (use `gpn-scale eval` for it)"
         )
     cfg = loaded.config
-    remote = args.data or _default_data(loaded.meta)
+    remote = args.data or loaded.training_data
+    if remote and not args.data and "://" not in remote and not Path(remote).is_dir():
+        remote = None  # its run's data is gone
     if not remote:
         return _fail(
             f"{loaded.checkpoint}: its training data is not at hand; pass --data with a dataset "
@@ -177,6 +168,14 @@ def _analyze(args: argparse.Namespace) -> int:
         )
     meta = read_metadata(remote)
     check_compatible(meta, vocab_size=cfg.vocab_size)
+    recorded = loaded.meta.get("tokenizer")
+    if isinstance(recorded, dict) and not same_tokenizer(meta.tokenizer, recorded):
+        return _fail(
+            f"--data {remote} is tokenized with {describe_tokenizer(meta.tokenizer)}, but "
+            f"{loaded.checkpoint} was trained with {describe_tokenizer(recorded)}; pass a "
+            "dataset built with the checkpoint's tokenizer"
+        )
+    print(f"analyze: {describe_loaded(loaded)}", file=sys.stderr, flush=True)
     cache = tempfile.mkdtemp(prefix="gpn_analyze_")  # the streamed shards; removed below
     try:
         result, unigram_source = _stream(args, loaded, remote, meta, cache, device)

@@ -1,0 +1,183 @@
+"""How a run folder records paths, so that a copied or moved folder is still itself.
+
+Everything a run writes into its folder or its checkpoints names locations in one of two
+ways: relative to the run folder when they lie inside it (the default checkpoint root, the
+embedded default corpus, the data cache), absolute (or an s3:// URI) when they point outside
+it. Readers resolve the relative ones against the folder they were given, never against the
+current directory, so `cp -r runs/a runs/b; gpn-scale eval runs/b ...` reads `runs/b`.
+
+    <run>/config.yaml       run_dir: .   checkpoint.root: checkpoints   data.remote: /abs/data
+    <root>/DONE             "checkpoint": "step_000000200", "run_dir": ".."   (relative to <root>)
+    <root>/step_N manifest  meta.run_dir: ".." (relative to <root>), meta.config as config.yaml
+
+Files written before this rule (paths relative to the launch directory) are read as well:
+a path under the recorded run_dir is moved onto the folder actually given.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig
+
+RUN_CONFIG = "config.yaml"
+HERE = "."  # config.yaml's run_dir: the folder holding it
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def _abs(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def to_run_relative(path: str | None, run_dir: str) -> str | None:
+    """`path` as a run records it: relative (posix) when it lies inside `run_dir`,
+    absolute otherwise; URIs and None unchanged."""
+    if path is None or _is_uri(str(path)):
+        return path
+    full, base = _abs(str(path)), _abs(run_dir)
+    if full == base:
+        return HERE
+    if full.startswith(base.rstrip(os.sep) + os.sep):
+        return Path(os.path.relpath(full, base)).as_posix()
+    return full
+
+
+def from_run_relative(path: str | None, run_dir: str) -> str | None:
+    """The location a recorded `path` names for the run folder `run_dir`."""
+    if path is None or _is_uri(str(path)) or os.path.isabs(os.path.expanduser(str(path))):
+        return None if path is None else os.path.expanduser(str(path))
+    if path == HERE:
+        return str(run_dir)
+    return str(Path(run_dir) / path)
+
+
+def relocatable(cfg: TrainConfig) -> TrainConfig:
+    """The config as a run records it (config.yaml, every checkpoint's meta): defaults
+    filled in, its run folder as `.` and every path inside it relative to it."""
+    run_dir = cfg.resolved_run_dir
+    out = copy.deepcopy(cfg)
+    out.run_dir = HERE
+    out.checkpoint.root = to_run_relative(cfg.resolved_checkpoint_root, run_dir)
+    if cfg.data.remote != DEFAULT_CORPUS:
+        out.data.remote = str(to_run_relative(cfg.data.remote, run_dir))
+    out.data.local_cache = to_run_relative(cfg.data.local_cache, run_dir)
+    out.logging.wandb.dir = to_run_relative(cfg.logging.wandb.dir, run_dir)
+    if _looks_like_path(cfg.model) and Path(cfg.model).is_file():
+        out.model = str(to_run_relative(cfg.model, run_dir))
+    return out
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or "/" in name
+
+
+# Keys of a run's config.yaml that hold local paths (run_dir itself aside).
+_PATH_KEYS = (
+    ("checkpoint", "root"),
+    ("data", "remote"),
+    ("data", "local_cache"),
+    ("logging", "wandb", "dir"),
+    ("model",),
+)
+
+
+def _get(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    value: Any = raw
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _set(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+
+
+def rebase_run_config(raw: dict[str, Any], folder: str) -> dict[str, Any]:
+    """A run's recorded config (config.yaml or a manifest's meta.config, as plain
+    containers) with its paths resolved for the run folder `folder` (where it lies now).
+
+    Recorded with run_dir `.`: relative paths are the folder's. Older records (run_dir as
+    the launch gave it): a path under that run_dir moves onto `folder`; others stay."""
+    out = copy.deepcopy(raw)
+    recorded = raw.get("run_dir")
+    out["run_dir"] = str(folder)
+    if recorded is None:  # the default runs/<run_name> of the launch directory
+        recorded = str(Path("runs") / str(raw.get("run_name") or "run"))
+    if _get(raw, ("checkpoint", "root")) is None:  # the default layout
+        _set(out, ("checkpoint", "root"), str(Path(folder) / "checkpoints"))
+    for keys in _PATH_KEYS:
+        value = _get(raw, keys)
+        if not isinstance(value, str) or _is_uri(value) or value == DEFAULT_CORPUS:
+            continue
+        if keys == ("model",) and not _looks_like_path(value):
+            continue
+        if recorded == HERE:
+            _set(out, keys, from_run_relative(value, folder))
+            continue
+        old = os.path.normpath(str(recorded))
+        norm = os.path.normpath(value)
+        if norm == old or norm.startswith(old.rstrip(os.sep) + os.sep):
+            _set(out, keys, str(Path(folder) / os.path.relpath(norm, old)))
+    return out
+
+
+def is_run_folder(path: str | Path) -> bool:
+    """A local directory holding the config.yaml a run wrote."""
+    return "://" not in str(path) and (Path(path) / RUN_CONFIG).is_file()
+
+
+def read_run_config(folder: str | Path) -> dict[str, Any]:
+    """config.yaml of the run folder `folder`, its paths resolved for where it lies now."""
+    from gpn_scale.core.config import ConfigError, read_yaml
+
+    raw = read_yaml(Path(folder) / RUN_CONFIG, resolve=False, what="run config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{Path(folder) / RUN_CONFIG}: expected a mapping of config sections")
+    return rebase_run_config(raw, str(folder))
+
+
+def checkpoint_run_dir(step_uri: str, meta: dict[str, Any]) -> str | None:
+    """The run folder of a checkpoint: its manifest's `run_dir` (relative to the checkpoint
+    root, or absolute); for older checkpoints of the default layout, the root's parent."""
+    root = step_uri.rstrip("/").rsplit("/", 1)[0]
+    recorded = meta.get("run_dir")
+    if isinstance(recorded, str) and recorded:
+        if _is_uri(recorded) or os.path.isabs(recorded):
+            return recorded
+        if _is_uri(root):
+            return None  # relative to an S3 root: no local folder to name
+        return os.path.normpath(str(Path(root) / recorded))
+    config = meta.get("config") or {}
+    ckpt = (config.get("checkpoint") or {}).get("root") if isinstance(config, dict) else None
+    if ckpt is None and not _is_uri(root):
+        return str(Path(root).parent)
+    run_dir = config.get("run_dir") if isinstance(config, dict) else None
+    return str(run_dir) if run_dir else None
+
+
+def record_run_dir(run_dir: str, checkpoint_root: str) -> str:
+    """The run folder as a checkpoint root's files record it (DONE, manifests): relative to
+    the root when both are local (`..` for the default layout), else absolute."""
+    if _is_uri(checkpoint_root):
+        return _abs(run_dir)
+    return Path(os.path.relpath(_abs(run_dir), _abs(checkpoint_root))).as_posix()
+
+
+def resolve_recorded(value: str | None, base: str) -> str | None:
+    """A path recorded relative to `base` (a directory or s3:// prefix) made usable."""
+    if not value or _is_uri(value) or os.path.isabs(value):
+        return value
+    if _is_uri(base):
+        return f"{base.rstrip('/')}/{value}"
+    return os.path.normpath(str(Path(base) / value))
