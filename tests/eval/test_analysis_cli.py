@@ -116,3 +116,15 @@ def test_bad_input_is_one_line_and_writes_nothing(case, corpus, tmp_path, privat
     assert err.startswith("gpn-scale: error: ") and err.count("\n") == 1, err
     assert want in err
     assert not out.is_dir()
+
+
+def test_an_unwritable_out_is_one_line_before_any_analysis(corpus, tmp_path, capsys):
+    """A read-only place or one that refuses new entries as --out: one line naming --out,
+    exit 2, before the checkpoint is even loaded (it does not exist here)."""
+    for out, words in (
+        ("/proc/sys/gpn_analysis_out", "not writable"),  # read-only, also for root
+        ("/proc/gpn_analysis_out", "refuses new entries"),
+    ):
+        code, _, err = run(capsys, str(tmp_path / "no_checkpoint"), "--data", corpus, "--out", out)
+        assert code == 2 and err.strip().count("\n") == 0, err
+        assert f"--out {out}: " in err and words in err, err

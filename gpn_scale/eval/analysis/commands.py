@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpn_scale.io.outputs import check_out_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -93,6 +95,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--out {out} is a file; pass a directory"
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         return f"--out {out} is not empty; pass --overwrite to write into it, or another --out"
+    # Before the analyses run (minutes): a read-only file system, a directory without write
+    # permission, or a place that refuses new entries (/proc) is found now, not at the end.
+    try:
+        check_out_dir(args.out, "--out", error=ValueError)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
