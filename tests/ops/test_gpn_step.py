@@ -237,3 +237,27 @@ def test_chunk_graph_capture_out_of_memory_is_raised_and_graphs_stay_on(monkeypa
         assert backend.graphs.failed is None
         model(tokens)
         assert backend.graphs.captures >= 1 and backend.graphs.replays >= 1
+
+
+@pytest.mark.slow
+def test_cuda_backend_at_the_gpus_block_sizes_equals_pytorch_steps_float64(monkeypatch):
+    """The GPU's own block sizes, which the other tests' interpreter-sized blocks never run:
+    64-wide GEMM tiles (every one partial here) and the split-K a 132-SM GPU gets, d_value
+    blocks of 64 forward / 32 backward, tl.dot's 16-wide minimum on the memory tiles, sweep
+    blocks of 16 steps with their flush (a chunk of 20: a full and a partial block), the
+    fused input's 16-element padded rows. (Loops over several GPU-sized blocks would need
+    d > 1024 and take the interpreter a quarter of an hour: the compile gate sees those
+    sizes compiled, the other tests their loops at the interpreter's block sizes.)"""
+    from gpn_scale.ops.gpn_step import cuda
+
+    monkeypatch.setattr(cuda, "_interpreting", lambda t: False)
+    cfg = tiny_config(  # two layers: the write's and a read-only layer's kernels
+        n_layers=2, d_state=40, d_ffn=36, n_heads=3, d_key=16, d_value=40, chunk_size=20
+    )
+    # 21-23 steps of two perturbed layers amplify float64 rounding: the carried state differs
+    # from the PyTorch steps by up to 4.6e-10 here (scale 15), and by 2.8e-9 at the
+    # interpreter's own block sizes: 1e-8 on values, 1e-9 on gradients still catches any
+    # index or mask error (those are O(1)).
+    compare(
+        cfg, "cuda", torch.float64, monkeypatch, rtol=1e-9, atol=1e-11, value_tol=1e-8, T=23, B=2
+    )

@@ -34,8 +34,10 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env[gc.CACHE_ENV] = str(tmp_path / "facts-cache.json")  # starts empty: every compile cold
     out = tmp_path / "facts.json"
+    triton_cache = tmp_path / "triton-cache"  # filled as a process's TRITON_CACHE_DIR would be
     proc = subprocess.run(
-        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "--gate", "--json", str(out)],
+        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "--gate", "--json", str(out)]
+        + ["--triton-cache", str(triton_cache)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -73,6 +75,23 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     for r in step_gemms:
         assert min(a * b * (c[0] if c else 1) for a, b, *c in r["grids"]) >= 132, r["names"]
         assert min(int(w) for w in r["loads"]["W"]) == 16, r["names"]
+
+    # The Triton cache holds every variant as the JIT keys it: compiling one case again
+    # into it is all cache hits (no ptxas run, so no ptxas log).
+    again = tmp_path / "again.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "testing_tiny", "--dtype", "fp32"]
+        + ["--batch", "3", "--arch", "sm_90", "--triton-cache", str(triton_cache)]
+        + ["--json", str(again)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hits = json.loads(again.read_text())
+    assert hits and all(r["ok"] and not r["logged"] for r in hits)
 
     # The accounting prices the same compiled variants (the facts cache the gate filled),
     # and puts the Transformer++ of the same size beside it.
