@@ -445,15 +445,21 @@ def parse_ptx_loads(ptx: str, operands: dict[int, str], source_file: str) -> dic
 
 
 def _compile_job(job: dict) -> dict:
-    """Compile one variant (in a worker process); returns `Facts` as a dict."""
+    """Compile one variant (in a worker process); returns `Facts` as a dict. Without a
+    Triton cache to fill, it compiles into a temporary one, removed afterwards (a fresh
+    cache also means a ptxas run, hence its log)."""
+    if job.get("triton_cache"):
+        return _compile_into(job, job["triton_cache"])
+    with tempfile.TemporaryDirectory(prefix="gpn-aot-") as scratch:
+        return _compile_into(job, scratch)
+
+
+def _compile_into(job: dict, cache_dir: str) -> dict:
     triton, knobs, GPUTarget, _, _ = _triton()
     from triton.compiler.compiler import ASTSource
 
-    if job.get("triton_cache"):
-        # A variant already there is a cache hit: kept, but it has no ptxas log.
-        knobs.cache.dir = job["triton_cache"]
-    else:
-        knobs.cache.dir = tempfile.mkdtemp(prefix="gpn-aot-")
+    # A variant already in a given cache is a hit: kept, but it has no ptxas log.
+    knobs.cache.dir = cache_dir
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
     src = ASTSource(kernel, job["signature"], job["constexprs"], job["attrs"])
     knobs.nvidia.dump_ptxas_log = True
