@@ -1,7 +1,7 @@
 """Tensor parallelism applied to a built model: its parameters become DTensors on the tp mesh.
 
-The family's plan (`FamilySpec.tp_plan`: parameter name -> placement; GPN's is
-gpn_scale/model/parallelize.py) says which parameters shard along which axis; every other
+The family's plan (`tp_plan(model)` in its `parallelize` module: parameter name -> placement;
+GPN's is gpn_scale/model/parallelize.py, reached through `FamilySpec.apply_tp`) says which parameters shard along which axis; every other
 parameter is replicated (a DTensor with Replicate(), so that FSDP2, DCP and the gradient
 norm see one mesh). This is torchtitan's `parallelize_module` applied to parameters only:
 the GPN forward reads its parameters inside one autograd function and never runs a

@@ -1,4 +1,5 @@
-// Fused CPU kernels for the sequence engine's two sequential phases (gpn_scale.model.engine).
+// Fused CPU kernels for the sequence engine's two sequential phases (gpn_scale.model.engine
+// calls them through the "cpu" step backend, gpn_scale/ops/gpn_step/cpu.py).
 //
 // Why by hand: at training batch sizes a step's matmuls are few-row GEMMs of a few hundred
 // microseconds, and the eager step runs ~75 (forward) / ~110 (reverse sweep) further small
@@ -7,8 +8,10 @@
 // everything else (norms, gates, activations, the chunk-form memory read/write and its
 // reverse) is a plain loop per batch row, in parallel over rows. torch.compile was measured
 // first: its per-call overhead alone (~70 us) exceeds what the step may spend outside its
-// matmuls. Semantics are exactly those of `_run_chunk` / `_reverse_sweep` in engine.py,
-// which stay as the reference and are held equal to this file by tests/model/test_step_kernels.py.
+// matmuls. Semantics are exactly those of `forward_chunk` / `reverse_sweep` in
+// gpn_scale/ops/gpn_step/reference.py (the PyTorch steps), which stay as the reference and are
+// held equal to this file by tests/ops/test_gpn_step.py (forward and every gradient) and
+// tests/model/test_step_kernels.py (build, selection, autocast).
 //
 // Layouts (as the engine hands them over): dense activations (C, B, width) contiguous; memory
 // tensors (B, H, C, n) with any strides but a contiguous last dimension; (B, H, C) tensors
@@ -267,7 +270,8 @@ struct Dims {
   int64_t Hv() const { return H * dv; }
 };
 
-// Column offsets of layer i's fused input matmul (see engine.input_column_blocks).
+// Column offsets of layer i's fused input matmul: the order of `ColumnLayout`
+// (gpn_scale/ops/gpn_step/interface.py), recomputed here from the dimensions.
 struct InCols {
   int64_t kn = -1, v = -1, beta = -1, decay = -1, q = -1, rg = -1, ffn = 0, pg = 0;
   InCols(const Dims& D, int64_t i) {

@@ -11,7 +11,8 @@ Every backend computes what `reference.py` (the PyTorch steps) computes; the op-
 (tests/ops/test_gpn_step.py) hold each one to it, forward and every gradient.
 
 The fused input matrix of layer i has its column blocks in the order `ColumnLayout` names
-(defined here once; the C++ and Triton kernels take the offsets from it).
+(defined here once). The Triton kernels take their offsets from it; the C++ kernels recompute
+them (`InCols` in ops/csrc/step_kernels.cpp), and the op-level tests hold the two equal.
 """
 
 from __future__ import annotations
