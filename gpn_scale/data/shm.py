@@ -46,8 +46,14 @@ MIN_AGE_S = 30.0
 # Owner records, one per prefix registered by our loaders (beside the segments; the name
 # does not match _SEGMENT, so streaming and the cleaner's segment walk ignore it).
 OWNER_RECORD = "gpn_scale_owner_"
-# Prefixes registered by this process: alive by definition.
-_OWN_PREFIXES: set[str] = set()
+# Prefixes registered by this process, with their `_locals` segment's identity: alive by
+# definition while that segment is the one registered (a prefix number this process freed may
+# be taken by another job since, which can die and leave it stale).
+_OWN_PREFIXES: dict[str, list[int] | None] = {}
+
+
+def _own_prefixes() -> set[str]:
+    return {p for p, ident in _OWN_PREFIXES.items() if _locals_identity(p) == ident}
 
 
 def _process_identity(pid: int) -> tuple[str, str] | None:
@@ -67,7 +73,7 @@ def record_owner(prefix_int: int) -> None:
     """Write the owner record of a prefix this process just registered (best effort: without
     it the prefix is judged by maps and age, as before)."""
     prefix = f"{int(prefix_int):06d}"
-    _OWN_PREFIXES.add(prefix)
+    _OWN_PREFIXES[prefix] = _locals_identity(prefix)
     ident = _process_identity(os.getpid())
     if ident is None or not SHM_DIR.is_dir():
         return
@@ -111,7 +117,7 @@ def _owner_alive(prefix: str) -> bool | None:
     """True / False when the prefix's owner record says its process lives / is gone; None
     when there is no readable record, or it was written in another PID namespace (a
     container sharing /dev/shm: its PIDs mean nothing here)."""
-    if prefix in _OWN_PREFIXES:
+    if prefix in _own_prefixes():
         return True
     try:
         record = json.loads((SHM_DIR / f"{OWNER_RECORD}{prefix}").read_text())
@@ -208,7 +214,7 @@ def _prefixes_in_use() -> set[str] | None:
     proc = Path("/proc")
     if not proc.is_dir():
         return None
-    in_use: set[str] = set(_OWN_PREFIXES)
+    in_use: set[str] = _own_prefixes()
     for pid_dir in proc.iterdir():
         if not pid_dir.name.isdigit():
             continue
