@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gpn_scale.bench.kernel_record import AtenRecorder, Op
+
 # FlashAttention-2 (what torch's SDPA runs in bf16 on H100/H200) reaches ~35-40% of the
 # dense bf16 peak for causal attention at head dim 64-128, forward and backward alike
 # (FlashAttention-2 and -3 papers' H100 figures); FlashAttention-3 ~60%.
@@ -38,7 +40,7 @@ class _FlashAttentionStandIn(torch.autograd.Function):
     """Records flash attention's forward and backward kernels; returns empty tensors."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, H, T, dh = q.shape
         flops = 2 * 2 * B * H * T * T * dh // 2  # QK^T and PV, causal half
         lse = B * H * T * 4
@@ -47,7 +49,7 @@ class _FlashAttentionStandIn(torch.autograd.Function):
         return torch.empty_like(q)
 
     @staticmethod
-    def backward(ctx, dout: Tensor):  # type: ignore[override]
+    def backward(ctx, dout: Tensor):
         shape, dtype, device, flops, lse, size = ctx.meta
         # q, k, v, o, dO read, dq, dk, dv written; 2.5x the forward's FLOPs (the scores are
         # recomputed, then dV, dP, dS, dQ, dK).
@@ -56,8 +58,6 @@ class _FlashAttentionStandIn(torch.autograd.Function):
 
 
 def _record(name: str, nbytes: int, flops: int) -> None:
-    from gpn_scale.bench.gpu_model import Op
-
     if _Recorded.ops is not None:
         _Recorded.ops.append(Op(name, "attention", nbytes, flops, False, efficiency=EFF_ATTENTION))
 
@@ -71,7 +71,7 @@ def _flash_attention(ops: list) -> Iterator[None]:
         return _FlashAttentionStandIn.apply(q, k, v)
 
     _Recorded.ops = ops
-    F.scaled_dot_product_attention = stand_in
+    setattr(F, "scaled_dot_product_attention", stand_in)  # noqa: B010  (mypy: not its type)
     try:
         yield
     finally:
@@ -81,7 +81,6 @@ def _flash_attention(ops: list) -> Iterator[None]:
 
 def transformer_step_ops(cfg, batch: int, seq_len: int) -> list:
     """Every kernel of one Transformer++ training step (bf16) at (batch, seq_len)."""
-    from gpn_scale.bench.gpu_model import _AtenRecorder
     from gpn_scale.models.registry import family_of
 
     spec = family_of(cfg)
@@ -89,7 +88,7 @@ def transformer_step_ops(cfg, batch: int, seq_len: int) -> list:
         model = spec.build(cfg).to(torch.bfloat16)
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     attention: list = []
-    recorder = _AtenRecorder(sequential=True)
+    recorder = AtenRecorder(sequential=True)
     with _flash_attention(attention), recorder:
         model(tokens).loss.backward()
     return recorder.ops + attention

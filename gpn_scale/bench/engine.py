@@ -37,8 +37,8 @@ from gpn_scale.model import GPN, GPNConfig, load_model_config
 from gpn_scale.model.engine import input_column_blocks, phase_timer
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops import step_kernels
-from gpn_scale.ops.gpn_step.registry import requested
-from gpn_scale.ops.step_kernels import ENV_VAR, kernels_for
+from gpn_scale.ops.gpn_step.registry import kernels_for, requested
+from gpn_scale.ops.step_kernels import ENV_VAR
 
 SHAPES = {"SMALL": ("small", 8, 256), "MEDIUM": ("medium", 4, 512)}
 

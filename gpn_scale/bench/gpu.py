@@ -57,12 +57,12 @@ import torch
 from torch import nn
 
 from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
+from gpn_scale.core.hardware import device_peak_flops
 from gpn_scale.model import GPN, GPNConfig
 from gpn_scale.model.counts import count_parameters, flops_per_token
 from gpn_scale.model.reference import reference_forward
 from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
 from gpn_scale.testing.models import perturbed_model, tiny_config
-from gpn_scale.train.hardware import device_peak_flops
 
 TINY = tiny_config(n_layers=2)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -654,7 +654,7 @@ def markdown(blob: dict) -> str:
 
 def _step_form(device: torch.device) -> str:
     try:
-        from gpn_scale.ops.step_kernels import kernels_for
+        from gpn_scale.ops.gpn_step.registry import kernels_for
     except ImportError:  # the step-backend seam may have moved it; record the option
         return (
             f"step_backend={GPNConfig.__dataclass_fields__['step_backend'].default}"

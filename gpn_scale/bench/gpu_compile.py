@@ -191,7 +191,7 @@ class _FakePointer:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.dtype = t.dtype
-        self._address = _BASE + t.storage_offset() * t.element_size()
+        self._address = _BASE + int(t.storage_offset()) * t.element_size()
 
     def data_ptr(self) -> int:
         return self._address
@@ -293,9 +293,9 @@ def specialise(
                 )
             ).encode()
         ).hexdigest()[:24]
-        v = variants.get(key)
-        if v is None:
-            v = variants[key] = Variant(
+        found = variants.get(key)
+        if found is None:
+            found = variants[key] = Variant(
                 kernel.fn.__name__,
                 kernel.fn.__module__,
                 key,
@@ -305,10 +305,10 @@ def specialise(
                 opts,
                 options.num_warps,
             )
-        v.names.add(rec.name)
-        v.phases.add(rec.phase)
-        v.grids.add(tuple(rec.grid))
-        v.launches += 1
+        found.names.add(rec.name)
+        found.phases.add(rec.phase)
+        found.grids.add(tuple(rec.grid))
+        found.launches += 1
         seen[probe] = key
         if keys is not None:
             keys.append(key)

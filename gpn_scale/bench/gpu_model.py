@@ -34,12 +34,11 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpn_scale.bench.dry_run import as_tp_rank
+from gpn_scale.bench.kernel_record import SEQUENTIAL, AtenRecorder, Op
 from gpn_scale.model import GPN, GPNConfig, engine, load_model_config
 from gpn_scale.model.config import ConfigError
 from gpn_scale.model.counts import flops_per_token
@@ -75,36 +74,7 @@ LAUNCHER_S = 4e-6
 HBM_LATENCY_S = 1.0e-6
 # A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; bench/tp_model.py's figure)
 COLLECTIVE_S = 25e-6
-SEQUENTIAL = ("sequential forward", "sequential backward")
 SPLIT_SUM = "(split-K sum)"  # the name suffix of a split GEMM's sum (ops/gpn_step/cuda.py)
-_NO_LAUNCH = {
-    "empty",
-    "empty_strided",
-    "new_empty",
-    "new_empty_strided",
-    "empty_like",
-    "detach",
-    "alias",
-    "lift_fresh",
-    "_local_scalar_dense",
-    "set_",
-    "resize_",
-    "_unsafe_view",
-    "view",
-    "_reshape_alias",
-}
-
-
-@dataclass
-class Op:
-    name: str
-    phase: str
-    bytes: int
-    flops: int
-    triton: bool
-    collective: bool = False  # an all-reduce of the tp group (not a kernel of ours)
-    cost: Any = None  # bench.gpu_compile.KernelCost: the compiled variant's facts (or None)
-    efficiency: float | None = None  # share of the dense peak its FLOPs run at (default EFF_FLOPS)
 
 
 @dataclass
@@ -240,7 +210,7 @@ def _probe(
     with torch.device("meta"):
         model = GPN(cfg)
     tokens = torch.zeros(batch, T, dtype=torch.long, device="meta")
-    recorder = _AtenRecorder(sequential=backend != "cuda")
+    recorder = AtenRecorder(sequential=backend != "cuda")
     previous = os.environ.pop(ENV_VAR, None)
     try:
         with (
@@ -284,60 +254,6 @@ def _engine_phase(launch_phase: str) -> str:
 
 def _in_widths(cfg: GPNConfig) -> list[int]:
     return [sum(engine.input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
-
-
-class _AtenRecorder(TorchDispatchMode):
-    """Every ATen op that would launch a kernel, with its operands' bytes and matmul FLOPs,
-    attributed to the engine phase running it. The CUDA backend's own few ATen calls in the
-    sequential phases are recorded by the backend itself (as named launches)."""
-
-    def __init__(self, sequential: bool) -> None:
-        super().__init__()
-        self.sequential = sequential  # also record the sequential phases' ATen ops
-        self.ops: list[Op] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        phase = engine.current_phase() or "outside the loop"
-        if func.is_view or name in _NO_LAUNCH or (phase in SEQUENTIAL and not self.sequential):
-            return out
-        tensors = [
-            t for t in _flat(args) + _flat(kwargs) + _flat(out) if isinstance(t, torch.Tensor)
-        ]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.ops.append(Op(name, phase, nbytes, _matmul_flops(name, args), False))
-        return out
-
-
-def _flat(x) -> list:
-    if isinstance(x, (list, tuple)):
-        return [y for item in x for y in _flat(item)]
-    if isinstance(x, dict):
-        return [y for item in x.values() for y in _flat(item)]
-    return [x]
-
-
-def _matmul_flops(name: str, args) -> int:
-    name = name.rstrip("_")  # addmm_ (in-place accumulation) costs what addmm does
-    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-    if name in ("mm",) and len(shapes) >= 2:
-        (m, k), (_, n) = shapes[0], shapes[1]
-        return 2 * m * k * n
-    if name == "addmm" and len(shapes) >= 3:
-        (m, k), (_, n) = shapes[1], shapes[2]
-        return 2 * m * k * n
-    if name in ("bmm",) and len(shapes) >= 2:
-        (b, m, k), (_, _, n) = shapes[0], shapes[1]
-        return 2 * b * m * k * n
-    if name == "baddbmm" and len(shapes) >= 3:
-        (b, m, k), (_, _, n) = shapes[1], shapes[2]
-        return 2 * b * m * k * n
-    if name == "linalg_solve_triangular" and len(shapes) >= 2:
-        *lead, n, _ = shapes[0]
-        return math.prod(lead) * n * n * shapes[1][-1]
-    return 0
 
 
 @dataclass
@@ -622,12 +538,6 @@ def main(argv: list[str] | None = None) -> int:
         help="the Transformer++ config priced beside it ('auto': the same ladder size, "
         "'none': skip)",
     )
-    parser.add_argument(
-        "--tp-table",
-        action="store_true",
-        help="also print the tensor-parallel prediction for tp = 1, 2, 4, 8 on 8 GPUs at "
-        "--batch sequences per GPU (gpn_scale/bench/tp_model.py)",
-    )
     args = parser.parse_args(argv)
     gpus = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
     unknown = [g for g in gpus if g not in GPUS]
@@ -668,10 +578,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     before = account(cfg, args.batch, args.seq_len, args.config, backend="reference", tp=args.tp)
     print(report(acc, cfg, gpus, before, baseline))
-    if args.tp_table:
-        from gpn_scale.bench import tp_model
-
-        print(tp_model.report(cfg, args.config, args.batch, args.seq_len, gpus))
     return 0
 
 

@@ -36,67 +36,18 @@ from typing import Any
 import torch
 
 from gpn_scale.core.config import ConfigError
-
-EXPORT_FORMAT = "gpn_scale.export/1"
-HF_KEY = "gpn_scale"  # our entry in a Hugging Face config.json
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
-ORIGINAL_TOKENIZER_FILE = "gpn_scale_tokenizer.json"  # --format hf: the training tokenizer
-FORMATS = ("safetensors", "hf")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Families with a Hugging Face architecture of the same network (name mapping module).
-HF_FAMILIES = {"transformer_pp": "gpn_scale.models.transformer_pp.hf"}
-START_TOKEN = "<|gpn_start|>"
-
-
-def _read_config(path: str | Path) -> dict[str, Any] | None:
-    file = Path(path) / CONFIG_FILE
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def is_export_dir(path: str | Path) -> bool:
-    """A directory `gpn-scale export` wrote (either layout)."""
-    data = _read_config(path)
-    if data is None or not (Path(path) / WEIGHTS_FILE).is_file():
-        return False
-    return data.get("format") == EXPORT_FORMAT or isinstance(data.get(HF_KEY), dict)
-
-
-def read_export_meta(path: str | Path) -> dict[str, Any]:
-    """The checkpoint-like meta of an export: model_config, tokenizer, step, source, layout."""
-    data = _read_config(path) or {}
-    if data.get("format") == EXPORT_FORMAT:
-        return {**data, "layout": "safetensors"}
-    return {**dict(data.get(HF_KEY) or {}), "layout": "hf"}
-
-
-def read_export_weights(path: str | Path, spec: Any, cfg: Any) -> dict[str, torch.Tensor]:
-    """The model's state dict (our names) from an export directory."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(Path(path) / WEIGHTS_FILE))
-    if read_export_meta(path)["layout"] == "hf":
-        return _hf_module(spec.name, "--format hf").from_llama(state, cfg)
-    return state
-
-
-def _hf_module(family: str, what: str) -> Any:
-    import importlib
-
-    if family not in HF_FAMILIES:
-        raise ConfigError(
-            f"{what}: the {family} family has no Hugging Face architecture of the same "
-            f"network (only {', '.join(HF_FAMILIES)} maps onto LlamaForCausalLM); export it "
-            "with --format safetensors"
-        )
-    return importlib.import_module(HF_FAMILIES[family])
+from gpn_scale.eval.export_format import (
+    CONFIG_FILE,
+    DTYPES,
+    EXPORT_FORMAT,
+    FORMATS,
+    HF_KEY,
+    ORIGINAL_TOKENIZER_FILE,
+    START_TOKEN,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    hf_module,
+)
 
 
 def check_out_dir(out: str, overwrite: bool) -> None:
@@ -162,7 +113,7 @@ def export_checkpoint(
         raise ConfigError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     check_out_dir(out, overwrite)
     if layout == "hf":
-        _hf_module(peek_family(ref), "--format hf")  # refused before the weights load
+        hf_module(peek_family(ref), "--format hf")  # refused before the weights load
     loaded = load(ref, device="cpu", tokenizer=tokenizer)
     if log is not None:
         log(describe_loaded(loaded))
@@ -258,7 +209,7 @@ def _byte_chars() -> dict[int, str]:
 def _write_hf(loaded: Any, out: Path, dtype: torch.dtype) -> None:
     from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    hf = _hf_module(loaded.spec.name, "--format hf")
+    hf = hf_module(loaded.spec.name, "--format hf")
     cfg, tok = loaded.config, loaded.tokenizer
     seq_len = int(((loaded.meta.get("config") or {}).get("data") or {}).get("seq_len") or 2048)
     config = hf.llama_config(cfg, eos_token_id=tok.eod_token_id, max_positions=max(seq_len, 2048))

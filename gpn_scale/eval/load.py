@@ -92,7 +92,7 @@ def resolve(ref: str) -> tuple[str, str]:
     """(kind, uri): kind "dcp" (a step directory URI), "final" (a model_final.pt path) or
     "export" (a `gpn-scale export` directory)."""
     from gpn_scale.checkpoint import CheckpointManager
-    from gpn_scale.eval.export import is_export_dir
+    from gpn_scale.eval.export_format import is_export_dir
 
     ref = str(ref).strip().rstrip("/") if str(ref).strip() not in ("", "/") else str(ref)
     if not ref:
@@ -225,7 +225,7 @@ def read_source(kind: str, uri: str) -> Source:
         raw = mgr.storage.get_bytes(f"{uri.rstrip('/').rsplit('/', 1)[-1]}/{TOKENIZER_FILE}")
         return Source(kind, uri, meta, checkpoint_run_dir(uri, meta), raw.decode() if raw else None)
     if kind == "export":
-        from gpn_scale.eval.export import read_export_meta
+        from gpn_scale.eval.export_format import read_export_meta
 
         return Source(kind, uri, read_export_meta(uri), None)
     folder = str(Path(uri).parent)
@@ -406,7 +406,7 @@ def _load(
             ) from None
         state = sd
     elif kind == "export":
-        from gpn_scale.eval.export import read_export_weights
+        from gpn_scale.eval.export_format import read_export_weights
 
         state = read_export_weights(uri, spec, cfg)
     else:

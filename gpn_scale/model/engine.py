@@ -39,6 +39,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from gpn_scale.model.config import GPNConfig
-from gpn_scale.model.gpn import GPN, GPNOutput, GPNState
 from gpn_scale.model.loss import chunked_decode_cross_entropy
+from gpn_scale.model.state import GPNOutput, GPNState
 from gpn_scale.model.vocab_parallel import embed, gather_vocab
 from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide, sum_grad_over_tp, tp_sum_
 from gpn_scale.ops.gpn_step.functional import accumulate_mm
@@ -68,6 +69,9 @@ from gpn_scale.ops.gpn_step.interface import (
 )
 from gpn_scale.ops.gpn_step.registry import select_backend
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
+
+if TYPE_CHECKING:  # the model calls the engine; the engine reads its parameters
+    from gpn_scale.model.gpn import GPN
 
 # ------------------------------------------------------------------ phase timing
 _PHASES: dict[str, float] | None = None  # set by `phase_timer()` (benchmarks only)

@@ -12,33 +12,18 @@ whole model as one unit (FSDP2: `fully_shard` on the root).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from gpn_scale.model.config import GPNConfig
+from gpn_scale.model.state import GPNOutput, GPNState
 
-
-class GPNState(NamedTuple):
-    """The carry between tokens/windows: grounded state s, the one before it, and the memory."""
-
-    s: Tensor  # (B, d)
-    s_prev: Tensor  # (B, d)
-    memory: Tensor | None  # (B, H, dk, dv), None for GPN
-
-    def detach(self) -> GPNState:
-        return GPNState(
-            self.s.detach(),
-            self.s_prev.detach(),
-            None if self.memory is None else self.memory.detach(),
-        )
-
-
-class GPNOutput(NamedTuple):
-    loss: Tensor  # mean cross-entropy over all B*T positions
-    state: GPNState | None  # final carry (when asked for)
-    logits: Tensor | None = None  # (B, T, V), only when asked for (tests/analysis)
+__all__ = [
+    "GPN",
+    "GPNOutput",
+    "GPNState",
+]  # the carry types live in state.py (engine.py uses them too)
 
 
 def lecun_normal_(weight: Tensor) -> Tensor:

@@ -82,7 +82,7 @@ def _load() -> ModuleType | Exception:
 
 
 # A build for benchmarks only: the sequential phases without their matmuls (the roofline's
-# "other work alone"; see gpn_scale.bench.engine). Never chosen by kernels_for on its own.
+# "other work alone"; see gpn_scale.bench.engine). Never chosen by registry.kernels_for on its own.
 WITHOUT_STEP_MATMULS = "GPN_SCALE_BENCH_WITHOUT_STEP_MATMULS"
 
 
@@ -141,7 +141,7 @@ _override: ModuleType | None = None
 @contextlib.contextmanager
 def kernels_override(module: ModuleType) -> Iterator[None]:
     """Within the block, the engine runs on `module` (a benchmark build) instead of the
-    kernels `kernels_for` would pick; only where it would pick compiled kernels at all."""
+    kernels `registry.kernels_for` would pick; only where it would pick compiled kernels at all."""
     global _override
     previous, _override = _override, module
     try:
@@ -182,15 +182,6 @@ def load(required: bool) -> ModuleType | None:
         warn_once(message + " (using the PyTorch steps: same results, slower)")
         return None
     return module if _override is None else _override
-
-
-def kernels_for(device: torch.device, config_choice: str = "auto") -> ModuleType | None:
-    """The compiled kernels when the step-backend choice would run them for tensors on
-    `device` (the environment override included), else None."""
-    from gpn_scale.ops.gpn_step.registry import select_backend
-
-    backend = select_backend(config_choice, device)
-    return getattr(backend, "module", None) if backend.name == "cpu" else None
 
 
 def _first_error(exc: Exception) -> str:

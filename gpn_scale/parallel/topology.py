@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpn_scale.train.env import DistEnv, export_for_torch
+from gpn_scale.core.env import DistEnv, export_for_torch
 
 
 @dataclass

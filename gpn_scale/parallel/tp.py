@@ -1,13 +1,14 @@
 """Tensor parallelism applied to a built model: its parameters become DTensors on the tp mesh.
 
-The family's plan (`tp_plan(model)` in its `parallelize` module: parameter name -> placement;
-GPN's is gpn_scale/model/parallelize.py, reached through `FamilySpec.apply_tp`) says which parameters shard along which axis; every other
-parameter is replicated (a DTensor with Replicate(), so that FSDP2, DCP and the gradient
-norm see one mesh). This is torchtitan's `parallelize_module` applied to parameters only:
-the GPN forward reads its parameters inside one autograd function and never runs a
-submodule's forward, so module hooks (ColwiseParallel/RowwiseParallel) would never fire;
-the collectives sit inside the engine instead. Order: TP first, then FSDP2 over "dp" of
-the same parent mesh (`parallel/fsdp.py`).
+The family's plan (`tp_plan(model)` in its `parallelize` module, reached through
+`FamilySpec.apply_tp`: parameter name -> placement; GPN's is gpn_scale/model/parallelize.py)
+says which parameters shard along which axis; every other parameter is replicated (a DTensor
+with Replicate(), so that FSDP2, DCP and the gradient norm see one mesh). This is
+torchtitan's `parallelize_module` applied to parameters only: the GPN forward reads its
+parameters inside one autograd function and never runs a submodule's forward, so module
+hooks (ColwiseParallel/RowwiseParallel) would never fire; the collectives sit inside the
+engine instead. Order: TP first, then FSDP2 over "dp" of the same parent mesh
+(`parallel/fsdp.py`).
 
 The full model is built (and initialised) whole on every rank from the same seed, then
 each rank keeps its shard: the same seed gives the same logical model at any tp.

@@ -294,7 +294,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _latest_step(cfg) -> str:
     from gpn_scale.checkpoint import CheckpointManager
-    from gpn_scale.train.loop import DONE_MARKER, last_ckpt_step
+    from gpn_scale.train.preflight import DONE_MARKER, last_ckpt_step
 
     mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
     if mgr.storage.exists(DONE_MARKER):

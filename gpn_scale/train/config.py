@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any, Union
 
 from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
+from gpn_scale.train import run_paths
+from gpn_scale.train.run_paths import DEFAULT_CORPUS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
-
-# The sentinel for data.remote: build the embedded default corpus (byte-level) locally.
-DEFAULT_CORPUS = "default"
 
 
 @dataclass
@@ -462,8 +461,6 @@ def _read_config_layer(name_or_path: str | Path) -> dict[str, Any]:
     """A training YAML's mapping; a run folder (or the config.yaml a run wrote in it) is
     its recorded config with the paths resolved for where the folder lies now
     (train/run_paths.py), so `gpn-scale eval runs/x` and `train runs/x` read runs/x."""
-    from gpn_scale.train import run_paths
-
     shipped = "/" not in str(name_or_path) and (CONFIG_DIR / f"{name_or_path}.yaml").is_file()
     if run_paths.is_run_folder(name_or_path) and not shipped:  # a shipped name wins
         return run_paths.read_run_config(name_or_path)

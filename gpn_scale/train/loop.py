@@ -33,11 +33,17 @@ from torch import nn
 
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 from gpn_scale.core.config import ConfigError
+from gpn_scale.core.env import detect
+from gpn_scale.core.hardware import device_peak_flops as peak_flops  # MFU's denominator
 from gpn_scale.parallel.topology import Topology, init_topology
 from gpn_scale.train import optim as optim_lib
 from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig, batch_layout, to_yaml
-from gpn_scale.train.env import detect
-from gpn_scale.train.hardware import device_peak_flops as peak_flops  # MFU's denominator
+from gpn_scale.train.preflight import (
+    DONE_MARKER,
+    check_model_compatible,
+    finished_at,
+    last_ckpt_step,
+)
 from gpn_scale.train.run_paths import record_run_dir, relocatable, resolve_recorded
 from gpn_scale.train.signals import (
     EXIT_NONFINITE,
@@ -48,7 +54,6 @@ from gpn_scale.train.signals import (
 )
 
 # Written to the checkpoint root when a run finishes; sweeps skip runs that have it.
-DONE_MARKER = "DONE"
 
 
 class TrainingError(RuntimeError):
@@ -322,9 +327,9 @@ class Trainer:
                 flush=True,
             )
         if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
+            from gpn_scale.core.env import export_for_torch
             from gpn_scale.parallel import deepspeed as ds
             from gpn_scale.parallel.topology import pick_device
-            from gpn_scale.train.env import export_for_torch
 
             export_for_torch(env)
             device = pick_device(cfg.train.device, env.local_rank)
@@ -1259,7 +1264,7 @@ class Trainer:
                     ) from None
                 raise
         elif source.kind == "export":
-            from gpn_scale.eval.export import read_export_weights
+            from gpn_scale.eval.export_format import read_export_weights
 
             state = read_export_weights(source.uri, spec, model_cfg)
         else:
@@ -1514,28 +1519,6 @@ def _missing_tops(paths: list[str | None]) -> list[Path]:
     return out
 
 
-def finished_at(done: dict | None, resume_uri: str | None, total_steps: int) -> int | None:
-    """The step a run finished at when its DONE marker says it reached `total_steps` and no
-    newer checkpoint exists (a start then has nothing to do), else None."""
-    if done is None:
-        return None
-    done_step = int(done.get("step", 0) or 0)
-    ckpt_step = last_ckpt_step(resume_uri)
-    if done_step >= total_steps and (ckpt_step is None or ckpt_step <= done_step):
-        return done_step
-    return None
-
-
-def last_ckpt_step(uri: str | None) -> int | None:
-    """The step encoded in a checkpoint URI (…/step_000123 or …/step-123), else None."""
-    if not uri:
-        return None
-    import re
-
-    m = re.search(r"step[_-]?0*(\d+)/?$", uri)
-    return int(m.group(1)) if m else None
-
-
 # Settings whose change on resume alters the run that was checkpointed (the schedule or
 # the optimiser); allowed (e.g. extending total_steps), but never silently.
 RESUME_WATCHED = ("schedule", "optim")
@@ -1552,30 +1535,3 @@ def changed_settings(saved: dict | None, current: dict) -> list[str]:
             if old.get(key) != new.get(key):
                 out.append(f"{section}.{key} {old.get(key)!r} -> {new.get(key)!r}")
     return out
-
-
-def check_model_compatible(saved: dict | None, current, uri: str, use: str = "resume") -> None:
-    """One line when a checkpoint was written for another family or model shape (the keys
-    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's).
-    `use`: "resume", or the key that named the checkpoint (checkpoint.initial_load)."""
-    if not saved:
-        return
-    from gpn_scale.models.registry import DEFAULT_FAMILY, family_of
-
-    spec = family_of(current)
-    saved_family = saved.get("family", DEFAULT_FAMILY)
-    what = "checkpoint" if use == "resume" else use
-    fix = "or a fresh checkpoint.root" if use == "resume" else f"or another {use}"
-    if saved_family != spec.name:
-        raise ConfigError(
-            f"{what} {uri} is a {saved_family} model, not {spec.name} "
-            f"(model={getattr(current, 'name', '') or spec.name}); use a {saved_family} model "
-            f"config to {'resume it' if use == 'resume' else 'start from it'}, {fix}"
-        )
-    keys = {k: v for k, v in spec.compat_keys(current).items() if k != "family"}
-    diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
-    if diff:
-        raise ConfigError(
-            f"{what} {uri} is for another model shape ({', '.join(diff)}); "
-            f"use the model config it was trained with, {fix}"
-        )

@@ -202,10 +202,9 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     import torch
 
     from gpn_scale.checkpoint import CheckpointManager
+    from gpn_scale.core.env import detect
     from gpn_scale.models.registry import family_of
     from gpn_scale.train.config import DEFAULT_CORPUS, batch_layout, to_yaml
-    from gpn_scale.train.env import detect
-    from gpn_scale.train.loop import DONE_MARKER, finished_at
 
     model_cfg = model_config(cfg)
     world = detect().world_size
@@ -233,8 +232,6 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
             done = None
         finished = finished_at(done, resume_uri, cfg.schedule.total_steps)
     if resume_uri and finished is None:  # the shape check a start makes before loading
-        from gpn_scale.train.loop import check_model_compatible
-
         check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg, resume_uri)
     if cfg.data.remote == DEFAULT_CORPUS:
         built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
@@ -287,3 +284,56 @@ def _data_line(remote: str, meta: Any) -> str:
         )
         + ")"
     )
+
+
+# The marker a finished run writes under its checkpoint root (its step and the run's end).
+DONE_MARKER = "DONE"
+
+
+def finished_at(done: dict | None, resume_uri: str | None, total_steps: int) -> int | None:
+    """The step a run finished at when its DONE marker says it reached `total_steps` and no
+    newer checkpoint exists (a start then has nothing to do), else None."""
+    if done is None:
+        return None
+    done_step = int(done.get("step", 0) or 0)
+    ckpt_step = last_ckpt_step(resume_uri)
+    if done_step >= total_steps and (ckpt_step is None or ckpt_step <= done_step):
+        return done_step
+    return None
+
+
+def last_ckpt_step(uri: str | None) -> int | None:
+    """The step encoded in a checkpoint URI (…/step_000123 or …/step-123), else None."""
+    if not uri:
+        return None
+    import re
+
+    m = re.search(r"step[_-]?0*(\d+)/?$", uri)
+    return int(m.group(1)) if m else None
+
+
+def check_model_compatible(saved: dict | None, current, uri: str, use: str = "resume") -> None:
+    """One line when a checkpoint was written for another family or model shape (the keys
+    come from the family's spec: `compat_keys`; a saved config without `family` is GPN's).
+    `use`: "resume", or the key that named the checkpoint (checkpoint.initial_load)."""
+    if not saved:
+        return
+    from gpn_scale.models.registry import DEFAULT_FAMILY, family_of
+
+    spec = family_of(current)
+    saved_family = saved.get("family", DEFAULT_FAMILY)
+    what = "checkpoint" if use == "resume" else use
+    fix = "or a fresh checkpoint.root" if use == "resume" else f"or another {use}"
+    if saved_family != spec.name:
+        raise ConfigError(
+            f"{what} {uri} is a {saved_family} model, not {spec.name} "
+            f"(model={getattr(current, 'name', '') or spec.name}); use a {saved_family} model "
+            f"config to {'resume it' if use == 'resume' else 'start from it'}, {fix}"
+        )
+    keys = {k: v for k, v in spec.compat_keys(current).items() if k != "family"}
+    diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
+    if diff:
+        raise ConfigError(
+            f"{what} {uri} is for another model shape ({', '.join(diff)}); "
+            f"use the model config it was trained with, {fix}"
+        )

@@ -19,9 +19,14 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpn_scale.train.config import DEFAULT_CORPUS, TrainConfig
+if TYPE_CHECKING:  # config.py reads run folders through this module
+    from gpn_scale.train.config import TrainConfig
+
+# The sentinel for data.remote: build the embedded default corpus (byte-level) locally. A
+# name, not a path, so never rebased (defined here, below config.py, which re-exports it).
+DEFAULT_CORPUS = "default"
 
 RUN_CONFIG = "config.yaml"
 HERE = "."  # config.yaml's run_dir: the folder holding it

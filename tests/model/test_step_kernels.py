@@ -15,8 +15,8 @@ from gpn_scale.model import engine
 from gpn_scale.ops import step_kernels
 from gpn_scale.ops.gpn_step import registry
 from gpn_scale.ops.gpn_step.cpu import CpuBackend
-from gpn_scale.ops.gpn_step.registry import StepBackendError, select_backend
-from gpn_scale.ops.step_kernels import ENV_VAR, StepKernelError, kernels_for
+from gpn_scale.ops.gpn_step.registry import StepBackendError, kernels_for, select_backend
+from gpn_scale.ops.step_kernels import ENV_VAR, StepKernelError
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.core.env import _first_host, detect
 from gpn_scale.model import GPN, load_model_config
 from gpn_scale.train.config import all_keys, batch_layout, load_train_config
-from gpn_scale.train.env import _first_host, detect
 from gpn_scale.train.optim import build_adamw, decays, lr_at
 
 

@@ -42,6 +42,8 @@ from gpn_scale.ops.gpn_step.interface import (
     ReverseSweepResult,
     StepPlan,
 )
+from gpn_scale.ops.launch import is_dry
+from gpn_scale.ops.step_kernels import warn_once
 
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 
@@ -208,8 +210,6 @@ class ChunkGraphs:
         self.failed = None
 
     def wanted(self, plan: StepPlan, like: Tensor) -> bool:
-        from gpn_scale.ops.gpn_step.cuda import is_dry
-
         return (
             plan.cuda_graphs
             and self.failed is None
@@ -266,8 +266,6 @@ class ChunkGraphs:
             raise  # the batch does not fit with its graphs: the caller's to handle
         except Exception as exc:  # capture is not possible here: eager from now on
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            from gpn_scale.ops.gpn_step.registry import warn_once
-
             warn_once(
                 f"CUDA graph capture of the step chunks failed ({self.failed}); running "
                 "them eagerly (set model.cuda_graphs=false to skip the attempt)"

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
 
 import torch
 
 from gpn_scale.ops import step_kernels
 from gpn_scale.ops.gpn_step.interface import StepBackend
 from gpn_scale.ops.gpn_step.reference import ReferenceBackend
+from gpn_scale.ops.launch import is_dry
 from gpn_scale.ops.step_kernels import warn_once
 
 ENV_VAR = step_kernels.ENV_VAR
@@ -96,10 +98,6 @@ def select_backend(config_choice: str, device: torch.device, tp_size: int = 1) -
 
 def _dry_run() -> bool:
     """The launch accounting runs the CUDA backend's code on meta tensors, launching nothing."""
-    try:
-        from gpn_scale.ops.gpn_step.cuda import is_dry
-    except ImportError:
-        return False
     return is_dry()
 
 
@@ -151,3 +149,10 @@ def clear_cuda_graphs() -> None:
     graph pair of the 130M at B = 16 holds ~1 GiB)."""
     if _cuda_backend_instance.cache_info().currsize:
         _cuda_backend_instance().graphs.clear()  # type: ignore[attr-defined]
+
+
+def kernels_for(device: torch.device, config_choice: str = "auto") -> ModuleType | None:
+    """The compiled CPU kernels when the step-backend choice would run them for tensors on
+    `device` (the environment override included), else None."""
+    backend = select_backend(config_choice, device)
+    return getattr(backend, "module", None) if backend.name == "cpu" else None

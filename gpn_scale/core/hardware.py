@@ -72,7 +72,7 @@ def peak_bf16_flops(name: str, warn: bool = True) -> float | None:
             _warned.add(name)
             print(
                 f"MFU not reported: no dense bf16 peak known for {name!r} (add it to "
-                "PEAK_BF16_FLOPS in gpn_scale/train/hardware.py)",
+                "PEAK_BF16_FLOPS in gpn_scale/core/hardware.py)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,4 +1,4 @@
-"""Device names -> dense bf16 peak (gpn_scale/train/hardware.py): exact model words, the
+"""Device names -> dense bf16 peak (gpn_scale/core/hardware.py): exact model words, the
 form factor where it changes the peak, None and one stderr line when unknown."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpn_scale.train import hardware
-from gpn_scale.train.hardware import PEAK_BF16_FLOPS, device_key, peak_bf16_flops
+from gpn_scale.core import hardware
+from gpn_scale.core.hardware import PEAK_BF16_FLOPS, device_key, peak_bf16_flops
 
 # torch.cuda.get_device_name() strings as the devices report them.
 NAMES = {

@@ -1,0 +1,74 @@
+"""The folder `gpn-scale export` writes, as the loaders read it (eval/load.py, the trainer's
+warm start): file names, the config entry, the weights. Apart from export.py (which writes
+it and reads checkpoints through eval/load.py) so the loaders need not import the writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpn_scale.core.config import ConfigError
+
+EXPORT_FORMAT = "gpn_scale.export/1"
+HF_KEY = "gpn_scale"  # our entry in a Hugging Face config.json
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+ORIGINAL_TOKENIZER_FILE = "gpn_scale_tokenizer.json"  # --format hf: the training tokenizer
+FORMATS = ("safetensors", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Families with a Hugging Face architecture of the same network (name mapping module).
+HF_FAMILIES = {"transformer_pp": "gpn_scale.models.transformer_pp.hf"}
+START_TOKEN = "<|gpn_start|>"
+
+
+def _read_config(path: str | Path) -> dict[str, Any] | None:
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_export_dir(path: str | Path) -> bool:
+    """A directory `gpn-scale export` wrote (either layout)."""
+    data = _read_config(path)
+    if data is None or not (Path(path) / WEIGHTS_FILE).is_file():
+        return False
+    return data.get("format") == EXPORT_FORMAT or isinstance(data.get(HF_KEY), dict)
+
+
+def read_export_meta(path: str | Path) -> dict[str, Any]:
+    """The checkpoint-like meta of an export: model_config, tokenizer, step, source, layout."""
+    data = _read_config(path) or {}
+    if data.get("format") == EXPORT_FORMAT:
+        return {**data, "layout": "safetensors"}
+    return {**dict(data.get(HF_KEY) or {}), "layout": "hf"}
+
+
+def read_export_weights(path: str | Path, spec: Any, cfg: Any) -> dict[str, torch.Tensor]:
+    """The model's state dict (our names) from an export directory."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(path) / WEIGHTS_FILE))
+    if read_export_meta(path)["layout"] == "hf":
+        return hf_module(spec.name, "--format hf").from_llama(state, cfg)
+    return state
+
+
+def hf_module(family: str, what: str) -> Any:
+    import importlib
+
+    if family not in HF_FAMILIES:
+        raise ConfigError(
+            f"{what}: the {family} family has no Hugging Face architecture of the same "
+            f"network (only {', '.join(HF_FAMILIES)} maps onto LlamaForCausalLM); export it "
+            "with --format safetensors"
+        )
+    return importlib.import_module(HF_FAMILIES[family])
