@@ -33,16 +33,6 @@ import torch
 
 from gpn_scale.testing.s3 import LocalS3
 
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Workers for `-n auto` (pyproject's addopts): one per core this process may use, at most
-    4. Most tests wait on child processes (trainers, gloo ranks, SLURM jobs, S3), so two
-    workers on a 2-core machine keep both cores busy; past 4 the SLURM and multi-rank tests'
-    own processes would crowd each other out."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
-
-
 # The CUDA step backend's Triton kernels run on CPU tensors in Triton's interpreter
 # (tests/ops): it must be chosen before triton decorates them, i.e. before any import of
 # gpn_scale.ops.gpn_step.triton_kernels. Without a GPU nothing else reads it; with one the
