@@ -103,3 +103,14 @@ def private_tmpdir(tmp_path, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv(key, "0")
         monkeypatch.delenv(key)
     return tmp
+
+
+@pytest.fixture(autouse=True)
+def _close_unclosed_loaders() -> Iterator[None]:
+    """After each test, close the data loaders it left open in this process: each holds ~12
+    descriptors (streaming's shared memory) and threads until closed, and the suite's process
+    ran out of its 20,000 descriptors near the end of a full run."""
+    yield
+    from gpn_scale.data.loader import close_unclosed_loaders
+
+    close_unclosed_loaders()

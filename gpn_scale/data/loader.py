@@ -25,6 +25,7 @@ import re
 import shutil
 import tempfile
 import uuid
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +238,20 @@ def _token_dataset_class() -> type:
     return TokenStreamingDataset
 
 
+# Loaders not closed yet (weakly held): `close_unclosed_loaders` ends them, for a process
+# that builds many and cannot be sure each is closed (the test suite closes them after each
+# test: ~12 descriptors each, and the process has 20,000).
+_UNCLOSED: weakref.WeakSet[TokenLoader] = weakref.WeakSet()
+
+
+def close_unclosed_loaders() -> int:
+    """Close every loader of this process not closed yet; returns how many."""
+    loaders = list(_UNCLOSED)
+    for loader in loaders:
+        loader.close()
+    return len(loaders)
+
+
 class TokenLoader:
     """Iterate to get int64 [batch_size, seq_len] batches of this rank; iterate again for
     the next epoch. `state_dict()`/`load_state_dict()` save and restore the position."""
@@ -255,6 +270,7 @@ class TokenLoader:
     ):
         self._loader = loader
         self.dataset = dataset
+        _UNCLOSED.add(self)
         self.metadata = metadata
         self.split = split
         self.batch_size = batch_size
@@ -344,6 +360,7 @@ class TokenLoader:
         the dataset's shared memory: streaming holds a descriptor per segment (~10 per loader)
         until its dataset is collected or the process exits, so a process that runs several
         trainings (a notebook, the test suite) would otherwise run out of descriptors."""
+        _UNCLOSED.discard(self)
         iterator = getattr(self._loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()

@@ -1037,7 +1037,12 @@ class Trainer:
         step trained only to be saved would be a step nobody asked for), leave nothing new,
         exit 75 (a rerun starts where this one would have)."""
         flag = self._flag
-        why = f"signal {flag.signum}" if flag is not None and flag.signum else "the job's deadline"
+        why = (
+            f"signal {flag.signum}"
+            if flag is not None and flag.signum
+            else f"the job's time limit is {self.cfg.preemption.end_margin_s:.0f}s away "
+            "(SLURM_JOB_END_TIME)"
+        )
         if flag is not None and flag.interrupted:
             why = "Ctrl-C"
         self._remove_new_dirs()
