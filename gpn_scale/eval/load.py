@@ -242,7 +242,7 @@ def read_source(kind: str, uri: str) -> Source:
 def _check_family(source: Source, spec: FamilySpec, cfg: Any, flag: str) -> None:
     """`--model-config` must describe the model the checkpoint holds: one line otherwise
     (not a DCP traceback about missing keys)."""
-    from gpn_scale.models.registry import DEFAULT_FAMILY
+    from gpn_scale.models.registry import DEFAULT_FAMILY, shape_differences
 
     saved = source.meta.get("model_config")
     if not isinstance(saved, dict):
@@ -253,8 +253,7 @@ def _check_family(source: Source, spec: FamilySpec, cfg: Any, flag: str) -> None
             f"{flag}: checkpoint {source.uri} holds a {family} model, not {spec.name}; drop "
             f"{flag} (the checkpoint's own config is used) or pass a {family} config"
         )
-    keys = {k: v for k, v in spec.compat_keys(cfg).items() if k != "family"}
-    diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
+    diff = shape_differences(spec, saved, cfg)
     if diff:
         raise ConfigError(
             f"{flag}: checkpoint {source.uri} has another shape ({', '.join(diff)}); drop "

@@ -110,3 +110,10 @@ def training_config_model(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]] 
 def family_of(config: Any) -> FamilySpec:
     """The spec of a built config (each family's config has a `family_name` attribute)."""
     return get_family(getattr(config, "family_name", DEFAULT_FAMILY))
+
+
+def shape_differences(spec: FamilySpec, saved: Mapping[str, Any], config: Any) -> list[str]:
+    """'key saved != current' for each shape key (the family's `compat_keys`) where a saved
+    model config differs from `config`: what makes a checkpoint unloadable into it."""
+    keys = {k: v for k, v in spec.compat_keys(config).items() if k != "family"}
+    return [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]

@@ -318,7 +318,7 @@ def check_model_compatible(saved: dict | None, current, uri: str, use: str = "re
     `use`: "resume", or the key that named the checkpoint (checkpoint.initial_load)."""
     if not saved:
         return
-    from gpn_scale.models.registry import DEFAULT_FAMILY, family_of
+    from gpn_scale.models.registry import DEFAULT_FAMILY, family_of, shape_differences
 
     spec = family_of(current)
     saved_family = saved.get("family", DEFAULT_FAMILY)
@@ -330,8 +330,7 @@ def check_model_compatible(saved: dict | None, current, uri: str, use: str = "re
             f"(model={getattr(current, 'name', '') or spec.name}); use a {saved_family} model "
             f"config to {'resume it' if use == 'resume' else 'start from it'}, {fix}"
         )
-    keys = {k: v for k, v in spec.compat_keys(current).items() if k != "family"}
-    diff = [f"{k} {saved.get(k)} != {v}" for k, v in keys.items() if saved.get(k) != v]
+    diff = shape_differences(spec, saved, current)
     if diff:
         raise ConfigError(
             f"{what} {uri} is for another model shape ({', '.join(diff)}); "
