@@ -38,7 +38,7 @@ def _engine_tokens_per_s(
     model_cfg, batch: int, seq_len: int, steps: int, with_optim: bool, warmup: int = 2
 ) -> float:
     from gpn_scale.models.registry import family_of
-    from gpn_scale.train.optim import build_adamw
+    from gpn_scale.optim import build_adamw
 
     torch.manual_seed(0)
     model = family_of(model_cfg).build(model_cfg)

@@ -83,6 +83,18 @@ class Topology:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t / self.world_size
 
+    def sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over the data-parallel ranks, on the CPU (the ranks of a tp group hold
+        the same sums: each counts once)."""
+        if not self.env.distributed:
+            return value
+        t = value.to(self._coll_device()).clone()
+        if self.tp_size > 1:
+            dist.all_reduce(t, group=self.dp_mesh.get_group())
+        else:
+            dist.all_reduce(t)
+        return t.cpu()
+
     def barrier(self) -> None:
         if self.env.distributed:
             dist.barrier()

@@ -242,7 +242,8 @@ def _for_eval(err: BaseException) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.config import load_train_config
-    from gpn_scale.train.loop import Trainer, TrainingError
+    from gpn_scale.train.loop import Trainer
+    from gpn_scale.train.state import TrainingError
 
     errors = _errors()
     if args.fresh and args.resume not in (None, "none", "never"):

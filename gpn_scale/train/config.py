@@ -166,6 +166,12 @@ class DebugSection:
     # Sleep this many seconds at the end of the setup (tests that signal during it).
     setup_sleep: float = 0.0
 
+    def poisons(self, step: int) -> bool:
+        """Whether optimizer step `step` (0-based) gets a NaN loss."""
+        return step + 1 in self.inject_nan_steps or (
+            self.inject_nan_from is not None and step + 1 >= self.inject_nan_from
+        )
+
 
 @dataclass
 class TrainConfig:

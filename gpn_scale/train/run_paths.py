@@ -186,3 +186,19 @@ def resolve_recorded(value: str | None, base: str) -> str | None:
     if _is_uri(base):
         return f"{base.rstrip('/')}/{value}"
     return os.path.normpath(str(Path(base) / value))
+
+
+def missing_tops(paths: list[str | Path | None]) -> list[Path]:
+    """For each local path, its topmost ancestor that does not exist yet (what creating it
+    would add); nothing for paths that exist, S3 URIs and None."""
+    out: list[Path] = []
+    for path in paths:
+        if not path or "://" in str(path):
+            continue
+        p = Path(os.path.abspath(os.path.expanduser(str(path))))
+        top = None
+        while not p.exists() and p != p.parent:
+            top, p = p, p.parent
+        if top is not None and top not in out:
+            out.append(top)
+    return out

@@ -19,7 +19,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again" — the job saved its state and
 # wants to be restarted with `--resume auto`. Launchers (slurm/, sweeps) test for it.
@@ -101,3 +102,53 @@ def request_slurm_requeue(log=print) -> bool:
         return False
     log(f"preemption: requeued SLURM job {job}")
     return True
+
+
+class StopConditions:
+    """When a run stops early: a preemption signal or Ctrl-C (the flag, installed from the
+    start of the setup to the end of the run), or the job's deadline (SLURM_JOB_END_TIME
+    less preemption.end_margin_s); and how it says why."""
+
+    def __init__(self, enabled: bool, end_margin_s: float, requeue: bool) -> None:
+        self.flag = PreemptionFlag().install() if enabled else None
+        self.deadline = job_deadline(os.environ, end_margin_s) if enabled else None
+        self.margin_s, self.requeue = end_margin_s, requeue
+        self.deadline_hit = False
+
+    def local_request(self) -> bool:
+        """This rank's view (the trainer agrees on it over all ranks)."""
+        if self.flag is None:
+            return False
+        local = self.flag.requested
+        if self.deadline is not None and time.time() >= self.deadline:
+            local = self.deadline_hit = True
+        return local
+
+    def training_started(self) -> None:
+        if self.flag is not None:
+            self.flag.phase = "training"
+
+    def _deadline_words(self) -> str:
+        return f"the job's time limit is {self.margin_s:.0f}s away (SLURM_JOB_END_TIME)"
+
+    def why_preempted(self) -> str:
+        if self.flag is not None and self.flag.signum:
+            return f"signal {self.flag.signum}"
+        return self._deadline_words() if self.deadline_hit else "signal on another rank"
+
+    def why_stopped_in_setup(self) -> str:
+        if self.flag is not None and self.flag.interrupted:
+            return "Ctrl-C"
+        if self.flag is not None and self.flag.signum:
+            return f"signal {self.flag.signum}"
+        return self._deadline_words()
+
+    def requeue_if_preempted(self, is_main: bool, log: Callable[[str], None]) -> None:
+        """`scontrol requeue` (rank 0) for a preemption; never for a Ctrl-C."""
+        flag = self.flag
+        if self.requeue and is_main and flag is not None and not flag.interrupted:
+            request_slurm_requeue(log)
+
+    def uninstall(self) -> None:
+        if self.flag is not None:
+            self.flag.uninstall()

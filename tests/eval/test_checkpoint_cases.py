@@ -193,10 +193,10 @@ def test_a_hugging_face_tokenizer_travels_with_the_checkpoint(tmp_path: Path) ->
     from data_tools.tokenizer import resolve_tokenizer
     from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.eval.load import load
-    from gpn_scale.train.loop import _tokenizer_record
+    from gpn_scale.train.checkpointing import tokenizer_record
 
     path = _hf_tokenizer_file(tmp_path / "tok.json")
-    identity, files = _tokenizer_record(resolve_tokenizer(str(path), "<eod>").identity())
+    identity, files = tokenizer_record(resolve_tokenizer(str(path), "<eod>").identity())
     assert identity["name"] == str(path) and set(files) == {"tokenizer.json"}
     model = perturbed_model(tiny_config(vocab_size=257), dtype=torch.float32).eval()
     meta = {"step": 1, "model_config": model.config.to_dict(), "tokenizer": identity}

@@ -10,8 +10,8 @@ import torch
 from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import _first_host, detect
 from gpn_scale.model import GPN, load_model_config
+from gpn_scale.optim import build_adamw, decays, lr_at
 from gpn_scale.train.config import all_keys, batch_layout, load_train_config
-from gpn_scale.train.optim import build_adamw, decays, lr_at
 
 
 def test_every_shipped_config_loads():
@@ -194,7 +194,7 @@ def test_train_config_positional_is_optional_for_override_only_runs():
 def test_deterministic_auto_is_on_for_cpu_off_for_cuda(value, cpu, cuda, monkeypatch):
     """The default: deterministic on CPU (exact resume), not on GPU (NaN-filled torch.empty,
     slow kernels); explicit true/false honoured. No GPU needed: nothing touches the device."""
-    from gpn_scale.train import loop
+    from gpn_scale.train import determinism
 
     assert load_train_config(None).train.deterministic == "auto"
     cfg = load_train_config(None, [f"train.deterministic={str(value).lower()}"])
@@ -205,8 +205,8 @@ def test_deterministic_auto_is_on_for_cpu_off_for_cuda(value, cpu, cuda, monkeyp
     )
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    assert loop.set_determinism(cfg, torch.device("cpu")) is cpu
-    assert loop.set_determinism(cfg, torch.device("cuda", 0)) is cuda
+    assert determinism.set_determinism(cfg, torch.device("cpu")) is cpu
+    assert determinism.set_determinism(cfg, torch.device("cuda", 0)) is cuda
     assert calls == [True] * (cpu + cuda)
 
 

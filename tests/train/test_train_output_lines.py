@@ -11,7 +11,7 @@ from pathlib import Path
 from train_helpers import train_args
 
 from gpn_scale.cli import main
-from gpn_scale.train.loop import FirstStepNotice, progress_line, run_summary
+from gpn_scale.train.progress import FirstStepNotice, progress_line, run_summary
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d"
 

@@ -12,7 +12,7 @@ import torch
 from train_helpers import read_metrics, run_train
 
 from gpn_scale.eval.load import load
-from gpn_scale.train.optim import lr_at
+from gpn_scale.optim import lr_at
 
 TINY_LR = "optim.lr=1e-12"  # one update that cannot move the weights measurably
 

@@ -62,7 +62,7 @@ SPEC = FamilySpec(
     recurrent=False,
     # Megatron's block split (parallelize.py); the norms, embedding and head stay plain
     # parameters, so under FSDP2 they live on the dp mesh and the blocks on dp x tp (the
-    # gradient norm and clipping go mesh by mesh: train/optim.py).
+    # gradient norm and clipping go mesh by mesh: gpn_scale/optim.py).
     apply_tp=_apply_tp,
     check_tp=_check_tp,
     description="Transformer++: LLaMA-style decoder (pre-RMSNorm, RoPE, SwiGLU, no biases)",

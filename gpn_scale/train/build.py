@@ -1,0 +1,79 @@
+"""The model a run trains, built from its config: the family's module on the device, the
+warm-start weights, then the parallelism and the optimizer (parallel/backends.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gpn_scale import optim as optim_lib
+from gpn_scale.parallel.backends import Backend, ParallelPlan, build_backend
+from gpn_scale.parallel.topology import Topology
+from gpn_scale.train.checkpointing import RunCheckpoints
+from gpn_scale.train.config import TrainConfig
+from gpn_scale.train.determinism import seed_everything
+
+
+def training_flops_per_token(model_cfg: Any, seq_len: int) -> float:
+    """The model's own training FLOPs/token (forward + backward), from its family's spec."""
+    from gpn_scale.models.registry import family_of
+
+    return float(family_of(model_cfg).flops_per_token(model_cfg, seq_len))
+
+
+def parallel_plan(
+    cfg: TrainConfig, backend: str, micro: int, accum: int, bf16: bool
+) -> ParallelPlan:
+    return ParallelPlan(
+        backend=backend,
+        micro_batch=micro,
+        accum=accum,
+        global_batch=cfg.train.global_batch_size,
+        grad_clip=cfg.optim.grad_clip,
+        bf16=bf16,
+        zero_stage=cfg.parallel.zero_stage,
+        zero3_persistence_threshold=cfg.parallel.zero3_persistence_threshold,
+        reduce_dtype=cfg.parallel.reduce_dtype,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
+    )
+
+
+def build_model(
+    cfg: TrainConfig,
+    model_cfg: Any,
+    topo: Topology,
+    backend_name: str,
+    bf16: bool,
+    micro: int,
+    accum: int,
+    warm: Any,
+    ckpt: RunCheckpoints,
+    log: Callable[[str], None],
+) -> tuple[Backend, int]:
+    """(the backend over the built, parallelized model and its optimizer, the model's size)."""
+    from gpn_scale.models.registry import family_of
+
+    # Same seed on every rank: identical initial weights before any sharding.
+    seed_everything(cfg.seed)
+    spec = family_of(model_cfg)
+    model = spec.build(model_cfg).to(topo.device)
+    if warm is not None and cfg.checkpoint.initial_load_model_only:
+        ckpt.load_initial_weights(model, warm, spec, model_cfg)  # before any sharding
+    n_params = sum(p.numel() for p in model.parameters())
+    o = cfg.optim
+    fused = o.fused and topo.device.type == "cuda"
+    backend = build_backend(
+        model,
+        parallel_plan(cfg, backend_name, micro, accum, bf16),
+        topo,
+        make_optimizer=lambda m: optim_lib.build_adamw(
+            m, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, fused=fused
+        ),
+        fsdp_units=spec.fsdp_units(model),
+        apply_tp=spec.apply_tp,
+        log=log,
+    )
+    backend.train(True)
+    if warm is not None:
+        ckpt.load_initial_optimizer(backend, warm)
+    return backend, n_params

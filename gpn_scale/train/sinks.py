@@ -1,0 +1,90 @@
+"""The sinks a run writes its metrics to, opened on rank 0: the resolved config beside
+them, a JSONL history, and W&B when configured (online, offline, or auto: offline where
+the server cannot be reached)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpn_scale.core.config import ConfigError
+from gpn_scale.train.config import TrainConfig, to_yaml
+from gpn_scale.train.metrics import JsonlSink, WandbSink, scrub_secrets
+from gpn_scale.train.run_paths import RUN_CONFIG, relocatable
+
+
+def open_sinks(
+    cfg: TrainConfig,
+    run_dir: str,
+    resume_step: int | None,
+    wandb_id: str | None,
+    model_cfg: Any,
+    n_params: int,
+    log: Callable[[str], None],
+) -> tuple[list[Any], str | None]:
+    """(the sinks, the W&B run id the next checkpoints record). Call on rank 0 only."""
+    path = Path(run_dir)
+    # Resolved (defaults filled in, the derived paths written out) and relocatable: paths
+    # inside the run folder relative to it, so a copied folder reads its own files.
+    (path / RUN_CONFIG).write_text(to_yaml(relocatable(cfg)))
+    sinks: list[Any] = [JsonlSink(str(path / "metrics.jsonl"), resume_step=resume_step)]
+    if cfg.logging.wandb.mode != "disabled":
+        config = scrub_secrets(
+            {**cfg.to_dict(), "model_config": model_cfg.to_dict(), "params": n_params}
+        )
+        sink = _open_wandb(cfg, path, config, wandb_id, log)
+        wandb_id = sink.run_id
+        sinks.append(sink)
+    return sinks, wandb_id
+
+
+def _open_wandb(
+    cfg: TrainConfig,
+    run_dir: Path,
+    config: dict[str, Any],
+    wandb_id: str | None,
+    log: Callable[[str], None],
+) -> WandbSink:
+    wb = cfg.logging.wandb
+
+    def open_wandb(mode: str) -> WandbSink:
+        return WandbSink(
+            project=wb.project,
+            entity=wb.entity,
+            group=wb.group,
+            job_type=wb.job_type,
+            name=cfg.run_name,
+            config=config,
+            mode=mode,
+            dir=wb.dir or str(run_dir),
+            resume_id=wandb_id or wb.run_id,
+            init_timeout=wb.init_timeout,
+            log=log,
+        )
+
+    mode = wb.mode
+    if mode == "auto":
+        from gpn_scale.train.metrics import wandb_server_reachable
+
+        reachable, base_url = wandb_server_reachable(min(wb.init_timeout, 10.0))
+        mode = "online" if reachable else "offline"
+        if not reachable:  # compute nodes often have no internet
+            log(f"W&B: {base_url} not reachable; logging.wandb.mode=auto: offline instead")
+    try:
+        sink = open_wandb(mode)
+    except ConfigError as err:
+        if wb.mode != "auto" or mode != "online":
+            raise
+        # compute nodes often have no internet: log offline, upload from a login node
+        log(f"W&B: online failed ({err}); logging.wandb.mode=auto: offline instead")
+        import wandb
+
+        wandb.teardown()  # else the failed online attempt still holds the run id
+        sink = open_wandb("offline")
+    if sink.offline:
+        log(
+            f"W&B: offline run {sink.run_id} in {sink.dir}; upload it with "
+            f"`wandb sync {Path(sink.dir).parent}`"
+        )
+    return sink
