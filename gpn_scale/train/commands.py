@@ -1,4 +1,5 @@
-"""`gpn-scale train | demo | eval`: argument parsing only; the work is in loop.py / demo.py.
+"""`gpn-scale train | demo | eval`: argument parsing only; the work is in loop.py (the
+Trainer) and demo.py.
 
 Heavy imports (torch, deepspeed, streaming) happen inside the handlers so `--help` is fast.
 Exit codes: 0 done; 2 bad config / checkpoint / credentials / data (one line on stderr,
@@ -63,6 +64,12 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
 
 
 def _register(subparsers: argparse._SubParsersAction) -> None:
+    _register_train(subparsers)
+    _register_demo(subparsers)
+    _register_eval(subparsers)
+
+
+def _register_train(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a GPN / GPN+M (single process, torchrun or SLURM)",
@@ -139,6 +146,8 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=cmd_train)
 
+
+def _register_demo(subparsers: argparse._SubParsersAction) -> None:
     d = subparsers.add_parser(
         "demo",
         help="build the default corpus, train a small GPN+M on CPU, evaluate, plot",
@@ -160,6 +169,8 @@ def _register(subparsers: argparse._SubParsersAction) -> None:
     )
     d.set_defaults(func=cmd_demo)
 
+
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     e = subparsers.add_parser(
         "eval",
         help="held-out loss / perplexity of a checkpoint; LAMBADA; lm-eval tasks",

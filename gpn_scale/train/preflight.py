@@ -201,10 +201,9 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
 
     import torch
 
-    from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.core.env import detect
     from gpn_scale.models.registry import family_of
-    from gpn_scale.train.config import DEFAULT_CORPUS, batch_layout, to_yaml
+    from gpn_scale.train.config import batch_layout, to_yaml
 
     model_cfg = model_config(cfg)
     world = detect().world_size
@@ -213,15 +212,7 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     micro, accum = batch_layout(cfg, world)
     run_dir, ckpt_root = cfg.resolved_run_dir, cfg.resolved_checkpoint_root
     run_dir_exists = check_local_dir(run_dir, "run_dir")
-    lines = []
-    if "://" in ckpt_root:
-        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
-        found = len(mgr.storage.list_dirs())  # credentials and bucket, read-only
-        where = f"{ckpt_root} (listed: {found} entries; write access not probed)"
-    else:
-        exists = check_local_dir(ckpt_root, "checkpoint.root")
-        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
-        where = f"{ckpt_root}{'' if exists else ' (would be created)'}"
+    mgr, where = _dry_run_checkpoints(cfg, ckpt_root)
     resume_uri = mgr.resolve_resume(resume) if resume != "none" else None
     finished = None
     if resume != "none":
@@ -233,22 +224,12 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
         finished = finished_at(done, resume_uri, cfg.schedule.total_steps)
     if resume_uri and finished is None:  # the shape check a start makes before loading
         check_model_compatible(mgr.read_meta(resume_uri).get("model_config"), model_cfg, resume_uri)
-    if cfg.data.remote == DEFAULT_CORPUS:
-        built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
-        if (built / "gpn_dataset.json").is_file():
-            meta = check_data(cfg, str(built), model_cfg.vocab_size, micro, world)
-            data = _data_line(str(built), meta)
-        else:
-            data = f"the embedded default corpus, built on first use under {built}"
-    else:
-        data = _data_line(
-            cfg.data.remote, check_data(cfg, cfg.data.remote, model_cfg.vocab_size, micro, world)
-        )
+    data = _dry_run_data(cfg, run_dir, model_cfg, micro, world)
 
     resolved = copy.deepcopy(cfg)
     resolved.run_dir, resolved.checkpoint.root = run_dir, ckpt_root
     tokens = cfg.schedule.total_steps * cfg.train.global_batch_size * cfg.data.seq_len
-    lines += [
+    lines = [
         f"model: {model_cfg.name or cfg.model} ({model_cfg.family}), "
         f"{family_of(model_cfg).count_parameters(model_cfg):,} parameters",
         f"data: {data}",
@@ -274,6 +255,33 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
         "trained or written",
     ]
     return to_yaml(resolved).rstrip() + "\n---\n" + "\n".join(lines)
+
+
+def _dry_run_checkpoints(cfg: TrainConfig, ckpt_root: str) -> tuple[Any, str]:
+    """(the checkpoint manager, where the checkpoints go): read-only."""
+    from gpn_scale.checkpoint import CheckpointManager
+
+    if "://" in ckpt_root:
+        mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
+        found = len(mgr.storage.list_dirs())  # credentials and bucket, read-only
+        return mgr, f"{ckpt_root} (listed: {found} entries; write access not probed)"
+    exists = check_local_dir(ckpt_root, "checkpoint.root")
+    mgr = CheckpointManager(ckpt_root, keep_last=cfg.checkpoint.keep_last)
+    return mgr, f"{ckpt_root}{'' if exists else ' (would be created)'}"
+
+
+def _dry_run_data(cfg: TrainConfig, run_dir: str, model_cfg: Any, micro: int, world: int) -> str:
+    """What the run would read (the default corpus is checked once it is built)."""
+    from gpn_scale.train.config import DEFAULT_CORPUS
+
+    if cfg.data.remote == DEFAULT_CORPUS:
+        built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
+        if (built / "gpn_dataset.json").is_file():
+            meta = check_data(cfg, str(built), model_cfg.vocab_size, micro, world)
+            return _data_line(str(built), meta)
+        return f"the embedded default corpus, built on first use under {built}"
+    meta = check_data(cfg, cfg.data.remote, model_cfg.vocab_size, micro, world)
+    return _data_line(cfg.data.remote, meta)
 
 
 def _data_line(remote: str, meta: Any) -> str:
