@@ -182,7 +182,7 @@ def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights
     `tp_group` (each rank holds its columns' share)."""
     shared = lambda p: sum_grad_over_tp(local(p), tp_group)  # noqa: E731
     w_in, b_in, w_out = [], [], []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.predictor_layers):
         cols: list[Tensor] = []
         biases: list[Tensor] = []
         if i == 0 and model.write is not None:
