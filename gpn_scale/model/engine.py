@@ -39,7 +39,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -182,7 +182,7 @@ def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights
     `tp_group` (each rank holds its columns' share)."""
     shared = lambda p: sum_grad_over_tp(local(p), tp_group)  # noqa: E731
     w_in, b_in, w_out = [], [], []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.predictor_layers):
         cols: list[Tensor] = []
         biases: list[Tensor] = []
         if i == 0 and model.write is not None:
@@ -250,30 +250,41 @@ def _recompute_chunk(
     B, C, d = S.shape
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
     mem = plan.memory
+    if mem:  # GPN+M: the decay rates and the chunk-start memory are given
+        assert W.A is not None and M0 is not None
+        A, M = W.A, M0
+    # torch.split takes any sequence of sizes (its stub says list).
+    splits = cast("tuple[list[int], ...]", plan.in_splits)
     c = S.transpose(0, 1).contiguous()  # (C, B, d)
-    acts = ChunkActs([], [], [], [], [], [], [], [], None, None, None)
+    cs: list[Tensor] = []
+    ns: list[Tensor] = []
+    ys: list[Tensor] = []
+    hiddens: list[Tensor] = []
+    o_s: list[Tensor | None] = []
+    ro_s: list[Tensor | None] = []
+    q_s: list[Tensor | None] = []
+    rq_s: list[Tensor | None] = []
     for i in range(plan.n_layers):
         n = _rms(c, eps)
         y = _matmul(n, W.w_in[i], W.b_in[i])
-        acts.c.append(c)
-        acts.n.append(n)
-        acts.y.append(y)
-        parts = torch.split(y, plan.in_splits[i], dim=-1)
+        cs.append(c)
+        ns.append(n)
+        ys.append(y)
+        parts = torch.split(y, splits[i], dim=-1)
         if mem and i == 0:
-            k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
+            k_next_pre, v_pre, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
             k_cols = H * dk
-            acts.s_prev = s_prev
-            acts.n_sprev = _rms(s_prev, eps)
-            k_first = _matmul(acts.n_sprev, W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
-            acts.k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
-            acts.k = _heads(_l2n(F.relu(acts.k_pre).view(C, B, H, dk)))
-            acts.v = _heads(v.reshape(C, B, H, dv))
-            log_a = (-W.A * F.softplus(decay_pre)).permute(1, 2, 0)  # (B, H, C)
-            acts.beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
-            U, acts.G = chunk_errors(acts.k, acts.v, log_a, acts.beta, M0, "gpn")
-            acts.U = U.contiguous()  # the solve returns it column-major; the sweep reads rows
-            acts.rk = _step_major(acts.k @ M0)
-            acts.pred = _step_major(_prediction(acts, M0))
+            n_sprev = _rms(s_prev, eps)
+            k_first = _matmul(n_sprev, W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
+            k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
+            K = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk)))
+            V = _heads(v_pre.reshape(C, B, H, dv))
+            log_a = (-A * F.softplus(decay_pre)).permute(1, 2, 0)  # (B, H, C)
+            beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
+            U, G = chunk_errors(K, V, log_a, beta, M, "gpn")
+            U = U.contiguous()  # the solve returns it column-major; the sweep reads rows
+            rk = _step_major(K @ M)
+            pred = _step_major(_prediction(K, U, G, rk))
         elif mem:
             q_pre, rg, ffn_in, pg = parts
         else:
@@ -282,36 +293,38 @@ def _recompute_chunk(
         hidden = F.silu(a) * b
         if mem:
             q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
-            rq = _step_major(q @ M0)
-            o = chunk_read(q, acts.k, acts.U, acts.G, M0).permute(2, 0, 1, 3).reshape(C, B, H * dv)
+            rq = _step_major(q @ M)
+            o = chunk_read(q, K, U, G, M).permute(2, 0, 1, 3).reshape(C, B, H * dv)
             ro = rms_wide(o, eps, plan)
             hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
-            acts.q.append(q)
-            acts.rq.append(rq)
-            acts.o.append(o)
-            acts.ro.append(ro)
+            q_s.append(q)
+            rq_s.append(rq)
+            o_s.append(o)
+            ro_s.append(ro)
         else:
-            acts.q.append(None)
-            acts.rq.append(None)
-            acts.o.append(None)
-            acts.ro.append(None)
-        acts.hidden.append(hidden)
+            q_s.append(None)
+            rq_s.append(None)
+            o_s.append(None)
+            ro_s.append(None)
+        hiddens.append(hidden)
         c = torch.sigmoid(pg) * c + reduce_rows(_matmul(hidden, W.w_out[i], None), plan)
-    acts.p = c
-    acts.n_p = _rms(c, eps)
-    acts.gate = torch.sigmoid(_matmul(acts.n_p, W.w_fg, W.b_fg))
+    n_p = _rms(c, eps)
+    gate = torch.sigmoid(_matmul(n_p, W.w_fg, W.b_fg))
+    acts = ChunkActs(cs, ns, ys, hiddens, o_s, ro_s, q_s, rq_s, n_p, gate, c)
+    if mem:
+        acts.s_prev, acts.n_sprev, acts.k_pre, acts.k, acts.v = s_prev, n_sprev, k_pre, K, V
+        acts.beta, acts.U, acts.G, acts.pred, acts.rk = beta, U, G, pred, rk
     return acts
 
 
-def _prediction(acts: ChunkActs, M0: Tensor) -> Tensor:
-    """M_{t-1}^T k_t for every step:
+def _prediction(K: Tensor, U: Tensor, G: Tensor, rk: Tensor) -> Tensor:
+    """M_{t-1}^T k_t for every step (rk = M0^T k_t):
     e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
-    G = acts.G
     G_prev = torch.cat([torch.zeros_like(G[..., :1]), G[..., :-1]], dim=-1)
     C = G.shape[-1]
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device), diagonal=-1)
     expo = torch.where(strict, G_prev[..., :, None] - G[..., None, :], float("-inf"))
-    return G_prev.exp()[..., None] * acts.rk + ((acts.k @ acts.k.mT) * expo.exp()) @ acts.U
+    return G_prev.exp()[..., None] * rk + ((K @ K.mT) * expo.exp()) @ U
 
 
 def _step_major(x: Tensor) -> Tensor:
@@ -418,32 +431,32 @@ def _sweep_adjoints(
     dY = [ws.take(f"dY{i}", y.shape, 0, dt) for i, y in enumerate(acts.y)]
     dZ = [ws.take(f"dZ{i}", (C, B, d), 0, dt) for i in range(L)]
     dYfg = ws.take("dYfg", (C, B, d), 0, dt)
-    if mem:
-        K, U, G = acts.k, acts.U, acts.G
-        pushed = dM_end is not None  # the chunk's last one has no later memory
-        # dK, dU, dG start as the end memory's share (written in place, no zero fill first).
-        dK = ws.take("dK", K.shape, 2, dt, zero=not pushed)
-        dU = ws.take("dU", U.shape, 2, dt, zero=not pushed)
-        dG = ws.take("dG", G.shape, 2, dt, zero=not pushed)
-        step_major = (C, *U.shape[:2], U.shape[3])  # (C, B, H, dv), see _step_major
-        dRk = ws.take("dRk", step_major, 0, dt).permute(1, 2, 0, 3)
-        dRq = [ws.take(f"dRq{i}", step_major, 0, dt).permute(1, 2, 0, 3) for i in range(L)]
-        dA = torch.zeros_like(Wt.A)
-        if pushed:  # M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
-            G_end = G[..., -1:]
-            w = (G_end - G).exp()
-            KdM = K @ dM_end
-            torch.mul(U @ dM_end.mT, w[..., None], out=dK)
-            torch.mul(KdM, w[..., None], out=dU)
-            wt = w * (KdM * U).sum(-1)
-            torch.neg(wt, out=dG)
-            dG[..., -1] += wt.sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
-            dM0 = G_end[..., 0].exp()[..., None, None] * dM_end  # outlives the chunk
-        else:
-            dM0 = torch.zeros_like(M0)
+    if not mem:
+        return SweepAdjoints(dY, dZ, dYfg, d_fuse, None, None, None, None, [], None), None
+    K, U, G = acts.k, acts.U, acts.G
+    assert K is not None and U is not None and G is not None  # GPN+M
+    assert Wt.A is not None and M0 is not None
+    pushed = dM_end is not None  # the chunk's last one has no later memory
+    # dK, dU, dG start as the end memory's share (written in place, no zero fill first).
+    dK = ws.take("dK", K.shape, 2, dt, zero=not pushed)
+    dU = ws.take("dU", U.shape, 2, dt, zero=not pushed)
+    dG = ws.take("dG", G.shape, 2, dt, zero=not pushed)
+    step_major = (C, *U.shape[:2], U.shape[3])  # (C, B, H, dv), see _step_major
+    dRk = ws.take("dRk", step_major, 0, dt).permute(1, 2, 0, 3)
+    dRq = [ws.take(f"dRq{i}", step_major, 0, dt).permute(1, 2, 0, 3) for i in range(L)]
+    dA = torch.zeros_like(Wt.A)
+    if dM_end is not None:  # pushed: M_C = e^{G_C} M0 + sum_j w_j k_j u_j^T
+        G_end = G[..., -1:]
+        w = (G_end - G).exp()
+        KdM = K @ dM_end
+        torch.mul(U @ dM_end.mT, w[..., None], out=dK)
+        torch.mul(KdM, w[..., None], out=dU)
+        wt = w * (KdM * U).sum(-1)
+        torch.neg(wt, out=dG)
+        dG[..., -1] += wt.sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
+        dM0 = G_end[..., 0].exp()[..., None, None] * dM_end  # outlives the chunk
     else:
-        dK = dU = dG = dRk = dA = dM0 = None
-        dRq = []
+        dM0 = torch.zeros_like(M0)
     return SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
 
 
@@ -475,17 +488,19 @@ def _chunk_weight_gradients(
     grads.b_fg += rows(adj.dYfg).sum(0)
     if not plan.memory:
         return dg, torch.zeros_like(dg), None
+    m, madj = acts.memory(), adj.memory()
+    assert dk_pre0 is not None and dM0 is not None and grads.A is not None  # GPN+M
     # The chunk's first key came from s_prev.
     k_cols = plan.H * plan.dk
-    accumulate_mm(grads.w_in[0][:, :k_cols], acts.n_sprev.t(), dk_pre0, mm)
+    accumulate_mm(grads.w_in[0][:, :k_cols], m.n_sprev.t(), dk_pre0, mm)
     grads.b_in[0][:k_cols] += dk_pre0.sum(0)
     # The keys are all sharded under tensor parallelism: their input gradient is summed.
     dn_sprev = tp_sum_(_mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan)
-    dsprev_start = _rms_back(acts.n_sprev, acts.s_prev, dn_sprev, plan.eps)
-    grads.A += adj.dA
-    dM0 = dM0 + acts.k.mT @ adj.dRk
+    dsprev_start = _rms_back(m.n_sprev, m.s_prev, dn_sprev, plan.eps)
+    grads.A += madj.dA
+    dM0 = dM0 + m.k.mT @ madj.dRk
     for i in range(L):
-        dM0 = dM0 + acts.q[i].mT @ adj.dRq[i]
+        dM0 = dM0 + m.q[i].mT @ adj.dRq[i]
     return dg, dsprev_start, dM0
 
 
@@ -548,6 +563,7 @@ def _forward_chunks(
         )
         s, s_prev = out.s, out.s_prev
         if plan.memory:
+            assert out.K is not None and out.U is not None and out.G is not None and M is not None
             M = chunk_advance(out.K, out.U, out.G, M)
     carries.append((s, s_prev, M))
 
@@ -564,7 +580,7 @@ class _SequenceFunction(torch.autograd.Function):
         s_prev0: Tensor,
         M0: Tensor | None,
         *flat: Tensor,
-    ):  # type: ignore[override]
+    ):
         backend = select_backend(plan.backend, fuse.device, plan.tp_size)
         W = LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype, backend.row_alignment)
         B, T, d = fuse.shape
@@ -586,7 +602,7 @@ class _SequenceFunction(torch.autograd.Function):
         return P, s, s_prev, M
 
     @staticmethod
-    def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):  # type: ignore[override]
+    def backward(ctx, dP: Tensor, ds: Tensor, ds_prev: Tensor, dM: Tensor):
         plan: StepPlan = ctx.plan
         dP = dP.contiguous()
         S, *flat = ctx.saved_tensors
@@ -599,7 +615,11 @@ class _SequenceFunction(torch.autograd.Function):
         Wrec = Wt.untransposed_views()
         grads = _Grads.zeros_like(W, dtype)
         d_fuse = torch.empty(shape, dtype=dtype, device=device)
-        d_carry: tuple[Tensor | None, ...] = (ds, ds_prev, dM if plan.memory else None)
+        d_carry: tuple[Tensor | None, Tensor | None, Tensor | None] = (
+            ds,
+            ds_prev,
+            dM if plan.memory else None,
+        )
         workspace = _Workspace(max(end - start for start, end in plan.spans), device)
         for idx in range(len(plan.spans) - 1, -1, -1):
             start, end = plan.spans[idx]
@@ -730,8 +750,8 @@ def run_engine(
             None if state.memory is None else state.memory.to(sdt),
             *weights,
         )
-        dec_w, dec_b = local(model.decode.weight), model.decode.bias
-        dec_b = None if dec_b is None else local(dec_b)
+        dec_w, bias = local(model.decode.weight), model.decode.bias
+        dec_b = None if bias is None else local(bias)
         dec_norm = local(model.decode_norm_weight)
         with _phase("decode", device):
             loss = chunked_decode_cross_entropy(

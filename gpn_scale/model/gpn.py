@@ -12,6 +12,8 @@ whole model as one unit (FSDP2: `fully_shard` on the root).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +72,7 @@ class HalvesLinear(nn.Module):
     def flat(self) -> Tensor:
         return self.weight.flatten(0, 1)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "weight"
         value = state_dict.get(key)
         if isinstance(value, Tensor) and value.dim() == 2:
@@ -168,6 +170,12 @@ class GPN(nn.Module):
         self.layers = nn.ModuleList(PredictorLayer(cfg) for _ in range(cfg.n_layers))
         self.reset_parameters()
 
+    @property
+    def predictor_layers(self) -> Iterable[PredictorLayer]:
+        """`layers` (the same nn.ModuleList, no copy) typed as what it holds: the type checker
+        sees a ModuleList yield plain Modules, whose submodules are `Tensor | Module`."""
+        return cast("Iterable[PredictorLayer]", self.layers)
+
     def reset_parameters(self) -> None:
         """The reference initialisation (spec table), in a fixed module order."""
         nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)
@@ -180,7 +188,7 @@ class GPN(nn.Module):
             nn.init.zeros_(self.decode.bias)
         if self.write is not None:
             self.write.reset_parameters()
-        for layer in self.layers:
+        for layer in self.predictor_layers:
             layer.ffn.reset_parameters()
             layer.gate.reset_parameters()
             if layer.read is not None:

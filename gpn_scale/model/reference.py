@@ -95,6 +95,7 @@ def reference_forward(
         # 1. memory write (once per token, before any read)
         if model.write is not None:
             w = model.write
+            assert M is not None  # GPN+M: the state carries the memory
             H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
             hk, hv = rms_norm(s_prev, w.norm_weight, eps), rms_norm(s, w.norm_weight, eps)
             k = l2_normalize(F.relu(F.linear(hk, w.key.weight, w.key.bias)).view(B, H, dk))
@@ -111,9 +112,10 @@ def reference_forward(
             )
         # 2. predict
         c = s
-        for layer in model.layers:
+        for layer in model.predictor_layers:
             update = _ffn(layer.ffn, c, eps)
             if layer.read is not None:
+                assert M is not None
                 update = update + _read(layer.read, c, M, eps)
             c = _gate(layer.gate, c, eps) * c + update
         p = c

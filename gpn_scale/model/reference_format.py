@@ -48,7 +48,7 @@ def reference_layout(model: GPN) -> dict[str, tuple[torch.Tensor, bool]]:
                 "write_dt_bias": (w.dt_bias, False),
             }
         )
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.predictor_layers):
         # The memory-less reference names its single layer without the L{i}_ prefix.
         p = f"L{i}_" if cfg.memory else ""
         out.update(
@@ -116,7 +116,12 @@ def config_from_reference(params: Mapping[str, Any], **overrides: Any) -> GPNCon
         **fields,
     )
     values.update(overrides)
-    return GPNConfig(**{k: (int(v) if isinstance(v, np.integer) else v) for k, v in values.items()})
+    # Shapes come as numpy integers; Any, as the fields differ in type (the checker would
+    # otherwise check the union of the values against every field).
+    plain: dict[str, Any] = {
+        k: (int(v) if isinstance(v, np.integer) else v) for k, v in values.items()
+    }
+    return GPNConfig(**plain)
 
 
 def import_reference(params: Mapping[str, Any], **config_overrides: Any) -> GPN:

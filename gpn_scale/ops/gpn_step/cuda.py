@@ -440,7 +440,16 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     BD = min(_p2(d), 16 if _interpreting(fuse) else 1024)
     blocks = _mem_blocks(plan, fuse, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
+    # GPN+M's memory buffers (None for GPN).
+    M0: Tensor | None
+    K: Tensor | None
+    U: Tensor | None
+    G: Tensor | None
+    kcur: Tensor | None
+    gprev: Tensor | None
+    ss: Tensor | None
     if mem:
+        assert chunk.M0 is not None  # GPN+M
         M0 = chunk.M0.contiguous()
         K, U, G = new(B, H, C, dk), new(B, H, C, dv), new(B, H, C)
         kcur, gprev = new(B, H, dk), new(B, H)
@@ -519,7 +528,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
                     out,
                     ph,
                     f"down GEMM {i}",
-                    split=(ss, H * dv) if mem else None,
+                    split=(ss, H * dv) if ss is not None else None,  # ss: GPN+M
                     eps=eps,
                     epilogue=1,
                     pg=y[:, pg0 : pg0 + d],
@@ -555,7 +564,7 @@ def _down_split(
     w_out: Tensor,
     ss: Tensor | None,
     tp_flat: Tensor | None,
-    partial: Tensor,
+    partial: Tensor | None,
     pg: Tensor,
     c: Tensor,
     out: Tensor,
@@ -571,6 +580,7 @@ def _down_split(
     ph = "forward step"
     B, d = out.shape
     hv = plan.H * plan.dv
+    assert partial is not None  # given under tp
     if plan.memory:
         assert tp_flat is not None and ss is not None
         linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}", workspace=ws)
@@ -692,7 +702,14 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         HAS_DS=ds_end is not None,
         BLOCK_D=BD,
     )
+    # GPN+M's memory buffers (None for GPN).
+    M0: Tensor | None
+    DGS: Tensor | None
+    DA_ROWS: Tensor | None
+    DKPRE0: Tensor | None
+    kept: list[tuple[Tensor | None, Tensor | None]]
     if mem:
+        assert sweep.M0 is not None  # GPN+M
         M0 = sweep.M0.contiguous()
         DGS, DA_ROWS, DKPRE0 = new(B, H), new(B, H), new(B, H * dk)
         DGS.zero_()
@@ -767,6 +784,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
                 ground=False,
             )
     if mem:
+        assert a.dA is not None and DA_ROWS is not None  # GPN+M
         a.dA += DA_ROWS.sum(0)
         _aten("dA rows sum", pc, _nbytes(DA_ROWS))
     return ReverseSweepResult(DG, DKPRE0)
@@ -807,13 +825,14 @@ def _input_grad_split(
     i: int,
     dy: Tensor,
     w_in_t: Tensor,
-    DNP: Tensor,
+    DNP: Tensor | None,
     DN: Tensor,
     ws: SplitWorkspace,
 ) -> None:
     """Under tp (3): dY @ W_in^T over the sharded column blocks, summed over the group,
     then the replicated predict gate's share (the last d blocks) added once."""
     ph = "reverse step"
+    assert DNP is not None  # given under tp
     pg0 = plan.columns[i].predict_gate[0]
     linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}", workspace=ws)
     _tp_sum(DNP, plan, f"input gradient {i}", ph)

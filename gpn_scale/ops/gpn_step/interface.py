@@ -18,7 +18,7 @@ them (`InCols` in ops/csrc/step_kernels.cpp), and the op-level tests hold the tw
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -250,6 +250,50 @@ class ChunkActs:
     pred: Tensor | None = None  # M_{t-1}^T k_t
     rk: Tensor | None = None  # M0^T k_t
 
+    def memory(self) -> MemoryActs:
+        """The memory activations, none of them None: GPN+M only (under `plan.memory`)."""
+        assert self.s_prev is not None and self.n_sprev is not None and self.k_pre is not None
+        assert self.k is not None and self.v is not None and self.beta is not None
+        assert self.U is not None and self.G is not None
+        assert self.pred is not None and self.rk is not None
+        # Every layer of GPN+M reads the memory: the per-layer lists hold tensors only.
+        return MemoryActs(
+            self.s_prev,
+            self.n_sprev,
+            self.k_pre,
+            self.k,
+            self.v,
+            self.beta,
+            self.U,
+            self.G,
+            self.pred,
+            self.rk,
+            cast("list[Tensor]", self.q),
+            cast("list[Tensor]", self.rq),
+            cast("list[Tensor]", self.o),
+            cast("list[Tensor]", self.ro),
+        )
+
+
+class MemoryActs(NamedTuple):
+    """`ChunkActs`' memory activations of a GPN+M chunk, as present tensors (the same
+    objects; `ChunkActs.memory()`)."""
+
+    s_prev: Tensor
+    n_sprev: Tensor
+    k_pre: Tensor
+    k: Tensor
+    v: Tensor
+    beta: Tensor
+    U: Tensor
+    G: Tensor
+    pred: Tensor
+    rk: Tensor
+    q: list[Tensor]
+    rq: list[Tensor]
+    o: list[Tensor]
+    ro: list[Tensor]
+
 
 @dataclass
 class SweepAdjoints:
@@ -266,6 +310,23 @@ class SweepAdjoints:
     dRk: Tensor | None
     dRq: list[Tensor]
     dA: Tensor | None
+
+    def memory(self) -> MemoryAdjoints:
+        """The memory adjoints, none of them None: GPN+M only (under `plan.memory`)."""
+        assert self.dK is not None and self.dU is not None and self.dG is not None
+        assert self.dRk is not None and self.dA is not None
+        return MemoryAdjoints(self.dK, self.dU, self.dG, self.dRk, self.dA)
+
+
+class MemoryAdjoints(NamedTuple):
+    """`SweepAdjoints`' memory adjoints of a GPN+M chunk, as present tensors (the same
+    objects; `SweepAdjoints.memory()`)."""
+
+    dK: Tensor
+    dU: Tensor
+    dG: Tensor
+    dRk: Tensor
+    dA: Tensor
 
 
 @dataclass

@@ -11,6 +11,8 @@ the same points).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,14 +26,14 @@ from gpn_scale.ops.gpn_step.collectives import (
 )
 from gpn_scale.ops.gpn_step.functional import l2n, l2n_back, matmul, mm_t, rms, rms_back, silu_back
 from gpn_scale.ops.gpn_step.interface import (
-    ChunkActs,
     ChunkForward,
     ChunkForwardResult,
     LoopWeights,
+    MemoryActs,
+    MemoryAdjoints,
     ReverseSweep,
     ReverseSweepResult,
     StepPlan,
-    SweepAdjoints,
 )
 
 
@@ -73,12 +75,15 @@ class ReferenceBackend:
 @torch.no_grad()
 def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkForwardResult:
     """The steps of one chunk (no autograd)."""
-    fuse, s, s_prev, M0, P, S_out = chunk.fuse, chunk.s, chunk.s_prev, chunk.M0, chunk.P, chunk.S
+    fuse, s, s_prev, P, S_out = chunk.fuse, chunk.s, chunk.s_prev, chunk.P, chunk.S
     B, C, _ = fuse.shape
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
     mem = plan.memory
-    splits = plan.in_splits
-    if mem:
+    # torch.split takes any sequence of sizes (its stub says list).
+    splits = cast("tuple[list[int], ...]", plan.in_splits)
+    if mem:  # GPN+M: the chunk-start memory and the decay rates are given
+        assert chunk.M0 is not None and W.A is not None
+        M0, A = chunk.M0, W.A
         k_cols = H * dk
         k = l2n(
             F.relu(matmul(rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])).view(
@@ -97,7 +102,7 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
             if mem and i == 0:
                 k_next_pre, v, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
                 v = v.view(B, H, dv)
-                G = G_prev + (-W.A * F.softplus(decay_pre))
+                G = G_prev + (-A * F.softplus(decay_pre))
                 q = l2n(F.relu(q_pre).view(B, H, dk))
                 # One read of M0 for the key (error term) and the query (read after write).
                 kq = torch.stack([k, q], dim=2)
@@ -154,23 +159,28 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
 @torch.no_grad()
 def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> ReverseSweepResult:
     """The per-step reverse sweep of one chunk, adding into `sweep.adjoints`."""
-    acts, M0, dP, adj = sweep.acts, sweep.M0, sweep.dP, sweep.adjoints
+    acts, dP, adj = sweep.acts, sweep.dP, sweep.adjoints
     C, B, d = acts.p.shape
     H, dk, dv, eps, L = plan.H, plan.dk, plan.dv, plan.eps, plan.n_layers
     mem = plan.memory
-    splits = plan.in_splits
+    # torch.split takes any sequence of sizes (its stub says list).
+    splits = cast("tuple[list[int], ...]", plan.in_splits)
     dt = dP.dtype
     dY, dZ, dYfg, d_fuse = adj.dY, adj.dZ, adj.dYfg, adj.d_fuse
-    dK, dU, dG, dRq = adj.dK, adj.dU, adj.dG, adj.dRq
+    dRq = adj.dRq
     ds_extra = torch.zeros(C, B, d, dtype=dt, device=dP.device)
     if sweep.ds_prev_end is not None:
         ds_extra[C - 1] += sweep.ds_prev_end  # s_prev at the end = state entering step C-1
     dk_pre0 = None
-    if mem:
+    if mem:  # GPN+M: the memory activations, adjoints, M0 and the decay rates are given
+        m, madj = acts.memory(), adj.memory()
+        assert sweep.M0 is not None and Wt.A is not None
+        A = Wt.A
         Hk, Hv = H * dk, H * dv
-        K, U, G = acts.k, acts.U, acts.G
+        K, U, G = m.k, m.U, m.G
+        dK, dU, dG = madj.dK, madj.dU, madj.dG
         dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)  # d(pre-activation of k_{t+1})
-        M0t = M0.mT.contiguous()
+        M0t = sweep.M0.mT.contiguous()
         dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
     dg = sweep.ds_end if sweep.ds_end is not None else torch.zeros(B, d, dtype=dt, device=dP.device)
     for tau in range(C - 1, -1, -1):
@@ -197,19 +207,19 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
             dfb.copy_(dh_ffn * F.silu(fa))
             if mem:
                 q_pre, rg = parts[-4], parts[-3]
-                ro = acts.ro[i][tau]
+                ro = m.ro[i][tau]
                 dh_read = dh[:, :Hv]
                 dparts[-3].copy_(silu_back(rg, dh_read * ro))
-                do = rms_wide_back(ro, acts.o[i][tau], dh_read * F.silu(rg), eps, plan)
+                do = rms_wide_back(ro, m.o[i][tau], dh_read * F.silu(rg), eps, plan)
                 do = do.view(B, H, dv)
                 # Read after write: o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j.
-                q = acts.q[i][:, :, tau]
+                q = m.q[i][:, :, tau]
                 Gt = G[..., tau]
                 eG = Gt.exp()
                 drq = eG[..., None] * do
                 dRq[i][:, :, tau] = drq
                 dq = (drq[:, :, None] @ M0t)[:, :, 0]
-                dGt = eG * (do * acts.rq[i][:, :, tau]).sum(-1)
+                dGt = eG * (do * m.rq[i][:, :, tau]).sum(-1)
                 Kh, Uh = K[:, :, : tau + 1], U[:, :, : tau + 1]
                 w = (Gt[..., None] - G[..., : tau + 1]).exp()
                 sdot = (Kh @ q[..., None])[..., 0]
@@ -223,10 +233,8 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
                 dG[..., tau] += dGt + dw.sum(-1)
                 dparts[-4].copy_(l2n_back(q_pre.view(B, H, dk), dq).view(B, Hk))
             if mem and i == 0:
-                _write_backward(
-                    plan, Wt, acts, M0t, tau, parts, dparts, adj, dk_next_pre, dG_suffix
-                )
-                dk_pre = l2n_back(acts.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
+                _write_backward(plan, A, m, M0t, tau, parts, dparts, madj, dk_next_pre, dG_suffix)
+                dk_pre = l2n_back(m.k_pre[tau].view(B, H, dk), dK[:, :, tau]).view(B, Hk)
                 if tau:
                     dk_next_pre = dk_pre
                 else:
@@ -239,13 +247,13 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
 
 def _write_backward(
     plan: StepPlan,
-    W: LoopWeights,
-    acts: ChunkActs,
+    A: Tensor,
+    acts: MemoryActs,
     M0t: Tensor,
     tau: int,
     parts: tuple[Tensor, ...],
     dparts: list[Tensor],
-    adj: SweepAdjoints,
+    adj: MemoryAdjoints,
     dk_next_pre: Tensor,
     dG_suffix: Tensor,
 ) -> None:
@@ -288,5 +296,5 @@ def _write_backward(
     # G_t = G_{t-1} + log a_t, so d log a_t = sum over t' >= t of dG_t' (complete by now).
     dG_suffix += dG[..., tau]
     decay_pre = parts[3]
-    dparts[3].copy_(dG_suffix * (-W.A) * torch.sigmoid(decay_pre))
+    dparts[3].copy_(dG_suffix * (-A) * torch.sigmoid(decay_pre))
     dA -= (dG_suffix * F.softplus(decay_pre)).sum(0)
