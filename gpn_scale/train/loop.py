@@ -133,21 +133,22 @@ class Trainer:
             # exit 2 before anything was trained (a bad setting, or bad data met by the first
             # batch): leave nothing that was not there before
             if not self._started or not self._stepped:
-                # writers first: a loader's download threads would refill its cache
-                for closeable in [*self._sinks, *self._loaders]:
-                    with contextlib.suppress(Exception):
-                        closeable.close()
+                self._close_writers()  # before the removal: a loader would refill its cache
                 self._remove_new_dirs()
             raise
         finally:
             self._close()
 
-    def _close(self) -> None:
-        if self._pbar is not None:
-            self._pbar.close()
+    def _close_writers(self) -> None:
+        """The sinks, then the loaders (whose download threads write into the cache)."""
         for closeable in [*self._sinks, *self._loaders]:
             with contextlib.suppress(Exception):
                 closeable.close()
+
+    def _close(self) -> None:
+        if self._pbar is not None:
+            self._pbar.close()
+        self._close_writers()
         if self._eval_cache:
             import shutil
 
