@@ -259,15 +259,19 @@ class Trainer:
         loaders = []
         for split, batch in (("train", micro), ("val", cfg.eval.batch_size or micro)):
             loader, batches = build_loader(
-                cfg, topo, split, batch, remote, model_cfg.vocab_size, self._default_cache()
+                cfg, topo, split, batch, remote, model_cfg.vocab_size, self._cache_dir()
             )
             self._loaders.append(loader)  # closed when the run ends (run's finally)
             loaders.append(batches)
         return loaders[0], loaders[1], loaders[1].state_dict()
 
-    def _default_cache(self) -> str:
-        """<run_dir>/data/cache for training; eval only reads the run, so its shard copies
-        go to a temporary directory of their own (removed when the run object ends)."""
+    def _cache_dir(self) -> str:
+        """data.local_cache when set (train.sbatch points it at node-local scratch: two nodes
+        sharing one cache race on its shard files); else <run_dir>/data/cache for training,
+        and for eval, which only reads the run, a temporary directory of its own (removed
+        when the run object ends)."""
+        if self.cfg.data.local_cache:
+            return self.cfg.data.local_cache
         if not self.eval_only:
             return str(Path(self.run_dir) / "data" / "cache")
         if self._eval_cache is None:

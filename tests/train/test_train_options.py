@@ -68,3 +68,23 @@ def test_eval_command_reproduces_final_eval(corpus, tmp_path, capsys):
     assert main(args + ["--checkpoint", "auto"]) == 0
     out = capsys.readouterr().out
     assert f"eval: loss {done['final_eval_loss']:.4f}" in out
+
+
+def test_data_local_cache_holds_the_shard_copies(corpus, tmp_path):
+    """data.local_cache is where the loaders copy shards (train.sbatch points it at each node's
+    scratch; two nodes sharing the run folder's cache race on the same shard files)."""
+    run, cache = tmp_path / "run", tmp_path / "node-scratch" / "cache"
+    assert (
+        main(
+            train_args(
+                corpus,
+                run,
+                *ARGS,
+                f"data.local_cache={cache}",
+            )
+        )
+        == 0
+    )
+    copied = sorted(p.relative_to(cache).parts[0] for p in cache.rglob("shard.*"))
+    assert copied and set(copied) == {"train", "val"}, copied
+    assert not (run / "data" / "cache").exists()
