@@ -256,8 +256,9 @@ def test_cuda_backend_at_the_gpus_block_sizes_equals_pytorch_steps_float64(monke
     )
     # 21-23 steps of two perturbed layers amplify float64 rounding: the carried state differs
     # from the PyTorch steps by up to 4.6e-10 here (scale 15), and by 2.8e-9 at the
-    # interpreter's own block sizes: 1e-8 on values, 1e-9 on gradients still catches any
-    # index or mask error (those are O(1)).
+    # interpreter's own block sizes; the gradients by up to 3.3e-9 of their largest element
+    # (fuse_norm_weight, on an AVX2 machine: the BLAS's summation order differs by machine).
+    # 1e-8 on both still catches any index or mask error (those are O(1)).
     compare(
-        cfg, "cuda", torch.float64, monkeypatch, rtol=1e-9, atol=1e-11, value_tol=1e-8, T=23, B=2
+        cfg, "cuda", torch.float64, monkeypatch, rtol=1e-8, atol=1e-11, value_tol=1e-8, T=23, B=2
     )
