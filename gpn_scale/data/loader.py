@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import re
 import shutil
 import tempfile
+import threading
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -217,6 +219,16 @@ def _token_dataset_class() -> type:
                 it.on_exit()
                 raise
 
+        def _resume(self, world: Any, epoch: int) -> tuple[int, int]:
+            # streaming opens the resume state's segment (left by load_state_dict) here at
+            # the start of every epoch, reads it, and keeps the handle until the process
+            # exits: one descriptor per epoch of a restored loader. Close it after reading.
+            with _collect_shared_memory() as opened:
+                try:
+                    return super()._resume(world, epoch)
+                finally:
+                    _release_handles(opened)
+
         def __iter__(self) -> Iterator[dict[str, Any]]:
             self._background_error = None
             try:
@@ -236,6 +248,71 @@ def _token_dataset_class() -> type:
                 raise translated from error
 
     return TokenStreamingDataset
+
+
+# streaming's SharedMemory registers `atexit.register(self.cleanup)` for every handle it
+# creates or opens: the handle, and the descriptor of its segment, then live until the process
+# exits, whether or not anything else still refers to it. Two of its callers drop handles at
+# once: the prefix walk of every StreamingDataset construction opens each existing prefix's six
+# segments (on every rank) to find a free prefix, and `_resume` opens the resume state each
+# epoch. And a dataset that is collected without close() leaves all of its handles behind.
+# So the handles streaming creates during those calls are collected here (per thread) and the
+# ones nothing keeps are released.
+_SHM_COLLECTING = threading.local()
+_SHM_HOOK_LOCK = threading.Lock()
+
+
+def _install_shared_memory_hook() -> None:
+    """Make streaming's SharedMemory report each new handle to this thread's innermost
+    `_collect_shared_memory` block, if any (otherwise it behaves as before). Once per process."""
+    from streaming.base.shared.memory import SharedMemory
+
+    with _SHM_HOOK_LOCK:
+        if getattr(SharedMemory.__init__, "_gpn_collecting", False):
+            return
+        original = SharedMemory.__init__
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            blocks = getattr(_SHM_COLLECTING, "blocks", None)
+            if blocks:
+                blocks[-1].append(self)
+
+        __init__._gpn_collecting = True  # type: ignore[attr-defined]
+        SharedMemory.__init__ = __init__  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _collect_shared_memory() -> Iterator[list[Any]]:
+    """The streaming SharedMemory handles this thread creates inside the block."""
+    _install_shared_memory_hook()
+    blocks = _SHM_COLLECTING.__dict__.setdefault("blocks", [])
+    opened: list[Any] = []
+    blocks.append(opened)
+    try:
+        yield opened
+    finally:
+        blocks.pop()
+
+
+def _release_handle(shm: Any) -> None:
+    """Close a streaming SharedMemory handle (and unlink its segment if it created it), and
+    drop its exit handler: that handler kept the handle alive, and run again at exit it would
+    unlink by name a segment that another loader or job may have registered since."""
+    try:
+        shm.cleanup()
+    except Exception:  # noqa: BLE001 - e.g. BufferError, a view still open: exit cleans it
+        return
+    atexit.unregister(shm.cleanup)
+
+
+def _release_handles(handles: list[Any], keep: object = None) -> None:
+    """Release the handles, except those the dataset `keep` holds."""
+    kept = {id(shm) for shm in _shared_memory_of(keep)} if keep is not None else set()
+    for shm in handles:
+        if id(shm) not in kept:
+            _release_handle(shm)
 
 
 # Loaders not closed yet (weakly held): `close_unclosed_loaders` ends them, for a process
@@ -271,6 +348,11 @@ class TokenLoader:
         self._loader = loader
         self.dataset = dataset
         _UNCLOSED.add(self)
+        # A loader dropped without close() is closed when it is collected (streaming's exit
+        # handlers would keep its shared memory until the process exits). Not at exit:
+        # streaming cleans up there itself.
+        self._finalizer = weakref.finalize(self, _shut_down, loader, dataset)
+        self._finalizer.atexit = False
         self.metadata = metadata
         self.split = split
         self.batch_size = batch_size
@@ -356,34 +438,39 @@ class TokenLoader:
         self._pass_finished = False
 
     def close(self) -> None:
-        """Stop workers now (they also stop when the loader is garbage collected) and release
-        the dataset's shared memory: streaming holds a descriptor per segment (~10 per loader)
-        until its dataset is collected or the process exits, so a process that runs several
-        trainings (a notebook, the test suite) would otherwise run out of descriptors."""
+        """Stop workers and download threads now and release the dataset's shared memory
+        (also done when the loader is garbage collected): streaming holds a descriptor per
+        segment (~12 per loader) until the process exits, so a process that builds loaders
+        again and again (a notebook, eval beside training, the test suite) would run out."""
         _UNCLOSED.discard(self)
-        iterator = getattr(self._loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        # streaming's download threads of the main process (num_workers=0) run on until the
-        # epoch ends: stop them and wait, so that nothing is written into the cache after
-        # close() (a failed start removes the cache it had made)
-        epoch = getattr(self.dataset, "_iterator", None)
-        if epoch is not None and hasattr(epoch, "exit"):
-            epoch.exit()
-        executor = getattr(self.dataset, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
-            with contextlib.suppress(AttributeError):
-                del self.dataset._executor
-        _release_shared_memory(self.dataset)
+        self._finalizer()
 
 
-def _release_shared_memory(dataset: object) -> None:
+def _shut_down(loader: Any, dataset: Any) -> None:
+    """What `TokenLoader.close` does (once; it holds no reference to the TokenLoader)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    # streaming's download threads of the main process (num_workers=0) run on until the
+    # epoch ends: stop them and wait, so that nothing is written into the cache after
+    # close() (a failed start removes the cache it had made)
+    epoch = getattr(dataset, "_iterator", None)
+    if epoch is not None and hasattr(epoch, "exit"):
+        epoch.exit()
+    executor = getattr(dataset, "_executor", None)
+    if executor is not None:
+        executor.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(AttributeError):
+            del dataset._executor
+    _release_shared_memory(dataset)
+
+
+def _shared_memory_of(dataset: object) -> list[Any]:
     """streaming's SharedMemory objects reachable from the dataset's attributes (its barrier,
-    scalars and arrays hold theirs one or two levels down), each cleaned up once: the
-    segments it created are unlinked, those it opened closed."""
+    scalars and arrays hold theirs one or two levels down), each once."""
     from streaming.base.shared.memory import SharedMemory
 
+    found: list[Any] = []
     seen: set[int] = set()
     stack: list[tuple[object, int]] = [(dataset, 0)]
     while stack:
@@ -392,11 +479,18 @@ def _release_shared_memory(dataset: object) -> None:
             continue
         seen.add(id(obj))
         if isinstance(obj, SharedMemory):
-            with contextlib.suppress(Exception):
-                obj.cleanup()
+            found.append(obj)
             continue
         if depth < 3 and hasattr(obj, "__dict__"):
             stack.extend((value, depth + 1) for value in vars(obj).values())
+    return found
+
+
+def _release_shared_memory(dataset: object) -> None:
+    """Release the dataset's SharedMemory handles: the segments they created are unlinked,
+    those they opened closed."""
+    for shm in _shared_memory_of(dataset):
+        _release_handle(shm)
 
 
 def build_loader(
@@ -453,8 +547,9 @@ def build_loader(
 
     do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
     dataset_cls = _token_dataset_class()
+    opened: list[Any] = []
     try:
-        with registration_lock(local_leader):
+        with registration_lock(local_leader), _collect_shared_memory() as opened:
             dataset = dataset_cls(
                 remote=join(cfg.remote, split),
                 local=os.path.join(cache_dir, split),
@@ -470,23 +565,33 @@ def build_loader(
             )
             if local_leader:  # the leader registered the prefix: a dead run is known by it
                 record_owner(dataset._shm_prefix_int)
-    except ValueError as err:
+    except BaseException as err:
+        _release_handles(opened)  # the prefix walk's, and what a failed construction made
+        if not isinstance(err, ValueError):
+            raise
         if "Reused local directory" in str(err):
             raise DataError(
                 f"local cache {cache_dir} is in use by another running loader; "
                 "give each concurrent run its own DataConfig.local_cache"
             ) from err
         raise translate_stream_error(err, cfg.remote, split) from err
+    # The prefix walk's handles on the segments of every prefix registered already (other
+    # loaders', other jobs'): streaming never closes them.
+    _release_handles(opened, keep=dataset)
     dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
-    loader = StreamingDataLoader(
-        dataset,
-        batch_size=batch_size,
-        num_workers=cfg.num_workers,
-        collate_fn=collate_tokens,
-        drop_last=cfg.drop_last,
-        persistent_workers=False,
-        pin_memory=False,
-    )
+    try:
+        loader = StreamingDataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=cfg.num_workers,
+            collate_fn=collate_tokens,
+            drop_last=cfg.drop_last,
+            persistent_workers=False,
+            pin_memory=False,
+        )
+    except BaseException:
+        _release_shared_memory(dataset)
+        raise
     return TokenLoader(
         loader, dataset, meta, split, batch_size, rank, world_size, cfg.remote, cache_dir
     )

@@ -178,3 +178,46 @@ def test_close_releases_the_shared_memory_descriptors(dataset, tmp_path):
     loader.close()
     assert not (open_shm() & mine)
     assert not any(Path(target).exists() for _, target in mine)  # created ones unlinked
+
+
+def _streaming_shm_fds() -> int:
+    """Descriptors of this process on streaming's segments (/dev/shm/NNNNNN_*)."""
+    import os
+    import re
+
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        count += bool(re.match(r"/dev/shm/\d{6}_", target))
+    return count
+
+
+def test_building_loaders_again_and_again_does_not_accumulate_descriptors(dataset, tmp_path):
+    """A process that builds loaders over and over (eval beside a training run, a notebook,
+    this suite) holds the descriptors of the loaders it keeps, no more: streaming's prefix walk
+    opened (and never closed) every existing prefix's segments on each construction, a restored
+    loader opened its resume state again each epoch, and a loader dropped without close() kept
+    its segments until the process exited. The suite ran out of its 20,000 descriptors."""
+    before = _streaming_shm_fds()
+    held = _loader(dataset, tmp_path, "held")  # stays open, like a training run's loader
+    next(iter(held))
+    holding = _streaming_shm_fds()
+    for i in range(3):
+        loader = _loader(dataset, tmp_path, f"run{i}")
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        state = loader.state_dict()
+        del iterator
+        loader.close()
+        restored = _loader(dataset, tmp_path, f"restored{i}")
+        restored.load_state_dict(state)
+        row_keys(restored), row_keys(restored)  # two epochs, each reads the resume state
+        if i % 2:
+            restored.close()
+        del restored  # the others are dropped unclosed, as in `row_keys(_loader(...))`
+        assert _streaming_shm_fds() == holding, f"round {i}"
+    held.close()
+    assert _streaming_shm_fds() == before
