@@ -33,7 +33,11 @@ def open_sinks(
         config = scrub_secrets(
             {**cfg.to_dict(), "model_config": model_cfg.to_dict(), "params": n_params}
         )
-        sink = _open_wandb(cfg, path, config, wandb_id, log)
+        try:
+            sink = _open_wandb(cfg, path, config, wandb_id, log)
+        except BaseException:
+            sinks[0].close()  # the metrics file is flushed and closed before the run's cleanup
+            raise
         wandb_id = sink.run_id
         sinks.append(sink)
     return sinks, wandb_id

@@ -400,3 +400,28 @@ def test_wandb_online_without_server_fails_train_in_one_line(
     assert "W&B: connecting to" in out.out + out.err
     errors = [ln for ln in out.err.splitlines() if ln.startswith("gpn-scale: error:")]
     assert len(errors) == 1 and "logging.wandb.mode=offline" in errors[0], out.err
+
+
+def test_a_wandb_that_fails_to_start_leaves_the_metrics_file_closed(tmp_path, monkeypatch):
+    """open_sinks returns nothing when W&B raises, so it closes the JSONL sink it opened
+    (the run's cleanup never sees it)."""
+    from gpn_scale.models.registry import load_model_config
+    from gpn_scale.train import sinks
+    from gpn_scale.train.config import load_train_config
+
+    opened: list[JsonlSink] = []
+    real = sinks.JsonlSink
+
+    def recording(*args, **kwargs):
+        opened.append(real(*args, **kwargs))
+        return opened[-1]
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("logging.wandb: no server")
+
+    monkeypatch.setattr(sinks, "JsonlSink", recording)
+    monkeypatch.setattr(sinks, "_open_wandb", refuse)
+    cfg = load_train_config("ci_tiny", ["logging.wandb.mode=offline"])
+    with pytest.raises(ConfigError, match="no server"):
+        sinks.open_sinks(cfg, str(tmp_path), None, None, load_model_config("tiny")[1], 1, print)
+    assert len(opened) == 1 and opened[0]._file.closed
