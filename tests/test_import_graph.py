@@ -1,5 +1,5 @@
 """The import graph of gpn_scale: no cycles, and dependencies that point down the layers
-(core <- io <- data / checkpoint; core <- ops <- model / models <- parallel <- train).
+(core <- io <- data / checkpoint; core <- ops <- models <- parallel <- train).
 
 Every import counts, the lazy ones inside functions included (they are how a cycle hides:
 the program runs, but neither module can be read or moved without the other); imports under
@@ -23,15 +23,7 @@ ALLOWED = {
     "checkpoint": {"core", "io"},
     "ops": {"core"},
     "models": {"core", "ops"},
-    "model": {"core", "ops", "models"},
-    "parallel": {"core", "optim", "ops", "model", "models"},
-}
-# Upward imports still to remove (issue 23), each with where it is; the test fails when a new
-# one appears and when one of these is gone (then delete its line).
-KNOWN_UPWARD = {
-    # GPN applies its tp plan with parallel.tp.apply_tp (the other families use torch's
-    # parallelize_module): the plan should be data that parallel/ applies.
-    ("gpn_scale.model.family", "gpn_scale.parallel.tp"),
+    "parallel": {"core", "optim", "ops", "models"},
 }
 
 
@@ -161,6 +153,4 @@ def test_imports_point_down_the_layers_and_nothing_imports_the_cli():
             if allowed is None or _package(target) in allowed | {_package(module)}:
                 continue
             upward.add((module, target))
-    assert upward - KNOWN_UPWARD == set(), f"imports against the layers: {upward - KNOWN_UPWARD}"
-    gone = KNOWN_UPWARD - upward
-    assert not gone, f"gone, delete from KNOWN_UPWARD: {gone}"
+    assert not upward, f"imports against the layers: {sorted(upward)}"

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from gpn_scale.model import engine
+from gpn_scale.ops.gpn_step import chunk
 
 
 class TpRank:
@@ -33,11 +33,11 @@ def as_tp_rank(tp: int) -> Iterator[None]:
     if tp == 1:
         yield
         return
-    real = engine.select_backend
-    engine.select_backend = lambda choice, device, tp_size=1: TpRank(  # type: ignore[assignment]
+    real = chunk.select_backend
+    chunk.select_backend = lambda choice, device, tp_size=1: TpRank(  # type: ignore[assignment]
         real(choice, device, tp), tp
     )
     try:
         yield
     finally:
-        engine.select_backend = real
+        chunk.select_backend = real

@@ -33,12 +33,13 @@ from collections.abc import Callable
 
 import torch
 
-from gpn_scale.model import GPN, GPNConfig, load_model_config
-from gpn_scale.model.engine import input_column_blocks, phase_timer
-from gpn_scale.model.reference import reference_forward
-from gpn_scale.ops import step_kernels
+from gpn_scale.models.gpn import GPN, GPNConfig, load_model_config
+from gpn_scale.models.gpn.engine import input_column_blocks
+from gpn_scale.models.gpn.reference import reference_forward
+from gpn_scale.ops.gpn_step import step_kernels
+from gpn_scale.ops.gpn_step.phases import phase_timer
 from gpn_scale.ops.gpn_step.registry import kernels_for, requested
-from gpn_scale.ops.step_kernels import ENV_VAR
+from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR
 
 SHAPES = {"SMALL": ("small", 8, 256), "MEDIUM": ("medium", 4, 512)}
 

@@ -33,7 +33,7 @@
 
 results.json and results.md are rewritten after every step, so a run cut short leaves
 what it measured. Nothing is asserted here; the exactness tolerances are those of
-tests/model/test_engine.py and the verdict is printed next to each error.
+tests/models/gpn/test_engine.py and the verdict is printed next to each error.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ from torch import nn
 
 from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
 from gpn_scale.core.hardware import device_peak_flops
-from gpn_scale.model import GPN, GPNConfig
-from gpn_scale.model.counts import count_parameters, flops_per_token
-from gpn_scale.model.reference import reference_forward
+from gpn_scale.models.gpn import GPN, GPNConfig
+from gpn_scale.models.gpn.counts import count_parameters, flops_per_token
+from gpn_scale.models.gpn.reference import reference_forward
 from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
@@ -666,14 +666,14 @@ def _step_form(device: torch.device) -> str:
 
 def load_config(name: str) -> GPNConfig:
     """load_model_config, or PyYAML where OmegaConf is not installed (the GPU image)."""
-    from gpn_scale.model import load_model_config
+    from gpn_scale.models.gpn import load_model_config
 
     try:
         import omegaconf  # noqa: F401
     except ImportError:
         import yaml
 
-        from gpn_scale.model.config import resolve_model_config_path
+        from gpn_scale.models.gpn.config import resolve_model_config_path
 
         path = resolve_model_config_path(name)
         raw = yaml.safe_load(path.read_text())

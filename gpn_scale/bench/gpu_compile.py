@@ -131,7 +131,7 @@ WIDE_CASES = (
 
 
 def model_config(case: Case):
-    from gpn_scale.model import load_model_config
+    from gpn_scale.models.gpn import load_model_config
 
     overrides = dict(case.overrides)
     if case.config == "testing_tiny":
@@ -146,8 +146,8 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
     its kernel, arguments and meta-parameters; the GEMM grids sized for a GPU of
     `sm_count` SMs (default: the CUDA backend's dry-run assumption, an H100/H200)."""
     from gpn_scale.bench.dry_run import as_tp_rank
-    from gpn_scale.model import GPN, engine
-    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.models.gpn import GPN, engine
+    from gpn_scale.models.gpn.parallelize import check_tp
     from gpn_scale.ops import launch
     from gpn_scale.ops.gpn_step import cuda
     from gpn_scale.ops.gpn_step.registry import ENV_VAR

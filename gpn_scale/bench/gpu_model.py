@@ -39,11 +39,12 @@ import torch
 
 from gpn_scale.bench.dry_run import as_tp_rank
 from gpn_scale.bench.kernel_record import SEQUENTIAL, AtenRecorder, Op
-from gpn_scale.model import GPN, GPNConfig, engine, load_model_config
-from gpn_scale.model.config import ConfigError
-from gpn_scale.model.counts import flops_per_token
-from gpn_scale.model.parallelize import check_tp
+from gpn_scale.models.gpn import GPN, GPNConfig, engine, load_model_config
+from gpn_scale.models.gpn.config import ConfigError
+from gpn_scale.models.gpn.counts import flops_per_token
+from gpn_scale.models.gpn.parallelize import check_tp
 from gpn_scale.ops import launch as launches_
+from gpn_scale.ops.gpn_step import phases
 from gpn_scale.ops.gpn_step.cuda import GRAPH_COPIES
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 
@@ -215,7 +216,7 @@ def _probe(
     try:
         with (
             launches_.recording(dry=True, keep_args=compiled is not None) as launches,
-            engine.phase_timer(),
+            phases.phase_timer(),
             recorder,
             engine.matmul_dtype(torch.bfloat16),
             as_tp_rank(tp),

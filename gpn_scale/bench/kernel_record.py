@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpn_scale.model import engine
+from gpn_scale.ops.gpn_step import phases
 
 SEQUENTIAL = ("sequential forward", "sequential backward")
 _NO_LAUNCH = {
@@ -58,7 +58,7 @@ class AtenRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        phase = engine.current_phase() or "outside the loop"
+        phase = phases.current_phase() or "outside the loop"
         if func.is_view or name in _NO_LAUNCH or (phase in SEQUENTIAL and not self.sequential):
             return out
         tensors = [

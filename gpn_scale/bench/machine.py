@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from gpn_scale.ops.step_kernels import cpp_extension_quietly, cpu_build
+from gpn_scale.ops.gpn_step.step_kernels import cpp_extension_quietly, cpu_build
 
 _SOURCE = r"""
 #include <torch/extension.h>

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from gpn_scale.model import GPN
-from gpn_scale.model.reference_format import export_reference
+from gpn_scale.models.gpn import GPN
+from gpn_scale.models.gpn.reference_format import export_reference
 
 REPOSITORY = "https://github.com/steve-z-wang/grounded-prediction-network"
 MODEL_FILE = Path("src/jax/models/sot_m/model.py")

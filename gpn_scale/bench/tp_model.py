@@ -41,8 +41,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gpn_scale.model import GPNConfig, load_model_config
-from gpn_scale.model.config import ConfigError
+from gpn_scale.models.gpn import GPNConfig, load_model_config
+from gpn_scale.models.gpn.config import ConfigError
 
 L2_BYTES = 50e6  # H100 SXM / H200 L2
 L2_BYTES_PER_S = 10e12  # est.: several times HBM; the reason tp pays beyond 1/tp

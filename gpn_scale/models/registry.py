@@ -26,7 +26,7 @@ DEFAULT_FAMILY = "gpn"
 
 # name -> module exposing `SPEC: FamilySpec`
 _FAMILY_MODULES: dict[str, str] = {
-    "gpn": "gpn_scale.model.family",
+    "gpn": "gpn_scale.models.gpn.family",
     "transformer_pp": "gpn_scale.models.transformer_pp",
     "gated_deltanet": "gpn_scale.models.gated_deltanet",
 }

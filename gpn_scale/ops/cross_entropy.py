@@ -1,6 +1,6 @@
 """Softmax cross-entropy over one block of logit rows, and its gradient, in one Triton kernel.
 
-The decode (`gpn_scale.model.loss`) forms (rows x V) logits a block of positions at a time.
+The decode (`gpn_scale.models.gpn.loss`) forms (rows x V) logits a block of positions at a time.
 As PyTorch ops the block is then read and written ~10 times in float32 (cast, max, subtract,
 exp, sum, divide, the one-hot subtract, the cast back), ~60 bytes per logit: at the 130M
 model's V = 32000 the decode moved ~400 GB of a 2048-token, 64-sequence training step (the

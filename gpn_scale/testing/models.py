@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gpn_scale.model import GPN, GPNConfig
+from gpn_scale.models.gpn import GPN, GPNConfig
 
 TINY = dict(
     vocab_size=37, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6, chunk_size=4

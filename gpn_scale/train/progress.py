@@ -89,7 +89,7 @@ class FirstStepNotice:
     """On a GPU, one line when the first step of a process is still running after `after_s`
     seconds: Triton compiles the kernels it launches there (cached for later runs), which
     can take a minute or more, and a silent `step 1` looks like a hang. (On a CPU the fused
-    step kernels say so themselves before they compile: gpn_scale/ops/step_kernels.py.)
+    step kernels say so themselves before they compile: gpn_scale/ops/gpn_step/step_kernels.py.)
     GPN_SCALE_SLOW_STEP_S sets the wait (default 20 s)."""
 
     def __init__(

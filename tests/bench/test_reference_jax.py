@@ -12,7 +12,7 @@ import torch
 
 from gpn_scale.bench import engine as engine_bench
 from gpn_scale.bench import reference_jax
-from gpn_scale.model import GPN, load_model_config
+from gpn_scale.models.gpn import GPN, load_model_config
 
 CHECKOUT = os.environ.get("GPN_REFERENCE_JAX", "")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpn_scale.bench import tp_model
-from gpn_scale.model import load_model_config
+from gpn_scale.models.gpn import load_model_config
 
 
 @pytest.fixture(scope="module")

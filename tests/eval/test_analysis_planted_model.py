@@ -12,9 +12,9 @@ import torch
 
 from gpn_scale.eval.analysis.live import live_metrics
 from gpn_scale.eval.analysis.stream import NO_MEMORY, AnalysisOptions, analyze_states, decode_state
-from gpn_scale.model.config import GPNConfig
-from gpn_scale.model.gpn import GPN
-from gpn_scale.model.reference import reference_forward
+from gpn_scale.models.gpn.config import GPNConfig
+from gpn_scale.models.gpn.gpn import GPN
+from gpn_scale.models.gpn.reference import reference_forward
 
 LAGS = [1.5, 3.0, 12.0, 40.0]  # planted 1/e lags (tokens): two fast heads, two slow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.model.loss import chunked_decode_cross_entropy
+from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
 from gpn_scale.ops.cross_entropy import force_triton, softmax_xent_, use_triton
 
 

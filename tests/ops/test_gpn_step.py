@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from gpn_scale.model import GPNState
+from gpn_scale.models.gpn import GPNState
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.testing.models import perturbed_model, tiny_config

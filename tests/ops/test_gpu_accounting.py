@@ -155,7 +155,7 @@ def test_sweep_plan_prices_a_tp_size_with_the_predicted_tp_speed_up(tmp_path):
     """A size with `overrides: [parallel.tp=2]`: its predicted MFU is the tp = 1 figure times
     bench/tp_model.py's speed-up (each GPU does the same FLOPs, in the predicted time)."""
     from gpn_scale.bench import tp_model
-    from gpn_scale.model import load_model_config
+    from gpn_scale.models.gpn import load_model_config
 
     path = tmp_path / "s.yaml"
     path.write_text(

@@ -306,7 +306,7 @@ def test_kill9_under_tp2_then_resume_auto_reproduces_the_losses(corpus, tp2_head
 
 # ------------------------------------------------------------------ bad configs
 def test_model_that_does_not_split_names_the_field():
-    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.models.gpn.parallelize import check_tp
     from gpn_scale.testing.models import tiny_config
 
     check_tp(tiny_config(n_heads=4, d_ffn=24, vocab_size=40), 4)
@@ -321,8 +321,8 @@ def test_model_that_does_not_split_names_the_field():
 
 @pytest.mark.parametrize("name", ["gpn_m_350m", "gpn_m_760m", "gpn_m_1b"])
 def test_ladder_from_350m_splits_over_tp8(name):
-    from gpn_scale.model.config import load_model_config
-    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.models.gpn.config import load_model_config
+    from gpn_scale.models.gpn.parallelize import check_tp
 
     cfg = load_model_config(name)
     check_tp(cfg, 8)
@@ -426,8 +426,8 @@ if __name__ == "__main__":
 def test_w1_block_layout_keeps_values_and_loads_flat_state_dicts():
     """W_1 is stored (2, f, d) (its [a | b] halves shard alike); a flat (2f, d) tensor (an
     older model_final.pt) loads into it. (Same values under a seed as the nn.Linear it
-    replaced: tests/model's engine tests, unchanged, hold the same perturbed models.)"""
-    from gpn_scale.model import GPN
+    replaced: tests/models/gpn's engine tests, unchanged, hold the same perturbed models.)"""
+    from gpn_scale.models.gpn import GPN
     from gpn_scale.testing.models import tiny_config
 
     cfg = tiny_config()

@@ -75,7 +75,7 @@ def test_vocab_parallel_embedding_and_gathered_logits(results):
 
 
 def test_vocab_not_divisible_by_tp_is_one_line():
-    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.models.gpn.parallelize import check_tp
     from gpn_scale.testing.models import tiny_config
 
     check_tp(tiny_config(n_heads=4, vocab_size=40), 4)

@@ -27,11 +27,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from gpn_scale.bench import gpu_model
-from gpn_scale.model.parallelize import tp_plan
+from gpn_scale.models.gpn.parallelize import apply_tp, tp_plan
 from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
-from gpn_scale.parallel.tp import apply_tp
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 # vocab_size 40: the embedding / tied output is vocabulary-parallel (10 rows per rank at

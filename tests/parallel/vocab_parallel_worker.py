@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gpn_scale.model.loss import chunked_decode_cross_entropy
-from gpn_scale.model.vocab_parallel import embed, gather_vocab
+from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
+from gpn_scale.models.gpn.vocab_parallel import embed, gather_vocab
 
 # Every size but V/tp is <= V/4 = 24, so a tensor with a dimension above V/tp can only be
 # a vocabulary one: (rows x V) or (N x V) logits, or a full (V x e) gradient.

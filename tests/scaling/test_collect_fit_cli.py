@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpn_scale.cli import main
-from gpn_scale.model.config import GPNConfig
+from gpn_scale.models.gpn.config import GPNConfig
 from gpn_scale.scaling import collect as C
 from gpn_scale.scaling.sweep import load_sweep
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpn_scale.cli import main
-from gpn_scale.model import counts
-from gpn_scale.model.config import ConfigError, GPNConfig
+from gpn_scale.models.gpn import counts
+from gpn_scale.models.gpn.config import ConfigError, GPNConfig
 from gpn_scale.scaling.sweep import RunSpec, expand_sweep, load_sweep, validate_with_trainer
 
 CONTRACT_KEYS = [

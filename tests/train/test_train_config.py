@@ -9,7 +9,7 @@ import torch
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import _first_host, detect
-from gpn_scale.model import GPN, load_model_config
+from gpn_scale.models.gpn import GPN, load_model_config
 from gpn_scale.optim import build_adamw, decays, lr_at
 from gpn_scale.train.config import all_keys, batch_layout, load_train_config
 

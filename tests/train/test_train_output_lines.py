@@ -64,7 +64,7 @@ def test_first_step_notice_on_a_gpu_once_and_only_when_slow():
 def test_cpu_kernel_build_notice_also_when_a_stale_library_is_there(tmp_path, capsys):
     """A rebuild after an upgrade (an .so of the old source beside the new source) compiles
     for a minute too; the notice used to look only for any .so."""
-    from gpn_scale.ops import step_kernels
+    from gpn_scale.ops.gpn_step import step_kernels
 
     class Ext:
         @staticmethod

@@ -47,8 +47,8 @@ def head_key(prefix: str, h: int, n_heads: int) -> str:
 @torch.no_grad()
 def live_metrics(model: nn.Module, tokens: Tensor, settings: Any) -> dict[str, float]:
     """{metric: value} for one training step's batch; {} for a model that is not GPN."""
-    from gpn_scale.model.gpn import GPN
-    from gpn_scale.model.reference import reference_forward
+    from gpn_scale.models.gpn.gpn import GPN
+    from gpn_scale.models.gpn.reference import reference_forward
 
     if not isinstance(model, GPN):
         return {}

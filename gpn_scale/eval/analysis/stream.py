@@ -1,6 +1,6 @@
 """One streamed pass over held-out windows feeding every state analysis.
 
-Each batch of windows runs through the reference step path (gpn_scale/model/reference.py),
+Each batch of windows runs through the reference step path (gpn_scale/models/gpn/reference.py),
 whose `on_step` hook hands over p_t and the per-head decay alpha_t; the accumulators keep
 only bounded summaries (d x d, K x d, B x K x d), never the batch's B x T x d states. The
 centered state horizon needs each sequence's mean first, so it reruns the batch (a second
@@ -31,7 +31,7 @@ from gpn_scale.eval.analysis.mean_direction import (
     mean_direction,
 )
 from gpn_scale.eval.analysis.memory import DEFAULT_FAST_LAG, RetentionAccumulator, memory_horizon
-from gpn_scale.model.reference import StepRecord, reference_forward
+from gpn_scale.models.gpn.reference import StepRecord, reference_forward
 
 NO_MEMORY = "GPN without memory: no memory heads, so no memory horizon"
 
@@ -49,7 +49,7 @@ class AnalysisOptions:
 
 def decode_state(model: Any, p: Tensor) -> Tensor:
     """Logits of a state through the tied decoder: (rms(p; w_dec) @ W_dec [+ b]) @ E^T."""
-    from gpn_scale.model.reference import rms_norm
+    from gpn_scale.models.gpn.reference import rms_norm
 
     cfg = model.config
     p = p.to(model.decode.weight.dtype)

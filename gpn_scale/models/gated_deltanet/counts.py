@@ -5,7 +5,7 @@ the short depthwise convolutions (K taps per channel), the MLP, the head, and th
 rule by its recurrent form: per head and token S^T k, the rank-1 write k u^T and the read
 S^T q, i.e. 3 dk dv multiply-adds. That is the algorithm's cost, independent of how a kernel
 computes it (our chunkwise op and fla's chunk kernel spend more on intra-chunk terms; this
-matches the convention of GPN's counts in model/counts.py, so families compare on one scale).
+matches the convention of GPN's counts in models/gpn/counts.py, so families compare on one scale).
 Norms, gates, activations and the embedding lookup are not counted. Training FLOPs per token
 = 3 x forward (backward = 2 x forward); the cost does not depend on the sequence length.
 """

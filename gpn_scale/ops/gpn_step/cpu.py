@@ -1,5 +1,5 @@
-"""The fused C++ step kernels (`ops/csrc/step_kernels.cpp`, built by `ops/step_kernels.py`)
-as a step backend: a whole chunk's steps in one call, the matmuls through ATen and
+"""The fused C++ step kernels (`csrc/step_kernels.cpp`, built by `step_kernels.py` beside
+this file) as a step backend: a whole chunk's steps in one call, the matmuls through ATen and
 everything else as plain loops over batch rows. CPU tensors only."""
 
 from __future__ import annotations

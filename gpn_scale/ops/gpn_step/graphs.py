@@ -42,8 +42,8 @@ from gpn_scale.ops.gpn_step.interface import (
     ReverseSweepResult,
     StepPlan,
 )
+from gpn_scale.ops.gpn_step.step_kernels import warn_once
 from gpn_scale.ops.launch import is_dry
-from gpn_scale.ops.step_kernels import warn_once
 
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 

@@ -1,6 +1,6 @@
 """The seam between the sequence engine and the backends that run its time steps.
 
-The engine (`gpn_scale.model.engine`) owns everything chunk-wide: the plan, folding the
+The engine (`gpn_scale.models.gpn.engine`) owns everything chunk-wide: the plan, folding the
 module's parameters into the loop's fused matrices, the parallel recompute, the weight
 gradients and the autograd function. A step backend owns the two sequential parts:
 
@@ -12,7 +12,7 @@ Every backend computes what `reference.py` (the PyTorch steps) computes; the op-
 
 The fused input matrix of layer i has its column blocks in the order `ColumnLayout` names
 (defined here once). The Triton kernels take their offsets from it; the C++ kernels recompute
-them (`InCols` in ops/csrc/step_kernels.cpp), and the op-level tests hold the two equal.
+them (`InCols` in ops/gpn_step/csrc/step_kernels.cpp), and the op-level tests hold the two equal.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Plain tensor ops on any device, one step at a time; the forward is `shared/spec/gpn-model.md`
 with the memory in chunk form (a read-only chunk-start M0 plus the chunk's low-rank history,
 `shared/spec/memory-chunkwise.md`), and the reverse sweep is that forward differentiated by
-hand (held equal to autograd through the step-by-step model by tests/model/test_engine.py).
+hand (held equal to autograd through the step-by-step model by tests/models/gpn/test_engine.py).
 Under tensor parallelism it calls the group's collectives at the fixed points of
 `collectives.py` (the backend of CPU tensors under tp; the CUDA backend splits its kernels at
 the same points).

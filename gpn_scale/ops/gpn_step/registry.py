@@ -23,11 +23,11 @@ from types import ModuleType
 
 import torch
 
-from gpn_scale.ops import step_kernels
+from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.interface import StepBackend
 from gpn_scale.ops.gpn_step.reference import ReferenceBackend
+from gpn_scale.ops.gpn_step.step_kernels import warn_once
 from gpn_scale.ops.launch import is_dry
-from gpn_scale.ops.step_kernels import warn_once
 
 ENV_VAR = step_kernels.ENV_VAR
 CHOICES = ("auto", "reference", "cpu", "cuda")

@@ -1,12 +1,12 @@
 """The vocabulary-parallel embedding and the gathered logits (tensor parallelism, tp > 1).
 
 Under `parallel.tp = N` the tied embedding / output matrix E (V, e) is Shard(0) over the tp
-group (`gpn_scale.model.parallelize`): rank r holds rows [r V/N, (r+1) V/N). The lookup
+group (`gpn_scale.models.gpn.parallelize`): rank r holds rows [r V/N, (r+1) V/N). The lookup
 takes the tokens in this rank's range (the others give zero rows) and sums the (B, T, e)
 result over the group: forward all-reduce, backward identity (Megatron's
 VocabParallelEmbedding + reduce_from_tensor_model_parallel_region). Exactly one rank
 contributes each row, so the sum is the replicated lookup bit for bit. The loss over the
-sharded logits is the tp form of `gpn_scale.model.loss`.
+sharded logits is the tp form of `gpn_scale.models.gpn.loss`.
 
 Hand-written rather than megatron-core's: its `VocabParallelEmbedding` owns its parameter
 (ours is the model's DTensor shard) and needs megatron's global parallel_state, and

@@ -12,8 +12,8 @@ import torch
 
 from gpn_scale.bench import gpu
 from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
-from gpn_scale.model import GPNConfig, load_model_config
-from gpn_scale.model.counts import count_parameters
+from gpn_scale.models.gpn import GPNConfig, load_model_config
+from gpn_scale.models.gpn.counts import count_parameters
 
 SMOKE = [
     "--device",

@@ -20,7 +20,7 @@ from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own
     resolve_named_yaml,
 )
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "model"
 
 
 @dataclass(frozen=True)

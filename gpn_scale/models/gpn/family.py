@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from gpn_scale.model.config import GPNConfig
+from gpn_scale.models.gpn.config import GPNConfig
 from gpn_scale.models.protocol import FamilySpec
 
 # The fields a checkpoint must share with the config that resumes it (the model's shape).
@@ -25,19 +25,19 @@ SHAPE_KEYS = (
 
 
 def _build(cfg: GPNConfig) -> nn.Module:
-    from gpn_scale.model.gpn import GPN
+    from gpn_scale.models.gpn.gpn import GPN
 
     return GPN(cfg)
 
 
 def _count_parameters(cfg: GPNConfig) -> int:
-    from gpn_scale.model.counts import count_parameters
+    from gpn_scale.models.gpn.counts import count_parameters
 
     return count_parameters(cfg)
 
 
 def _flops_per_token(cfg: GPNConfig, seq_len: int) -> float:
-    from gpn_scale.model.counts import flops_per_token
+    from gpn_scale.models.gpn.counts import flops_per_token
 
     return flops_per_token(cfg, seq_len)
 
@@ -48,14 +48,13 @@ def _compat_keys(cfg: GPNConfig) -> dict[str, Any]:
 
 
 def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
-    from gpn_scale.model.parallelize import tp_plan
-    from gpn_scale.parallel.tp import apply_tp
+    from gpn_scale.models.gpn.parallelize import apply_tp
 
-    apply_tp(model, tp_mesh, tp_plan(model))
+    apply_tp(model, tp_mesh)
 
 
 def _check_tp(cfg: GPNConfig, tp: int) -> None:
-    from gpn_scale.model.parallelize import check_tp
+    from gpn_scale.models.gpn.parallelize import check_tp
 
     check_tp(cfg, tp)
 
@@ -66,7 +65,7 @@ SPEC = FamilySpec(
     build=_build,
     count_parameters=_count_parameters,
     flops_per_token=_flops_per_token,
-    # The forward reads every submodule's parameters directly (engine.py), so FSDP2 must
+    # The forward reads every submodule's parameters directly (engine.py folds them), so FSDP2 must
     # treat the whole model as one unit.
     fsdp_units=lambda model: [],
     compat_keys=_compat_keys,

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpn_scale.model.config import ConfigError, GPNConfig
-from gpn_scale.model.gpn import GPN
+from gpn_scale.models.gpn.config import ConfigError, GPNConfig
+from gpn_scale.models.gpn.gpn import GPN
 
 
 def reference_layout(model: GPN) -> dict[str, tuple[torch.Tensor, bool]]:

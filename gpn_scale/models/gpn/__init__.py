@@ -6,7 +6,7 @@ for `--help` and for error types) does not import torch.
 
 from typing import Any
 
-from gpn_scale.model.config import ConfigError, GPNConfig, load_model_config
+from gpn_scale.models.gpn.config import ConfigError, GPNConfig, load_model_config
 
 __all__ = ["ConfigError", "GPN", "GPNConfig", "GPNOutput", "GPNState", "load_model_config"]
 
@@ -15,7 +15,7 @@ _LAZY = {"GPN", "GPNOutput", "GPNState"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from gpn_scale.model import gpn
+        from gpn_scale.models.gpn import gpn
 
         return getattr(gpn, name)
-    raise AttributeError(f"module 'gpn_scale.model' has no attribute {name!r}")
+    raise AttributeError(f"module 'gpn_scale.models.gpn' has no attribute {name!r}")

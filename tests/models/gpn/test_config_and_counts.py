@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from gpn_scale.model import GPN, ConfigError, GPNConfig, load_model_config
-from gpn_scale.model.config import CONFIG_DIR
-from gpn_scale.model.counts import (
+from gpn_scale.models.gpn import GPN, ConfigError, GPNConfig, load_model_config
+from gpn_scale.models.gpn.config import CONFIG_DIR
+from gpn_scale.models.gpn.counts import (
     count_parameters,
     estimate_training_memory,
     flops_per_token,
@@ -94,7 +94,7 @@ def test_flops_count_matches_profiled_matmuls():
     """Count the forward's matmul FLOPs with torch's FLOP counter on the reference path."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gpn_scale.model.reference import reference_forward
+    from gpn_scale.models.gpn.reference import reference_forward
 
     cfg = GPNConfig(**{**BASE, "n_layers": 2})
     model = GPN(cfg)

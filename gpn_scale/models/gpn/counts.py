@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpn_scale.model.config import GPNConfig
+from gpn_scale.models.gpn.config import GPNConfig
 
 
 def count_parameters(cfg: GPNConfig) -> int:

@@ -1,4 +1,4 @@
-// Fused CPU kernels for the sequence engine's two sequential phases (gpn_scale.model.engine
+// Fused CPU kernels for the sequence engine's two sequential phases (gpn_scale.ops.gpn_step.chunk
 // calls them through the "cpu" step backend, gpn_scale/ops/gpn_step/cpu.py).
 //
 // Why by hand: at training batch sizes a step's matmuls are few-row GEMMs of a few hundred
@@ -11,7 +11,7 @@
 // matmuls. Semantics are exactly those of `forward_chunk` / `reverse_sweep` in
 // gpn_scale/ops/gpn_step/reference.py (the PyTorch steps), which stay as the reference and are
 // held equal to this file by tests/ops/test_gpn_step.py (forward and every gradient) and
-// tests/model/test_step_kernels.py (build, selection, autocast).
+// tests/ops/test_step_kernels.py (build, selection, autocast).
 //
 // Layouts (as the engine hands them over): dense activations (C, B, width) contiguous; memory
 // tensors (B, H, C, n) with any strides but a contiguous last dimension; (B, H, C) tensors
@@ -490,7 +490,7 @@ std::vector<Tensor> chunk_forward(int64_t L, bool mem, int64_t H, int64_t dk, in
 }
 
 // ================================================================== reverse sweep
-struct Acts {  // what `_recompute_chunk` produced (see _ChunkActs in engine.py)
+struct Acts {  // what `chunk._recompute_chunk` produced (see ChunkActs in ops/gpn_step/interface.py)
   std::vector<Tensor> c, n, y, o, ro, q, rq;
   Tensor n_p, gate, p;
   Tensor k_pre, k, v, beta, U, G, pred, rk, M0;
@@ -840,5 +840,5 @@ std::vector<Tensor> chunk_backward(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gpn_scale: fused CPU kernels of the sequence engine's sequential phases";
   m.def("chunk_forward", &chunk_forward, "the steps of one chunk, no autograd (see engine._run_chunk)");
-  m.def("chunk_backward", &chunk_backward, "one chunk's reverse sweep (see engine._chunk_backward)");
+  m.def("chunk_backward", &chunk_backward, "one chunk's reverse sweep (see ops/gpn_step/chunk.py, _chunk_backward)");
 }

@@ -18,8 +18,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from gpn_scale.model.config import GPNConfig
-from gpn_scale.model.state import GPNOutput, GPNState
+from gpn_scale.models.gpn.config import GPNConfig
+from gpn_scale.models.gpn.state import GPNOutput, GPNState
 
 __all__ = [
     "GPN",
@@ -228,7 +228,7 @@ class GPN(nn.Module):
         Under torch.autocast the large matmuls run in the autocast dtype, the state and
         memory stay in float32.
         """
-        from gpn_scale.model.engine import run_engine
+        from gpn_scale.models.gpn.engine import run_engine
 
         return run_engine(
             self, tokens, state, return_state=return_state, return_logits=return_logits

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpn_scale.model import GPN, ConfigError
-from gpn_scale.model.reference_format import (
+from gpn_scale.models.gpn import GPN, ConfigError
+from gpn_scale.models.gpn.reference_format import (
     export_reference,
     import_reference,
     load_reference_params,

@@ -1,5 +1,5 @@
-"""The fused CPU step kernels (gpn_scale/ops/csrc/step_kernels.cpp): their build, the choice of
-step backend, and bf16 autocast. That they equal the PyTorch steps, forward and every
+"""The fused CPU step kernels (gpn_scale/ops/gpn_step/csrc/step_kernels.cpp): their build, the
+choice of step backend, and bf16 autocast. That they equal the PyTorch steps, forward and every
 gradient, is tests/ops/test_gpn_step.py (one test over every backend)."""
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import sys
 import pytest
 import torch
 
-from gpn_scale.model import engine
-from gpn_scale.ops import step_kernels
-from gpn_scale.ops.gpn_step import registry
+from gpn_scale.ops.gpn_step import chunk, registry, step_kernels
 from gpn_scale.ops.gpn_step.cpu import CpuBackend
 from gpn_scale.ops.gpn_step.registry import StepBackendError, kernels_for, select_backend
-from gpn_scale.ops.step_kernels import ENV_VAR, StepKernelError
+from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR, StepKernelError
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 
@@ -54,7 +52,7 @@ def test_fused_kernels_serve_cpu_training_by_default(monkeypatch):
             return call
 
     monkeypatch.setattr(
-        engine, "select_backend", lambda choice, device, tp_size=1: CpuBackend(Spy())
+        chunk, "select_backend", lambda choice, device, tp_size=1: CpuBackend(Spy())
     )
     model = perturbed_model(tiny_config(chunk_size=4), torch.float32)
     model(torch.randint(0, 37, (2, 9))).loss.backward()
@@ -162,7 +160,7 @@ def test_build_level_follows_torch_dispatch_level(level):
     """ATEN_CPU_CAPABILITY caps torch's own kernels; the step kernels are built no higher (a
     separately named build: nodes of different CPU generations share a build cache)."""
     code = (
-        "from gpn_scale.ops import step_kernels as s; "
+        "from gpn_scale.ops.gpn_step import step_kernels as s; "
         "c = s._capability(); print(c, ' '.join(s._build_flags(c)))"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": level}

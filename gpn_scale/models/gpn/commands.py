@@ -19,8 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from gpn_scale.model.config import ConfigError, load_model_config
-    from gpn_scale.model.counts import (
+    from gpn_scale.models.gpn.config import ConfigError, load_model_config
+    from gpn_scale.models.gpn.counts import (
         count_parameters,
         estimate_training_memory,
         flops_per_token,

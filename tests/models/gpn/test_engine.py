@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from gpn_scale.model import GPNState
-from gpn_scale.model.reference import reference_forward
-from gpn_scale.ops.step_kernels import ENV_VAR
+from gpn_scale.models.gpn import GPNState
+from gpn_scale.models.gpn.reference import reference_forward
+from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 CASES = {

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gpn_scale.bench import engine as engine_bench
-from gpn_scale.ops import step_kernels
+from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.registry import kernels_for
-from gpn_scale.ops.step_kernels import ENV_VAR
+from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 # Every weight (and the one bias added inside a matmul call) that the sequential phases'

@@ -1,4 +1,4 @@
-"""The chunked decode + cross-entropy (gpn_scale/model/loss.py): equal to the slow form, no
+"""The chunked decode + cross-entropy (gpn_scale/models/gpn/loss.py): equal to the slow form, no
 backward work under torch.no_grad(), no host sync in its backward."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpn_scale.model.loss import chunked_decode_cross_entropy
+from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
 
 N, D, E_DIM, V, ROWS = 40, 16, 12, 50, 16  # 3 row blocks, the last one partial
 BLOCKS = -(-N // ROWS)

@@ -1,56 +1,36 @@
-"""The sequence engine: GPN / GPN+M over a window, fast and exact.
+"""The GPN / GPN+M sequence op: one window, chunk by chunk, forward and backward.
 
-Layout of one forward (see `shared/spec/gpn-model.md` for the equations):
+`gpn_sequence(plan, fuse, carry, weights)` takes the plan (widths, chunk spans, dtype, step
+backend, tp group), the fused inputs of every position (B, T, d), the carry entering the
+window (s, s_prev, M) and the loop's fused weights (`LoopWeights`, which the model folds from
+its parameters), and returns every step's output P (B, T, d) and the final carry. It is one
+autograd function:
 
-1. Outside the time loop, over all B*T positions at once: embedding and fuse projection.
-2. The time loop (`_SequenceFunction`), chunk by chunk:
-   - every projection of one input is ONE matmul: the grounded state s feeds the memory
-     write (k for the next step, v, beta, decay) and layer 0's read query, read gate,
-     FFN and predict gate; RMSNorm weights are folded into those matrices
-     (rms(x; w) @ W == (x / rms(x)) @ (diag(w) W)); the read output and FFN share one
-     down-projection matmul;
-   - the memory stays in chunk form (`ops/memory.py`, use 2): a read-only chunk-start M0,
-     plus the chunk's keys, errors u_j and cumulative log-decays; M advances once per chunk;
-   - backward is chunk by chunk in reverse: the forward keeps the outputs p_t and the
-     states s_t entering each step (O(T*d)) and one carry (s, s_prev, M) per chunk. Per
-     chunk the backward first recomputes every activation in parallel (C*B-row matmuls and
-     the fully parallel chunk memory form: no step loop), then runs a hand-written reverse
-     sweep whose only per-step matmuls are the inherent input gradients dy @ W^T; weight
-     gradients (and dM0) are one large matmul per chunk, never a rank-B update per step.
-     The sweep is held equal to autograd through the reference path by the tests.
-   - the sequential parts (a chunk's forward steps, its reverse sweep) run on a step backend
-     (`gpn_scale.ops.gpn_step`: the PyTorch steps, fused C++ kernels on CPU, Triton kernels
-     on CUDA), chosen by device and the config's `step_backend`; the engine keeps the plan,
-     the weight folding, the chunk-wide work and the autograd function.
-3. Outside the loop again: decode and cross-entropy in chunks of positions
-   (`model/loss.py`), never the full B x T x V logits.
+- forward: no grad, chunk by chunk on the step backend (`registry.select_backend`: the
+  PyTorch steps, fused C++ on CPU, Triton on CUDA); the memory stays in chunk form
+  (`ops/memory.py`) and advances once per chunk. It keeps the states entering each step
+  (O(T*d)) and one carry per chunk;
+- backward: chunk by chunk in reverse. Per chunk it first recomputes every activation in
+  parallel (C*B-row matmuls and the fully parallel chunk memory form: no step loop), pushes
+  the end memory's gradient onto the chunk's keys, errors and decays, runs the backend's
+  hand-written reverse sweep (whose only per-step matmuls are the inherent dy @ W^T), then
+  forms every weight gradient (and dM0) as one matmul over the chunk. Chunks end at every
+  truncated-BPTT cut too, where nothing flows back.
 
-Under tensor parallelism the embedding / tied output E is vocabulary-parallel
-(`model/vocab_parallel.py`): the lookup is summed over the tp group and the loss's logits
-are this rank's V/tp columns only.
-
-Under torch.autocast the large matmuls run in the autocast dtype; the state, the memory
-and every elementwise recurrence op stay in float32.
+Held equal to autograd through the step-by-step reference model by the tests
+(tests/models/gpn/test_engine.py, tests/ops/test_gpn_step.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
-from gpn_scale.model.config import GPNConfig
-from gpn_scale.model.loss import chunked_decode_cross_entropy
-from gpn_scale.model.state import GPNOutput, GPNState
-from gpn_scale.model.vocab_parallel import embed, gather_vocab
-from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide, sum_grad_over_tp, tp_sum_
+from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide, tp_sum_
 from gpn_scale.ops.gpn_step.functional import accumulate_mm
 from gpn_scale.ops.gpn_step.functional import l2n as _l2n
 from gpn_scale.ops.gpn_step.functional import matmul as _matmul
@@ -60,181 +40,17 @@ from gpn_scale.ops.gpn_step.functional import rms_back as _rms_back
 from gpn_scale.ops.gpn_step.interface import (
     ChunkActs,
     ChunkForward,
-    ColumnLayout,
     LoopWeights,
     ReverseSweep,
     StepBackend,
     StepPlan,
     SweepAdjoints,
 )
+from gpn_scale.ops.gpn_step.phases import phase as _phase
 from gpn_scale.ops.gpn_step.registry import select_backend
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 
-if TYPE_CHECKING:  # the model calls the engine; the engine reads its parameters
-    from gpn_scale.model.gpn import GPN
-
-# ------------------------------------------------------------------ phase timing
-_PHASES: dict[str, float] | None = None  # set by `phase_timer()` (benchmarks only)
-_PENDING: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-
-@contextlib.contextmanager
-def phase_timer() -> Iterator[dict[str, float]]:
-    """Accumulate time per engine phase while active (for `gpn_scale.bench.engine`). On CUDA
-    a phase is timed by events on the stream (wall time would charge the kernels queued by
-    one phase to whichever later phase waits for them); they are read when the block ends."""
-    global _PHASES
-    previous, _PHASES = _PHASES, {}
-    phases = _PHASES
-    try:
-        yield phases
-    finally:
-        if _PENDING:
-            torch.cuda.synchronize()
-            for name, begin, end in _PENDING:
-                phases[name] = phases.get(name, 0.0) + begin.elapsed_time(end) / 1e3
-            _PENDING.clear()
-        _PHASES = previous
-
-
-_CURRENT: list[str] = []  # the phases open now, innermost last (while phase_timer is on)
-
-
-def current_phase() -> str | None:
-    """The innermost engine phase running now, when phases are being timed (accounting)."""
-    return _CURRENT[-1] if _CURRENT else None
-
-
-@contextlib.contextmanager
-def _phase(name: str, device: torch.device | None = None) -> Iterator[None]:
-    if _PHASES is None:
-        yield
-        return
-    _CURRENT.append(name)
-    try:
-        with _timed_phase(name, device):
-            yield
-    finally:
-        _CURRENT.pop()
-
-
-@contextlib.contextmanager
-def _timed_phase(name: str, device: torch.device | None) -> Iterator[None]:
-    assert _PHASES is not None
-    if device is not None and device.type == "cuda":
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        try:
-            yield
-        finally:
-            end.record()
-            _PENDING.append((name, begin, end))
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        _PHASES[name] = _PHASES.get(name, 0.0) + time.perf_counter() - start
-
-
-# ----------------------------------------------------------------------------- plan
-def input_column_blocks(cfg: GPNConfig, layer: int) -> tuple[int, ...]:
-    """Column blocks of layer `layer`'s fused input matmul, in order (`ColumnLayout`)."""
-    return ColumnLayout.build(
-        layer, cfg.memory, cfg.n_heads, cfg.d_key, cfg.d_value, cfg.d_ffn, cfg.d_state
-    ).sizes
-
-
-def make_spans(
-    T: int, chunk_size: int, tbptt: int
-) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
-    """Chunk boundaries every `chunk_size` steps, and also at every truncation point."""
-    cuts = frozenset(range(tbptt, T, tbptt)) if tbptt else frozenset()
-    bounds = sorted(set(range(0, T, chunk_size)) | cuts | {T})
-    return tuple(zip(bounds[:-1], bounds[1:])), cuts
-
-
-# --------------------------------------------------------------------- weights
-def local(p: Tensor) -> Tensor:
-    """This rank's share of a parameter: the local tensor of a DTensor (tensor parallelism
-    applied by `gpn_scale.parallel.tp`; differentiable, its gradient returns as a DTensor of
-    the same placement), the tensor itself otherwise."""
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
-def tp_group_of(model: GPN) -> tuple[object | None, int]:
-    """(process group, size) of the tp mesh the parameters live on; (None, 1) without TP.
-
-    The model holds no process group: `parallel.tp` makes every parameter a DTensor on the
-    1-D tp mesh (FSDP2's unsharded parameters in the forward are DTensors on it too)."""
-    p = model.fuse.weight
-    if isinstance(p, DTensor) and p.device_mesh.size() > 1:
-        return p.device_mesh.get_group(), p.device_mesh.size()
-    return None, 1
-
-
-def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights:
-    """Build the loop's fused matrices from the module's parameters (differentiable).
-
-    Under tensor parallelism each block is this rank's share (its heads, its FFN columns of
-    both halves of W_1, its rows of W_o and W_2); the predict and fuse gates are whole. The
-    norm weights folded into sharded blocks are replicated: their gradient is summed over
-    `tp_group` (each rank holds its columns' share)."""
-    shared = lambda p: sum_grad_over_tp(local(p), tp_group)  # noqa: E731
-    w_in, b_in, w_out = [], [], []
-    for i, layer in enumerate(model.predictor_layers):
-        cols: list[Tensor] = []
-        biases: list[Tensor] = []
-        if i == 0 and model.write is not None:
-            wr = model.write
-            nw = shared(wr.norm_weight)[:, None]
-            key_b = local(wr.key.bias)
-            value_w, beta_w = local(wr.value.weight), local(wr.beta.weight)
-            cols += [
-                nw * local(wr.key.weight).t(),
-                nw * value_w.t(),
-                nw * beta_w.t(),
-                nw * local(wr.decay.weight).t(),
-            ]
-            biases += [
-                key_b,
-                key_b.new_zeros(value_w.shape[0]),
-                key_b.new_zeros(beta_w.shape[0]),
-                local(wr.dt_bias),
-            ]
-        if layer.read is not None:
-            rd = layer.read
-            nr = shared(rd.norm_weight)[:, None]
-            gate_w = local(rd.gate.weight)
-            q_b = local(rd.query.bias)
-            cols += [nr * local(rd.query.weight).t(), nr * gate_w.t()]
-            biases += [q_b, q_b.new_zeros(gate_w.shape[0])]
-        w1 = local(layer.ffn.w1.weight).flatten(0, 1)
-        pg_b = local(layer.gate.proj.bias)
-        cols += [
-            shared(layer.ffn.norm_weight)[:, None] * w1.t(),
-            local(layer.gate.norm_weight)[:, None] * local(layer.gate.proj.weight).t(),
-        ]
-        biases += [pg_b.new_zeros(w1.shape[0]), pg_b]
-        w_in.append(torch.cat(cols, dim=1))
-        b_in.append(torch.cat(biases))
-        outs = []
-        if layer.read is not None:
-            outs.append(
-                local(layer.read.out_norm_weight)[:, None] * local(layer.read.out.weight).t()
-            )
-        outs.append(local(layer.ffn.w2.weight).t())
-        w_out.append(torch.cat(outs, dim=0))
-    fg = model.fuse_gate
-    A = torch.exp(local(model.write.A_log)) if model.write is not None else None
-    return LoopWeights(
-        w_in,
-        b_in,
-        w_out,
-        local(fg.norm_weight)[:, None] * local(fg.proj.weight).t(),
-        local(fg.proj.bias),
-        A,
-    )
+Carry = tuple[Tensor, Tensor, "Tensor | None"]  # (s, s_prev, M): M is None without memory
 
 
 # --------------------------------------------------------------------- backward
@@ -653,124 +469,19 @@ class _SequenceFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ entry point
-_MM_DTYPE_OVERRIDE: torch.dtype | None = None
+def make_spans(
+    T: int, chunk_size: int, tbptt: int
+) -> tuple[tuple[tuple[int, int], ...], frozenset[int]]:
+    """Chunk boundaries every `chunk_size` steps, and also at every truncation point."""
+    cuts = frozenset(range(tbptt, T, tbptt)) if tbptt else frozenset()
+    bounds = sorted(set(range(0, T, chunk_size)) | cuts | {T})
+    return tuple(zip(bounds[:-1], bounds[1:])), cuts
 
 
-@contextlib.contextmanager
-def matmul_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Run the engine's matmuls in `dtype` as under autocast, on devices autocast does not
-    know (the launch accounting's meta tensors: gpn_scale.bench.gpu_model)."""
-    global _MM_DTYPE_OVERRIDE
-    previous, _MM_DTYPE_OVERRIDE = _MM_DTYPE_OVERRIDE, dtype
-    try:
-        yield
-    finally:
-        _MM_DTYPE_OVERRIDE = previous
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    if _MM_DTYPE_OVERRIDE is not None:
-        return _MM_DTYPE_OVERRIDE
-    if device.type == "meta":
-        return None
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
-
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtype | None) -> Tensor:
-    """F.linear in the matmul dtype (if any), result back in x's dtype."""
-    if mm_dtype is None:
-        return F.linear(x, weight, bias)
-    y = F.linear(x.to(mm_dtype), weight.to(mm_dtype)).to(x.dtype)
-    return y if bias is None else y + bias
-
-
-def run_engine(
-    model: GPN,
-    tokens: Tensor,
-    state: GPNState | None,
-    *,
-    return_state: bool = False,
-    return_logits: bool = False,
-) -> GPNOutput:
-    """The model's forward: see the module docstring."""
-    cfg = model.config
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens: expected shape (batch, time), got {tuple(tokens.shape)}")
-    B, T = tokens.shape
-    device = tokens.device
-    mm_dtype = _autocast_dtype(device)
-    with (
-        torch.autocast(device.type, enabled=False)
-        if device.type != "meta"
-        else contextlib.nullcontext()
-    ):
-        tp_group, tp_size = tp_group_of(model)
-        # Under tensor parallelism the memory carried is this rank's heads (B, H/tp, dk, dv).
-        H_local = cfg.n_heads // tp_size
-        if state is None:
-            state = model.initial_state(B, device)
-            if tp_size > 1 and state.memory is not None:
-                state = GPNState(state.s, state.s_prev, state.memory[:, :H_local].clone())
-        sdt = model.state_dtype()
-        eps = cfg.norm_eps
-        E = local(model.embedding.weight)  # under tp: this rank's V/tp rows
-        emb = embed(tokens, E, tp_group)
-        fuse = _linear(
-            _rms(emb.to(sdt), eps) * local(model.fuse_norm_weight),
-            local(model.fuse.weight),
-            None,
-            mm_dtype,
-        )
-        spans, cuts = make_spans(T, cfg.chunk_size, cfg.tbptt)
-        plan = StepPlan(
-            cfg.n_layers,
-            cfg.memory,
-            H_local,
-            cfg.d_key,
-            cfg.d_value,
-            cfg.d_state,
-            cfg.d_ffn // tp_size,
-            eps,
-            spans,
-            cuts,
-            mm_dtype,
-            cfg.step_backend,
-            cfg.cuda_graphs,
-            tp_size,
-            tp_group,
-        )
-        weights = fold_loop_weights(model, tp_group).flat()
-        P, s, s_prev, M = _SequenceFunction.apply(
-            plan,
-            fuse,
-            state.s.to(sdt),
-            state.s_prev.to(sdt),
-            None if state.memory is None else state.memory.to(sdt),
-            *weights,
-        )
-        dec_w, bias = local(model.decode.weight), model.decode.bias
-        dec_b = None if bias is None else local(bias)
-        dec_norm = local(model.decode_norm_weight)
-        with _phase("decode", device):
-            loss = chunked_decode_cross_entropy(
-                P.reshape(B * T, -1),
-                dec_norm,
-                dec_w,
-                dec_b,
-                E,
-                tokens.reshape(B * T),
-                cfg.loss_chunk_tokens,
-                eps,
-                mm_dtype,
-                scale=1.0 / (B * T),
-                tp_group=tp_group,
-            )
-        logits = None
-        if return_logits:  # tests, evaluation, generation: the full (B, T, V) block
-            h = _linear(_rms(P, eps) * dec_norm, dec_w, dec_b, mm_dtype)
-            # Under tp every rank gathers the group's vocabulary shards (the slow path).
-            logits = gather_vocab(_linear(h, E, None, mm_dtype), tp_group)
-    final = GPNState(s, s_prev, M if cfg.memory else None) if return_state else None
-    return GPNOutput(loss=loss, state=final, logits=logits)
+def gpn_sequence(
+    plan: StepPlan, fuse: Tensor, carry: Carry, weights: LoopWeights
+) -> tuple[Tensor, Carry]:
+    """(P (B, T, d), the final carry) of one window: see the module docstring."""
+    s0, s_prev0, M0 = carry
+    P, s, s_prev, M = _SequenceFunction.apply(plan, fuse, s0, s_prev0, M0, *weights.flat())
+    return P, (s, s_prev, M if plan.memory else None)

@@ -7,19 +7,29 @@ way in (nn.Linear (out, in): Shard(0); W_1 in block layout (2, f, d): Shard(1), 
 gets the same columns of both halves a and b) and row-parallel on the way out (W_o, W_2:
 Shard(1) of (d, in)). The tied embedding / output matrix E (V, e) is vocabulary-parallel
 (Megatron's VocabParallelEmbedding): Shard(0), each rank holds V/tp rows
-(`gpn_scale.model.vocab_parallel`, the tp form of `gpn_scale.model.loss`). Everything else
+(`gpn_scale.models.gpn.vocab_parallel`, the tp form of `gpn_scale.models.gpn.loss`). Everything else
 (the state path: fuse, gates, norms of the state, the decoder W_dec) is replicated.
-`gpn_scale.parallel.tp` applies the plan; the engine finds the tp group on the DTensor
-parameters and sums at the step's fixed points (`gpn_scale.ops.gpn_step.collectives`).
+`apply_tp` places the parameters as the plan says (DTensors on the tp mesh; everything not
+named is Replicate(), so that FSDP2, DCP and the gradient norm see one mesh). This is
+torchtitan's `parallelize_module` applied to parameters only: the forward reads the
+parameters inside one autograd function and never runs a submodule's forward, so module
+hooks (ColwiseParallel/RowwiseParallel) would never fire; the collectives sit inside the
+engine instead, which finds the tp group on the DTensor parameters and sums at the step's
+fixed points (`gpn_scale.ops.gpn_step.collectives`). The full model is built (and
+initialised) whole on every rank from the same seed, then each rank keeps its shard: the same
+seed gives the same logical model at any tp.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from gpn_scale.model.config import ConfigError, GPNConfig
+from gpn_scale.models.gpn.config import ConfigError, GPNConfig
 
 _COLUMN = ("weight", "bias")  # Shard(0) of an nn.Linear (out, in) and of its bias
 
@@ -45,6 +55,28 @@ def tp_plan(model: nn.Module) -> dict[str, Placement]:
             plan[p + "read.out.weight"] = Shard(1)  # (d, H*dv)
     names = {n for n, _ in model.named_parameters()}
     return {n: pl for n, pl in plan.items() if n in names}
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Placement] | None = None) -> None:
+    """Replace every parameter of `model` by a DTensor on `tp_mesh` placed as `plan` (default:
+    `tp_plan(model)`) says."""
+    plan = tp_plan(model) if plan is None else plan
+    unknown = sorted(set(plan) - {n for n, _ in model.named_parameters()})
+    if unknown:
+        raise ValueError(f"tp plan names {unknown[0]!r}, which the model does not have")
+    prefixes = {id(m): name for name, m in model.named_modules()}
+
+    def partition(_name: str, module: nn.Module, mesh: Any) -> None:
+        base = prefixes[id(module)]
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            full = f"{base}.{leaf}" if base else leaf
+            placement = plan.get(full, Replicate())
+            # src_data_rank=0: every rank takes its shard of rank 0's tensor (all ranks built
+            # the same one from the seed; this makes it so even if they had not).
+            dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=0)
+            module.register_parameter(leaf, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    distribute_module(model, tp_mesh, partition)
 
 
 def check_tp(cfg: GPNConfig, tp: int, where: str = "parallel.tp") -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpn_scale.model.vocab_parallel import vocab_start
+from gpn_scale.models.gpn.vocab_parallel import vocab_start
 from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
 
 
