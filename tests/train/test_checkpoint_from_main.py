@@ -1,0 +1,37 @@
+"""A checkpoint written by an earlier main (before GPN's code moved to models/gpn and its
+sequence op to ops/gpn_step/chunk.py) still resumes, exactly: the step after it and the final
+eval equal those of the run that wrote it. Checkpoints hold tensors and plain values only
+(weights_only), so a module moving must never break one; this is the test that says so.
+
+The fixture (tests/train/fixtures/checkpoint_from_main/, ~350 KB: a 21k-parameter GPN+M and
+its AdamW state) was written on the embedded default corpus at seq_len 64; expected.json says
+by what."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from train_helpers import read_metrics, train_args
+
+from gpn_scale.cli import main
+
+FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_from_main"
+
+
+def test_a_checkpoint_written_by_main_resumes_to_the_same_losses(corpus, tmp_path):
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    # A copy: resuming leaves the source alone, but a test never writes into the tree.
+    ckpt = shutil.copytree(FIXTURE / "step_000000002", tmp_path / "from_main" / "step_000000002")
+    run = tmp_path / "run"
+    args = train_args(corpus, run, *expected["overrides"]) + ["--resume", str(ckpt)]
+    assert main(args) == 0
+    rows = read_metrics(run)
+    step3 = [r for r in rows if r.get("step") == 3 and "train/loss" in r]
+    assert [r["step"] for r in rows if "train/loss" in r] == [3]  # resumed at step 2
+    assert step3[0]["train/loss"] == pytest.approx(expected["step_3_train_loss"], rel=1e-6)
+    assert step3[0]["grad_norm"] == pytest.approx(expected["step_3_grad_norm"], rel=1e-5)
+    final = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert final == [pytest.approx(expected["final_eval_loss"], rel=1e-6)]
