@@ -13,14 +13,37 @@ stays the reference (and the path on CPU and in float64).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
 from gpn_scale.ops.launch import is_dry, launch, nbytes
 
 _FORCE = False
+ENV_VAR = "GPN_SCALE_CROSS_ENTROPY"
+
+
+class CrossEntropyBackendError(RuntimeError):
+    """A cross-entropy backend was asked for that cannot serve these logits."""
+
+
+@functools.cache
+def _triton_unavailable() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+BACKENDS = OpRegistry("cross entropy", ENV_VAR, ENV_VAR, CrossEntropyBackendError)
+BACKENDS.register(OpBackend("torch", (ANY_DEVICE,), 0, description="PyTorch ops: the reference"))
+BACKENDS.register(
+    OpBackend("triton", ("cuda",), 10, _triton_unavailable, description="one fused kernel")
+)
 
 
 @contextlib.contextmanager
@@ -36,16 +59,26 @@ def force_triton() -> Iterator[None]:
 
 def use_triton(logits: Tensor) -> bool:
     """The kernel serves float32/bf16/fp16 logits on CUDA (on meta tensors only while the
-    launch accounting runs dry); float64 and CPU keep the PyTorch form."""
+    launch accounting runs dry; on any device inside `force_triton`); float64 and CPU keep
+    the PyTorch form. GPN_SCALE_CROSS_ENTROPY=torch keeps it everywhere (bisecting)."""
     if logits.dtype == torch.float64:
         return False
-    if not (_FORCE or logits.is_cuda or (logits.device.type == "meta" and is_dry())):
+    choice = BACKENDS.requested()
+    if choice == "torch":
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    device = logits.device.type
+    if _FORCE or (device == "meta" and is_dry()):
+        return _triton_unavailable() is None
+    if choice == "triton":
+        why = _triton_unavailable() or (
+            None if device == "cuda" else f"the kernel serves CUDA tensors, not {device}"
+        )
+        if why is not None:
+            raise CrossEntropyBackendError(
+                f"{ENV_VAR}=triton cannot run here ({why}); unset it or set it to torch"
+            )
+        return True
+    return BACKENDS.auto(device).name == "triton"
 
 
 def softmax_xent_(

@@ -25,17 +25,16 @@ a state carried by one is read by another.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
 from gpn_scale.ops.memory import memory_chunkwise, memory_recurrent
 
 ENV_VAR = "GPN_SCALE_GDN_BACKEND"
-CHOICES = ("auto", "chunk", "recurrent", "fla")
 L2_EPS = 1e-6  # fla's l2norm epsilon (inside the square root)
 
 
@@ -162,13 +161,7 @@ class _FlaRule:
 
 def requested(config_choice: str = "auto") -> str:
     """The backend asked for: the environment override if set, else the config's choice."""
-    env = os.environ.get(ENV_VAR, "").strip().lower()
-    choice, where = (env, ENV_VAR) if env else ((config_choice or "auto").lower(), "backend")
-    if choice not in CHOICES:
-        raise GatedDeltaRuleError(
-            f"{where}={choice!r}: expected one of {', '.join(CHOICES)} (gated delta rule backend)"
-        )
-    return choice
+    return BACKENDS.requested(config_choice)
 
 
 @functools.lru_cache(maxsize=1)
@@ -181,6 +174,17 @@ def fla_import_error() -> str | None:
     return None
 
 
+BACKENDS = OpRegistry("gated delta rule", ENV_VAR, "backend", GatedDeltaRuleError)
+BACKENDS.register(OpBackend("chunk", (ANY_DEVICE,), 10, description="ours, chunkwise (torch)"))
+BACKENDS.register(
+    OpBackend("recurrent", (ANY_DEVICE,), 0, description="ours, step by step: the spec")
+)
+BACKENDS.register(
+    OpBackend("fla", ("cuda",), 20, fla_import_error, description="fla's Triton kernels")
+)
+CHOICES = BACKENDS.choices
+
+
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -189,23 +193,26 @@ def _warn_once(message: str) -> None:
 def select(config_choice: str, device: torch.device) -> GatedDeltaRule:
     """The backend for tensors on `device` (see the module docstring)."""
     choice = requested(config_choice)
-    if choice in ("chunk", "recurrent"):
-        return _TorchRule(choice)
-    if choice == "fla" or device.type == "cuda":
+    if choice == "auto":
+        preferred = BACKENDS.preferred(device.type)
+        why = preferred.unavailable()
+        if why is not None:
+            _warn_once(
+                f"flash-linear-attention does not import ({why}); Gated DeltaNet runs our "
+                "chunkwise op on CUDA (same results, slower); install the 'fla' extra for its "
+                "kernels"
+            )
+        choice = BACKENDS.auto(device.type).name
+    if choice == "fla":
         why = fla_import_error()
-        if choice == "fla" and (why is not None or device.type != "cuda"):
+        if why is not None or device.type != "cuda":
             reason = why or f"its Triton kernels serve CUDA tensors, not {device.type}"
             raise GatedDeltaRuleError(
                 f"gated delta rule backend 'fla' cannot run here ({reason}); install the "
                 f"'fla' extra on a CUDA machine, or use backend auto or chunk"
             )
-        if why is None:
-            return _FlaRule()
-        _warn_once(
-            f"flash-linear-attention does not import ({why}); Gated DeltaNet runs our chunkwise "
-            "op on CUDA (same results, slower); install the 'fla' extra for its kernels"
-        )
-    return _TorchRule("chunk")
+        return _FlaRule()
+    return _TorchRule(choice)
 
 
 def gated_delta_rule(

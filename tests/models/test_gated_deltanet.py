@@ -81,7 +81,8 @@ def _paper_recurrence(q, k, v, logd, beta, h0, scale):
     return torch.stack(outs, dim=1), S.transpose(-1, -2)
 
 
-@pytest.mark.parametrize("backend", ["chunk", "recurrent"])
+# Every backend that runs on CPU tensors (the registry's list: tests/ops/test_backends.py).
+@pytest.mark.parametrize("backend", [b.name for b in gdr.BACKENDS.available("cpu")])
 def test_our_op_equals_the_papers_recurrence_in_float64(backend: str) -> None:
     inputs = _inputs()
     scale = 8**-0.5

@@ -1,4 +1,5 @@
-"""Which step backend runs a chunk's steps: chosen at run time by device and availability.
+"""Which step backend runs a chunk's steps: chosen at run time by device and availability
+(the backends are declared in the one op-backend registry, `gpn_scale/ops/backends.py`).
 
 The engine config's `step_backend` asks for one (`auto` by default); the environment variable
 GPN_SCALE_STEP_KERNELS, when set, overrides it (for benchmarks and bisecting):
@@ -23,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
 from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.interface import StepBackend
 from gpn_scale.ops.gpn_step.reference import ReferenceBackend
@@ -30,31 +32,58 @@ from gpn_scale.ops.gpn_step.step_kernels import warn_once
 from gpn_scale.ops.launch import is_dry
 
 ENV_VAR = step_kernels.ENV_VAR
-CHOICES = ("auto", "reference", "cpu", "cuda")
-ALIASES = {"python": "reference", "cpp": "cpu", "triton": "cuda"}
 
 
 class StepBackendError(step_kernels.StepKernelError):
     """A step backend was asked for that cannot serve these tensors."""
 
 
+def _cpu_kernels_unavailable() -> str | None:
+    return None if step_kernels.load(required=False) is not None else "they do not build here"
+
+
+def _triton_unavailable() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # no triton in this environment
+        return str(exc)
+    return None
+
+
+BACKENDS = OpRegistry("GPN step", ENV_VAR, "model.step_backend", StepBackendError)
+BACKENDS.register(
+    OpBackend("reference", (ANY_DEVICE,), 0, aliases=("python",), description="the PyTorch steps")
+)
+BACKENDS.register(
+    OpBackend(
+        "cpu",
+        ("cpu",),
+        20,
+        _cpu_kernels_unavailable,
+        aliases=("cpp",),
+        description="the fused C++ kernels (csrc/step_kernels.cpp)",
+    )
+)
+BACKENDS.register(
+    OpBackend(
+        "cuda",
+        ("cuda",),
+        20,
+        _triton_unavailable,
+        aliases=("triton",),
+        description="the Triton kernels, chunks as CUDA graphs",
+    )
+)
+CHOICES = BACKENDS.choices
+
+
 def normalise(choice: str, where: str) -> str:
-    value = (choice or "auto").strip().lower()
-    value = ALIASES.get(value, value)
-    if value not in CHOICES:
-        raise StepBackendError(
-            f"{where}={choice!r}: expected one of {', '.join(CHOICES)} "
-            f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
-        )
-    return value
+    return BACKENDS.normalise(choice, where)
 
 
 def requested(config_choice: str = "auto") -> str:
     """The backend asked for: the environment override if set, else the config's choice."""
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        return normalise(env, ENV_VAR)
-    return normalise(config_choice, "model.step_backend")
+    return BACKENDS.requested(config_choice)
 
 
 def interpreting() -> bool:
@@ -68,32 +97,37 @@ def select_backend(config_choice: str, device: torch.device, tp_size: int = 1) -
     (`collectives.py`): the PyTorch steps and the CUDA backend do; the fused C++ kernels
     do not, so on CPU `auto` picks the PyTorch steps and asking for `cpu` is refused."""
     choice = requested(config_choice)
+    if choice == "auto":
+        if tp_size > 1 and device.type == "cpu":
+            return ReferenceBackend()
+        # The device's own kernels; when they cannot run here the backend below warns once
+        # and the PyTorch steps (which run everywhere) serve instead.
+        choice = BACKENDS.preferred(device.type).name
+        required = False
+    else:
+        required = True
     if choice == "reference":
         return ReferenceBackend()
-    if tp_size > 1 and (choice == "cpu" or (choice == "auto" and device.type == "cpu")):
-        if choice == "cpu":
+    if choice == "cpu":
+        if tp_size > 1:
             raise StepBackendError(
                 f"step backend 'cpu' does not run under tensor parallelism (tp={tp_size}): "
                 "the fused C++ kernels do not split at the tp group's collectives; use "
                 "step_backend auto or reference (the PyTorch steps) on CPU, or cuda on GPUs"
             )
-        return ReferenceBackend()
-    if choice == "cpu" or (choice == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise StepBackendError(
                 f"step backend 'cpu' (the fused C++ kernels) serves CPU "
                 f"tensors, not {device.type}; use auto or cuda"
             )
-        return _cpu_backend(required=choice == "cpu") or ReferenceBackend()
-    if choice == "cuda" or (choice == "auto" and device.type == "cuda"):
-        if device.type != "cuda" and not interpreting() and not _dry_run():
-            raise StepBackendError(
-                f"step backend 'cuda' serves CUDA tensors, not {device.type} "
-                "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
-                "slowly, as the tests do); use auto or cpu"
-            )
-        return _cuda_backend(required=choice == "cuda") or ReferenceBackend()
-    return ReferenceBackend()
+        return _cpu_backend(required=required) or ReferenceBackend()
+    if device.type != "cuda" and not interpreting() and not _dry_run():
+        raise StepBackendError(
+            f"step backend 'cuda' serves CUDA tensors, not {device.type} "
+            "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
+            "slowly, as the tests do); use auto or cpu"
+        )
+    return _cuda_backend(required=required) or ReferenceBackend()
 
 
 def _dry_run() -> bool:

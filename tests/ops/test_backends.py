@@ -1,0 +1,89 @@
+"""The op-backend registry (gpn_scale/ops/backends.py): names and aliases, the environment
+override, `auto` by device and priority with the probes, and the three ops registered in it.
+That each backend computes what its op's reference does is the op's own test, run over these
+registries (tests/ops/test_gpn_step.py, tests/models/test_gated_deltanet.py,
+tests/ops/test_cross_entropy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpn_scale.ops import cross_entropy
+from gpn_scale.ops import gated_delta_rule as gdr
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
+from gpn_scale.ops.gpn_step import registry as gpn_step
+
+
+class Refused(RuntimeError):
+    pass
+
+
+def _registry(fast_works: bool = True) -> OpRegistry:
+    reg = OpRegistry("toy", "TOY_BACKEND", "model.toy", Refused)
+    reg.register(OpBackend("slow", (ANY_DEVICE,), 0, aliases=("spec",)))
+    reg.register(
+        OpBackend("fast", ("cuda",), 10, lambda: None if fast_works else "no compiler here")
+    )
+    return reg
+
+
+def test_auto_prefers_the_devices_best_backend_and_falls_back_when_its_probe_fails():
+    reg = _registry()
+    assert reg.choices == ("auto", "slow", "fast")
+    assert [b.name for b in reg.available("cuda")] == ["fast", "slow"]
+    assert [b.name for b in reg.available("cpu")] == ["slow"]
+    assert reg.auto("cuda").name == reg.preferred("cuda").name == "fast"
+    broken = _registry(fast_works=False)
+    assert broken.preferred("cuda").name == "fast"  # what the op warns it could not use
+    assert broken.auto("cuda").name == "slow"
+    assert [b.name for b in broken.available("cuda")] == ["slow"]
+
+
+def test_names_aliases_and_the_environment_override(monkeypatch):
+    reg = _registry()
+    monkeypatch.delenv("TOY_BACKEND", raising=False)
+    assert reg.requested("SPEC") == "slow"
+    assert reg.requested() == "auto"
+    monkeypatch.setenv("TOY_BACKEND", " fast ")
+    assert reg.requested("slow") == "fast"  # the environment wins over the config
+    monkeypatch.setenv("TOY_BACKEND", "quick")
+    with pytest.raises(Refused, match=r"^TOY_BACKEND='quick': expected one of auto, slow, fast"):
+        reg.requested()
+    monkeypatch.delenv("TOY_BACKEND")
+    with pytest.raises(Refused, match=r"^model.toy='x': .*\(aliases: spec=slow\) \(toy backend\)$"):
+        reg.requested("x")
+
+
+def test_a_name_is_registered_once():
+    reg = _registry()
+    with pytest.raises(ValueError, match="'spec' is registered twice"):
+        reg.register(OpBackend("spec", (ANY_DEVICE,)))
+    with pytest.raises(ValueError, match="'auto' is registered twice"):
+        reg.register(OpBackend("auto", (ANY_DEVICE,)))
+
+
+def test_the_three_ops_and_what_auto_picks_on_each_device():
+    """What the tests run over on this machine: the fused CPU kernels build here (a CI
+    machine without g++ would silently test only the PyTorch steps, so that is a failure)."""
+    assert [b.name for b in gpn_step.BACKENDS.available("cpu")] == ["cpu", "reference"]
+    assert gpn_step.BACKENDS.preferred("cuda").name == "cuda"
+    assert gpn_step.BACKENDS.preferred("meta").name == "reference"
+    assert [b.name for b in gdr.BACKENDS.available("cpu")] == ["chunk", "recurrent"]
+    assert gdr.BACKENDS.preferred("cuda").name == "fla"
+    assert [b.name for b in cross_entropy.BACKENDS.available("cpu")] == ["torch"]
+    assert cross_entropy.BACKENDS.preferred("cuda").name == "triton"
+
+
+def test_the_cross_entropy_override(monkeypatch):
+    import torch
+
+    logits = torch.zeros(2, 3)
+    monkeypatch.setenv(cross_entropy.ENV_VAR, "torch")
+    with cross_entropy.force_triton():
+        assert not cross_entropy.use_triton(logits)
+    monkeypatch.setenv(cross_entropy.ENV_VAR, "triton")
+    with pytest.raises(cross_entropy.CrossEntropyBackendError, match=r"not cpu\); unset it"):
+        cross_entropy.use_triton(logits)
+    monkeypatch.setenv(cross_entropy.ENV_VAR, "fused")
+    with pytest.raises(cross_entropy.CrossEntropyBackendError, match="expected one of auto"):
+        cross_entropy.use_triton(logits)
