@@ -36,6 +36,7 @@ import torch
 from gpn_scale.models.gpn import GPN, GPNConfig, load_model_config
 from gpn_scale.models.gpn.engine import input_column_blocks
 from gpn_scale.models.gpn.reference import reference_forward
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.phases import phase_timer
 from gpn_scale.ops.gpn_step.registry import kernels_for, requested
@@ -142,7 +143,7 @@ def bench_roofline(repeats: int, shape: tuple[str, int, int] = SHAPES["SMALL"]) 
         if without_matmuls is not None:
             # Same model, same inputs; the step's result is meaningless, so nothing is
             # updated (no optimizer step) and the gradients are dropped.
-            with step_kernels.kernels_override(without_matmuls), phase_timer() as phases:
+            with execution(step_kernels=without_matmuls), phase_timer() as phases:
                 model(tokens).loss.backward()
             model.zero_grad(set_to_none=True)
             for key, value in phases.items():

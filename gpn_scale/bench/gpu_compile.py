@@ -146,10 +146,10 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
     its kernel, arguments and meta-parameters; the GEMM grids sized for a GPU of
     `sm_count` SMs (default: the CUDA backend's dry-run assumption, an H100/H200)."""
     from gpn_scale.bench.dry_run import as_tp_rank
-    from gpn_scale.models.gpn import GPN, engine
+    from gpn_scale.models.gpn import GPN
     from gpn_scale.models.gpn.parallelize import check_tp
     from gpn_scale.ops import launch
-    from gpn_scale.ops.gpn_step import cuda
+    from gpn_scale.ops.execution import execution
     from gpn_scale.ops.gpn_step.registry import ENV_VAR
 
     cfg = model_config(case)
@@ -162,16 +162,15 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
         model = model.to(torch.float64)
     T = case.seq_len or 2 * cfg.chunk_size
     tokens = torch.zeros(case.batch, T, dtype=torch.long, device="meta")
-    autocast = (
-        engine.matmul_dtype(torch.bfloat16) if case.dtype == "bf16" else contextlib.nullcontext()
+    settings = execution(
+        matmul_dtype=torch.bfloat16 if case.dtype == "bf16" else None,
+        assumed_sms=sm_count or None,
     )
     previous = os.environ.pop(ENV_VAR, None)
     try:
-        sms = cuda.assumed_sm_count(sm_count) if sm_count else contextlib.nullcontext()
         with (
             launch.recording(dry=True, keep_args=True) as launches,
-            autocast,
-            sms,
+            settings,
             as_tp_rank(case.tp),
         ):
             model(tokens).loss.backward()

@@ -44,6 +44,7 @@ from gpn_scale.models.gpn.config import ConfigError
 from gpn_scale.models.gpn.counts import flops_per_token
 from gpn_scale.models.gpn.parallelize import check_tp
 from gpn_scale.ops import launch as launches_
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import phases
 from gpn_scale.ops.gpn_step.cuda import GRAPH_COPIES
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
@@ -218,7 +219,7 @@ def _probe(
             launches_.recording(dry=True, keep_args=compiled is not None) as launches,
             phases.phase_timer(),
             recorder,
-            engine.matmul_dtype(torch.bfloat16),
+            execution(matmul_dtype=torch.bfloat16),
             as_tp_rank(tp),
         ):
             model(tokens).loss.backward()

@@ -12,17 +12,15 @@ stays the reference (and the path on CPU and in float64).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
+from gpn_scale.ops.execution import current
 from gpn_scale.ops.launch import is_dry, launch, nbytes
 
-_FORCE = False
 ENV_VAR = "GPN_SCALE_CROSS_ENTROPY"
 
 
@@ -46,28 +44,18 @@ BACKENDS.register(
 )
 
 
-@contextlib.contextmanager
-def force_triton() -> Iterator[None]:
-    """Use the Triton kernel on any device (tests: CPU tensors under TRITON_INTERPRET=1)."""
-    global _FORCE
-    previous, _FORCE = _FORCE, True
-    try:
-        yield
-    finally:
-        _FORCE = previous
-
-
 def use_triton(logits: Tensor) -> bool:
     """The kernel serves float32/bf16/fp16 logits on CUDA (on meta tensors only while the
-    launch accounting runs dry; on any device inside `force_triton`); float64 and CPU keep
-    the PyTorch form. GPN_SCALE_CROSS_ENTROPY=torch keeps it everywhere (bisecting)."""
+    launch accounting runs dry; on any device with `execution(triton_anywhere=True)`);
+    float64 and CPU keep the PyTorch form. GPN_SCALE_CROSS_ENTROPY=torch keeps it everywhere
+    (bisecting)."""
     if logits.dtype == torch.float64:
         return False
     choice = BACKENDS.requested()
     if choice == "torch":
         return False
     device = logits.device.type
-    if _FORCE or (device == "meta" and is_dry()):
+    if current().triton_anywhere or (device == "meta" and is_dry()):
         return _triton_unavailable() is None
     if choice == "triton":
         why = _triton_unavailable() or (

@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import Tensor
 
+from gpn_scale.ops.execution import current, execution
+
 
 @dataclass
 class Launch:
@@ -34,27 +36,17 @@ class Launch:
     meta: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-_RECORD: list[Launch] | None = None
-_DRY = False
-_KEEP_ARGS = False
-
-
 @contextlib.contextmanager
 def recording(dry: bool = False, keep_args: bool = False) -> Iterator[list[Launch]]:
     """Record every launch of the GPU code paths within the block; `dry`: record only, run no
     kernel (for meta tensors: the accounting runs the real code path at the real sizes);
     `keep_args`: each record also keeps the kernel, its arguments and meta-parameters."""
-    global _RECORD, _DRY, _KEEP_ARGS
-    previous = (_RECORD, _DRY, _KEEP_ARGS)
-    _RECORD, _DRY, _KEEP_ARGS = [], dry, keep_args
-    try:
-        yield _RECORD
-    finally:
-        _RECORD, _DRY, _KEEP_ARGS = previous
+    with execution(launches=[], dry=dry, keep_args=keep_args) as ex:
+        yield ex.launches  # type: ignore[misc]
 
 
 def is_dry() -> bool:
-    return _DRY
+    return current().dry
 
 
 def nbytes(*tensors: Tensor | None) -> int:
@@ -64,12 +56,13 @@ def nbytes(*tensors: Tensor | None) -> int:
 def launch(
     kernel, grid: tuple[int, ...], name: str, phase: str, nbytes: int, flops: int, *args, **meta
 ) -> None:
-    if _RECORD is not None:
-        if _KEEP_ARGS:
-            _RECORD.append(Launch(name, phase, grid, nbytes, flops, kernel, args, dict(meta)))
+    ex = current()
+    if ex.launches is not None:
+        if ex.keep_args:
+            ex.launches.append(Launch(name, phase, grid, nbytes, flops, kernel, args, dict(meta)))
         else:
-            _RECORD.append(Launch(name, phase, grid, nbytes, flops))
-    if not _DRY:
+            ex.launches.append(Launch(name, phase, grid, nbytes, flops))
+    if not ex.dry:
         kernel[grid](*args, **meta)
 
 
@@ -78,11 +71,13 @@ COLLECTIVE = "all-reduce"  # the name prefix of a recorded collective
 
 def record_collective(name: str, phase: str, nbytes: int) -> None:
     """Record a collective of the tensor-parallel group (an NCCL all-reduce of `nbytes`)."""
-    if _RECORD is not None:
-        _RECORD.append(Launch(f"{COLLECTIVE} {name}", phase, (1,), nbytes, 0))
+    record = current().launches
+    if record is not None:
+        record.append(Launch(f"{COLLECTIVE} {name}", phase, (1,), nbytes, 0))
 
 
 def record_aten(name: str, phase: str, nbytes: int) -> None:
     """Record a launch the driver makes through ATen (a copy, a fill)."""
-    if _RECORD is not None:
-        _RECORD.append(Launch(name, phase, (1,), nbytes, 0))
+    record = current().launches
+    if record is not None:
+        record.append(Launch(name, phase, (1,), nbytes, 0))

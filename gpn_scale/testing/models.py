@@ -14,6 +14,32 @@ TINY = dict(
 )
 
 
+# The one table of GPN shapes the equality tests run (each test takes the names it needs: the
+# engine against the reference path, every step backend against the PyTorch steps, the
+# sharded engine against one process), changes to TINY.
+GPN_CASES: dict[str, dict[str, Any]] = {
+    "1-layer": dict(),
+    "2-layer": dict(n_layers=2),
+    "3-layer": dict(n_layers=3, chunk_size=5),
+    "gpn-no-memory": dict(memory=False),
+    "gpn-2-layer": dict(memory=False, n_layers=2),
+    "decoder-bias": dict(decoder_bias=True),
+    "chunk-divides-T": dict(chunk_size=4),  # T = 12 in the engine tests
+    "chunk-1": dict(chunk_size=1),
+    "chunk-not-dividing": dict(chunk_size=5),
+    "chunk-longer-than-T": dict(chunk_size=64),
+    "tbptt": dict(tbptt=5, chunk_size=4),
+    "tbptt-2-layer": dict(tbptt=4, n_layers=2, chunk_size=3),
+    "wide-heads": dict(n_heads=3, d_key=16, d_value=20, d_state=40, d_ffn=36),
+    "loss-in-small-chunks": dict(loss_chunk_tokens=7),
+}
+
+
+def gpn_cases(*names: str, **changes: Any) -> dict[str, dict[str, Any]]:
+    """The named GPN_CASES, each with `changes` on top (e.g. widths a tp group splits)."""
+    return {name: {**GPN_CASES[name], **changes} for name in names}
+
+
 def tiny_config(**changes) -> GPNConfig:
     values: dict[str, Any] = dict(TINY)
     if changes.get("memory") is False:

@@ -11,6 +11,7 @@ import pytest
 from gpn_scale.ops import cross_entropy
 from gpn_scale.ops import gated_delta_rule as gdr
 from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import registry as gpn_step
 
 
@@ -79,7 +80,7 @@ def test_the_cross_entropy_override(monkeypatch):
 
     logits = torch.zeros(2, 3)
     monkeypatch.setenv(cross_entropy.ENV_VAR, "torch")
-    with cross_entropy.force_triton():
+    with execution(triton_anywhere=True):
         assert not cross_entropy.use_triton(logits)
     monkeypatch.setenv(cross_entropy.ENV_VAR, "triton")
     with pytest.raises(cross_entropy.CrossEntropyBackendError, match=r"not cpu\); unset it"):

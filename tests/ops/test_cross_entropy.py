@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
-from gpn_scale.ops.cross_entropy import force_triton, softmax_xent_, use_triton
+from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
+from gpn_scale.ops.execution import execution
 
 
 @pytest.mark.parametrize("V", [7, 16, 50])
@@ -19,7 +20,7 @@ def test_rows_loss_and_gradient_equal_torch(V):
     targets = torch.randint(0, V, (5,), generator=g)
     want = F.cross_entropy(logits, targets, reduction="none")
     want_grad = torch.softmax(logits, -1) - F.one_hot(targets, V).float()
-    with force_triton():
+    with execution(triton_anywhere=True):
         assert use_triton(logits)
         work = logits.clone()
         got = softmax_xent_(work, targets, need_grad=True)
@@ -31,7 +32,7 @@ def test_rows_loss_and_gradient_equal_torch(V):
 
 def test_cpu_and_float64_keep_the_pytorch_form():
     assert not use_triton(torch.zeros(2, 3))
-    with force_triton():
+    with execution(triton_anywhere=True):
         assert not use_triton(torch.zeros(2, 3, dtype=torch.float64))
 
 
@@ -50,7 +51,7 @@ def test_decode_loss_with_the_kernel_equals_the_pytorch_form():
         return loss, torch.autograd.grad(loss, inputs)
 
     want, g_want = run()
-    with force_triton():
+    with execution(triton_anywhere=True):
         got, g_got = run()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     for a, b in zip(g_got, g_want):

@@ -14,24 +14,25 @@ import pytest
 import torch
 
 from gpn_scale.models.gpn import GPNState
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
-from gpn_scale.testing.models import perturbed_model, tiny_config
+from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
 
-CASES = {
-    "1-layer": dict(),
-    "2-layer": dict(n_layers=2),
-    "3-layer": dict(n_layers=3, chunk_size=5),
-    "gpn-no-memory": dict(memory=False),
-    "gpn-2-layer": dict(memory=False, n_layers=2),
-    "decoder-bias": dict(decoder_bias=True),
-    "chunk-1": dict(chunk_size=1),
-    "chunk-not-dividing": dict(chunk_size=5),
-    "chunk-longer-than-T": dict(chunk_size=64),
-    "tbptt": dict(tbptt=5, chunk_size=4),
-    "tbptt-2-layer": dict(tbptt=4, n_layers=2, chunk_size=3),
-    "wide-heads": dict(n_heads=3, d_key=16, d_value=20, d_state=40, d_ffn=36),
-}
+CASES = gpn_cases(
+    "1-layer",
+    "2-layer",
+    "3-layer",
+    "gpn-no-memory",
+    "gpn-2-layer",
+    "decoder-bias",
+    "chunk-1",
+    "chunk-not-dividing",
+    "chunk-longer-than-T",
+    "tbptt",
+    "tbptt-2-layer",
+    "wide-heads",
+)
 # The interpreter runs a Triton program instance at a time in numpy: the graph variant (the
 # same kernels again) runs on the cases that exercise its shape keys (several chunks, a
 # partial last chunk, several layers, no memory).
@@ -43,7 +44,7 @@ BACKENDS = ("cpu", "cuda", "cuda-graphs")
 def _backend(name: str, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     if name == "cuda-graphs":
-        with graphs.capture_with():
+        with execution(graph_capture=graphs.eager_capture()):
             yield "cuda", True
     else:
         yield name, False
@@ -160,7 +161,7 @@ def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
-    with graphs.capture_with():
+    with execution(graph_capture=graphs.eager_capture()):
         model(tokens).loss.backward()
         assert (backend.graphs.captures, backend.graphs.replays) == (4, 6)
         model(tokens).loss.backward()
@@ -179,7 +180,7 @@ def test_chunk_graph_capture_failure_warns_and_runs_eagerly(monkeypatch):
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
     want = perturbed_model(tiny_config(step_backend="reference"), torch.float64)(tokens).loss
-    with graphs.capture_with(failing), pytest.warns(RuntimeWarning, match="capture .* failed"):
+    with execution(graph_capture=failing), pytest.warns(RuntimeWarning, match="capture .* failed"):
         got = model(tokens).loss
     assert backend.graphs.failed and "not permitted" in backend.graphs.failed
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
@@ -198,7 +199,7 @@ def test_chunk_graphs_are_keyed_on_shapes_bounded_and_cleared(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
-    with graphs.capture_with():
+    with execution(graph_capture=graphs.eager_capture()):
         model(tokens13).loss.backward()  # chunks 5, 5, 3: two shapes, forward and reverse
         assert backend.graphs.captures == 4
         model(tokens8).loss.backward()  # chunks 5, 3: the same shapes, other strides
@@ -231,7 +232,7 @@ def test_chunk_graph_capture_out_of_memory_is_raised_and_graphs_stay_on(monkeypa
     monkeypatch.delenv(ENV_VAR, raising=False)
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
-    with graphs.capture_with(out_of_memory_once):
+    with execution(graph_capture=out_of_memory_once):
         with pytest.raises(torch.OutOfMemoryError):
             model(tokens)
         assert backend.graphs.failed is None

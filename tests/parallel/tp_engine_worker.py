@@ -29,18 +29,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from gpn_scale.bench import gpu_model
 from gpn_scale.models.gpn.parallelize import apply_tp, tp_plan
 from gpn_scale.ops import launch
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
-from gpn_scale.testing.models import perturbed_model, tiny_config
+from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
 
-# vocab_size 40: the embedding / tied output is vocabulary-parallel (10 rows per rank at
-# tp = 4); loss_chunk_tokens 7 does not divide the 33 positions of a window.
-VOCAB = dict(vocab_size=40, loss_chunk_tokens=7)
+# Widths a tp group of up to 4 splits: 4 heads, d_ffn 24, vocab_size 40 (the embedding / tied
+# output is vocabulary-parallel: 10 rows per rank at tp = 4); loss_chunk_tokens 7 does not
+# divide the 33 positions of a window.
+SPLITS = dict(d_ffn=24, vocab_size=40, loss_chunk_tokens=7)
 CASES = {
-    "1-layer": dict(n_heads=4, d_ffn=24, **VOCAB),
-    "2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, **VOCAB),
-    "gpn-no-memory": dict(memory=False, d_ffn=24, **VOCAB),
-    "tbptt-2-layer": dict(n_heads=4, d_ffn=24, n_layers=2, tbptt=5, chunk_size=3, **VOCAB),
+    **gpn_cases("1-layer", "2-layer", "tbptt-2-layer", n_heads=4, **SPLITS),
+    **gpn_cases("gpn-no-memory", **SPLITS),
 }
 
 
@@ -64,7 +64,7 @@ def run_case(
     for model in (ref, tp):
         graphed = model is tp and backend == "cuda-graphs"
         with (
-            graphs.capture_with() if graphed else contextlib.nullcontext(),
+            execution(graph_capture=graphs.eager_capture() if graphed else None),
             launch.recording() if model is tp else contextlib.nullcontext() as launches,
         ):
             first = model(w1, return_state=True)

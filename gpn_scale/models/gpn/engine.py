@@ -28,7 +28,6 @@ and every elementwise recurrence op stay in float32.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +39,7 @@ from gpn_scale.models.gpn.config import GPNConfig
 from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
 from gpn_scale.models.gpn.state import GPNOutput, GPNState
 from gpn_scale.models.gpn.vocab_parallel import embed, gather_vocab
+from gpn_scale.ops.execution import current
 from gpn_scale.ops.gpn_step.chunk import gpn_sequence, make_spans
 from gpn_scale.ops.gpn_step.collectives import sum_grad_over_tp
 from gpn_scale.ops.gpn_step.functional import rms as _rms
@@ -142,24 +142,10 @@ def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights
 
 
 # ------------------------------------------------------------------ entry point
-_MM_DTYPE_OVERRIDE: torch.dtype | None = None
-
-
-@contextlib.contextmanager
-def matmul_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Run the engine's matmuls in `dtype` as under autocast, on devices autocast does not
-    know (the launch accounting's meta tensors: gpn_scale.bench.gpu_model)."""
-    global _MM_DTYPE_OVERRIDE
-    previous, _MM_DTYPE_OVERRIDE = _MM_DTYPE_OVERRIDE, dtype
-    try:
-        yield
-    finally:
-        _MM_DTYPE_OVERRIDE = previous
-
-
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    if _MM_DTYPE_OVERRIDE is not None:
-        return _MM_DTYPE_OVERRIDE
+    override = current().matmul_dtype  # the accounting's meta tensors
+    if override is not None:
+        return override
     if device.type == "meta":
         return None
     if torch.is_autocast_enabled(device.type):

@@ -32,14 +32,13 @@ tensors at the real sizes to count launches, bytes and FLOPs per step.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.execution import current
 from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.collectives import tp_sum_
 from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
@@ -73,19 +72,6 @@ def _p2(n: int) -> int:
 DRY_RUN_SMS = 132
 INTERPRETER_SMS = 16
 MAX_SPLITS = 8
-_assumed_sms: int | None = None
-
-
-@contextlib.contextmanager
-def assumed_sm_count(n: int) -> Iterator[None]:
-    """Within the block, size the GEMM grids for a GPU of `n` SMs (dry runs: the GPU is not
-    there to ask)."""
-    global _assumed_sms
-    previous, _assumed_sms = _assumed_sms, n
-    try:
-        yield
-    finally:
-        _assumed_sms = previous
 
 
 @functools.cache
@@ -94,8 +80,9 @@ def _device_sms(index: int) -> int:
 
 
 def _sm_count(t: Tensor) -> int:
-    if _assumed_sms is not None:
-        return _assumed_sms
+    assumed = current().assumed_sms
+    if assumed is not None:
+        return assumed
     if _interpreting(t):
         return INTERPRETER_SMS
     if t.is_cuda:

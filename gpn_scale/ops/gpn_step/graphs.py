@@ -17,14 +17,14 @@ check calls it between models). Running out of memory during a capture is raised
 caller's batch is too large); any other capture failure turns graphs off for this backend,
 with one warning, and the chunks run eagerly.
 
-Everything except the capture call itself is plain Python over tensors: `capture_with`
-swaps the capture for an eager stand-in, so the tests run the static-buffer logic (copies
-in, replay, copies out) on CPU under TRITON_INTERPRET=1.
+Everything except the capture call itself is plain Python over tensors:
+`execution(graph_capture=eager_capture())` (ops/execution.py) swaps the capture for an eager
+stand-in, so the tests run the static-buffer logic (copies in, replay, copies out) on CPU
+under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from collections import OrderedDict
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.execution import current
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
     ChunkForwardResult,
@@ -78,7 +79,6 @@ def _eager_capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
 
 
 _POOL = None
-_capture: Capture = _cuda_capture
 
 
 def _pool():
@@ -88,20 +88,10 @@ def _pool():
     return _POOL
 
 
-@contextlib.contextmanager
-def capture_with(capture: Capture | None = None) -> Iterator[None]:
-    """Within the block graphs are 'captured' by `capture` (default: the eager stand-in) and
-    wanted on any device: for tests of everything around the CUDA call."""
-    global _capture, _ANY_DEVICE
-    previous = (_capture, _ANY_DEVICE)
-    _capture, _ANY_DEVICE = capture or _eager_capture, True
-    try:
-        yield
-    finally:
-        _capture, _ANY_DEVICE = previous
-
-
-_ANY_DEVICE = False
+def eager_capture() -> Any:
+    """`execution(graph_capture=eager_capture())`: chunk graphs 'captured' by the eager
+    stand-in and wanted on any device, for tests of everything around the CUDA call."""
+    return _eager_capture
 
 
 # ------------------------------------------------------------------- tensor trees
@@ -214,7 +204,7 @@ class ChunkGraphs:
             plan.cuda_graphs
             and self.failed is None
             and not is_dry()
-            and (like.is_cuda or _ANY_DEVICE)
+            and (like.is_cuda or current().graph_capture is not None)
         )
 
     def forward(
@@ -261,7 +251,9 @@ class ChunkGraphs:
             self.evictions += 1
         inputs, weights = _static_like(args), _static_like(W, keep_strides=True)
         try:
-            replay, outputs = _capture(lambda: run(plan, weights, inputs))
+            replay, outputs = (current().graph_capture or _cuda_capture)(
+                lambda: run(plan, weights, inputs)
+            )
         except torch.OutOfMemoryError:
             raise  # the batch does not fit with its graphs: the caller's to handle
         except Exception as exc:  # capture is not possible here: eager from now on

@@ -2,7 +2,7 @@
 
 `phase_timer()` turns it on around a block; the sequence op and the model mark their phases
 (`phase(name, device)`); `current_phase()` names the innermost one open (the launch
-accounting attributes each kernel launch to it). Off, a phase costs one global read.
+accounting attributes each kernel launch to it). Off, a phase costs one attribute read.
 """
 
 from __future__ import annotations
@@ -13,8 +13,27 @@ from collections.abc import Iterator
 
 import torch
 
-_PHASES: dict[str, float] | None = None  # set by `phase_timer()` (benchmarks only)
-_PENDING: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+from gpn_scale.ops.execution import current, execution
+
+
+class _PhaseTimes:
+    """What one `phase_timer()` block accumulates: seconds per phase, the CUDA events not
+    read yet, and the phases open now (innermost last)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.open: list[str] = []
+
+    def read_events(self) -> None:
+        if self.pending:
+            torch.cuda.synchronize()
+            for name, begin, end in self.pending:
+                self.add(name, begin.elapsed_time(end) / 1e3)
+            self.pending.clear()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
 @contextlib.contextmanager
@@ -22,44 +41,36 @@ def phase_timer() -> Iterator[dict[str, float]]:
     """Accumulate time per engine phase while active (for `gpn_scale.bench.engine`). On CUDA
     a phase is timed by events on the stream (wall time would charge the kernels queued by
     one phase to whichever later phase waits for them); they are read when the block ends."""
-    global _PHASES
-    previous, _PHASES = _PHASES, {}
-    phases = _PHASES
-    try:
-        yield phases
-    finally:
-        if _PENDING:
-            torch.cuda.synchronize()
-            for name, begin, end in _PENDING:
-                phases[name] = phases.get(name, 0.0) + begin.elapsed_time(end) / 1e3
-            _PENDING.clear()
-        _PHASES = previous
-
-
-_CURRENT: list[str] = []  # the phases open now, innermost last (while phase_timer is on)
+    times = _PhaseTimes()
+    with execution(phases=times):
+        try:
+            yield times.seconds
+        finally:
+            times.read_events()
 
 
 def current_phase() -> str | None:
     """The innermost engine phase running now, when phases are being timed (accounting)."""
-    return _CURRENT[-1] if _CURRENT else None
+    times = current().phases
+    return times.open[-1] if times is not None and times.open else None
 
 
 @contextlib.contextmanager
 def phase(name: str, device: torch.device | None = None) -> Iterator[None]:
-    if _PHASES is None:
+    times = current().phases
+    if times is None:
         yield
         return
-    _CURRENT.append(name)
+    times.open.append(name)
     try:
-        with _timed_phase(name, device):
+        with _timed_phase(times, name, device):
             yield
     finally:
-        _CURRENT.pop()
+        times.open.pop()
 
 
 @contextlib.contextmanager
-def _timed_phase(name: str, device: torch.device | None) -> Iterator[None]:
-    assert _PHASES is not None
+def _timed_phase(times: _PhaseTimes, name: str, device: torch.device | None) -> Iterator[None]:
     if device is not None and device.type == "cuda":
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -67,10 +78,10 @@ def _timed_phase(name: str, device: torch.device | None) -> Iterator[None]:
             yield
         finally:
             end.record()
-            _PENDING.append((name, begin, end))
+            times.pending.append((name, begin, end))
         return
     start = time.perf_counter()
     try:
         yield
     finally:
-        _PHASES[name] = _PHASES.get(name, 0.0) + time.perf_counter() - start
+        times.add(name, time.perf_counter() - start)

@@ -15,16 +15,16 @@ TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from gpn_scale.ops.execution import current
 
 ENV_VAR = "GPN_SCALE_STEP_KERNELS"
 _SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
@@ -135,21 +135,6 @@ def benchmark_build(define: str) -> ModuleType:
     return module
 
 
-_override: ModuleType | None = None
-
-
-@contextlib.contextmanager
-def kernels_override(module: ModuleType) -> Iterator[None]:
-    """Within the block, the engine runs on `module` (a benchmark build) instead of the
-    kernels `registry.kernels_for` would pick; only where it would pick compiled kernels at all."""
-    global _override
-    previous, _override = _override, module
-    try:
-        yield
-    finally:
-        _override = previous
-
-
 def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
     """One line on stderr before a build (it takes about a minute; later loads are cached)."""
     try:  # a private helper of torch's: without it, only the notice is lost
@@ -181,7 +166,8 @@ def load(required: bool) -> ModuleType | None:
             raise StepKernelError(message)
         warn_once(message + " (using the PyTorch steps: same results, slower)")
         return None
-    return module if _override is None else _override
+    override = current().step_kernels
+    return module if override is None else override
 
 
 def _first_error(exc: Exception) -> str:

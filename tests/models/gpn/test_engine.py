@@ -6,21 +6,21 @@ import torch
 from gpn_scale.models.gpn import GPNState
 from gpn_scale.models.gpn.reference import reference_forward
 from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR
-from gpn_scale.testing.models import perturbed_model, tiny_config
+from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
 
-CASES = {
-    "1-layer": dict(),
-    "2-layer": dict(n_layers=2),
-    "gpn-no-memory": dict(memory=False),
-    "decoder-bias": dict(decoder_bias=True),
-    "chunk-divides-T": dict(chunk_size=4),  # T = 12 below
-    "chunk-not-dividing": dict(chunk_size=5),
-    "chunk-1": dict(chunk_size=1),
-    "chunk-longer-than-T": dict(chunk_size=64),
-    "tbptt": dict(tbptt=5, chunk_size=4),
-    "tbptt-2-layer": dict(tbptt=4, n_layers=2, chunk_size=3),
-    "loss-in-small-chunks": dict(loss_chunk_tokens=7),
-}
+CASES = gpn_cases(
+    "1-layer",
+    "2-layer",
+    "gpn-no-memory",
+    "decoder-bias",
+    "chunk-divides-T",
+    "chunk-not-dividing",
+    "chunk-1",
+    "chunk-longer-than-T",
+    "tbptt",
+    "tbptt-2-layer",
+    "loss-in-small-chunks",
+)
 
 
 def _compare(

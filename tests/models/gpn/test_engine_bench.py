@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpn_scale.bench import engine as engine_bench
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.registry import kernels_for
 from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR
@@ -52,7 +53,7 @@ def test_build_without_step_matmuls_leaves_out_exactly_the_matmuls(without_matmu
     model = perturbed_model(tiny_config(chunk_size=4, n_layers=layers), torch.float64)
     tokens = torch.randint(0, 37, (3, 10), generator=torch.Generator().manual_seed(1))
     normal = _loss_and_grads(model, tokens)
-    with step_kernels.kernels_override(without_matmuls):
+    with execution(step_kernels=without_matmuls):
         assert kernels_for(torch.device("cpu")) is without_matmuls
         skipped = _loss_and_grads(model, tokens)
     assert kernels_for(torch.device("cpu")) is not without_matmuls  # the override ends
@@ -63,7 +64,7 @@ def test_build_without_step_matmuls_leaves_out_exactly_the_matmuls(without_matmu
             if name.endswith(STEP_MATMUL_WEIGHTS):
                 p.zero_()
     normal = _loss_and_grads(model, tokens)
-    with step_kernels.kernels_override(without_matmuls):
+    with execution(step_kernels=without_matmuls):
         skipped = _loss_and_grads(model, tokens)
     # Not bitwise: MKL may round differently with other buffer alignments between the runs.
     exact = dict(rtol=1e-12, atol=1e-14)
