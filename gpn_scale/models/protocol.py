@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from torch import Tensor, nn
+if TYPE_CHECKING:  # annotations only: the registry resolves families without importing torch
+    from torch import Tensor, nn
 
 
 class LMOutput(NamedTuple):

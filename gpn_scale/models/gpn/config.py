@@ -16,11 +16,10 @@ from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own
     ConfigError,
     check_fields,
     closest_key_hint,
-    read_yaml,
     resolve_named_yaml,
 )
-
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "model"
+from gpn_scale.models.registry import CONFIG_DIR
+from gpn_scale.models.registry import load_model_config as load_any_model_config
 
 
 @dataclass(frozen=True)
@@ -150,20 +149,13 @@ def _require_int(name: str, value: Any, minimum: int, why: str = "") -> None:
 def load_model_config(
     name_or_path: str | Path, overrides: Mapping[str, Any] | None = None
 ) -> GPNConfig:
-    """Load `configs/model/<name>.yaml` (or any YAML path) into a validated GPNConfig.
-
-    The YAML may hold the fields at top level or under a `model:` key.
-    """
-    path = resolve_model_config_path(name_or_path)
-    raw = read_yaml(path, what="model config")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of model fields")
-    if "model" in raw and isinstance(raw["model"], dict):
-        raw = raw["model"]
-    raw.setdefault("name", Path(path).stem)
-    if overrides:
-        raw.update(overrides)
-    return GPNConfig.from_dict({str(k): v for k, v in raw.items()})
+    """A GPN / GPN+M config through the one model-config loader (`models/registry.py`), for the
+    tools that run GPN only (benchmarks, the GPU accounting); another family's YAML is one
+    ConfigError line."""
+    spec, cfg = load_any_model_config(name_or_path, overrides)
+    if not isinstance(cfg, GPNConfig):
+        GPNConfig.from_dict({"family": spec.name})  # the one line naming the family
+    return cfg
 
 
 def resolve_model_config_path(name_or_path: str | Path) -> Path:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from gpn_scale.models.gpn.config import GPNConfig
 from gpn_scale.models.protocol import FamilySpec
+
+if TYPE_CHECKING:  # loading a config resolves the family without importing torch
+    from torch import nn
 
 # The fields a checkpoint must share with the config that resumes it (the model's shape).
 SHAPE_KEYS = (

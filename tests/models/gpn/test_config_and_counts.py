@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpn_scale.models.gpn import GPN, ConfigError, GPNConfig, load_model_config
-from gpn_scale.models.gpn.config import CONFIG_DIR
+from gpn_scale.models.registry import CONFIG_DIR
 from gpn_scale.models.gpn.counts import (
     count_parameters,
     estimate_training_memory,
@@ -168,3 +168,24 @@ def test_non_finite_or_negative_model_floats_are_refused(family, bad):
         assert msg == f"model.norm_eps: must be a finite number >= 0, got {bad}"
     with pytest.raises(ConfigError, match=r"norm_eps: expected a (positive )?number, got 'nan'"):
         load_any(family, {"norm_eps": "nan"})  # what a dotlist's `norm_eps=nan` gives
+
+
+def test_gpns_loader_is_the_registrys_and_refuses_another_family():
+    """One model-config loader (models/registry.py); GPN's own, for the GPN-only tools, is it
+    plus a family check, and loading a config imports no torch (the CLI's --help path)."""
+    import subprocess
+    import sys
+
+    from gpn_scale.core.config import ConfigError
+    from gpn_scale.models.gpn.config import load_model_config as load_gpn
+    from gpn_scale.models.registry import load_model_config
+
+    assert load_gpn("small", {"n_layers": 2}) == load_model_config("small", {"n_layers": 2})[1]
+    with pytest.raises(ConfigError, match=r"^model.family: 'transformer_pp' is not GPN; "):
+        load_gpn("transformer_pp_tiny")
+    code = (
+        "import sys; from gpn_scale.models.gpn import load_model_config; "
+        "load_model_config('gpn_m_130m'); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
