@@ -13,7 +13,8 @@
    chunkwise op (loss, every gradient, a carried-state continuation; float32): fla cannot
    run on CPU, so this is its first check (skipped, and said so, without CUDA or fla).
 2. Throughput: each `--config` (default the paper's 130M 1-layer and 2-layer GPN+M) and a
-   Transformer++ with the first config's parameter count (gpn_scale/bench/transformer_pp.py),
+   Transformer++ with the first config's parameter count (the family's model,
+   gpn_scale/models/transformer_pp, sized by counts.matching_config),
    at `--seq-len` (2048), bf16 autocast, AdamW, batch sizes doubling from `--min-batch` up
    to the first that does not fit (or an explicit `--batches` list). Per batch: tokens/s,
    MFU (against the device's dense bf16 peak), peak memory allocated and reserved, and from
@@ -56,7 +57,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
 from gpn_scale.core.hardware import device_peak_flops
 from gpn_scale.models.gpn import GPN, GPNConfig
 from gpn_scale.models.gpn.counts import count_parameters, flops_per_token
@@ -404,16 +404,21 @@ def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
 
 
 def transformer_candidate(like: GPNConfig, seq_len: int) -> Candidate:
-    tcfg = matching_config(like.vocab_size, like.d_emb, count_parameters(like), seq_len)
+    """The Transformer++ family's model (models/transformer_pp) of the GPN's size and
+    embedding width, its FLOPs counted as its training runs count them."""
+    from gpn_scale.models.transformer_pp import counts as tpp_counts
+    from gpn_scale.models.transformer_pp.model import TransformerPP
+
+    tcfg = tpp_counts.matching_config(like.vocab_size, like.d_emb, count_parameters(like))
     name = f"transformer++ L{tcfg.n_layers} d{tcfg.d_model} f{tcfg.d_ffn}"
     # Attention makes its cost per token depend on T: profiled on the full window.
     return Candidate(
         name,
         "transformer++",
-        tcfg.num_parameters(),
+        tpp_counts.count_parameters(tcfg),
         tcfg.vocab_size,
         lambda: TransformerPP(tcfg),
-        tcfg.flops_per_token(seq_len),
+        tpp_counts.flops_per_token(tcfg, seq_len),
         seq_len,
     )
 

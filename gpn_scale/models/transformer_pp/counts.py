@@ -35,3 +35,30 @@ def forward_flops_per_token(cfg: TransformerPPConfig, seq_len: int) -> float:
 def flops_per_token(cfg: TransformerPPConfig, seq_len: int) -> float:
     """Training FLOPs per token at window length `seq_len` (forward + backward)."""
     return 3.0 * forward_flops_per_token(cfg, seq_len)
+
+
+def matching_config(vocab_size: int, d_model: int, target_params: int) -> TransformerPPConfig:
+    """The Transformer++ of width `d_model` (tied embedding and head) with about
+    `target_params` parameters: the depth whose SwiGLU width, solved for the parameter count,
+    is closest to LLaMA's 8/3 d (the device check's side-by-side model for a GPN of that
+    size and embedding width)."""
+    d = d_model
+    head_dim = 64 if d % 64 == 0 else d
+    step = 64 if d >= 256 else 8
+    best = None
+    for layers in range(1, 97):
+        # Everything but the SwiGLU (as count_parameters counts it, tied: no separate head).
+        fixed = (vocab_size + 1) * d + d + layers * (4 * d * d + 2 * d)
+        ffn = round((target_params - fixed) / (layers * 3 * d) / step) * step
+        if ffn < step:
+            break
+        cfg = TransformerPPConfig(vocab_size, d, layers, d // head_dim, ffn, tie_embeddings=True)
+        key = (abs(ffn / d - 8 / 3), abs(count_parameters(cfg) - target_params))
+        if best is None or key < best[0]:
+            best = (key, cfg)
+    if best is None:
+        raise ValueError(
+            f"no Transformer++ of width {d} has {target_params:,} parameters "
+            f"(the embedding alone has {vocab_size * d:,})"
+        )
+    return best[1]

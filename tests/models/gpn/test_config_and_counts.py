@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from gpn_scale.models.gpn import GPN, ConfigError, GPNConfig, load_model_config
-from gpn_scale.models.registry import CONFIG_DIR
 from gpn_scale.models.gpn.counts import (
     count_parameters,
     estimate_training_memory,
     flops_per_token,
     forward_flops_per_token,
 )
+from gpn_scale.models.registry import CONFIG_DIR
 
 BASE = dict(vocab_size=100, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6)
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from gpn_scale.bench import gpu
-from gpn_scale.bench.transformer_pp import TransformerPP, matching_config
 from gpn_scale.models.gpn import GPNConfig, load_model_config
 from gpn_scale.models.gpn.counts import count_parameters
+from gpn_scale.models.transformer_pp.counts import count_parameters as tpp_parameters
+from gpn_scale.models.transformer_pp.counts import matching_config
+from gpn_scale.models.transformer_pp.model import TransformerPP
 
 SMOKE = [
     "--device",
@@ -208,34 +210,35 @@ def test_device_activity_counts_launches_and_busy_time_once_per_overlap():
 
 # ----------------------------------------------------------------------- Transformer++
 def test_transformer_pp_matches_the_gpn_parameter_count():
+    """The side-by-side Transformer++ is the family's model, sized to the GPN."""
     for name in ("gpn_m_130m", "gpn_m_130m_2l", "tiny"):
         cfg = load_model_config(name)
-        tcfg = matching_config(cfg.vocab_size, cfg.d_emb, count_parameters(cfg), 64)
-        assert abs(tcfg.num_parameters() / count_parameters(cfg) - 1) < 0.01, name
+        tcfg = matching_config(cfg.vocab_size, cfg.d_emb, count_parameters(cfg))
+        assert abs(tpp_parameters(tcfg) / count_parameters(cfg) - 1) < 0.01, name
         assert tcfg.d_model == cfg.d_emb and tcfg.d_model % tcfg.n_heads == 0
-        assert 2 <= tcfg.d_ffn / tcfg.d_model <= 3.5  # LLaMA-like SwiGLU width
-    tiny = matching_config(512, 64, count_parameters(load_model_config("tiny")), 64)
+        assert tcfg.tie_embeddings and 2 <= tcfg.d_ffn / tcfg.d_model <= 3.5  # LLaMA-like
+    tiny = matching_config(512, 64, count_parameters(load_model_config("tiny")))
     model = TransformerPP(tiny)
-    assert sum(p.numel() for p in model.parameters()) == tiny.num_parameters()
+    assert sum(p.numel() for p in model.parameters()) == tpp_parameters(tiny)
+    cand = gpu.transformer_candidate(load_model_config("tiny"), 64)
+    assert cand.params == tpp_parameters(tiny)
 
 
 def test_transformer_pp_is_causal_and_trains():
     torch.manual_seed(0)
-    cfg = matching_config(97, 64, 120_000, 16)
+    cfg = matching_config(97, 64, 120_000)
     model = TransformerPP(cfg)
     a = torch.randint(0, 97, (2, 16))
     b = a.clone()
     b[:, 9:] = (b[:, 9:] + 1) % 97  # only the future differs
 
-    def hidden(tokens):
-        x = model.embedding(tokens)
-        for block in model.blocks:
-            x = block(x, model.cos[:16], model.sin[:16])
-        return x
+    def logits(tokens):
+        return model(tokens, return_logits=True).logits
 
-    assert torch.equal(hidden(a)[:, :9], hidden(b)[:, :9])
-    assert not torch.allclose(hidden(a)[:, 9:], hidden(b)[:, 9:])
-    loss = model(a)
+    # logits[:, t] predict token t from tokens < t: the first 10 see none of the change.
+    assert torch.equal(logits(a)[:, :10], logits(b)[:, :10])
+    assert not torch.allclose(logits(a)[:, 10:], logits(b)[:, 10:])
+    loss = model(a).loss
     assert abs(loss.item() - math.log(97)) < 0.5  # near uniform at init
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
