@@ -51,6 +51,18 @@ os.environ.setdefault(
 
 
 @pytest.fixture(scope="session")
+def default_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The embedded default corpus (byte-level, seq_len 64), built once per session (~15 s)
+    for every test that trains on it: runs and sweeps point data.remote here rather than each
+    building its own copy in its run folder (what `data.remote: default` does, which the
+    demo, the README run and tests/sweeps/test_sweep_run_defaults.py still exercise)."""
+    from data_tools.default_corpus import build_default_dataset
+
+    out = tmp_path_factory.getbasetemp() / "corpus_T64"
+    return build_default_dataset(str(out), seq_len=64, seed=0)
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[LocalS3]:
     """moto S3 server on 127.0.0.1 for the session; environment points boto3/streaming at it."""
     server = LocalS3().start()

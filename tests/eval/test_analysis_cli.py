@@ -16,11 +16,8 @@ SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from data_tools.default_corpus import build_default_dataset
-
-    base = tmp_path_factory.mktemp("analysis_corpus")
-    return build_default_dataset(str(base / f"corpus_T{SEQ_LEN}"), seq_len=SEQ_LEN, seed=0)
+def corpus(default_corpus: str) -> str:
+    return default_corpus  # the session's one build, at seq_len 64 = SEQ_LEN
 
 
 def save_checkpoint(root: Path, model_name: str = "tiny") -> str:

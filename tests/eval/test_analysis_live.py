@@ -24,11 +24,10 @@ def train(corpus: str, run_dir: Path, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_live_analyses_in_metrics_and_wandb(tmp_path, private_tmpdir, monkeypatch):
-    from data_tools.default_corpus import build_default_dataset
+def test_live_analyses_in_metrics_and_wandb(tmp_path, private_tmpdir, monkeypatch, default_corpus):
     from gpn_scale.train.metrics import read_offline_run
 
-    corpus = build_default_dataset(str(tmp_path / "corpus"), seq_len=SEQ_LEN, seed=0)
+    corpus = default_corpus  # seq_len 64 = SEQ_LEN
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
     monkeypatch.setenv("WANDB_SILENT", "true")

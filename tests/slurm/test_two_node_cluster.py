@@ -47,10 +47,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def test_two_nodes_train_preempt_one_node_requeue_and_resume_exactly(two_nodes, tmp_path):
-    from data_tools.default_corpus import build_default_dataset
-
-    corpus = build_default_dataset(str(tmp_path / "corpus"), seq_len=64, seed=0)
+def test_two_nodes_train_preempt_one_node_requeue_and_resume_exactly(
+    two_nodes, tmp_path, default_corpus
+):
+    corpus = default_corpus
     env = dict(os.environ)
     env.update(
         PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",

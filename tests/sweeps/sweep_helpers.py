@@ -26,9 +26,13 @@ def write_sweep(
     overrides=(),
     name: str = "ci",
     tokens: int | None = None,
+    remote: str | None = None,
 ) -> Path:
-    """configs/sweeps/ci.yaml with its storage moved (S3 / tmp), optionally other models."""
+    """configs/sweeps/ci.yaml with its storage moved (S3 / tmp), optionally other models and
+    data.remote (the session's one built corpus instead of a build per run folder)."""
     raw = OmegaConf.to_container(OmegaConf.load(CI_SWEEP))
+    if remote is not None:
+        raw["data"]["remote"] = remote
     raw["name"] = name
     raw["checkpoint_root"] = checkpoint_root
     raw["run_root"] = str(run_root)

@@ -37,9 +37,12 @@ def _gpn(args, env, timeout=300):
 
 
 def test_mixed_family_sweep_through_sweep_sh_ends_in_a_fit_with_every_familys_gaps(
-    slurm_env, tmp_path
+    slurm_env, tmp_path, default_corpus
 ):
     raw = OmegaConf.to_container(OmegaConf.load(SMOKE))
+    # The session's one built corpus (the smoke sweep's `default` builds one per run folder:
+    # 15 builds of ~15 s on this machine, a third of the test's time).
+    raw["data"]["remote"] = default_corpus
     raw["checkpoint_root"] = str(tmp_path / "checkpoints")
     raw["run_root"] = str(tmp_path / "runs")
     sweep = tmp_path / "families_smoke.yaml"

@@ -59,7 +59,7 @@ def _task_states(env, array_job):
 
 
 @pytest.fixture
-def sweep_setup(slurm_env, s3_endpoint, tmp_path, monkeypatch):
+def sweep_setup(slurm_env, s3_endpoint, tmp_path, monkeypatch, default_corpus):
     bucket = s3_endpoint.create_bucket(f"sweep-{uuid.uuid4().hex[:10]}")
     wide = (
         (REPO / "configs" / "model" / "tiny.yaml").read_text().replace("d_ffn: 320", "d_ffn: 448")
@@ -68,6 +68,7 @@ def sweep_setup(slurm_env, s3_endpoint, tmp_path, monkeypatch):
     (tmp_path / "tiny_wide.yaml").write_text(wide)
     sweep = write_sweep(
         tmp_path / "ci_slurm.yaml",
+        remote=default_corpus,
         checkpoint_root=f"{bucket}/ci/checkpoints",
         run_root=tmp_path / "runs",
         # three sizes of one family label: 2-layer GPN+M would be its own family, gpn+m-2l

@@ -26,9 +26,10 @@ def _gpn(args, env, timeout=300):
     )
 
 
-def _sweep(tmp_path, checkpoint_root):
+def _sweep(tmp_path, checkpoint_root, remote=None):
     return write_sweep(
         tmp_path / "sub.yaml",
+        remote=remote,
         checkpoint_root=checkpoint_root,
         run_root=tmp_path / "runs",
         seeds=[0],
@@ -49,8 +50,8 @@ def _check_finished(sweep, env, restarts=(0, 0)):
     return status
 
 
-def test_submit_local_executor(tmp_path):
-    sweep = _sweep(tmp_path, str(tmp_path / "ckpt"))
+def test_submit_local_executor(tmp_path, default_corpus):
+    sweep = _sweep(tmp_path, str(tmp_path / "ckpt"), default_corpus)
     env = job_env()
     env.pop("SLURM_JOB_ID", None)
     proc = _gpn(
@@ -74,10 +75,11 @@ def test_submit_local_executor(tmp_path):
         assert (tmp_path / "ckpt" / name / "DONE").is_file()
 
 
-def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path):
+def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path, default_corpus):
     bucket = s3_endpoint.create_bucket("subci-slurm")
     sweep = write_sweep(
         tmp_path / "sub.yaml",
+        remote=default_corpus,
         checkpoint_root=f"{bucket}/ckpt",
         run_root=tmp_path / "runs",
         seeds=[0],

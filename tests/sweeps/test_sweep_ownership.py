@@ -28,9 +28,12 @@ def _tasks(env, name):
     return {int(t): s for t, s in (line.split() for line in out if line.strip())}
 
 
-def test_rerun_while_running_submits_nothing_and_edits_do_not_remap(slurm_env, tmp_path):
+def test_rerun_while_running_submits_nothing_and_edits_do_not_remap(
+    slurm_env, tmp_path, default_corpus
+):
     sweep = write_sweep(
         tmp_path / "own.yaml",
+        remote=default_corpus,
         name="own",
         checkpoint_root=str(tmp_path / "ckpt"),
         run_root=tmp_path / "runs",

@@ -3,13 +3,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import train_helpers
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The default corpus (byte-level, seq_len 64), built once per session (~20 s)."""
-    return train_helpers.build_corpus(tmp_path_factory.getbasetemp())
+def corpus(default_corpus: str) -> str:
+    """The default corpus at seq_len 64 (tests/conftest.py's one build per session)."""
+    return default_corpus
 
 
 @pytest.fixture(autouse=True)
