@@ -23,7 +23,7 @@
    Transformer++ tokens/s, each at its best batch.
 3. Before anything runs on the GPU, every Triton kernel variant the GPN runs will launch
    (the exactness configs, each `--config` at batches 8 to 512) is compiled into
-   `--triton-cache` (default .cache/triton-device) by `bench/gpu_compile.py`, one process per
+   `--triton-cache` (default .cache/triton-device) by `accounting/gpu_compile.py`, one process per
    CPU core, and this process's Triton cache is pointed there: a first use that compiled
    serially (~68 s at 130M, most of it the memory kernels) then finds them built. Variants
    already in the directory (carried from an earlier run) are cache hits. Best effort: a
@@ -154,7 +154,7 @@ def prebuild_triton_cache(
     cache_dir: Path, configs: list[str], seq_len: int, arch: str, log: Path, timeout_s: float
 ) -> dict:
     """Compile the check's kernel variants into `cache_dir` (a Triton cache) in parallel
-    processes (bench/gpu_compile.py --triton-cache); what it did, for results.json."""
+    processes (accounting/gpu_compile.py --triton-cache); what it did, for results.json."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     batches = ",".join(map(str, PREBUILD_BATCHES))
     runs = [
@@ -166,7 +166,7 @@ def prebuild_triton_cache(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with open(log, "w") as out:
         for extra in runs:
-            cmd = [sys.executable, "-m", "gpn_scale.bench.gpu_compile", *extra, "--arch", arch]
+            cmd = [sys.executable, "-m", "gpn_scale.accounting.gpu_compile", *extra, "--arch", arch]
             cmd += ["--triton-cache", str(cache_dir), "--jobs", str(os.cpu_count() or 1)]
             left = timeout_s - (time.perf_counter() - t0)
             try:

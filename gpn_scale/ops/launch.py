@@ -2,9 +2,9 @@
 
 Every Triton launch of the GPU code paths (the CUDA step backend, the fused cross-entropy)
 goes through `launch`; within `recording()` each is recorded with the bytes it must move
-and its FLOPs, and with `dry=True` nothing runs: `gpn_scale.bench.gpu_model` runs the real
+and its FLOPs, and with `dry=True` nothing runs: `gpn_scale.accounting.gpu_model` runs the real
 code on meta tensors at the real sizes that way. With `keep_args=True` a record also holds
-the kernel, its arguments and meta-parameters: `gpn_scale.bench.gpu_compile` specialises
+the kernel, its arguments and meta-parameters: `gpn_scale.accounting.gpu_compile` specialises
 and compiles each launch ahead of time from them, as Triton's JIT would on the GPU.
 """
 

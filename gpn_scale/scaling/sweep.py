@@ -18,7 +18,7 @@ A sweep file (`configs/sweeps/*.yaml`, OmegaConf YAML) looks like
                                      # (ceil(total_steps / 20)); 0: only preemption/end
     hardware: {gpu: H100-SXM, peak_tflops: 989, mfu: predicted, sequences_per_gpu: 16}
                                    # GPU-hours: mfu a measured fraction (docs/perf.md), or
-                                   # "predicted" by gpn_scale.bench.gpu_model per model size
+                                   # "predicted" by gpn_scale.accounting.gpu_model per model size
     defaults:                        # rules every size uses unless it overrides them
       tokens_per_param: 20           # or tokens: 2.6e9 (one of the two; a list = several D)
       global_batch_size: 128         # sequences per optimizer step
@@ -336,9 +336,9 @@ def _accounting_gpu(name: str) -> str:
 
 @functools.cache
 def _predicted_mfu(cfg: Any, sequences_per_gpu: int, seq_len: int, gpu: str, tp: int = 1) -> float:
-    # The accounting runs the engine's CUDA code path on meta tensors (bench/gpu_model.py);
-    # under tp, bench/tp_model.py's speed-up on one 8-GPU node.
-    from gpn_scale.bench.tp_model import predicted_mfu_at_tp
+    # The accounting runs the engine's CUDA code path on meta tensors (accounting/gpu_model.py);
+    # under tp, accounting/tp_model.py's speed-up on one 8-GPU node.
+    from gpn_scale.accounting.tp_model import predicted_mfu_at_tp
 
     try:
         return predicted_mfu_at_tp(cfg, sequences_per_gpu, seq_len, gpu, tp)
@@ -664,8 +664,8 @@ def _mfu_text(hw: Mapping[str, Any]) -> str:
         return f"{float(hw['mfu']):.0%} MFU"
     per_size = ", ".join(f"{size} {m:.1%}" for size, m in hw.get("predicted_mfu", {}).items())
     return (
-        f"the MFU predicted by gpn_scale.bench.gpu_model at {hw['sequences_per_gpu']} "
-        f"sequences per GPU (a size with a parallel.tp override: bench/tp_model.py's "
+        f"the MFU predicted by gpn_scale.accounting.gpu_model at {hw['sequences_per_gpu']} "
+        f"sequences per GPU (a size with a parallel.tp override: accounting/tp_model.py's "
         f"speed-up; {per_size}; give a measured hardware.mfu to override)"
     )
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from gpn_scale.bench import gpu_model
+from gpn_scale.accounting import gpu_model
 from gpn_scale.models.gpn.parallelize import apply_tp, tp_plan
 from gpn_scale.ops import launch
 from gpn_scale.ops.execution import execution

@@ -26,7 +26,7 @@ all-reduces (GPN: 4 L + 1 and L), reverse 6 L + 2 and 2 L (GPN: 5 L + 2 and L). 
 none of this runs: the launches are those above.
 
 Every launch goes through `_launch`, which can record it (name, phase, grid, bytes, FLOPs)
-instead of or besides running it: `gpn_scale.bench.gpu_model` runs this very code on meta
+instead of or besides running it: `gpn_scale.accounting.gpu_model` runs this very code on meta
 tensors at the real sizes to count launches, bytes and FLOPs per step.
 """
 
@@ -67,7 +67,7 @@ def _p2(n: int) -> int:
 
 
 # Programs per SM the GEMMs aim for: one wave on the GPU (H100/H200: 132 SMs; the dry runs of
-# the accounting and of bench/gpu_compile assume it unless told otherwise). The interpreter
+# the accounting and of accounting/gpu_compile assume it unless told otherwise). The interpreter
 # pretends to 16 so that the tests' tiny GEMMs take the split-K path too.
 DRY_RUN_SMS = 132
 INTERPRETER_SMS = 16
@@ -358,7 +358,7 @@ def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
         tp_sum_(x, plan)
 
 
-# The memory kernels' d_value block and warps on the GPU (what bench/gpu_compile.py compiles
+# The memory kernels' d_value block and warps on the GPU (what accounting/gpu_compile.py compiles
 # without spills at the shipped configs).
 MEMORY_BACKWARD_BLOCK_DV = 32
 MEMORY_BACKWARD_WARPS = 8

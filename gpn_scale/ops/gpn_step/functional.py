@@ -55,7 +55,7 @@ def mm_t(dy: Tensor, weight_t: Tensor) -> Tensor:
 
 def _gpu_path(t: Tensor) -> bool:
     """The CUDA code path: on CUDA tensors, and on meta ones (the launch accounting runs the
-    CUDA path's code on meta tensors, gpn_scale.bench.gpu_model)."""
+    CUDA path's code on meta tensors, gpn_scale.accounting.gpu_model)."""
     return t.device.type in ("cuda", "meta")
 
 

@@ -184,7 +184,7 @@ def aligned_rows(w: Tensor, alignment: int, dtype: torch.dtype | None = None) ->
     whose row stride is a multiple of `alignment` elements: a view of the first columns of
     a padded buffer where the width is not. The fused input matrix is 27,358 columns wide
     at 130M: unpadded, its bf16 rows start at 2-byte boundaries and a GPU kernel can only
-    read them 2 bytes at a time (bench/gpu_compile.py shows the loads); padded to 16
+    read them 2 bytes at a time (accounting/gpu_compile.py shows the loads); padded to 16
     elements they are read 16 bytes at a time."""
     rows, cols = w.shape
     padded = -(-cols // alignment) * alignment

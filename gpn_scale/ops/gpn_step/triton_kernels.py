@@ -850,7 +850,7 @@ def memory_backward_kernel(
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step,
     over d_value in BLOCK_DV blocks (a whole head's M0 and history tiles in registers at
-    once spilled most of the kernel at dk 128 / dv 256: bench/gpu_compile.py).
+    once spilled most of the kernel at dk 128 / dv 256: accounting/gpu_compile.py).
     Head programs fill the read's (and at layer 0 the write's) columns of DY and add to the
     chunk's dK, dU, dG; FFN programs fill the FFN columns.
 
@@ -1000,7 +1000,7 @@ def memory_backward_kernel(
         dw = dsd * sdot
         dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
         # The keys again (a second read of the t + 1 rows, from L2): holding them over the
-        # d_value loop cost registers its tiles need (spills: bench/gpu_compile.py).
+        # d_value loop cost registers its tiles need (spills: accounting/gpu_compile.py).
         Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
         dq += tl.sum(dsd[:, None] * Kh, axis=0)
         if WRITE:

@@ -1,10 +1,10 @@
 """Every Triton kernel the CUDA path launches, compiled ahead of time for sm_90 and sm_80 on a
 machine with no GPU and no driver, and what the compiler made of each.
 
-    python -m gpn_scale.bench.gpu_compile gpn_m_130m --batch 16,64      # the table
-    python -m gpn_scale.bench.gpu_compile --gate                        # CI's set; exit 1 on
+    python -m gpn_scale.accounting.gpu_compile gpn_m_130m --batch 16,64      # the table
+    python -m gpn_scale.accounting.gpu_compile --gate                        # CI's set; exit 1 on
                                                                         # any problem
-    python -m gpn_scale.bench.gpu_compile gpn_m_1b --tp 8 --arch sm_90  # one tp rank
+    python -m gpn_scale.accounting.gpu_compile gpn_m_1b --tp 8 --arch sm_90  # one tp rank
 
 How: the engine's training step runs on meta tensors in the launch accounting's dry mode
 (`ops/launch.py`, arguments kept), so every launch is recorded with its grid, arguments and
@@ -18,7 +18,7 @@ width of every global load per source operand from the PTX (`.loc` lines name th
 line of each `tl.load`). Tiny CPU tests cannot see any of this: spills, occupancy and load
 width only appear at the real sizes.
 
-The gate (`--gate`, and tests/ops/test_gpu_compile.py) fails on a compile error, a spill
+The gate (`--gate`, and tests/accounting/test_gpu_compile.py) fails on a compile error, a spill
 or a stack frame in any kernel, shared memory over the target's per-block limit, or a step
 GEMM that launches fewer programs than the GPU has SMs at a shipped config.
 
@@ -145,7 +145,7 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
     """Every kernel launch of one training step of `case` (meta tensors, nothing runs), with
     its kernel, arguments and meta-parameters; the GEMM grids sized for a GPU of
     `sm_count` SMs (default: the CUDA backend's dry-run assumption, an H100/H200)."""
-    from gpn_scale.bench.dry_run import as_tp_rank
+    from gpn_scale.accounting.dry_run import as_tp_rank
     from gpn_scale.models.gpn import GPN
     from gpn_scale.models.gpn.parallelize import check_tp
     from gpn_scale.ops import launch
@@ -829,7 +829,7 @@ def facts_by_launch(rows: list[Row]) -> dict[tuple[str, str], Row]:
 # ------------------------------------------------------------------ for the accounting
 @dataclass(frozen=True)
 class KernelCost:
-    """What the compiled variant of one launch adds to its price (`bench/gpu_model.py`)."""
+    """What the compiled variant of one launch adds to its price (`accounting/gpu_model.py`)."""
 
     kernel: str
     programs: int

@@ -1,6 +1,6 @@
 """The same accounting for what users would otherwise train: a Transformer++ step.
 
-    python -m gpn_scale.bench.gpu_model gpn_m_130m --batch 64     # prints both side by side
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64     # prints both side by side
 
 The family's own model (`models/transformer_pp`) runs one training step (forward, loss,
 backward) on meta tensors in bf16, eager PyTorch as the device check trains it, and every
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.bench.kernel_record import AtenRecorder, Op
+from gpn_scale.accounting.kernel_record import AtenRecorder, Op
 
 # FlashAttention-2 (what torch's SDPA runs in bf16 on H100/H200) reaches ~35-40% of the
 # dense bf16 peak for causal attention at head dim 64-128, forward and backward alike

@@ -1,4 +1,4 @@
-"""The ahead-of-time compile gate (gpn_scale/bench/gpu_compile.py): every kernel variant the
+"""The ahead-of-time compile gate (gpn_scale/accounting/gpu_compile.py): every kernel variant the
 CUDA path launches at the shipped configs, compiled for sm_90 and sm_80 without a GPU, with
 no compile error, no spill, shared memory within the target's limit, step GEMMs that fill
 the SMs and read their weights 16 bytes at a time; and offsets past 2**31 in 64 bits.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpn_scale.bench import gpu_compile as gc
+from gpn_scale.accounting import gpu_compile as gc
 from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step.interface import LoopWeights, aligned_rows
 
@@ -36,7 +36,7 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     out = tmp_path / "facts.json"
     triton_cache = tmp_path / "triton-cache"  # filled as a process's TRITON_CACHE_DIR would be
     proc = subprocess.run(
-        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "--gate", "--json", str(out)]
+        [sys.executable, "-m", "gpn_scale.accounting.gpu_compile", "--gate", "--json", str(out)]
         + ["--triton-cache", str(triton_cache)],
         cwd=ROOT,
         env=env,
@@ -80,7 +80,14 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     # into it is all cache hits (no ptxas run, so no ptxas log).
     again = tmp_path / "again.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "gpn_scale.bench.gpu_compile", "testing_tiny", "--dtype", "fp32"]
+        [
+            sys.executable,
+            "-m",
+            "gpn_scale.accounting.gpu_compile",
+            "testing_tiny",
+            "--dtype",
+            "fp32",
+        ]
         + ["--batch", "3", "--arch", "sm_90", "--triton-cache", str(triton_cache)]
         + ["--json", str(again)],
         cwd=ROOT,
@@ -96,7 +103,7 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     # The accounting prices the same compiled variants (the facts cache the gate filled),
     # and puts the Transformer++ of the same size beside it.
     acc = subprocess.run(
-        [sys.executable, "-m", "gpn_scale.bench.gpu_model", "gpn_m_130m", "--batch", "16"]
+        [sys.executable, "-m", "gpn_scale.accounting.gpu_model", "gpn_m_130m", "--batch", "16"]
         + ["--gpu", "h200", "--compiled", "sm_90"],
         cwd=ROOT,
         env=env,

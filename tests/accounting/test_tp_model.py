@@ -1,10 +1,10 @@
-"""`python -m gpn_scale.bench.tp_model`: the tensor-parallel step-time prediction's parts."""
+"""`python -m gpn_scale.accounting.tp_model`: the tensor-parallel step-time prediction's parts."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpn_scale.bench import tp_model
+from gpn_scale.accounting import tp_model
 from gpn_scale.models.gpn import load_model_config
 
 

@@ -1,6 +1,6 @@
 """Predicted step time of tensor parallelism (tp = 1, 2, 4, 8 on one 8-GPU node), on paper.
 
-    python -m gpn_scale.bench.tp_model gpn_m_1b --per-gpu 16
+    python -m gpn_scale.accounting.tp_model gpn_m_1b --per-gpu 16
 
 A GPN+M time step is bound by streaming its loop weights, not by FLOPs, at the paper's
 16 sequences per GPU. With n GPUs and tp ranks per group, each group runs n/tp * per_gpu
@@ -105,7 +105,7 @@ def predict_tp(
     shard_gates: bool = False,
     allreduces_per_step: float | None = None,
 ) -> TpPrediction:
-    from gpn_scale.bench.gpu_model import EFF_BW, EFF_FLOPS, GPUS, GRAPH_GAP_S
+    from gpn_scale.accounting.gpu_model import EFF_BW, EFF_FLOPS, GPUS, GRAPH_GAP_S
 
     spec = GPUS[gpu]
     B = per_gpu * tp  # a group of tp GPUs runs the sequences of tp GPUs
@@ -148,7 +148,7 @@ def predict_tp(
 
 @functools.lru_cache(maxsize=32)
 def _rank_accounting(cfg: GPNConfig, per_gpu: int, seq_len: int, tp: int) -> Any:
-    from gpn_scale.bench.gpu_model import account
+    from gpn_scale.accounting.gpu_model import account
 
     return account(cfg, per_gpu, seq_len, tp=tp)
 
@@ -161,7 +161,7 @@ def tp_table(
     n_gpus: int = 8,
     shard_gates: bool = False,
 ) -> list[TpPrediction]:
-    from gpn_scale.bench.gpu_model import GPUS, SEQUENTIAL, account, predict
+    from gpn_scale.accounting.gpu_model import GPUS, SEQUENTIAL, account, predict
 
     acc = account(cfg, per_gpu, seq_len)
     p = predict(acc, GPUS[gpu], graphs=True, cfg=cfg)
@@ -192,7 +192,7 @@ def predicted_mfu_at_tp(cfg: GPNConfig, per_gpu: int, seq_len: int, gpu: str, tp
     """The MFU `gpn-scale sweep plan` prices a run with at `parallel.tp = tp`: the launch
     accounting's tp = 1 MFU (gpu_model.predicted_mfu) times this model's predicted speed-up
     of tp over tp = 1 (NCCL; each GPU does the same FLOPs at any tp)."""
-    from gpn_scale.bench.gpu_model import predicted_mfu
+    from gpn_scale.accounting.gpu_model import predicted_mfu
 
     base = predicted_mfu(cfg, per_gpu, seq_len, gpu)
     if tp == 1:

@@ -1,6 +1,6 @@
 """Launch, byte and FLOP accounting of a training step on CUDA, and the predicted step time.
 
-    python -m gpn_scale.bench.gpu_model gpn_m_130m --batch 64 --seq-len 2048
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64 --seq-len 2048
 
 Nothing is guessed per kernel: the engine's real code path runs on meta tensors at the real
 sizes with the CUDA step backend in dry mode (`ops/gpn_step/cuda.py`: every Triton launch is
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpn_scale.bench.dry_run import as_tp_rank
-from gpn_scale.bench.kernel_record import SEQUENTIAL, AtenRecorder, Op
+from gpn_scale.accounting.dry_run import as_tp_rank
+from gpn_scale.accounting.kernel_record import SEQUENTIAL, AtenRecorder, Op
 from gpn_scale.models.gpn import GPN, GPNConfig, engine, load_model_config
 from gpn_scale.models.gpn.config import ConfigError
 from gpn_scale.models.gpn.counts import flops_per_token
@@ -56,7 +56,7 @@ class Gpu:
     hbm_bytes_per_s: float
     bf16_flops_per_s: float  # dense
     sm_count: int = 132
-    arch: str = "sm_90"  # what bench/gpu_compile compiles its kernels for
+    arch: str = "sm_90"  # what accounting/gpu_compile compiles its kernels for
 
 
 GPUS = {
@@ -66,7 +66,7 @@ GPUS = {
 GRAPH_GAP_S = 1.3e-6  # between two kernels of a replayed graph, on the GPU
 HOST_LAUNCH_S = 5e-6  # host time to issue one eager launch (dispatch included)
 # With the compiled kernels' facts (`account(..., compiled=True)`), an eager Triton launch
-# costs the host its argument binding, measured (bench/gpu_compile.binding_seconds: 16 us a
+# costs the host its argument binding, measured (accounting/gpu_compile.binding_seconds: 16 us a
 # GEMM, 45-85 us the memory backward's 93 arguments, on this 2-core machine), plus the
 # launcher and the driver's call:
 LAUNCHER_S = 4e-6
@@ -74,7 +74,7 @@ LAUNCHER_S = 4e-6
 # bytes must be in flight (4.8 MB on an H200, ~36 KB per SM). A GEMM whose grid keeps fewer
 # in flight (few programs, or tiles not pipelined) streams its weight at the share it keeps.
 HBM_LATENCY_S = 1.0e-6
-# A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; bench/tp_model.py's figure)
+# A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; accounting/tp_model.py's figure)
 COLLECTIVE_S = 25e-6
 SPLIT_SUM = "(split-K sum)"  # the name suffix of a split GEMM's sum (ops/gpn_step/cuda.py)
 
@@ -178,7 +178,7 @@ def account(
     the CUDA backend existed: every ATen op a launch). `tp` > 1: one rank of a tensor-
     parallel group of that size (its heads and FFN share; see the module docstring).
     `compiled` ("sm_90", "sm_80"): every Triton launch also carries the facts of its
-    variant compiled for that target (bench/gpu_compile.py; compiled in `jobs` processes
+    variant compiled for that target (accounting/gpu_compile.py; compiled in `jobs` processes
     where its cache does not hold them), which `predict` then charges."""
     check_tp(cfg, tp, "tp")
     if tp > 1:
@@ -228,7 +228,7 @@ def _probe(
             os.environ[ENV_VAR] = previous
     costs: list = [None] * len(launches)
     if compiled is not None:
-        from gpn_scale.bench import gpu_compile
+        from gpn_scale.accounting import gpu_compile
 
         costs = gpu_compile.launch_costs(list(launches), gpu_compile.TARGETS[compiled], jobs)
     ops = [
@@ -327,7 +327,7 @@ def predict(
 
 @dataclass
 class Baseline:
-    """The predicted step of the model users would otherwise train (bench/baseline_model)."""
+    """The predicted step of the model users would otherwise train (accounting/baseline_model)."""
 
     config: str
     ops: list[Op]
@@ -352,7 +352,7 @@ def baseline_for(config: str) -> str:
 
 
 def account_baseline(name: str, batch: int, seq_len: int) -> Baseline:
-    from gpn_scale.bench.baseline_model import transformer_step_ops
+    from gpn_scale.accounting.baseline_model import transformer_step_ops
     from gpn_scale.models.registry import load_model_config as load_family_config
 
     spec, cfg = load_family_config(name)
@@ -474,7 +474,7 @@ def report(
         lines += [
             "",
             f"Beside what users would otherwise train: {baseline.config} (eager PyTorch, bf16, "
-            f"flash attention), the same batch and T (bench/baseline_model.py):",
+            f"flash attention), the same batch and T (accounting/baseline_model.py):",
             "",
             "| GPU | GPN+M tokens/s (best path) | Transformer++ s/step | Transformer++ "
             "tokens/s | Transformer++ MFU | GPN+M / Transformer++ |",
@@ -491,7 +491,7 @@ def report(
             )
     compiled = (
         f" Triton launches priced with their kernels compiled for {acc.compiled} "
-        f"(bench/gpu_compile.py): spill traffic, the bandwidth share their grid and pipelined "
+        f"(accounting/gpu_compile.py): spill traffic, the bandwidth share their grid and pipelined "
         f"tiles can draw ({HBM_LATENCY_S * 1e6:.1f} us HBM latency under load), the host's "
         f"measured argument binding + {LAUNCHER_S * 1e6:.0f} us per eager launch."
         if acc.compiled
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compiled",
         default="auto",
         help="price each Triton launch with its kernel compiled for this target (sm_90, "
-        "sm_80; bench/gpu_compile.py, its facts cached in .cache/gpu-compile), 'none', or "
+        "sm_80; accounting/gpu_compile.py, its facts cached in .cache/gpu-compile), 'none', or "
         "'auto' (sm_90, unless this process runs Triton's interpreter)",
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")

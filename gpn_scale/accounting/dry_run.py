@@ -1,5 +1,5 @@
 """Dry runs of the CUDA path: the engine's training step on meta tensors, as one rank of a
-tensor-parallel group (`bench/gpu_model.py` prices its launches, `bench/gpu_compile.py`
+tensor-parallel group (`accounting/gpu_model.py` prices its launches, `accounting/gpu_compile.py`
 compiles them)."""
 
 from __future__ import annotations

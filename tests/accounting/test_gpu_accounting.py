@@ -1,4 +1,4 @@
-"""The launch accounting (gpn_scale.bench.gpu_model) counts what the CUDA backend's code path
+"""The launch accounting (gpn_scale.accounting.gpu_model) counts what the CUDA backend's code path
 really launches, and `gpn-scale sweep plan` prices with its prediction."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from gpn_scale.bench import gpu_model
+from gpn_scale.accounting import gpu_model
 from gpn_scale.ops.gpn_step import cuda
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 from gpn_scale.scaling.sweep import SweepError, format_plan, load_sweep
@@ -137,7 +137,7 @@ def test_sweep_plan_prices_with_the_predicted_mfu_unless_a_measured_one_is_given
     assert 0 < predicted < 1
     run = sweep.runs[0]
     assert run.gpu_hours == pytest.approx(run.flops / (989e12 * predicted) / 3600)
-    assert "MFU predicted by gpn_scale.bench.gpu_model" in format_plan(sweep)
+    assert "MFU predicted by gpn_scale.accounting.gpu_model" in format_plan(sweep)
     path.write_text(SWEEP % ("H200", 0.25))
     run = load_sweep(path).runs[0]
     assert run.gpu_hours == pytest.approx(run.flops / (989e12 * 0.25) / 3600)
@@ -153,8 +153,8 @@ def test_sweep_plan_prices_with_the_predicted_mfu_unless_a_measured_one_is_given
 
 def test_sweep_plan_prices_a_tp_size_with_the_predicted_tp_speed_up(tmp_path):
     """A size with `overrides: [parallel.tp=2]`: its predicted MFU is the tp = 1 figure times
-    bench/tp_model.py's speed-up (each GPU does the same FLOPs, in the predicted time)."""
-    from gpn_scale.bench import tp_model
+    accounting/tp_model.py's speed-up (each GPU does the same FLOPs, in the predicted time)."""
+    from gpn_scale.accounting import tp_model
     from gpn_scale.models.gpn import load_model_config
 
     path = tmp_path / "s.yaml"
@@ -181,7 +181,7 @@ def test_sweep_plan_prices_a_tp_size_with_the_predicted_tp_speed_up(tmp_path):
 
 # ------------------------------------------------------- compiled kernels in the price
 def _gemm(cost_kw: dict, name: str = "reverse step: input dy W^T 0") -> gpu_model.Op:
-    from gpn_scale.bench.gpu_compile import KernelCost
+    from gpn_scale.accounting.gpu_compile import KernelCost
 
     kw = dict(kernel="linear_kernel", programs=156, blocks_per_sm=9, threads=128,
               spill_bytes=0, in_flight=40_000, host_s=16e-6)  # fmt: skip
@@ -217,7 +217,7 @@ def test_compiled_price_charges_spills_small_grids_unpipelined_tiles_and_host_bi
 
 
 def test_bandwidth_share_of_other_kernels_is_the_sms_their_grid_occupies():
-    from gpn_scale.bench.gpu_compile import KernelCost
+    from gpn_scale.accounting.gpu_compile import KernelCost
 
     h200 = gpu_model.GPUS["h200"]
     row = KernelCost("rev_row_kernel", 16, 16, 128, 0, 0, 5e-6)
@@ -230,7 +230,7 @@ def test_transformer_baseline_counts_its_gemm_flops_exactly_and_flash_attention_
     """The Transformer++ priced beside the GPN: its dry step's matmul FLOPs are exactly the
     family's 6 x (weights' MACs) per token, and each layer's attention is one flash forward
     and one backward kernel (not the T x T math form meta tensors decompose it into)."""
-    from gpn_scale.bench.baseline_model import transformer_step_ops
+    from gpn_scale.accounting.baseline_model import transformer_step_ops
     from gpn_scale.models.registry import load_model_config
 
     spec, cfg = load_model_config("transformer_pp_tiny")
