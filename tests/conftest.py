@@ -55,7 +55,8 @@ def default_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The embedded default corpus (byte-level, seq_len 64), built once per session (~15 s)
     for every test that trains on it: runs and sweeps point data.remote here rather than each
     building its own copy in its run folder (what `data.remote: default` does, which the
-    demo, the README run and tests/sweeps/test_sweep_run_defaults.py still exercise)."""
+    demo, the README run and tests/sweeps/test_sweep_run_defaults.py still exercise). Read
+    it, never change it: a test that deletes or edits its data builds its own."""
     from data_tools.default_corpus import build_default_dataset
 
     out = tmp_path_factory.getbasetemp() / "corpus_T64"

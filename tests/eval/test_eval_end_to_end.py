@@ -49,11 +49,11 @@ def test_an_s3_checkpoint_loads_and_its_result_lands_beside_it(
 
 
 @pytest.mark.slow
-def test_a_trained_run_evaluates_from_its_run_dir_and_its_model_final(
-    tmp_path: Path, default_corpus: str
-) -> None:
+def test_a_trained_run_evaluates_from_its_run_dir_and_its_model_final(tmp_path: Path) -> None:
     """A real `gpn-scale train` run: the DCP checkpoint and model_final.pt give one result."""
-    corpus = default_corpus
+    from data_tools.default_corpus import build_default_dataset
+
+    corpus = build_default_dataset(str(tmp_path / "corpus"), seq_len=64, seed=0)
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
     train = [
