@@ -19,11 +19,25 @@ it, so a new backend is tested wherever it can run the moment it is registered.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ANY_DEVICE = "any"
+
+
+@functools.cache
+def import_error(
+    module: str, catch: tuple[type[BaseException], ...] = (ImportError,)
+) -> str | None:
+    """Why `module` does not import here (the probe of a backend that needs it), or None."""
+    try:
+        importlib.import_module(module)
+    except catch as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _always_available() -> str | None:

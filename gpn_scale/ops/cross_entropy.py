@@ -12,12 +12,10 @@ stays the reference (and the path on CPU and in float64).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
 from gpn_scale.ops.execution import current
 from gpn_scale.ops.launch import is_dry, launch, nbytes
 
@@ -28,13 +26,8 @@ class CrossEntropyBackendError(RuntimeError):
     """A cross-entropy backend was asked for that cannot serve these logits."""
 
 
-@functools.cache
 def _triton_unavailable() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return str(exc)
-    return None
+    return import_error("triton")
 
 
 BACKENDS = OpRegistry("cross entropy", ENV_VAR, ENV_VAR, CrossEntropyBackendError)

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
 from gpn_scale.ops.memory import memory_chunkwise, memory_recurrent
 
 ENV_VAR = "GPN_SCALE_GDN_BACKEND"
@@ -164,14 +164,10 @@ def requested(config_choice: str = "auto") -> str:
     return BACKENDS.requested(config_choice)
 
 
-@functools.lru_cache(maxsize=1)
 def fla_import_error() -> str | None:
-    """Why fla's kernels cannot be imported here, or None when they can."""
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception as exc:  # ImportError, or Triton failing at import on odd platforms
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    """Why fla's kernels cannot be imported here, or None when they can (Triton itself may
+    fail at import on odd platforms, hence any exception)."""
+    return import_error("fla.ops.gated_delta_rule", (Exception,))
 
 
 BACKENDS = OpRegistry("gated delta rule", ENV_VAR, "backend", GatedDeltaRuleError)
@@ -182,7 +178,6 @@ BACKENDS.register(
 BACKENDS.register(
     OpBackend("fla", ("cuda",), 20, fla_import_error, description="fla's Triton kernels")
 )
-CHOICES = BACKENDS.choices
 
 
 @functools.cache

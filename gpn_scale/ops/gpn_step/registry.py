@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
 from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.interface import StepBackend
 from gpn_scale.ops.gpn_step.reference import ReferenceBackend
@@ -40,14 +40,6 @@ class StepBackendError(step_kernels.StepKernelError):
 
 def _cpu_kernels_unavailable() -> str | None:
     return None if step_kernels.load(required=False) is not None else "they do not build here"
-
-
-def _triton_unavailable() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # no triton in this environment
-        return str(exc)
-    return None
 
 
 BACKENDS = OpRegistry("GPN step", ENV_VAR, "model.step_backend", StepBackendError)
@@ -69,16 +61,11 @@ BACKENDS.register(
         "cuda",
         ("cuda",),
         20,
-        _triton_unavailable,
+        lambda: import_error("triton"),
         aliases=("triton",),
         description="the Triton kernels, chunks as CUDA graphs",
     )
 )
-CHOICES = BACKENDS.choices
-
-
-def normalise(choice: str, where: str) -> str:
-    return BACKENDS.normalise(choice, where)
 
 
 def requested(config_choice: str = "auto") -> str:
