@@ -44,7 +44,7 @@ BACKENDS = ("cpu", "cuda", "cuda-graphs")
 def _backend(name: str, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     if name == "cuda-graphs":
-        with execution(graph_capture=graphs.eager_capture()):
+        with execution(graph_capture=graphs.eager_capture):
             yield "cuda", True
     else:
         yield name, False
@@ -161,7 +161,7 @@ def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
-    with execution(graph_capture=graphs.eager_capture()):
+    with execution(graph_capture=graphs.eager_capture):
         model(tokens).loss.backward()
         assert (backend.graphs.captures, backend.graphs.replays) == (4, 6)
         model(tokens).loss.backward()
@@ -199,7 +199,7 @@ def test_chunk_graphs_are_keyed_on_shapes_bounded_and_cleared(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
-    with execution(graph_capture=graphs.eager_capture()):
+    with execution(graph_capture=graphs.eager_capture):
         model(tokens13).loss.backward()  # chunks 5, 5, 3: two shapes, forward and reverse
         assert backend.graphs.captures == 4
         model(tokens8).loss.backward()  # chunks 5, 3: the same shapes, other strides
@@ -224,7 +224,7 @@ def test_chunk_graph_capture_out_of_memory_is_raised_and_graphs_stay_on(monkeypa
         calls.append(1)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return graphs._eager_capture(fn)
+        return graphs.eager_capture(fn)
 
     cfg = tiny_config(step_backend="cuda")
     model = perturbed_model(cfg, torch.float64)

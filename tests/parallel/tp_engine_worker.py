@@ -64,7 +64,7 @@ def run_case(
     for model in (ref, tp):
         graphed = model is tp and backend == "cuda-graphs"
         with (
-            execution(graph_capture=graphs.eager_capture() if graphed else None),
+            execution(graph_capture=graphs.eager_capture if graphed else None),
             launch.recording() if model is tp else contextlib.nullcontext() as launches,
         ):
             first = model(w1, return_state=True)

@@ -18,7 +18,7 @@ caller's batch is too large); any other capture failure turns graphs off for thi
 with one warning, and the chunks run eagerly.
 
 Everything except the capture call itself is plain Python over tensors:
-`execution(graph_capture=eager_capture())` (ops/execution.py) swaps the capture for an eager
+`execution(graph_capture=eager_capture)` (ops/execution.py) swaps the capture for an eager
 stand-in, so the tests run the static-buffer logic (copies in, replay, copies out) on CPU
 under TRITON_INTERPRET=1.
 """
@@ -66,9 +66,10 @@ def _cuda_capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
     return graph.replay, out
 
 
-def _eager_capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """The capture's stand-in for tests: 'replaying' runs `fn` again and copies its results
-    into the first call's outputs, as a graph writes into its static outputs."""
+def eager_capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+    """The capture's stand-in for tests (`execution(graph_capture=eager_capture)`: graphs are
+    then wanted on any device): 'replaying' runs `fn` again and copies its results into the
+    first call's outputs, as a graph writes into its static outputs."""
     out = fn()
 
     def replay() -> None:
@@ -86,12 +87,6 @@ def _pool():
     if _POOL is None:
         _POOL = torch.cuda.graph_pool_handle()
     return _POOL
-
-
-def eager_capture() -> Any:
-    """`execution(graph_capture=eager_capture())`: chunk graphs 'captured' by the eager
-    stand-in and wanted on any device, for tests of everything around the CUDA call."""
-    return _eager_capture
 
 
 # ------------------------------------------------------------------- tensor trees
