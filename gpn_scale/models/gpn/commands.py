@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from gpn_scale.models.gpn.config import ConfigError, load_model_config
+    from gpn_scale.models.gpn.config import ConfigError
     from gpn_scale.models.gpn.counts import (
         count_parameters,
         estimate_training_memory,
@@ -35,7 +35,6 @@ def _info(args: argparse.Namespace) -> int:
     spec, cfg = load_any(model, overrides or None)
     if spec.name != "gpn":
         return _print_rows(_family_rows(spec, cfg, args))
-    cfg = load_model_config(model, overrides or None)
     mem = estimate_training_memory(cfg, args.batch_size, args.seq_len)
     gib = 1024**3
     rows = [
