@@ -227,7 +227,7 @@ def test_a_prefix_this_process_freed_and_a_dead_job_took_since_is_stale(tmp_path
 
 
 RACER = r"""
-import sys, time
+import os, sys, time
 import streaming.base.shared.prefix as prefix
 
 _find = prefix._check_and_find
@@ -244,12 +244,18 @@ def slow_find(*args, **kwargs):
 prefix._check_and_find = slow_find
 from gpn_scale.data import DataConfig, build_loader
 
-start = float(sys.argv[3])
-late = time.time() > start          # imports took longer than the delay: not together
-time.sleep(max(0.0, start - time.time()))
+# A barrier, not a start time: on a loaded machine the imports of three children can take
+# any time. Each says it is ready, then all leave together when the parent says go.
+ready, go = sys.argv[3], sys.argv[4]
+open(ready, "w").close()
+deadline = time.time() + 170
+while not os.path.exists(go):
+    if time.time() > deadline:
+        sys.exit("no go from the parent")
+    time.sleep(0.001)
 loader = build_loader(DataConfig(remote=sys.argv[1], local_cache=sys.argv[2]), "train", 4, 0, 1)
 next(iter(loader))
-print("LATE" if late else "OK", flush=True)
+print("OK", flush=True)
 """
 
 
@@ -261,7 +267,8 @@ def test_jobs_starting_together_on_one_machine_register_distinct_prefixes(tmp_pa
     FileExistsError."""
     root = str(tmp_path / "ds")
     build_counter_dataset(root, n_windows=72, val_windows=8)
-    start = time.time() + 20.0  # after every child's imports
+    go = tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(3)]
     children = []
     for i in range(3):
         job_tmp = tmp_path / f"job{i}-tmp"
@@ -269,17 +276,24 @@ def test_jobs_starting_together_on_one_machine_register_distinct_prefixes(tmp_pa
         env = {**os.environ, "TMPDIR": str(job_tmp)}
         children.append(
             subprocess.Popen(
-                [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(start)],
+                [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(ready[i]), str(go)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
         )
+    deadline = time.time() + 170
+    while not all(path.exists() for path in ready):
+        exited = [child for child in children if child.poll() is not None]
+        assert not exited, exited[0].communicate()[1][-2000:]
+        assert time.time() < deadline, "the children did not finish their imports in 170 s"
+        time.sleep(0.05)
+    go.touch()
     results = [child.communicate(timeout=180) for child in children]
     for child, (out, err) in zip(children, results):
         assert child.returncode == 0, err[-2000:]
-        assert out.strip() == "OK", "a child reached the common start late: raise the delay"
+        assert out.strip() == "OK"
 
 
 TWO_NODE_RANK = r"""
