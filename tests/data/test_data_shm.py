@@ -276,7 +276,8 @@ def test_jobs_starting_together_on_one_machine_register_distinct_prefixes(tmp_pa
         env = {**os.environ, "TMPDIR": str(job_tmp)}
         children.append(
             subprocess.Popen(
-                [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(ready[i]), str(go)],
+                [sys.executable, "-c", RACER, root, str(tmp_path / f"cache{i}"), str(ready[i])]
+                + [str(go)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
