@@ -22,7 +22,11 @@ from types import ModuleType
 
 import torch
 
-from gpn_scale.ops.gpn_step.step_kernels import cpp_extension_quietly, cpu_build
+from gpn_scale.ops.gpn_step.step_kernels import (
+    cpp_extension_quietly,
+    cpu_build,
+    packaged_ninja_first,
+)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -91,14 +95,15 @@ std::vector<double> stream_gbps(double megabytes, int64_t threads, int64_t passe
 @functools.lru_cache(maxsize=1)
 def _probe() -> ModuleType:
     capability, flags = cpu_build()
-    return cpp_extension_quietly().load_inline(
-        name=f"gpn_scale_machine_probe_{capability}",
-        cpp_sources=[_SOURCE],
-        functions=["chase_ns", "stream_gbps"],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with packaged_ninja_first():
+        return cpp_extension_quietly().load_inline(
+            name=f"gpn_scale_machine_probe_{capability}",
+            cpp_sources=[_SOURCE],
+            functions=["chase_ns", "stream_gbps"],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def latency_curve(sizes_mb: tuple[float, ...]) -> list[dict]:

@@ -172,3 +172,22 @@ def test_build_level_follows_torch_dispatch_level(level):
     assert out[0] == want
     assert f"-DCPU_CAPABILITY={want.upper()}" in out
     assert ("-mavx2" in out) == (want == "avx2") and not any(f.startswith("-mavx512") for f in out)
+
+
+def test_builds_run_the_packaged_ninja_whatever_path_finds_first(tmp_path, monkeypatch):
+    """A `ninja` earlier on PATH (a system one of another version) is not the one a build
+    runs: two versions keep their build logs apart, so each would rebuild the other's build
+    (a minute each) when shells with and without the venv share one build cache."""
+    import shutil
+
+    import ninja
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
+    assert shutil.which("ninja") == str(other / "ninja")
+    with step_kernels.packaged_ninja_first():
+        assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    assert shutil.which("ninja") == str(other / "ninja")

@@ -15,10 +15,13 @@ TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -114,15 +117,39 @@ def _build(define: str | None = None) -> ModuleType | Exception:
     try:
         cpp_extension = cpp_extension_quietly()
         _notice_first_build(cpp_extension, name)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=flags + ([f"-D{define}"] if define else []),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with packaged_ninja_first():
+            return cpp_extension.load(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=flags + ([f"-D{define}"] if define else []),
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a failed build: reported by the caller
         return exc
+
+
+@contextlib.contextmanager
+def packaged_ninja_first() -> Iterator[None]:
+    """PATH with the `ninja` package's binary (a dependency) first, for the duration of a
+    build. torch runs whichever `ninja` PATH finds, and two ninja versions (a system 1.11 and
+    the package's 1.13, say) record their build logs differently, so each rebuilds what the
+    other built: a minute each time a shell with the venv activated and one without take
+    turns on one build cache (a shared home directory, a test suite's child processes)."""
+    try:
+        import ninja
+    except ImportError:  # a source install without the package: whatever PATH has
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 @functools.cache
