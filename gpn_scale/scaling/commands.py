@@ -440,6 +440,15 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument(
         "--resamples", type=int, default=1000, help="bootstrap resamples, >= 1000 [1000]"
     )
+    fit.add_argument(
+        "--max-starts",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run L-BFGS from only the K grid points with the lowest initial loss: quicker, "
+        "and it may miss the best optimum (a smoke test, a first look) [the protocol's: "
+        "all 150 of L(N) and L(C), the best 200 of L(N,D)'s 4500]",
+    )
     fit.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed [0]")
     fit.add_argument("--ci", type=float, default=0.95, help="interval level [0.95]")
     fit.add_argument(
@@ -466,6 +475,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise FitError("nothing to fit: give run roots, --sweep, --table or --wandb")
     if not 0 < args.ci < 1:
         raise FitError(f"--ci: a level in (0, 1), got {args.ci}")
+    if args.max_starts is not None and args.max_starts < 1:
+        raise FitError(f"--max-starts: at least 1 start, got {args.max_starts}")
     check_fit_out(args.out, args.overwrite)  # before collecting: nothing found is lost
     parts = []
     for s in args.sweep:
@@ -497,6 +508,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         resamples=args.resamples,
         seed=args.seed,
         ci_level=args.ci,
+        **({} if args.max_starts is None else {"max_starts": args.max_starts}),
     )
     cells = [
         c
@@ -509,6 +521,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     settings: dict[str, Any] = {"resamples": args.resamples, "seed": args.seed, "ci_level": args.ci}
     if args.families:
         settings["families"] = list(args.families)
+    if args.max_starts is not None:
+        settings["max_starts"] = args.max_starts
     if comparison is not None:
         settings["reference"] = comparison.reference
     if args.overwrite:

@@ -90,7 +90,13 @@ def build_markdown(
     lines += [
         "Protocol: log-space parameters, log L_pred = logsumexp of the log-terms, "
         f"Huber (δ = {HUBER_DELTA:g}) on log-loss residuals, L-BFGS-B from a grid of "
-        "initialisations (best kept); seed bootstrap within cells, "
+        "initialisations (best kept"
+        + (
+            f"; only the {settings['max_starts']} with the lowest initial loss: --max-starts"
+            if settings.get("max_starts")
+            else ""
+        )
+        + "); seed bootstrap within cells, "
         f"{settings.get('resamples')} resamples (seed {settings.get('seed')}), "
         f"{lvl:.0%} percentile intervals.",
         "",

@@ -239,6 +239,23 @@ def test_fit_with_too_few_sizes_is_a_one_line_cli_error(sweep_path, tmp_path, ca
     )
 
 
+def test_fit_with_fewer_starts_records_them_and_refuses_none(sweep_path, tmp_path, capsys):
+    """--max-starts K: L-BFGS from the K best grid points only (a smoke test's quick fit),
+    recorded in fit.json; fewer than one start is one line, exit 2, nothing written."""
+    finish_runs(sweep_path)
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "fit"
+    assert main(["fit", ckpt, "--out", str(out), "--laws", "L(N)", "--max-starts", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gpn-scale: error: --max-starts: at least 1 start, got 0"
+    assert not out.exists()
+    assert main(["fit", ckpt, "--out", str(out), "--laws", "L(N)", "--max-starts", "4"]) == 0
+    data = json.loads((out / "fit.json").read_text())
+    assert data["protocol"]["max_starts"] == 4
+    assert [(f["law"], f["optimizer"]["starts"]) for f in data["fits"]] == [("L(N)", 4)]
+    report = (out / "report.md").read_text()
+    assert "only the 4 with the lowest initial loss: --max-starts" in report
+
+
 def test_fit_with_one_token_budget_skips_l_n_d_and_writes_the_rest(sweep_path, tmp_path, capsys):
     """The sweep gives every size the same `tokens:`; the default laws include L(N,D),
     which that cannot identify: it is skipped with a note, L(N) and L(C) are written. With
