@@ -37,29 +37,19 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gpn_scale.checkpoint.errors import CheckpointError, one_line
+from gpn_scale.checkpoint.roots import open_storage
 from gpn_scale.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     safe_torch_load,
     safe_unpickle_metadata,
 )
-from gpn_scale.io import storage as io_storage
 from gpn_scale.io.storage import LocalStorage, ObjectInfo, Storage
 
 FORMAT = "gpn_scale.checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
-
-
-def open_storage(uri: str, **s3_options: Any) -> Storage:
-    """The storage of a checkpoint root (gpn_scale.io: a directory or s3://bucket/prefix),
-    failing with CheckpointErrors that speak of the checkpoint root.
-
-    `s3_options` (retries, backoff_s, multipart_mb) go to S3Storage; ignored for local roots."""
-    return io_storage.open_storage(
-        uri, error=CheckpointError, subject="checkpoint root", **s3_options
-    )
 
 
 def step_dir_name(step: int) -> str:
