@@ -112,7 +112,7 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the step of the newest complete checkpoint under checkpoint.root "
         "(-1: none; 'done' when the run finished) and exit: slurm/train.sbatch requeues "
-        "only when it advanced",
+        "only when it advanced (after the check of --check-launch when both are given)",
     )
     p.add_argument(
         "--check-launch",
@@ -253,7 +253,6 @@ def _for_eval(err: BaseException) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gpn_scale.train.config import load_train_config
-    from gpn_scale.train.loop import Trainer
     from gpn_scale.train.state import TrainingError
 
     errors = _errors()
@@ -267,20 +266,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = args.resume or ("none" if args.fresh else "auto")
     try:
         cfg = load_train_config(*_config_and_overrides(args))
-        if getattr(args, "latest_step", False):
-            print(_latest_step(cfg))
-            return 0
+        # both in one call (train.sbatch's preflight): the launch is checked first
         if getattr(args, "check_launch", None):
             from gpn_scale.train.preflight import check_launch
 
             for warning in check_launch(cfg, *args.check_launch):
                 print(f"gpn-scale: warning: {warning}", file=sys.stderr, flush=True)
+        if getattr(args, "latest_step", False):
+            print(_latest_step(cfg))
+        if getattr(args, "check_launch", None) or getattr(args, "latest_step", False):
             return 0
         if args.dry_run:
             from gpn_scale.train.preflight import dry_run
 
             print(dry_run(cfg, resume))
             return 0
+        from gpn_scale.train.loop import Trainer
+
         result = Trainer(
             cfg, resume=resume, fresh=args.fresh, take_over=getattr(args, "take_over", False)
         ).run()

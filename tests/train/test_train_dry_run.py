@@ -54,3 +54,23 @@ def test_dry_run_lists_an_s3_checkpoint_root_without_writing(
     assert f"checkpoints: {s3_bucket}/ck (listed: 0 entries; write access not probed)" in out
     assert "resume: auto: no complete checkpoint, would start fresh" in out
     assert s3_endpoint.client().list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
+
+def test_launch_check_and_latest_step_in_one_call(corpus, tmp_path, capsys):
+    """slurm/train.sbatch's preflight, one python start: `--check-launch NODES PROCS
+    --latest-step` checks the launch, then prints the newest checkpoint's step (-1: none,
+    'done': the run finished); a launch that does not split prints no step (one line, 2)."""
+    from gpn_scale.train.preflight import DONE_MARKER
+
+    run_dir = tmp_path / "run"
+    args = train_args(corpus, run_dir) + ["--latest-step", "--check-launch"]
+    assert main([*args, "1", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "-1"
+    tp2 = train_args(corpus, run_dir, "parallel.tp=2") + ["--latest-step", "--check-launch"]
+    assert main([*tp2, "1", "3"]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.startswith("gpn-scale: error: parallel.tp: 2 ")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / DONE_MARKER).write_text("{}")
+    assert main([*args, "2", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "done"
