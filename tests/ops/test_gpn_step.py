@@ -116,9 +116,9 @@ def test_backend_equals_pytorch_steps_float64(backend, case, monkeypatch):
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layers,chunk", [(1, 20), (1, 17), (2, 19)])
 def test_backend_equals_pytorch_steps_long_chunks_float64(backend, layers, chunk, monkeypatch):
-    """Chunks of several sweep blocks (the C++ reverse sweep defers the history pushes of a
-    block of 8 steps onto earlier steps; the Triton kernels keep a whole chunk's history in one
-    tile): whole blocks, a partial last block, a block of one step. 45 steps of a perturbed
+    """Chunks of several sweep blocks (the reverse sweeps defer the history pushes of a block
+    of steps onto earlier steps: 8 in the C++, 4 in the Triton kernels under the interpreter,
+    16 on a GPU): whole blocks, a partial last block, a block of one step. 45 steps of a perturbed
     recurrence amplify float64 rounding to ~1e-11 in the state."""
     compare(
         tiny_config(n_layers=layers, chunk_size=chunk),

@@ -43,6 +43,8 @@ def test_mixed_family_sweep_through_sweep_sh_ends_in_a_fit_with_every_familys_ga
     # The session's one built corpus (the smoke sweep's `default` builds one per run folder:
     # 15 builds of ~15 s on this machine, a third of the test's time).
     raw["data"]["remote"] = default_corpus
+    # W&B is read back by test_slurm_sweep.py; here it would add ~3 s to each of 15 runs
+    raw["wandb"]["mode"] = "disabled"
     raw["checkpoint_root"] = str(tmp_path / "checkpoints")
     raw["run_root"] = str(tmp_path / "runs")
     sweep = tmp_path / "families_smoke.yaml"
@@ -89,7 +91,13 @@ def test_mixed_family_sweep_through_sweep_sh_ends_in_a_fit_with_every_familys_ga
     assert set(states.values()) == {"done"}, (states, logs)
 
     out = tmp_path / "fit"
-    fit = _gpn(["fit", "--sweep", sweep, "--out", out, "--laws", "L(N)", "L(C)"], env)
+    # --max-starts: 3 sizes for 3 parameters interpolate, and L-BFGS from all 150 grid points
+    # of the protocol spends ~17 s per law and family on that (~3 min of this test); the fit
+    # itself is tests/scaling's, this test is the path launch -> collect -> fit -> gaps
+    fit = _gpn(
+        ["fit", "--sweep", sweep, "--out", out, "--laws", "L(N)", "L(C)", "--max-starts", "8"],
+        env,
+    )
     assert fit.returncode == 0, fit.stderr
     data = json.loads((out / "fit.json").read_text())
     assert {(f["family"], f["law"]) for f in data["fits"]} == {

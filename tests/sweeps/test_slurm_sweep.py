@@ -224,6 +224,8 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
             str(out),
             "--laws",
             "L(N)",
+            "--max-starts",  # see test_families_sweep.py: the fit itself is tests/scaling's
+            "8",
         ],
         env=env,
         cwd=REPO,
