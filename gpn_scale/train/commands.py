@@ -267,14 +267,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_train_config(*_config_and_overrides(args))
         # both in one call (train.sbatch's preflight): the launch is checked first
-        if getattr(args, "check_launch", None):
+        launch, latest = getattr(args, "check_launch", None), getattr(args, "latest_step", False)
+        if launch:
             from gpn_scale.train.preflight import check_launch
 
-            for warning in check_launch(cfg, *args.check_launch):
+            for warning in check_launch(cfg, *launch):
                 print(f"gpn-scale: warning: {warning}", file=sys.stderr, flush=True)
-        if getattr(args, "latest_step", False):
+        if latest:
             print(_latest_step(cfg))
-        if getattr(args, "check_launch", None) or getattr(args, "latest_step", False):
+        if launch or latest:
             return 0
         if args.dry_run:
             from gpn_scale.train.preflight import dry_run
