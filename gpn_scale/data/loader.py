@@ -493,6 +493,26 @@ def _release_shared_memory(dataset: object) -> None:
         _release_handle(shm)
 
 
+# DataLoader workers hand each batch's storage to the main process as a file descriptor,
+# over a Unix socket at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (multiprocessing's
+# resource_sharer). A socket path is at most 107 bytes on Linux; beyond that the bind fails
+# in the worker's queue thread, the batch is never sent, and the loader waits forever.
+_SOCKET_PATH_MAX = 107
+_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def check_worker_socket_path(tmp_dir: str | None = None) -> None:
+    """DataError (one line) when TMPDIR is too long for the workers' socket (see above)."""
+    tmp = tmp_dir or tempfile.gettempdir()
+    longest = _SOCKET_PATH_MAX - _SOCKET_SUFFIX
+    if len(os.fsencode(tmp)) > longest:
+        raise DataError(
+            f"data.num_workers > 0 needs a temporary directory of at most {longest} bytes "
+            f"(the workers pass batches over a Unix socket under it), got TMPDIR={tmp} "
+            f"({len(os.fsencode(tmp))} bytes): set TMPDIR to a shorter path, or data.num_workers=0"
+        )
+
+
 def build_loader(
     cfg: DataConfig,
     split: str,
@@ -512,6 +532,8 @@ def build_loader(
     """
     if batch_size < 1:
         raise DataError(f"batch_size {batch_size}: must be >= 1 (it is per rank)")
+    if cfg.num_workers > 0:
+        check_worker_socket_path()
     meta = read_metadata(cfg.remote)
     check_compatible(meta, vocab_size=vocab_size, seq_len=seq_len)
     if split not in meta.splits:

@@ -221,3 +221,30 @@ def test_building_loaders_again_and_again_does_not_accumulate_descriptors(datase
         assert _streaming_shm_fds() == holding, f"round {i}"
     held.close()
     assert _streaming_shm_fds() == before
+
+
+def test_a_tmpdir_too_long_for_the_workers_socket_is_one_line_and_the_longest_allowed_works(
+    dataset, tmp_path, private_tmpdir, monkeypatch
+):
+    """Workers pass batches over a Unix socket under TMPDIR: past the socket path's limit the
+    bind fails in a worker thread and the loader would wait forever. The longest TMPDIR the
+    check allows must still work with workers; one byte more is refused before any worker."""
+    import tempfile
+
+    from gpn_scale.data.loader import _SOCKET_PATH_MAX, _SOCKET_SUFFIX
+
+    longest = _SOCKET_PATH_MAX - _SOCKET_SUFFIX
+    fits = private_tmpdir / ("d" * (longest - len(str(private_tmpdir)) - 1))
+    assert len(str(fits)) == longest
+    fits.mkdir()
+    too_long = private_tmpdir / (fits.name + "x")
+    too_long.mkdir()
+
+    monkeypatch.setattr(tempfile, "tempdir", str(too_long))
+    with pytest.raises(DataError) as err:
+        _loader(dataset, tmp_path, "long", num_workers=1)
+    assert "TMPDIR" in one_line(err.value) and f"at most {longest} bytes" in str(err.value)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(fits))
+    batches = list(_loader(dataset, tmp_path, "fits", num_workers=1))
+    assert len(batches) == (N_WINDOWS - N_VAL) // BATCH
