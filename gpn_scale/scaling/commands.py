@@ -466,7 +466,7 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from gpn_scale.scaling import collect as C
-    from gpn_scale.scaling.fit import FitError, aggregate, fit_observations
+    from gpn_scale.scaling.fit import DEFAULT_MAX_STARTS, FitError, aggregate, fit_observations
     from gpn_scale.scaling.gaps import MEASURES, compare, format_point, format_value
     from gpn_scale.scaling.report import write_outputs
     from gpn_scale.scaling.sweep import load_sweep
@@ -508,7 +508,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         resamples=args.resamples,
         seed=args.seed,
         ci_level=args.ci,
-        **({} if args.max_starts is None else {"max_starts": args.max_starts}),
+        max_starts=DEFAULT_MAX_STARTS if args.max_starts is None else args.max_starts,
     )
     cells = [
         c
