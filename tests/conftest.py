@@ -25,8 +25,12 @@ give themselves a private TMPDIR (tests/data/conftest.py does this for the data 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +52,44 @@ os.environ.setdefault(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions"
     ),
 )
+
+
+# pytest-xdist (addopts `-n auto`) runs the suite on one worker per core. The tests that
+# start a local SLURM cluster run on one worker, one after another: every cluster numbers its
+# jobs from 1 and train.sbatch derives a job's rendezvous port from its id, so two clusters'
+# jobs would meet on one port. They are one work unit, the largest, so it is handed out
+# first; every other test is a unit of its own. (xdist's own `--dist loadgroup` does not
+# group under pytest 9.2, which no longer lets it rename the tests it groups.)
+SLURM_DIRS = ("tests/slurm/", "tests/sweeps/")
+SLURM_FIXTURES = {"slurm_cluster", "slurm_env"}
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: the cores this process may run on (not the machine's, under a CPU mask),
+    at most 8 (each worker's multi-rank tests start 2-4 processes of their own)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if nodeid.startswith(SLURM_DIRS) else nodeid
+
+    return SlurmTestsTogether(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = str(config.rootpath)
+    for item in items:
+        uses_slurm = SLURM_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses_slurm and not os.path.relpath(str(item.path), root).startswith(SLURM_DIRS):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the local SLURM cluster ({', '.join(sorted(uses_slurm))}) "
+                f"outside {' and '.join(SLURM_DIRS)}: move it there, where the SLURM tests "
+                "run on one xdist worker"
+            )
 
 
 @pytest.fixture(scope="session")
@@ -91,16 +133,22 @@ def s3_env_snapshot() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "S3_"))}
 
 
+# The system's temporary directory, before any test points TMPDIR elsewhere.
+SYSTEM_TMP = tempfile.gettempdir()
+
+
 @pytest.fixture
-def private_tmpdir(tmp_path, monkeypatch: pytest.MonkeyPatch):
+def private_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A TMPDIR of the test's own (streaming keeps filelocks and its default cache in
     tempfile.gettempdir(); sharing one between tests makes them interfere), and no
     distributed topology variables (streaming reads them; a test sets them when it needs to).
-    The data and trainer tests use it for every test (autouse in their conftest.py)."""
-    import tempfile
+    The data and trainer tests use it for every test (autouse in their conftest.py).
 
-    tmp = tmp_path / "tmpdir"
-    tmp.mkdir()
+    A short path directly in the system's temporary directory, not in tmp_path: DataLoader
+    workers bind a Unix socket under TMPDIR, whose path may not pass 107 bytes, and
+    tmp_path is /tmp/pytest-of-USER/pytest-N/popen-gwK/TEST_NAME (gpn_scale/data/loader.py
+    refuses a TMPDIR that long)."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpn-test-", dir=SYSTEM_TMP))
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     for key in (
@@ -115,7 +163,8 @@ def private_tmpdir(tmp_path, monkeypatch: pytest.MonkeyPatch):
         # code under test (build_loader) sets them
         monkeypatch.setenv(key, "0")
         monkeypatch.delenv(key)
-    return tmp
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

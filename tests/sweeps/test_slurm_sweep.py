@@ -103,7 +103,7 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
     proc = _run(["sbatch", "--parsable", "-o", tmp / "driver.out", SWEEP_SH, sweep], env)
     assert proc.returncode == 0, proc.stderr
     driver = proc.stdout.strip().split(";")[0]
-    assert slurm_env.wait(driver, timeout=120) == "COMPLETED", (tmp / "driver.out").read_text()
+    assert slurm_env.wait(driver, timeout=300) == "COMPLETED", (tmp / "driver.out").read_text()
     driver_out = (tmp / "driver.out").read_text()
     m = re.search(r"^ARRAY_JOB_ID=(\d+)$", driver_out, re.M)
     assert m, driver_out
@@ -121,7 +121,7 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
                 return str(i)
         return None
 
-    victim = int(wait_for(progressed, 150, "a run to reach step 3"))
+    victim = int(wait_for(progressed, 400, "a run to reach step 3"))
     # SLURM 22.05: scancel on a task of an array that still has pending tasks delivers the
     # signal, then keeps retrying ("Job is in transitional state") while the task requeues;
     # stop it once the batch shell has the signal, so it cannot hit the restarted task.
@@ -171,7 +171,7 @@ def test_sweep_sh_preempt_requeue_exact_skip_and_fit(sweep_setup, slurm_env):
     assert proc.returncode == 0, proc.stderr
     twin = proc.stdout.strip().split(";")[0]
     try:
-        wait_for(lambda: _queue_empty(slurm_env, env, array, twin), 240, "the array and the twin")
+        wait_for(lambda: _queue_empty(slurm_env, env, array, twin), 600, "the array and the twin")
     except TimeoutError as err:
         queue = _run(["squeue", "-j", f"{array},{twin}", "-o", "%i %T %r"], env).stdout
         raise AssertionError(f"{err}\n{queue}") from None

@@ -121,13 +121,13 @@ def test_submit_slurm_executor_with_preemption(slurm_env, s3_endpoint, tmp_path,
         except (OSError, json.JSONDecodeError):
             return False
 
-    wait_for(progressed, 120, "run 0 to reach step 2")
+    wait_for(progressed, 300, "run 0 to reach step 2")
     sig = subprocess.run(
         ["scancel", "--signal=USR2", jobs[0]], env=env, text=True, capture_output=True, timeout=30
     )
     assert sig.returncode == 0, sig.stderr
     for j in jobs:
-        assert slurm_env.wait(j, timeout=240) == "COMPLETED", [
+        assert slurm_env.wait(j, timeout=600) == "COMPLETED", [
             p.read_text()[-2000:] for p in (tmp_path / "submitit").rglob("*.err")
         ]
     status = _check_finished(sweep, env, restarts=[1, 0])

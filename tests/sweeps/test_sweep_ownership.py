@@ -55,7 +55,7 @@ def test_rerun_while_running_submits_nothing_and_edits_do_not_remap(
     assert first.returncode == 0 and "ARRAY_JOB_ID=" in first.stdout, first.stderr
     tables = list((tmp_path / "logs").glob("gpn-own-*.argv.json"))
     assert len(tables) == 1
-    wait_for(lambda: _tasks(env, "gpn-own").get(0) == "RUNNING", 120, "task 0 to run")
+    wait_for(lambda: _tasks(env, "gpn-own").get(0) == "RUNNING", 300, "task 0 to run")
 
     # reorder the runs in the YAML (seed 1 first), then submit again while the array lives
     sweep.write_text(sweep.read_text().replace("- 0\n- 1\n", "- 1\n- 0\n"))
@@ -65,7 +65,7 @@ def test_rerun_while_running_submits_nothing_and_edits_do_not_remap(
     assert "nothing to submit" in again.stdout and "ARRAY_JOB_ID" not in again.stdout
     assert "skipping run 0" in again.stderr and "is RUNNING" in again.stderr, again.stderr
 
-    wait_for(lambda: not _tasks(env, "gpn-own"), 300, "the array to finish")
+    wait_for(lambda: not _tasks(env, "gpn-own"), 600, "the array to finish")
     # both runs trained, each with its own seed: no task was remapped onto the other run
     for seed in (0, 1):
         run_dir = tmp_path / "runs" / f"own-tiny-s{seed}"
