@@ -24,11 +24,13 @@ give themselves a private TMPDIR (tests/data/conftest.py does this for the data 
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +94,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+def build_once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+) -> Path:
+    """`build(path)` once for the whole test run, however many xdist workers ask for it: the
+    first builds it under a lock in the directory the workers share, the others wait and
+    reuse it. For session fixtures that tests only read (each worker is a session)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # /tmp/pytest-of-USER/pytest-N, above every worker's popen-gwK
+    target, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)  # what a worker that died left
+            target.mkdir()
+            build(target)
+            done.touch()
+    return target
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`once_per_run(name, build)`: `build_once_per_run` for fixtures in other folders."""
+    return functools.partial(build_once_per_run, tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def default_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The embedded default corpus (byte-level, seq_len 64), built once per session (~15 s)
+    """The embedded default corpus (byte-level, seq_len 64), built once per run (~15 s)
     for every test that trains on it: runs and sweeps point data.remote here rather than each
     building its own copy in its run folder (what `data.remote: default` does, which the
     demo, the README run and tests/sweeps/test_sweep_run_defaults.py still exercise). Read
     it, never change it: a test that deletes or edits its data builds its own."""
     from data_tools.default_corpus import build_default_dataset
 
-    out = tmp_path_factory.getbasetemp() / "corpus_T64"
-    return build_default_dataset(str(out), seq_len=64, seed=0)
+    def build(out: Path) -> None:
+        build_default_dataset(str(out), seq_len=64, seed=0)
+
+    return str(build_once_per_run(tmp_path_factory, "corpus_T64", build))
 
 
 @pytest.fixture(scope="session")

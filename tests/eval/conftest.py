@@ -33,12 +33,13 @@ def gpn_m_checkpoint(tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished_run(once_per_run) -> Path:
     """A finished `gpn-scale train ci_tiny run_dir=runs/x4` (2 steps, a checkpoint at each,
-    the default corpus built inside the run folder), trained once per session from its own
+    the default corpus built inside the run folder), trained once per test run from its own
     working directory, as a user would. Tests copy it (run_helpers.copy_run), never change it."""
     import run_helpers
 
-    base = tmp_path_factory.mktemp("finished_run")
-    run_helpers.train(base, "runs/x4")
-    return base / "runs" / "x4"
+    def build(base: Path) -> None:
+        run_helpers.train(base, "runs/x4")
+
+    return once_per_run("finished_run", build) / "runs" / "x4"
