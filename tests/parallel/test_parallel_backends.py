@@ -41,15 +41,14 @@ FAMILY_MODELS = ["tiny", "transformer_pp_tiny", "gated_deltanet_tiny"]
 
 
 @pytest.fixture(scope="module")
-def singles(corpus, tmp_path_factory):
-    """model -> the single-process run's directory (each run once per module)."""
-    done = {}
+def singles(corpus, once_per_run):
+    """model -> the single-process run's directory (each run once per test run)."""
 
     def get(model="tiny"):
-        if model not in done:
-            done[model] = tmp_path_factory.mktemp(f"single_{model}") / "run"
-            run_train(corpus, done[model], *COMMON, f"model={model}")
-        return done[model]
+        def build(base):
+            run_train(corpus, base / "run", *COMMON, f"model={model}")
+
+        return once_per_run(f"backends_single_{model}", build) / "run"
 
     return get
 

@@ -86,10 +86,8 @@ def _compare(ref_dir: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> N
 
 
 @pytest.fixture(scope="module")
-def single(corpus, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("tp_single") / "run"
-    run_train(corpus, run_dir, *COMMON)
-    return run_dir
+def single(corpus, once_per_run):
+    return once_per_run("tp_single", lambda base: run_train(corpus, base / "run", *COMMON)) / "run"
 
 
 # The TP copy's step backend: the PyTorch steps (every case at full size), and the CUDA
@@ -218,10 +216,11 @@ HEADS4 = (*COMMON, "model_overrides.n_heads=4")  # splits over tp = 4 as well
 
 
 @pytest.fixture(scope="module")
-def tp2_heads4(corpus, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("tp2_heads4") / "run"
-    run_train(corpus, run_dir, *HEADS4, "parallel.tp=2", nproc=2)
-    return run_dir
+def tp2_heads4(corpus, once_per_run):
+    def build(base):
+        run_train(corpus, base / "run", *HEADS4, "parallel.tp=2", nproc=2)
+
+    return once_per_run("tp2_heads4", build) / "run"
 
 
 @pytest.mark.slow

@@ -33,18 +33,16 @@ FAMILY_MODELS = ["tiny", "transformer_pp_tiny", "gated_deltanet_tiny"]
 
 
 @pytest.fixture(scope="module")
-def references(corpus: str, tmp_path_factory: pytest.TempPathFactory):
-    """model -> the uninterrupted run's per-step losses (each run once per module)."""
-    done: dict[str, dict[int, float]] = {}
+def references(corpus: str, once_per_run):
+    """model -> the uninterrupted run's per-step losses (each run once per test run)."""
 
     def get(model: str = "tiny") -> dict[int, float]:
-        if model not in done:
-            run_dir = tmp_path_factory.mktemp(f"reference_{model}") / "run"
-            run_train(corpus, run_dir, *COMMON, f"model={model}")
-            losses = train_losses(run_dir)
-            assert sorted(losses) == list(range(1, TOTAL + 1))
-            done[model] = losses
-        return done[model]
+        def build(base: Path) -> None:
+            run_train(corpus, base / "run", *COMMON, f"model={model}")
+
+        losses = train_losses(once_per_run(f"resume_reference_{model}", build) / "run")
+        assert sorted(losses) == list(range(1, TOTAL + 1))
+        return losses
 
     return get
 

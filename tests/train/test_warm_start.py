@@ -28,11 +28,13 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 @pytest.fixture(scope="module")
-def source(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 2-step run (the weights to start from)."""
-    run = tmp_path_factory.mktemp("warm_source") / "run"
-    run_train(corpus, run, "schedule.total_steps=2", "checkpoint.every_steps=1")
-    return run
+def source(corpus: str, once_per_run) -> Path:
+    """A finished 2-step run (the weights to start from), trained once per test run."""
+
+    def build(base: Path) -> None:
+        run_train(corpus, base / "run", "schedule.total_steps=2", "checkpoint.every_steps=1")
+
+    return once_per_run("warm_source", build) / "run"
 
 
 def test_a_warm_start_takes_the_weights_and_starts_everything_else_fresh(
