@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -138,6 +139,12 @@ def test_data_of_another_tokenizer_is_refused_by_eval_and_analyze(
     assert not out_dir.exists() and snapshot(run) == before
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_ctrl_c_during_generate_keeps_the_text_so_far_and_exits_130(
     finished_run: Path, tmp_path: Path
 ) -> None:
@@ -170,7 +177,11 @@ def test_ctrl_c_during_generate_keeps_the_text_so_far_and_exits_130(
     while time.monotonic() < deadline and not any("loaded" in x for x in seen):
         with contextlib.suppress(queue.Empty):  # decoding once the checkpoint is loaded
             seen.append(lines.get(timeout=1))
-    time.sleep(2.0)
+    # Let it decode for 2 s of its own CPU time (thousands of tokens for the tiny model), not
+    # 2 s of wall time: on a loaded machine (the suite's other worker) that was none at all.
+    start = _cpu_seconds(proc.pid)
+    while time.monotonic() < deadline and _cpu_seconds(proc.pid) - start < 2.0:
+        time.sleep(0.2)
     assert proc.poll() is None, "generate ended before Ctrl-C"
     proc.send_signal(signal.SIGINT)
     try:
