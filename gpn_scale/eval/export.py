@@ -52,8 +52,8 @@ from gpn_scale.eval.export_format import (
 
 def check_out_dir(out: str, overwrite: bool) -> None:
     """Before any work: --out is a local directory that may be written (one line if not)."""
+    from gpn_scale.io.outputs import check_out_dir as check_writable
     from gpn_scale.io.storage import writable_dir
-    from gpn_scale.train.preflight import check_local_dir
 
     if not out or "://" in out:
         raise ConfigError(f"--out {out!r}: give a local directory (copy it to S3 afterwards)")
@@ -66,7 +66,7 @@ def check_out_dir(out: str, overwrite: bool) -> None:
         )
     # The staging directory sits beside --out (renamed into place), so the nearest existing
     # folder above it must take new files.
-    check_local_dir(out, "--out")  # a file in the way of the path
+    check_writable(out, "--out", error=ConfigError, probe=False)  # a file in the way
     probe = path.absolute().parent
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent

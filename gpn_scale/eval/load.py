@@ -7,7 +7,7 @@ A reference is any of
   - a checkpoint root (holding `latest`) or a run directory (holding `config.yaml`): the newest
     complete checkpoint of the folder given: its own `checkpoints/` first, then the root its
     config.yaml names when that lies outside it (S3, another disk); never the folder it was
-    copied from (paths a run records are relative to it: train/run_paths.py);
+    copied from (paths a run records are relative to it: io/run_folder.py);
   - a `model_final.pt` (the trainer's `checkpoint.export_final`: the full state dict), whose
     config comes from the `config.yaml` the trainer wrote beside it;
   - an export directory (`gpn-scale export`: safetensors + config.json + tokenizer, native or
@@ -133,7 +133,7 @@ def checkpoint_roots(ref: str) -> list[str]:
     """Where a folder's checkpoints may be, in order: the folder itself (a checkpoint root),
     its own `checkpoints/`, then the root its config.yaml names (resolved for where the
     folder lies now, so a copy never reads the original's)."""
-    from gpn_scale.train.run_paths import is_run_folder, read_run_config
+    from gpn_scale.io.run_folder import is_run_folder, read_run_config
 
     roots = [ref]
     if "://" not in ref:
@@ -147,7 +147,7 @@ def checkpoint_roots(ref: str) -> list[str]:
 
 def _data_remote(train_cfg: dict[str, Any] | None, run_dir: str | None) -> str | None:
     """The dataset a run trained on, for the run folder where it lies now (None: unknown)."""
-    from gpn_scale.train.run_paths import rebase_run_config
+    from gpn_scale.io.run_folder import rebase_run_config
 
     if not isinstance(train_cfg, dict):
         return None
@@ -216,7 +216,7 @@ class Source:
 def read_source(kind: str, uri: str) -> Source:
     """What the resolved reference (`resolve`) holds: its meta, run folder and tokenizer file."""
     from gpn_scale.checkpoint import CheckpointManager
-    from gpn_scale.train.run_paths import checkpoint_run_dir, is_run_folder, read_run_config
+    from gpn_scale.io.run_folder import checkpoint_run_dir, is_run_folder, read_run_config
 
     if kind == "dcp":
         parent = uri.rstrip("/").rsplit("/", 1)[0] or "/"

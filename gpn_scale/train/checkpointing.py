@@ -13,16 +13,16 @@ from torch import nn
 
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 from gpn_scale.core.config import ConfigError
+from gpn_scale.io.run_folder import record_run_dir, resolve_recorded
 from gpn_scale.parallel.backends import Backend
 from gpn_scale.parallel.topology import Topology
-from gpn_scale.train.config import TrainConfig
+from gpn_scale.train.config import TrainConfig, relocatable
 from gpn_scale.train.preflight import (
     DONE_MARKER,
     check_model_compatible,
     finished_at,
     last_ckpt_step,
 )
-from gpn_scale.train.run_paths import record_run_dir, relocatable, resolve_recorded
 from gpn_scale.train.state import RunResult, TrainingError, TrainState
 
 # Settings whose change on resume alters the run that was checkpointed (the schedule or
@@ -222,7 +222,7 @@ class RunCheckpoints:
             "model_config": model_cfg.to_dict(),
             "config": relocatable(self.cfg).to_dict(),
             # The run folder relative to the checkpoint root (or absolute): eval finds the
-            # run's own data beside a copied or moved checkpoint (train/run_paths.py).
+            # run's own data beside a copied or moved checkpoint (io/run_folder.py).
             "run_dir": record_run_dir(self.run_dir, self.mgr.root),
             "tokenizer": self.tokenizer_identity,
             "initial_load": self.initial_load_uri,

@@ -12,6 +12,7 @@ The sweep launcher relies on these exact keys: `model`, `seed`, `run_name`, `opt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
-from gpn_scale.train import run_paths
-from gpn_scale.train.run_paths import DEFAULT_CORPUS
+from gpn_scale.io import run_folder
+from gpn_scale.io.run_folder import DEFAULT_CORPUS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
 
@@ -466,16 +467,16 @@ def expand_user_paths(cfg: TrainConfig) -> None:
 def _read_config_layer(name_or_path: str | Path) -> dict[str, Any]:
     """A training YAML's mapping; a run folder (or the config.yaml a run wrote in it) is
     its recorded config with the paths resolved for where the folder lies now
-    (train/run_paths.py), so `gpn-scale eval runs/x` and `train runs/x` read runs/x."""
+    (io/run_folder.py), so `gpn-scale eval runs/x` and `train runs/x` read runs/x."""
     shipped = "/" not in str(name_or_path) and (CONFIG_DIR / f"{name_or_path}.yaml").is_file()
-    if run_paths.is_run_folder(name_or_path) and not shipped:  # a shipped name wins
-        return run_paths.read_run_config(name_or_path)
+    if run_folder.is_run_folder(name_or_path) and not shipped:  # a shipped name wins
+        return run_folder.read_run_config(name_or_path)
     path = resolve_config_path(name_or_path)
     raw = read_yaml(path, resolve=False, what="training config")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of config sections")
-    if path.name == run_paths.RUN_CONFIG and raw.get("run_dir") == run_paths.HERE:
-        return run_paths.rebase_run_config(raw, str(path.parent))
+    if path.name == run_folder.RUN_CONFIG and raw.get("run_dir") == run_folder.HERE:
+        return run_folder.rebase_run_config(raw, str(path.parent))
     return raw
 
 
@@ -585,3 +586,19 @@ def to_yaml(cfg: TrainConfig) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def relocatable(cfg: TrainConfig) -> TrainConfig:
+    """The config as a run records it (config.yaml, every checkpoint's meta): defaults
+    filled in, its run folder as `.` and every path inside it relative to it."""
+    run_dir = cfg.resolved_run_dir
+    out = copy.deepcopy(cfg)
+    out.run_dir = run_folder.HERE
+    out.checkpoint.root = run_folder.to_run_relative(cfg.resolved_checkpoint_root, run_dir)
+    if cfg.data.remote != DEFAULT_CORPUS:
+        out.data.remote = str(run_folder.to_run_relative(cfg.data.remote, run_dir))
+    out.data.local_cache = run_folder.to_run_relative(cfg.data.local_cache, run_dir)
+    out.logging.wandb.dir = run_folder.to_run_relative(cfg.logging.wandb.dir, run_dir)
+    if run_folder.looks_like_path(cfg.model) and Path(cfg.model).is_file():
+        out.model = str(run_folder.to_run_relative(cfg.model, run_dir))
+    return out

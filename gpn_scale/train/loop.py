@@ -26,6 +26,7 @@ from gpn_scale import optim as optim_lib
 from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import detect
 from gpn_scale.core.hardware import device_peak_flops as peak_flops  # MFU's denominator
+from gpn_scale.io.run_folder import missing_tops, record_run_dir
 from gpn_scale.parallel.backends import resolve_backend, setup_topology
 from gpn_scale.parallel.topology import Topology
 from gpn_scale.train.build import build_model, training_flops_per_token
@@ -41,7 +42,6 @@ from gpn_scale.train.progress import (
     progress_line,
 )
 from gpn_scale.train.run_data import endless_batches
-from gpn_scale.train.run_paths import missing_tops, record_run_dir
 from gpn_scale.train.signals import EXIT_NONFINITE, EXIT_PREEMPTED, StopConditions
 from gpn_scale.train.state import Components, RunResult, TrainState
 from gpn_scale.train.step import StepResult, train_step
@@ -473,7 +473,7 @@ class Trainer:
                 "flops": c.flops_per_token * s.tokens,
                 "skipped_steps": s.skipped,
                 # Both relative to the checkpoint root holding DONE when local (it travels
-                # with the folder), else absolute (train/run_paths.py).
+                # with the folder), else absolute (io/run_folder.py).
                 "checkpoint": ckpt.rstrip("/").rsplit("/", 1)[-1] if ckpt else None,
                 "run_dir": record_run_dir(self.run_dir, c.mgr.root),
             }

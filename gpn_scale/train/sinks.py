@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.train.config import TrainConfig, to_yaml
+from gpn_scale.io.run_folder import RUN_CONFIG
+from gpn_scale.train.config import TrainConfig, relocatable, to_yaml
 from gpn_scale.train.metrics import JsonlSink, WandbSink, scrub_secrets
-from gpn_scale.train.run_paths import RUN_CONFIG, relocatable
 
 
 def open_sinks(

@@ -19,13 +19,10 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # config.py reads run folders through this module
-    from gpn_scale.train.config import TrainConfig
+from typing import Any
 
 # The sentinel for data.remote: build the embedded default corpus (byte-level) locally. A
-# name, not a path, so never rebased (defined here, below config.py, which re-exports it).
+# name, not a path, so never rebased (the train config's data.remote default).
 DEFAULT_CORPUS = "default"
 
 RUN_CONFIG = "config.yaml"
@@ -62,23 +59,7 @@ def from_run_relative(path: str | None, run_dir: str) -> str | None:
     return str(Path(run_dir) / path)
 
 
-def relocatable(cfg: TrainConfig) -> TrainConfig:
-    """The config as a run records it (config.yaml, every checkpoint's meta): defaults
-    filled in, its run folder as `.` and every path inside it relative to it."""
-    run_dir = cfg.resolved_run_dir
-    out = copy.deepcopy(cfg)
-    out.run_dir = HERE
-    out.checkpoint.root = to_run_relative(cfg.resolved_checkpoint_root, run_dir)
-    if cfg.data.remote != DEFAULT_CORPUS:
-        out.data.remote = str(to_run_relative(cfg.data.remote, run_dir))
-    out.data.local_cache = to_run_relative(cfg.data.local_cache, run_dir)
-    out.logging.wandb.dir = to_run_relative(cfg.logging.wandb.dir, run_dir)
-    if _looks_like_path(cfg.model) and Path(cfg.model).is_file():
-        out.model = str(to_run_relative(cfg.model, run_dir))
-    return out
-
-
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or "/" in name
 
 
@@ -125,7 +106,7 @@ def rebase_run_config(raw: dict[str, Any], folder: str) -> dict[str, Any]:
         value = _get(raw, keys)
         if not isinstance(value, str) or _is_uri(value) or value == DEFAULT_CORPUS:
             continue
-        if keys == ("model",) and not _looks_like_path(value):
+        if keys == ("model",) and not looks_like_path(value):
             continue
         if recorded == HERE:
             _set(out, keys, from_run_relative(value, folder))
