@@ -160,7 +160,7 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
         model = GPN(cfg)
     if case.dtype == "fp64":
         model = model.to(torch.float64)
-    T = case.seq_len or 2 * cfg.chunk_size
+    T = case.seq_len or 2 * cfg.engine.chunk_size
     tokens = torch.zeros(case.batch, T, dtype=torch.long, device="meta")
     settings = execution(
         matmul_dtype=torch.bfloat16 if case.dtype == "bf16" else None,

@@ -183,7 +183,7 @@ def account(
     check_tp(cfg, tp, "tp")
     if tp > 1:
         cfg = cfg.replace(n_heads=cfg.n_heads // tp, d_ffn=cfg.d_ffn // tp)
-    C = cfg.chunk_size
+    C = cfg.engine.chunk_size
     lengths = [seq_len] if seq_len <= C else [C, 2 * C]
     acc = Accounting(name or cfg.name, batch, seq_len, C, cfg.n_layers, tp=tp)
     for T in lengths:

@@ -182,7 +182,7 @@ def bench_roofline(repeats: int, shape: tuple[str, int, int] = SHAPES["SMALL"]) 
 def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[], None]]:
     """The matmuls each phase must do, alone at the same shapes: per phase, a function that
     runs a whole phase's worth of them (every step, or every chunk)."""
-    d, e, V, C = cfg.d_state, cfg.d_emb, cfg.vocab_size, cfg.chunk_size
+    d, e, V, C = cfg.d_state, cfg.d_emb, cfg.vocab_size, cfg.engine.chunk_size
     widths_in = [sum(input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
     width_out = cfg.n_heads * cfg.d_value + cfg.d_ffn if cfg.memory else cfg.d_ffn
     r = torch.randn
@@ -247,7 +247,7 @@ def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[],
         X.t() @ dZ
 
     N = B * T
-    rows = min(cfg.loss_chunk_tokens, N)
+    rows = min(cfg.engine.loss_chunk_tokens, N)
     Hd = r(rows, e)
     E = r(V, e)
     G = r(rows, V)

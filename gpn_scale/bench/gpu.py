@@ -191,8 +191,8 @@ def use_triton_cache(cache_dir: Path) -> None:
 
 
 def graph_settings() -> list[bool | None]:
-    """[True, False] where the engine has the `cuda_graphs` option, else [None]."""
-    return [True, False] if "cuda_graphs" in GPNConfig.field_names() else [None]
+    """The CUDA backend with and without graph capture (`engine.cuda_graphs`)."""
+    return [True, False]
 
 
 def check_exactness(device: torch.device) -> Iterator[dict]:
@@ -658,14 +658,8 @@ def markdown(blob: dict) -> str:
 
 
 def _step_form(device: torch.device) -> str:
-    try:
-        from gpn_scale.ops.gpn_step.registry import kernels_for
-    except ImportError:  # the step-backend seam may have moved it; record the option
-        return (
-            f"step_backend={GPNConfig.__dataclass_fields__['step_backend'].default}"
-            if "step_backend" in GPNConfig.field_names()
-            else "unknown"
-        )
+    from gpn_scale.ops.gpn_step.registry import kernels_for
+
     return "fused CPU kernels" if kernels_for(device) is not None else "PyTorch ops"
 
 

@@ -45,7 +45,7 @@ def tiny_config(**changes) -> GPNConfig:
     if changes.get("memory") is False:
         values.update(n_heads=0, d_key=0, d_value=0)
     values.update(changes)
-    return GPNConfig(**values)
+    return GPNConfig.from_dict(values)  # engine options may be named flat (chunk_size=4)
 
 
 def perturbed_model(

@@ -88,6 +88,21 @@ class ParallelSection:
 
 
 @dataclass
+class EngineSection:
+    # How the GPN engine runs a sequence, never what it computes (ops/gpn_step/options.py);
+    # None keeps the model config's value (the model YAMLs set each size's chunk_size). A
+    # checkpoint resumes under other values. GPN / GPN+M only.
+    chunk_size: int | None = None  # steps per chunk (memory chunkwise form, BPTT recompute)
+    loss_chunk_tokens: int | None = None  # decode + cross entropy over this many positions
+    step_backend: str | None = None  # auto | reference | cpu | cuda (GPN_SCALE_STEP_KERNELS wins)
+    cuda_graphs: bool | None = None  # CUDA backend: capture each chunk as CUDA graphs
+
+    def given(self) -> dict[str, Any]:
+        """The options this run sets (the rest stay the model config's)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
 class CheckpointSection:
     root: str | None = None  # local dir or s3://bucket/prefix (default <run_dir>/checkpoints)
     every_steps: int = 0  # 0 = only on preemption and at the end
@@ -187,6 +202,7 @@ class TrainConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -275,6 +291,7 @@ _SECTION_TYPES: dict[str, type] = {
         ScheduleSection,
         TrainSection,
         ParallelSection,
+        EngineSection,
         CheckpointSection,
         WandbSection,
         LoggingSection,
@@ -480,6 +497,44 @@ def _read_config_layer(name_or_path: str | Path) -> dict[str, Any]:
     return raw
 
 
+def _check_engine(section: EngineSection) -> None:
+    """Each option the run sets, checked as the engine checks it, named engine.<key>."""
+    if section.given():
+        from gpn_scale.ops.gpn_step.options import EngineOptions
+
+        EngineOptions.from_dict(section.given(), prefix="engine.")
+
+
+def _check_parallel_and_analysis(cfg: TrainConfig) -> None:
+    """parallel.* values, and the live analyses, which need the whole model on one rank."""
+    if cfg.parallel.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage: expected 1, 2 or 3, got {cfg.parallel.zero_stage}")
+    if isinstance(cfg.parallel.tp, bool) or not isinstance(cfg.parallel.tp, int):
+        raise ConfigError(f"parallel.tp: expected an integer, got {cfg.parallel.tp!r}")
+    if cfg.parallel.tp < 1:
+        raise ConfigError(f"parallel.tp: must be >= 1, got {cfg.parallel.tp}")
+    if cfg.parallel.tp > 1 and cfg.parallel.backend in ("none", "deepspeed"):
+        raise ConfigError(
+            f"parallel.tp={cfg.parallel.tp}: tensor parallelism runs under "
+            f"parallel.backend=fsdp2 (or auto), not {cfg.parallel.backend}; use fsdp2"
+        )
+    if cfg.analysis.every_steps < 0:
+        raise ConfigError(
+            f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}"
+        )
+    if cfg.analysis.every_steps and cfg.parallel.tp > 1:
+        raise ConfigError(
+            f"analysis.every_steps: the live analyses run the whole model on one rank, which "
+            f"parallel.tp={cfg.parallel.tp} splits; set analysis.every_steps=0 and run "
+            "`gpn-scale analyze` on a checkpoint (it loads the full model), or train at tp=1"
+        )
+    if cfg.analysis.rows < 1 or cfg.analysis.tokens < 3:
+        raise ConfigError(
+            f"analysis.rows / analysis.tokens: need rows >= 1 and tokens >= 3, got "
+            f"{cfg.analysis.rows} / {cfg.analysis.tokens}"
+        )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Value checks the types cannot express (one line each)."""
     check_numbers(cfg)
@@ -492,6 +547,7 @@ def validate(cfg: TrainConfig) -> None:
                 f"{key}: expected one of {', '.join(allowed)}, got {value!r}"
                 f"{closest_key_hint(str(value), allowed)}"
             )
+    _check_engine(cfg.engine)
     if cfg.train.deterministic not in (True, False, "auto"):
         raise ConfigError(
             f"train.deterministic: expected auto, true or false, got {cfg.train.deterministic!r}"
@@ -529,32 +585,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
     if cfg.optim.eps <= 0:
         raise ConfigError(f"optim.eps: must be > 0, got {cfg.optim.eps}")
-    if cfg.parallel.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage: expected 1, 2 or 3, got {cfg.parallel.zero_stage}")
-    if isinstance(cfg.parallel.tp, bool) or not isinstance(cfg.parallel.tp, int):
-        raise ConfigError(f"parallel.tp: expected an integer, got {cfg.parallel.tp!r}")
-    if cfg.parallel.tp < 1:
-        raise ConfigError(f"parallel.tp: must be >= 1, got {cfg.parallel.tp}")
-    if cfg.parallel.tp > 1 and cfg.parallel.backend in ("none", "deepspeed"):
-        raise ConfigError(
-            f"parallel.tp={cfg.parallel.tp}: tensor parallelism runs under "
-            f"parallel.backend=fsdp2 (or auto), not {cfg.parallel.backend}; use fsdp2"
-        )
-    if cfg.analysis.every_steps < 0:
-        raise ConfigError(
-            f"analysis.every_steps: must be >= 0 (0 = off), got {cfg.analysis.every_steps}"
-        )
-    if cfg.analysis.every_steps and cfg.parallel.tp > 1:
-        raise ConfigError(
-            f"analysis.every_steps: the live analyses run the whole model on one rank, which "
-            f"parallel.tp={cfg.parallel.tp} splits; set analysis.every_steps=0 and run "
-            "`gpn-scale analyze` on a checkpoint (it loads the full model), or train at tp=1"
-        )
-    if cfg.analysis.rows < 1 or cfg.analysis.tokens < 3:
-        raise ConfigError(
-            f"analysis.rows / analysis.tokens: need rows >= 1 and tokens >= 3, got "
-            f"{cfg.analysis.rows} / {cfg.analysis.tokens}"
-        )
+    _check_parallel_and_analysis(cfg)
     mb = cfg.train.micro_batch_size
     if mb is not None and mb < 1:
         raise ConfigError(f"train.micro_batch_size: must be >= 1, got {mb}")

@@ -43,6 +43,7 @@ def model_config(cfg: TrainConfig) -> Any:
                 f"{spec.name}, which has no recurrence to truncate; remove train.tbptt"
             )
         model_cfg = model_cfg.replace(tbptt=cfg.train.tbptt)
+    model_cfg = _with_engine(cfg, spec.name, model_cfg)
     if cfg.train.stateful_windows and not spec.recurrent:
         raise ConfigError(
             f"train.stateful_windows: model={cfg.model} is family {spec.name}, whose state "
@@ -50,6 +51,23 @@ def model_config(cfg: TrainConfig) -> Any:
             "train.stateful_windows=false"
         )
     return model_cfg
+
+
+def _with_engine(cfg: TrainConfig, family: str, model_cfg: Any) -> Any:
+    """The model config with the run's `engine:` options over the model file's."""
+    given = cfg.engine.given()
+    if not given:
+        return model_cfg
+    key = f"engine.{next(iter(given))}"
+    if family != "gpn":
+        raise ConfigError(
+            f"{key}: the engine options are GPN's; model={cfg.model} is family {family}; "
+            "remove the engine section"
+        )
+    from gpn_scale.ops.gpn_step.options import EngineOptions
+
+    options = EngineOptions.from_dict({**model_cfg.engine.to_dict(), **given}, prefix="engine.")
+    return model_cfg.replace(engine=options)
 
 
 def check_tensor_parallel(model_cfg: Any, tp: int) -> None:

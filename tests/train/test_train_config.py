@@ -66,6 +66,9 @@ def test_sweep_keys_are_in_the_schema():
             "schedule.warmup_steps: must be in [0, schedule.total_steps=8]",
         ),
         ("train.deterministic=sometimes", "train.deterministic: expected auto, true or false"),
+        ("engine.chunk_sise=8", "did you mean 'engine.chunk_size'?"),
+        ("engine.chunk_size=0", "engine.chunk_size: must be >= 1, got 0"),
+        ("engine.step_backend=gpu", "engine.step_backend: expected auto, reference, cpu or cuda"),
     ],
 )
 def test_bad_keys_and_values_fail_in_one_line(override, expected):
@@ -73,6 +76,17 @@ def test_bad_keys_and_values_fail_in_one_line(override, expected):
         load_train_config("ci_tiny", [override])
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_the_runs_engine_section_wins_over_the_model_files_options():
+    from gpn_scale.train.preflight import model_config
+
+    default = model_config(load_train_config("ci_tiny"))
+    assert default.engine == load_model_config(default.name).engine  # none set: the model's
+    cfg = load_train_config("ci_tiny", ["engine.chunk_size=5", "engine.step_backend=reference"])
+    model_cfg = model_config(cfg)
+    assert model_cfg.engine == default.engine.replace(chunk_size=5, step_backend="reference")
+    assert model_cfg.replace(engine=default.engine) == default  # the shape is untouched
 
 
 def test_unknown_key_in_yaml_file(tmp_path):

@@ -102,6 +102,7 @@ def test_a_checkpoint_of_one_family_is_refused_by_another_in_one_line(corpus, tm
         ("train.tbptt=8", "train.tbptt: truncated BPTT is a GPN option"),
         ("train.stateful_windows=true", "train.stateful_windows: model=transformer_pp_tiny is"),
         ("model_overrides.step_backend=cpu", "model_overrides.step_backend: unknown key for"),
+        ("engine.chunk_size=8", "engine.chunk_size: the engine options are GPN's"),
     ],
 )
 def test_gpn_only_options_are_refused_naming_the_field(tmp_path, option, message):

@@ -20,15 +20,20 @@ from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own
 )
 from gpn_scale.models.registry import CONFIG_DIR
 from gpn_scale.models.registry import load_model_config as load_any_model_config
+from gpn_scale.ops.gpn_step.options import EngineOptions
+
+ENGINE_FIELDS = EngineOptions.field_names()
 
 
 @dataclass(frozen=True)
 class GPNConfig:
-    """GPN / GPN+M hyper-parameters plus the engine's execution options.
+    """GPN / GPN+M hyper-parameters, plus the engine's execution options under `engine`.
 
     `memory=False` gives the memory-less GPN; the memory fields must then stay 0.
-    `chunk_size` and `tbptt` change how the sequence is computed, never what it computes
-    (except that `tbptt` > 0 stops gradients through the carry every `tbptt` steps).
+    `engine` changes how the sequence is computed, never what it computes; `tbptt` > 0 stops
+    gradients through the carry every `tbptt` steps. A mapping (a model YAML, a checkpoint's
+    config) may spell the engine options flat (`chunk_size: 64`, as the model YAMLs and the
+    checkpoints written before `engine` existed do) or as an `engine:` section.
     """
 
     vocab_size: int
@@ -41,18 +46,11 @@ class GPNConfig:
     d_key: int = 0
     d_value: int = 0
     decoder_bias: bool = False
-    # Engine options (semantics-preserving): chunk length of the memory and of BPTT recompute.
-    chunk_size: int = 32
     # Truncated BPTT: detach the carried state every `tbptt` steps (0 = full BPTT).
     tbptt: int = 0
-    # Decode + cross-entropy run over this many positions at a time (never B x T x V at once).
-    loss_chunk_tokens: int = 1024
-    # Which backend runs the time steps (gpn_scale/ops/gpn_step/registry.py): auto picks by
-    # device (fused C++ kernels on CPU, Triton kernels on CUDA); reference = PyTorch steps;
-    # the environment variable GPN_SCALE_STEP_KERNELS overrides it.
-    step_backend: str = "auto"
-    # CUDA backend: capture each chunk's steps and reverse sweep as CUDA graphs.
-    cuda_graphs: bool = True
+    # How the engine runs the sequence (chunk length, loss chunk, step backend, CUDA graphs):
+    # never what it computes, so not part of the shape (ops/gpn_step/options.py).
+    engine: EngineOptions = field(default_factory=EngineOptions)
     # Optional redundant check: when given, must equal n_heads * d_key * d_value.
     memory_cells: int | None = None
     name: str = ""
@@ -67,19 +65,13 @@ class GPNConfig:
             "d_emb",
             "d_ffn",
             "n_layers",
-            "chunk_size",
-            "loss_chunk_tokens",
         ):
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("tbptt", self.tbptt, minimum=0)
         if not isinstance(self.memory, bool):
             raise ConfigError(f"memory: expected true or false, got {self.memory!r}")
-        if self.step_backend not in ("auto", "reference", "cpu", "cuda"):
-            raise ConfigError(
-                f"step_backend: expected auto, reference, cpu or cuda, got {self.step_backend!r}"
-            )
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.engine, EngineOptions):
+            raise ConfigError(f"engine: expected the engine options, got {self.engine!r}")
         if not isinstance(self.decoder_bias, bool):
             raise ConfigError(f"decoder_bias: expected true or false, got {self.decoder_bias!r}")
         if self.memory:
@@ -120,6 +112,10 @@ class GPNConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> GPNConfig:
+        """A copy with `changes`; an engine option may be named by itself (`chunk_size=8`)."""
+        engine = {k: changes.pop(k) for k in ENGINE_FIELDS if k in changes}
+        if engine:
+            changes["engine"] = changes.get("engine", self.engine).replace(**engine)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -135,8 +131,30 @@ class GPNConfig:
                 f"model.family: {values['family']!r} is not GPN; this reads GPN / GPN+M configs "
                 "only (the trainer, info and sweeps read every family)"
             )
+        values = dict(values)
+        engine = _engine_from(values)
         check_fields(cls, values)
-        return cls(**dict(values))
+        return cls(**values, engine=engine)
+
+
+def _engine_from(values: dict[str, Any]) -> EngineOptions:
+    """Take the engine options out of a config mapping (flat keys and/or an `engine:`
+    section; the same option given both ways with two values is one line)."""
+    section = values.pop("engine", None) or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"model.engine: expected a section of keys, got {section!r}")
+    for key in section:
+        if key not in ENGINE_FIELDS:
+            hint = closest_key_hint(str(key), ENGINE_FIELDS)
+            raise ConfigError(f"model.engine.{key}: unknown engine option{hint}")
+    flat = {k: values.pop(k) for k in ENGINE_FIELDS if k in values}
+    for key in flat.keys() & section.keys():
+        if flat[key] != section[key]:
+            raise ConfigError(
+                f"model.{key}: {flat[key]!r} and model.engine.{key}: {section[key]!r} disagree; "
+                "set the option once"
+            )
+    return EngineOptions.from_dict({**section, **flat}, prefix="")
 
 
 def _require_int(name: str, value: Any, minimum: int, why: str = "") -> None:

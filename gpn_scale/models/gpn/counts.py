@@ -80,13 +80,13 @@ def estimate_training_memory(
     f4 = 4
     # Saved across the loop: fused inputs, outputs p, normed p, decode h and its grad, emb.
     per_token = (3 * d + 3 * e) * f4
-    chunks = math.ceil(T / cfg.chunk_size)
+    chunks = math.ceil(T / cfg.engine.chunk_size)
     snapshots = chunks * B * cfg.cells * f4
     # One chunk recomputed with autograd: the step's projections plus the chunk's k/u terms.
     width = sum(_in_width(cfg, i) for i in range(cfg.n_layers))
     width += cfg.n_layers * (cfg.n_heads * cfg.d_value + cfg.d_ffn) + 4 * d
-    chunk_work = 3 * B * cfg.chunk_size * width * f4 + 2 * B * cfg.cells * f4
-    rows = min(cfg.loss_chunk_tokens, B * T)
+    chunk_work = 3 * B * cfg.engine.chunk_size * width * f4 + 2 * B * cfg.cells * f4
+    rows = min(cfg.engine.loss_chunk_tokens, B * T)
     loss_work = 2 * rows * cfg.vocab_size * f4
     activations = B * T * per_token + snapshots + chunk_work + loss_work
     return MemoryEstimate(

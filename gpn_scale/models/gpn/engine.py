@@ -4,7 +4,7 @@ Layout of one forward (see `shared/spec/gpn-model.md` for the equations):
 
 1. Outside the time loop, over all B*T positions at once: embedding and fuse projection.
 2. The time loop: the sequence op `ops.gpn_step.chunk.gpn_sequence` (chunk by chunk, on a
-   step backend chosen by device and the config's `step_backend`; its forward and the
+   step backend chosen by device and the engine options' `step_backend`; its forward and the
    hand-written backward are described there). What it needs from the model is made here:
    - every projection of one input is ONE matmul: the grounded state s feeds the memory
      write (k for the next step, v, beta, decay) and layer 0's read query, read gate,
@@ -13,7 +13,8 @@ Layout of one forward (see `shared/spec/gpn-model.md` for the equations):
      down-projection matmul (`fold_loop_weights`, differentiable: the op's weight
      gradients flow back through the folding to the parameters);
    - the plan: the widths (this rank's share under tp), the chunk spans (every
-     `chunk_size` steps and at every truncated-BPTT cut), the matmul dtype, the backend.
+     `chunk_size` steps and at every truncated-BPTT cut), the matmul dtype, and the
+     engine options (`config.engine`, ops/gpn_step/options.py: the backend, CUDA graphs).
 3. Outside the loop again: decode and cross-entropy in chunks of positions
    (`models/gpn/loss.py`), never the full B x T x V logits.
 
@@ -198,7 +199,7 @@ def run_engine(
             None,
             mm_dtype,
         )
-        spans, cuts = make_spans(T, cfg.chunk_size, cfg.tbptt)
+        spans, cuts = make_spans(T, cfg.engine.chunk_size, cfg.tbptt)
         plan = StepPlan(
             cfg.n_layers,
             cfg.memory,
@@ -211,8 +212,7 @@ def run_engine(
             spans,
             cuts,
             mm_dtype,
-            cfg.step_backend,
-            cfg.cuda_graphs,
+            cfg.engine,
             tp_size,
             tp_group,
         )
@@ -234,7 +234,7 @@ def run_engine(
                 dec_b,
                 E,
                 tokens.reshape(B * T),
-                cfg.loss_chunk_tokens,
+                cfg.engine.loss_chunk_tokens,
                 eps,
                 mm_dtype,
                 scale=1.0 / (B * T),

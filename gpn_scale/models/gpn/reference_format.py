@@ -121,7 +121,7 @@ def config_from_reference(params: Mapping[str, Any], **overrides: Any) -> GPNCon
     plain: dict[str, Any] = {
         k: (int(v) if isinstance(v, np.integer) else v) for k, v in values.items()
     }
-    return GPNConfig(**plain)
+    return GPNConfig.from_dict(plain)  # an engine option may be given flat (chunk_size=8)
 
 
 def import_reference(params: Mapping[str, Any], **config_overrides: Any) -> GPN:

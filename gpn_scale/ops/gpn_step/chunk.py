@@ -397,7 +397,7 @@ class _SequenceFunction(torch.autograd.Function):
         M0: Tensor | None,
         *flat: Tensor,
     ):
-        backend = select_backend(plan.backend, fuse.device, plan.tp_size)
+        backend = select_backend(plan.options.step_backend, fuse.device, plan.tp_size)
         W = LoopWeights.unflat(plan, flat).for_matmul(plan.mm_dtype, backend.row_alignment)
         B, T, d = fuse.shape
         P = fuse.new_empty(B, T, d)

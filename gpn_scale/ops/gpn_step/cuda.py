@@ -383,7 +383,7 @@ class CudaBackend:
     def forward_chunk(
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
     ) -> ChunkForwardResult:
-        if is_dry() and plan.cuda_graphs:  # what a replay costs besides its kernels
+        if is_dry() and plan.options.cuda_graphs:  # what a replay costs besides its kernels
             _aten(GRAPH_COPIES, "forward chunk", 2 * _nbytes(*_leaves(chunk)))
         if self.graphs.wanted(plan, chunk.fuse):
             return self.graphs.forward(plan, W, chunk, forward_chunk_eager)
@@ -392,7 +392,7 @@ class CudaBackend:
     def reverse_sweep(
         self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
     ) -> ReverseSweepResult:
-        if is_dry() and plan.cuda_graphs:
+        if is_dry() and plan.options.cuda_graphs:
             _aten(GRAPH_COPIES, "reverse chunk", 2 * _nbytes(*_leaves(sweep)))
         if self.graphs.wanted(plan, sweep.dP):
             return self.graphs.reverse(plan, Wt, sweep, reverse_sweep_eager)

@@ -196,7 +196,7 @@ class ChunkGraphs:
 
     def wanted(self, plan: StepPlan, like: Tensor) -> bool:
         return (
-            plan.cuda_graphs
+            plan.options.cuda_graphs
             and self.failed is None
             and not is_dry()
             and (like.is_cuda or current().graph_capture is not None)
@@ -255,7 +255,7 @@ class ChunkGraphs:
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             warn_once(
                 f"CUDA graph capture of the step chunks failed ({self.failed}); running "
-                "them eagerly (set model.cuda_graphs=false to skip the attempt)"
+                "them eagerly (set engine.cuda_graphs=false to skip the attempt)"
             )
             return None
         self.captures += 1

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.gpn_step.options import EngineOptions
+
 
 # ------------------------------------------------------------------ column layout
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ class StepPlan:
     spans: tuple[tuple[int, int], ...]  # chunk boundaries [start, end)
     cuts: frozenset[int]  # positions where truncated BPTT stops gradients
     mm_dtype: torch.dtype | None  # matmul dtype under autocast, else None
-    backend: str = "auto"  # step backend asked for (see registry.py)
-    cuda_graphs: bool = True  # capture the CUDA backend's chunks as graphs
+    # The engine options (options.py): the step backend asked for, CUDA graphs on or off.
+    options: EngineOptions = EngineOptions()
     # Tensor parallelism (`collectives.py`): H and f above are then this rank's share of the
     # heads and FFN hidden units; the group sums at the step's fixed points. None: one rank.
     tp_size: int = 1

@@ -1,8 +1,9 @@
 """Which step backend runs a chunk's steps: chosen at run time by device and availability
 (the backends are declared in the one op-backend registry, `gpn_scale/ops/backends.py`).
 
-The engine config's `step_backend` asks for one (`auto` by default); the environment variable
-GPN_SCALE_STEP_KERNELS, when set, overrides it (for benchmarks and bisecting):
+The engine options' `step_backend` (options.py) asks for one (`auto` by default); the
+environment variable GPN_SCALE_STEP_KERNELS, when set, overrides it (for benchmarks and
+bisecting):
 
   auto       CPU tensors: the fused C++ kernels when they build, else (one warning) the
              PyTorch steps (under tensor parallelism always the PyTorch steps); CUDA
@@ -42,7 +43,7 @@ def _cpu_kernels_unavailable() -> str | None:
     return None if step_kernels.load(required=False) is not None else "they do not build here"
 
 
-BACKENDS = OpRegistry("GPN step", ENV_VAR, "model.step_backend", StepBackendError)
+BACKENDS = OpRegistry("GPN step", ENV_VAR, "engine.step_backend", StepBackendError)
 BACKENDS.register(
     OpBackend("reference", (ANY_DEVICE,), 0, aliases=("python",), description="the PyTorch steps")
 )

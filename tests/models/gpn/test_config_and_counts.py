@@ -14,6 +14,7 @@ from gpn_scale.models.gpn.counts import (
     forward_flops_per_token,
 )
 from gpn_scale.models.registry import CONFIG_DIR
+from gpn_scale.ops.gpn_step.options import EngineOptions
 
 BASE = dict(vocab_size=100, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d_value=6)
 
@@ -34,7 +35,7 @@ BASE = dict(vocab_size=100, d_state=16, d_emb=8, d_ffn=24, n_heads=2, d_key=4, d
 )
 def test_bad_values_name_the_field(changes, field):
     with pytest.raises(ConfigError) as err:
-        GPNConfig(**{**BASE, **changes})
+        GPNConfig.from_dict({**BASE, **changes})  # as a model YAML spells them
     message = str(err.value)
     assert message.startswith(field) and "\n" not in message
 
@@ -48,6 +49,39 @@ def test_unknown_and_missing_keys():
     del values["d_emb"]
     with pytest.raises(ConfigError, match="model.d_emb: required"):
         GPNConfig.from_dict(values)
+
+
+def test_engine_options_are_one_section_spelled_flat_or_nested():
+    """The execution options live in `engine` (EngineOptions), not among the shape fields; a
+    model YAML spells them flat, a written config nests them, and both read the same."""
+    flat = GPNConfig.from_dict({**BASE, "chunk_size": 8, "step_backend": "reference"})
+    nested = GPNConfig.from_dict({**BASE, "engine": {"chunk_size": 8, "step_backend": "reference"}})
+    assert flat == nested
+    assert flat.engine == EngineOptions(chunk_size=8, step_backend="reference")
+    assert "chunk_size" not in GPNConfig.field_names() and "engine" in flat.to_dict()
+    assert GPNConfig.from_dict(flat.to_dict()) == flat  # what a checkpoint records reads back
+    assert flat.replace(chunk_size=4).engine.chunk_size == 4  # replace takes an option by name
+    assert flat.replace(chunk_size=4).engine.step_backend == "reference"
+    same = GPNConfig.from_dict({**BASE, "chunk_size": 8, "engine": {"chunk_size": 8}})
+    assert same == GPNConfig.from_dict({**BASE, "chunk_size": 8})
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"chunk_size": 8, "engine": {"chunk_size": 16}},
+            "model.chunk_size: 8 and model.engine.chunk_size: 16 disagree; set the option once",
+        ),
+        ({"engine": {"chunk_sise": 8}}, "model.engine.chunk_sise: unknown engine option"),
+        ({"engine": {"cuda_graphs": "yes"}}, "cuda_graphs: expected true or false, got 'yes'"),
+        ({"engine": 3}, "model.engine: expected a section of keys, got 3"),
+    ],
+)
+def test_bad_engine_sections_are_one_line(values, message):
+    with pytest.raises(ConfigError) as err:
+        GPNConfig.from_dict({**BASE, **values})
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_heads_must_match_the_declared_cell_count():

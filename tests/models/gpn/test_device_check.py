@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpn_scale.bench import gpu
-from gpn_scale.models.gpn import GPNConfig, load_model_config
+from gpn_scale.models.gpn import load_model_config
 from gpn_scale.models.gpn.counts import count_parameters
 from gpn_scale.models.transformer_pp.counts import count_parameters as tpp_parameters
 from gpn_scale.models.transformer_pp.counts import matching_config
@@ -43,13 +43,10 @@ def test_device_check_runs_and_records(tmp_path):
     float32 = [c["check"] for c in checks if c["check"].startswith("engine") and "32" in c["check"]]
     (gdn,) = [c for c in checks if c["check"].startswith("GDN fla")]
     assert gdn["skipped"] == "needs CUDA"  # fla's kernels need a GPU: said, not faked
-    if "cuda_graphs" in GPNConfig.field_names():  # with and without graphs, once available
-        assert float32 == [
-            "engine == reference, float32, CUDA graphs on",
-            "engine == reference, float32, CUDA graphs off",
-        ]
-    else:
-        assert float32 == ["engine == reference, float32"]
+    assert float32 == [
+        "engine == reference, float32, CUDA graphs on",
+        "engine == reference, float32, CUDA graphs off",
+    ]
     runs = result["runs"]
     tpp = [r["model"] for r in runs if r["family"] == "transformer++"]
     assert [r["model"] for r in runs] == ["tiny"] * 2 + ["tiny_2l"] * 2 + tpp[:1] * 2

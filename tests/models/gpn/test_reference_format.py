@@ -33,7 +33,7 @@ def test_round_trip(changes):
     else:
         assert "ffn_w1_k" in exported and not any(k.startswith("L0_") for k in exported)
     assert ("decode_bias" in exported) == cfg.decoder_bias
-    imported = import_reference(exported, chunk_size=cfg.chunk_size)
+    imported = import_reference(exported, chunk_size=cfg.engine.chunk_size)
     assert imported.config.replace(name="") == cfg.replace(name="")
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), imported.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), n1

@@ -1,0 +1,79 @@
+"""How the GPN engine runs a sequence, apart from what it computes: the engine options.
+
+None of these changes the function the model computes (the op-level and engine tests hold
+every chunk length, loss chunk and backend to the step-by-step reference), so they are not
+part of a model's shape: a checkpoint resumes under other options. They reach the engine in
+one place, the `StepPlan` (`interface.py`), and are set
+
+- per model size in the model YAML (`chunk_size: 64`; the size's tuned defaults),
+- per run in the train config's `engine:` section (`engine.chunk_size=128`), which wins,
+- per process by the environment (`GPN_SCALE_STEP_KERNELS`, `registry.py`), for bisecting.
+
+Torch-free: loading a config imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpn_scale.core.config import ConfigError, closest_key_hint
+
+STEP_BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The GPN engine's execution options, validated (an error is one line naming the option)."""
+
+    # Steps per chunk: the memory's chunkwise form and the unit of BPTT recompute.
+    chunk_size: int = 32
+    # Decode + cross entropy run over this many positions at a time (never B x T x V at once).
+    loss_chunk_tokens: int = 1024
+    # Which backend runs the time steps (ops/gpn_step/registry.py): auto picks by device
+    # (fused C++ kernels on CPU, Triton kernels on CUDA); reference = the PyTorch steps.
+    step_backend: str = "auto"
+    # CUDA backend: capture each chunk's steps and reverse sweep as CUDA graphs.
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "loss_chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name}: expected an integer, got {value!r}")
+            if value < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {value}")
+        if self.step_backend not in STEP_BACKENDS:
+            raise ConfigError(
+                f"step_backend: expected {', '.join(STEP_BACKENDS[:-1])} or "
+                f"{STEP_BACKENDS[-1]}, got {self.step_backend!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes: Any) -> EngineOptions:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], prefix: str = "engine.") -> EngineOptions:
+        """From a mapping; an unknown key is one line naming the closest option."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{prefix.rstrip('.')}: expected a section of keys, got {values!r}")
+        names = cls.field_names()
+        for key in values:
+            if key not in names:
+                hint = closest_key_hint(str(key), names)
+                raise ConfigError(f"{prefix}{key}: unknown engine option{hint}")
+        try:
+            return cls(**values)
+        except ConfigError as err:  # name the key as the caller's file spells it
+            raise ConfigError(f"{prefix}{err}") from None
