@@ -168,7 +168,9 @@ SYSTEM_TMP = tempfile.gettempdir()
 
 
 @pytest.fixture
-def private_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def private_tmpdir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
     """A TMPDIR of the test's own (streaming keeps filelocks and its default cache in
     tempfile.gettempdir(); sharing one between tests makes them interfere), and no
     distributed topology variables (streaming reads them; a test sets them when it needs to).
@@ -178,6 +180,10 @@ def private_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     workers bind a Unix socket under TMPDIR, whose path may not pass 107 bytes, and
     tmp_path is /tmp/pytest-of-USER/pytest-N/popen-gwK/TEST_NAME (gpn_scale/data/loader.py
     refuses a TMPDIR that long)."""
+    # pytest places its tmp_path root under tempfile.gettempdir() on first use: fix it now,
+    # or (in one process, -n 0) the first test's private dir becomes every later test's root
+    # and is removed under them.
+    tmp_path_factory.getbasetemp()
     tmp = Path(tempfile.mkdtemp(prefix="gpn-test-", dir=SYSTEM_TMP))
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
