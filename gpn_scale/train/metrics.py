@@ -341,8 +341,9 @@ class WandbSink:
                 f"logging.wandb.init_timeout={init_timeout:g} s; "
                 "logging.wandb.mode=offline logs without a server)"
             )
-        try:
-            self._run = wandb.init(
+
+        def init() -> Any:
+            return wandb.init(
                 project=project,
                 entity=entity,
                 group=group,
@@ -360,6 +361,22 @@ class WandbSink:
                     console="off", silent=True, init_timeout=init_timeout, **(settings or {})
                 ),
             )
+
+        try:
+            try:
+                self._run = init()
+            except Exception as exc:  # noqa: BLE001 - the one failure that a retry mends
+                if not _inherited_service_is_gone(exc):
+                    raise
+                # W&B hands its service to child processes in WANDB_SERVICE; a process started
+                # by one whose service has ended (a launcher that used W&B, a test runner)
+                # cannot connect to it. This process starts its own instead.
+                os.environ.pop(WANDB_SERVICE_ENV, None)
+                (log or _stderr)(
+                    f"W&B: the service named by the inherited {WANDB_SERVICE_ENV} does not "
+                    "answer; starting this process's own"
+                )
+                self._run = init()
         except Exception as exc:  # noqa: BLE001 - surface as one line before training starts
             raise ConfigError(_init_failure(exc, mode, base_url, init_timeout)) from exc
         self._warned = False
@@ -396,6 +413,18 @@ class WandbSink:
             # finish() returns before W&B's core process has flushed the run file; wait for the
             # exit record so that "closed" means "on disk" (a resumed job or a reader follows).
             _wait_for_exit_record(Path(sync_file))
+
+
+# Where W&B keeps the token of its service process for child processes to share.
+WANDB_SERVICE_ENV = "WANDB_SERVICE"
+
+
+def _inherited_service_is_gone(exc: BaseException) -> bool:
+    """Whether wandb.init failed connecting to a service this process did not start."""
+    return bool(os.environ.get(WANDB_SERVICE_ENV)) and (
+        type(exc).__name__ == "WandbServiceConnectionError"
+        or "Failed to connect to service" in str(exc)
+    )
 
 
 def _stderr(msg: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from gpn_scale.core.config import ConfigError
 from gpn_scale.train.metrics import (
     REDACTED,
+    WANDB_SERVICE_ENV,
     JsonlSink,
     MetricsSink,
     WandbSink,
@@ -425,3 +427,34 @@ def test_a_wandb_that_fails_to_start_leaves_the_metrics_file_closed(tmp_path, mo
     with pytest.raises(ConfigError, match="no server"):
         sinks.open_sinks(cfg, str(tmp_path), None, None, load_model_config("tiny")[1], 1, print)
     assert len(opened) == 1 and opened[0]._file.closed
+
+
+def test_a_dead_inherited_wandb_service_is_replaced_by_the_sinks_own(
+    wandb_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A process started by one that used W&B inherits WANDB_SERVICE, the token of that
+    process's service; once that service has ended, W&B's init fails connecting to it (seen:
+    a trainer started by a test runner whose earlier W&B run had ended). The sink starts its
+    own service instead, says so, and logs."""
+    import wandb
+    from wandb.sdk.lib.service.service_token import UnixServiceToken
+
+    wandb.teardown()  # this process's own service (an earlier test's) would be used instead
+    gone = UnixServiceToken(parent_pid=os.getppid(), path=str(tmp_path / "gone" / "socket"))
+    monkeypatch.setenv(WANDB_SERVICE_ENV, gone.env_value)
+    said: list[str] = []
+    sink = WandbSink(
+        project="p",
+        group=None,
+        job_type=None,
+        name=None,
+        config={},
+        mode="offline",
+        dir=str(wandb_env),
+        log=said.append,
+    )
+    sink.log({"train/loss": 1.5}, step=1)
+    sink.close()
+    assert any("inherited WANDB_SERVICE does not answer" in line for line in said), said
+    assert os.environ.get(WANDB_SERVICE_ENV) != gone.env_value  # its own service now
+    assert [r["train/loss"] for r in read_offline_run(str(wandb_env)).history] == [1.5]

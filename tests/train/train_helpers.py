@@ -49,6 +49,9 @@ def child_env(tmp: Path, **extra: str) -> dict[str, str]:
         "SLURM_JOB_ID",
         "SLURM_PROCID",
         "SLURM_NTASKS",
+        # the token of this process's W&B service (set by an earlier in-process W&B run): a
+        # trainer started from a shell starts its own
+        "WANDB_SERVICE",
     ):
         env.pop(key, None)
     env.update(extra)
