@@ -1,5 +1,6 @@
 """The import graph of gpn_scale: no cycles, and dependencies that point down the layers
-(core <- io <- data / checkpoint; core <- ops <- models <- accounting / parallel <- train).
+(core <- io <- data / checkpoint; core <- ops <- models <- accounting / parallel / run;
+run <- eval <- train).
 
 Every import counts, the lazy ones inside functions included (they are how a cycle hides:
 the program runs, but neither module can be read or moved without the other); imports under
@@ -26,6 +27,11 @@ ALLOWED = {
     # testing: the compile gate's "testing_tiny" cases are the tests' tiny GPN config
     "accounting": {"core", "ops", "models", "testing"},
     "parallel": {"core", "optim", "ops", "models"},
+    # a run's config and the model it trains: read by the trainer, evaluation and sweeps alike
+    "run": {"core", "io", "ops", "models"},
+    # evaluation reads runs and checkpoints; the trainer uses it (held-out loss, analyses,
+    # warm-start sources), never the other way
+    "eval": {"core", "io", "data", "checkpoint", "ops", "models", "run"},
 }
 
 

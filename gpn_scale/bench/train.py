@@ -62,7 +62,7 @@ def _engine_tokens_per_s(
 def _trainer_tokens_per_s(
     config: str, steps: int, run_dir: Path, warmup: int = 2, extra: list[str] | None = None
 ) -> tuple[float, dict[str, float]]:
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
     cfg = load_train_config(
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from gpn_scale.models.registry import load_model_config
-    from gpn_scale.train.config import batch_layout, load_train_config
+    from gpn_scale.run.config import batch_layout, load_train_config
 
     model_arg = [f"model={args.model}"] if args.model else []
     cfg = load_train_config(args.config, model_arg)

@@ -231,8 +231,8 @@ def read_source(kind: str, uri: str) -> Source:
     folder = str(Path(uri).parent)
     meta = {}
     if "://" not in uri and is_run_folder(folder):
-        from gpn_scale.train.config import load_train_config
-        from gpn_scale.train.preflight import model_config as run_model_config
+        from gpn_scale.run.config import load_train_config
+        from gpn_scale.run.model import model_config as run_model_config
 
         meta["config"] = read_run_config(folder)
         meta["model_config"] = run_model_config(load_train_config(folder)).to_dict()

@@ -91,7 +91,7 @@ def load_model_config(
     return config_from_dict(raw)
 
 
-# Top-level sections of a training config (gpn_scale/train/config.py) that no model has.
+# Top-level sections of a training config (gpn_scale/run/config.py) that no model has.
 _TRAINING_SECTIONS = frozenset(
     {"data", "optim", "schedule", "train", "parallel", "checkpoint", "logging", "eval"}
 )

@@ -774,7 +774,7 @@ def format_family_rows(sweep: Sweep) -> list[str]:
 def validate_with_trainer(sweep: Sweep) -> None:
     """Load every run's training config (base config + overrides) through the trainer's own
     schema, so a bad key or value fails at plan time, naming the run."""
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
 
     for run in sweep.runs:
         try:

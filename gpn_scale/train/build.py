@@ -9,8 +9,8 @@ from typing import Any
 from gpn_scale import optim as optim_lib
 from gpn_scale.parallel.backends import Backend, ParallelPlan, build_backend
 from gpn_scale.parallel.topology import Topology
+from gpn_scale.run.config import TrainConfig
 from gpn_scale.train.checkpointing import RunCheckpoints
-from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.determinism import seed_everything
 
 

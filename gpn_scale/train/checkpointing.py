@@ -16,7 +16,7 @@ from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import record_run_dir, resolve_recorded
 from gpn_scale.parallel.backends import Backend
 from gpn_scale.parallel.topology import Topology
-from gpn_scale.train.config import TrainConfig, relocatable
+from gpn_scale.run.config import TrainConfig, relocatable
 from gpn_scale.train.preflight import (
     DONE_MARKER,
     check_model_compatible,

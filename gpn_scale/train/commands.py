@@ -40,7 +40,7 @@ class _HelpConfig(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from gpn_scale.train.config import format_config_help
+        from gpn_scale.run.config import format_config_help
 
         print(format_config_help())
         parser.exit(0)
@@ -252,7 +252,7 @@ def _for_eval(err: BaseException) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
     from gpn_scale.train.state import TrainingError
 
     errors = _errors()
@@ -362,7 +362,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from gpn_scale.eval.commands import cmd_task_eval
 
         return cmd_task_eval(args)
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
 
     errors = _errors()
     try:

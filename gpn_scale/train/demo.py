@@ -47,7 +47,7 @@ def run_demo(
     out: str = "runs/demo", steps: int | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> int:
     from gpn_scale.core.config import ConfigError
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
     if steps is not None and steps < 1:  # 0 is a number given, not "not given"

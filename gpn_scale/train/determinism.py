@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from gpn_scale.train.config import TrainConfig
+from gpn_scale.run.config import TrainConfig
 
 
 def resolve_deterministic(value: bool | str, device: torch.device) -> bool:

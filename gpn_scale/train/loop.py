@@ -29,9 +29,9 @@ from gpn_scale.core.hardware import device_peak_flops as peak_flops  # MFU's den
 from gpn_scale.io.run_folder import missing_tops, record_run_dir
 from gpn_scale.parallel.backends import resolve_backend, setup_topology
 from gpn_scale.parallel.topology import Topology
+from gpn_scale.run.config import TrainConfig, batch_layout
 from gpn_scale.train.build import build_model, training_flops_per_token
 from gpn_scale.train.checkpointing import RunCheckpoints
-from gpn_scale.train.config import TrainConfig, batch_layout
 from gpn_scale.train.determinism import set_determinism
 from gpn_scale.train.preflight import last_ckpt_step
 from gpn_scale.train.progress import (
@@ -179,6 +179,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup(self) -> tuple[Components, TrainState] | RunResult:
         from gpn_scale.checkpoint import CheckpointManager
+        from gpn_scale.run.model import model_config as run_model_config
         from gpn_scale.train import preflight
 
         cfg, topo = self.cfg, self._topo
@@ -197,7 +198,7 @@ class Trainer:
                 )
             )
         micro, accum = batch_layout(cfg, topo.dp_size)
-        model_cfg = preflight.model_config(cfg)  # errors name model_overrides.<key> / tbptt
+        model_cfg = run_model_config(cfg)  # errors name model_overrides.<key> / tbptt
         preflight.check_tensor_parallel(model_cfg, topo.tp_size)
         preflight.check_model_device(cfg, model_cfg, device.type)
 

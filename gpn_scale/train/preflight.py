@@ -12,62 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.train.config import TrainConfig
-
-
-def model_config(cfg: TrainConfig) -> Any:
-    """The run's model config (any registered family, models/registry.py): `cfg.model` +
-    `model_overrides` (+ `train.tbptt` when set, which the schema already checked); an invalid
-    value fails naming the key it came from, and a GPN-only training option another family
-    cannot honour fails naming that option."""
-    from gpn_scale.models.registry import load_model_config
-
-    overrides = dict(cfg.model_overrides)
-    try:
-        spec, model_cfg = load_model_config(cfg.model, overrides=overrides or None)
-    except ConfigError as err:
-        msg = str(err)
-        field, sep, rest = msg.partition(": ")
-        field = field.removeprefix("model.")
-        if sep and field in cfg.model_overrides:
-            raise ConfigError(f"model_overrides.{field}: {rest}") from None
-        if cfg.model_overrides:  # a field of the model file that the overrides made invalid
-            raise ConfigError(
-                f"model={cfg.model} with model_overrides {dict(cfg.model_overrides)}: {msg}"
-            ) from None
-        raise
-    if cfg.train.tbptt is not None:
-        if spec.name != "gpn":
-            raise ConfigError(
-                f"train.tbptt: truncated BPTT is a GPN option; model={cfg.model} is family "
-                f"{spec.name}, which has no recurrence to truncate; remove train.tbptt"
-            )
-        model_cfg = model_cfg.replace(tbptt=cfg.train.tbptt)
-    model_cfg = _with_engine(cfg, spec.name, model_cfg)
-    if cfg.train.stateful_windows and not spec.recurrent:
-        raise ConfigError(
-            f"train.stateful_windows: model={cfg.model} is family {spec.name}, whose state "
-            "(a KV cache) grows with every window instead of carrying a fixed-size one; set "
-            "train.stateful_windows=false"
-        )
-    return model_cfg
-
-
-def _with_engine(cfg: TrainConfig, family: str, model_cfg: Any) -> Any:
-    """The model config with the run's `engine:` options over the model file's."""
-    given = cfg.engine.given()
-    if not given:
-        return model_cfg
-    key = f"engine.{next(iter(given))}"
-    if family != "gpn":
-        raise ConfigError(
-            f"{key}: the engine options are GPN's; model={cfg.model} is family {family}; "
-            "remove the engine section"
-        )
-    from gpn_scale.ops.gpn_step.options import EngineOptions
-
-    options = EngineOptions.from_dict({**model_cfg.engine.to_dict(), **given}, prefix="engine.")
-    return model_cfg.replace(engine=options)
+from gpn_scale.run.config import TrainConfig
+from gpn_scale.run.model import model_config
 
 
 def check_tensor_parallel(model_cfg: Any, tp: int) -> None:
@@ -111,7 +57,7 @@ def check_launch(cfg: TrainConfig, nodes: int, procs_per_node: int) -> list[str]
     job's nodes start torchrun. Returns warnings (a tp group that spans nodes runs every
     step's all-reduces over the network)."""
     from gpn_scale.parallel.topology import check_world
-    from gpn_scale.train.config import batch_layout
+    from gpn_scale.run.config import batch_layout
 
     if nodes < 1 or procs_per_node < 1:
         raise ConfigError(
@@ -221,7 +167,7 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
 
     from gpn_scale.core.env import detect
     from gpn_scale.models.registry import family_of
-    from gpn_scale.train.config import batch_layout, to_yaml
+    from gpn_scale.run.config import batch_layout, to_yaml
 
     model_cfg = model_config(cfg)
     world = detect().world_size
@@ -290,7 +236,7 @@ def _dry_run_checkpoints(cfg: TrainConfig, ckpt_root: str) -> tuple[Any, str]:
 
 def _dry_run_data(cfg: TrainConfig, run_dir: str, model_cfg: Any, micro: int, world: int) -> str:
     """What the run would read (the default corpus is checked once it is built)."""
-    from gpn_scale.train.config import DEFAULT_CORPUS
+    from gpn_scale.run.config import DEFAULT_CORPUS
 
     if cfg.data.remote == DEFAULT_CORPUS:
         built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"

@@ -13,7 +13,7 @@ import torch
 from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import DEFAULT_CORPUS
 from gpn_scale.parallel.topology import Topology
-from gpn_scale.train.config import TrainConfig
+from gpn_scale.run.config import TrainConfig
 
 
 def data_remote(cfg: TrainConfig, run_dir: str, topo: Topology) -> str:

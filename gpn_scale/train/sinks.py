@@ -10,7 +10,7 @@ from typing import Any
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import RUN_CONFIG
-from gpn_scale.train.config import TrainConfig, relocatable, to_yaml
+from gpn_scale.run.config import TrainConfig, relocatable, to_yaml
 from gpn_scale.train.metrics import JsonlSink, WandbSink, scrub_secrets
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from gpn_scale.cli import main
 from gpn_scale.core.config import ConfigError
-from gpn_scale.train.config import load_train_config
+from gpn_scale.run.config import load_train_config
 
 SEQ_LEN = 64
 

@@ -355,7 +355,7 @@ def test_sweep_plan_checks_tp_against_each_size(tmp_path):
 
 
 def test_live_analyses_under_tp_are_one_line():
-    from gpn_scale.train.config import TrainConfig, validate
+    from gpn_scale.run.config import TrainConfig, validate
 
     cfg = TrainConfig()
     cfg.parallel.tp, cfg.analysis.every_steps = 2, 10
@@ -365,7 +365,7 @@ def test_live_analyses_under_tp_are_one_line():
 
 def test_world_not_divisible_and_wrong_backend_name_the_field():
     from gpn_scale.parallel.topology import check_world
-    from gpn_scale.train.config import TrainConfig, validate
+    from gpn_scale.run.config import TrainConfig, validate
 
     check_world(4, 2)
     with pytest.raises(ConfigError, match=r"^parallel\.tp: 2 does not divide the world size 3"):
@@ -378,7 +378,7 @@ def test_world_not_divisible_and_wrong_backend_name_the_field():
 
 def test_launch_check_names_what_does_not_split():
     """`gpn-scale train ... --check-launch NODES PROCS` (what slurm/train.sbatch runs first)."""
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
     from gpn_scale.train.preflight import check_launch
 
     def cfg(*overrides: str):

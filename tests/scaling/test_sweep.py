@@ -105,9 +105,9 @@ def test_train_overrides_use_the_contract_keys_and_the_trainer_accepts_them():
     keys = [o.split("=", 1)[0] for o in r.train_overrides()]
     assert keys[: len(CONTRACT_KEYS)] == CONTRACT_KEYS
     assert f"run_name={r.name}" in r.train_overrides()
-    validate_with_trainer(sweep)  # every run loads through gpn_scale.train.config
+    validate_with_trainer(sweep)  # every run loads through gpn_scale.run.config
 
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
 
     cfg = load_train_config(r.base_config, r.train_overrides())
     assert (cfg.model, cfg.seed, cfg.run_name) == ("tiny_gpn", 0, "ci-tiny_gpn-s0")
@@ -312,7 +312,7 @@ def test_sweep_sh_time_is_checked_and_passed_to_sbatch(tmp_path):
 
 @pytest.mark.parametrize("name", ["gpn_m_ladder", "gpn_m_isoflop"])
 def test_shipped_sweeps_checkpoint_periodically_and_log_to_wandb(name):
-    from gpn_scale.train.config import load_train_config
+    from gpn_scale.run.config import load_train_config
 
     for r in load_sweep(name, price=False).runs:
         cfg = load_train_config(r.base_config, r.train_overrides())

@@ -408,8 +408,8 @@ def test_a_wandb_that_fails_to_start_leaves_the_metrics_file_closed(tmp_path, mo
     """open_sinks returns nothing when W&B raises, so it closes the JSONL sink it opened
     (the run's cleanup never sees it)."""
     from gpn_scale.models.registry import load_model_config
+    from gpn_scale.run.config import load_train_config
     from gpn_scale.train import sinks
-    from gpn_scale.train.config import load_train_config
 
     opened: list[JsonlSink] = []
     real = sinks.JsonlSink

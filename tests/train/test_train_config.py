@@ -11,7 +11,7 @@ from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import _first_host, detect
 from gpn_scale.models.gpn import GPN, load_model_config
 from gpn_scale.optim import build_adamw, decays, lr_at
-from gpn_scale.train.config import all_keys, batch_layout, load_train_config
+from gpn_scale.run.config import all_keys, batch_layout, load_train_config
 
 
 def test_every_shipped_config_loads():
@@ -79,7 +79,7 @@ def test_bad_keys_and_values_fail_in_one_line(override, expected):
 
 
 def test_the_runs_engine_section_wins_over_the_model_files_options():
-    from gpn_scale.train.preflight import model_config
+    from gpn_scale.run.model import model_config
 
     default = model_config(load_train_config("ci_tiny"))
     assert default.engine == load_model_config(default.name).engine  # none set: the model's
