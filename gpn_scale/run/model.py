@@ -13,7 +13,8 @@ from gpn_scale.run.config import TrainConfig
 
 def model_config(cfg: TrainConfig) -> Any:
     """The run's model config (any registered family, models/registry.py): `cfg.model` +
-    `model_overrides` (+ `train.tbptt` when set, which the schema already checked); an invalid
+    `model_overrides` (+ `train.tbptt` when set, which the schema already checked, and the
+    `engine:` options it sets); an invalid
     value fails naming the key it came from, and a GPN-only training option another family
     cannot honour fails naming that option."""
     from gpn_scale.models.registry import load_model_config

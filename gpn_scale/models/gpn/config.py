@@ -141,12 +141,7 @@ def _engine_from(values: dict[str, Any]) -> EngineOptions:
     """Take the engine options out of a config mapping (flat keys and/or an `engine:`
     section; the same option given both ways with two values is one line)."""
     section = values.pop("engine", None) or {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"model.engine: expected a section of keys, got {section!r}")
-    for key in section:
-        if key not in ENGINE_FIELDS:
-            hint = closest_key_hint(str(key), ENGINE_FIELDS)
-            raise ConfigError(f"model.engine.{key}: unknown engine option{hint}")
+    EngineOptions.check_keys(section, prefix="model.engine.")
     flat = {k: values.pop(k) for k in ENGINE_FIELDS if k in values}
     for key in flat.keys() & section.keys():
         if flat[key] != section[key]:

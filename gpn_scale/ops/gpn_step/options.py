@@ -64,8 +64,8 @@ class EngineOptions:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], prefix: str = "engine.") -> EngineOptions:
-        """From a mapping; an unknown key is one line naming the closest option."""
+    def check_keys(cls, values: Any, prefix: str = "engine.") -> None:
+        """One line when `values` is not a mapping of engine options (naming the closest)."""
         if not isinstance(values, Mapping):
             raise ConfigError(f"{prefix.rstrip('.')}: expected a section of keys, got {values!r}")
         names = cls.field_names()
@@ -73,6 +73,11 @@ class EngineOptions:
             if key not in names:
                 hint = closest_key_hint(str(key), names)
                 raise ConfigError(f"{prefix}{key}: unknown engine option{hint}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], prefix: str = "engine.") -> EngineOptions:
+        """From a mapping; an unknown key is one line naming the closest option."""
+        cls.check_keys(values, prefix)
         try:
             return cls(**values)
         except ConfigError as err:  # name the key as the caller's file spells it
