@@ -208,3 +208,28 @@ def test_the_cuda_backend_gemms_read_aligned_weights(monkeypatch):
     ]
     assert any(w.shape[1] % 16 for w in weights)  # unpadded, some rows would be unaligned
     assert all(w.stride(0) % 16 == 0 and w.stride(1) == 1 for w in weights)
+
+
+def test_every_dot_names_its_output_dtype():
+    """Triton before 3.7 gives tl.dot a float32 result unless `out_dtype` says otherwise,
+    whatever the accumulator: an fp64 accumulator then fails to compile (the H200 image's
+    triton 3.6: 'CompilationError ... acc.type.element_ty == out_dtype' in every fp64 GEMM
+    of the device check) and an fp64 product without one is rounded to float32. The gate
+    compiles with this machine's Triton, which infers the dtype, so it is checked here."""
+    import ast
+
+    kernels = ROOT / "gpn_scale" / "ops"
+    dots = []
+    for path in kernels.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "dot"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "tl"
+            ):
+                dots.append((path.name, node.lineno, {k.arg for k in node.keywords}))
+    assert len(dots) >= 9
+    missing = [f"{name}:{line}" for name, line, keys in dots if "out_dtype" not in keys]
+    assert not missing, f"tl.dot without out_dtype at {missing}"

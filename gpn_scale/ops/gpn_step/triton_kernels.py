@@ -165,7 +165,7 @@ def _mm_range(
             mask=k_ok[:, None] & n_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
+        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION, out_dtype=acc.dtype)
     return acc, ss
 
 
@@ -1137,12 +1137,12 @@ def memory_backward_flush_kernel(
         E = tl.where(both, tl.exp(Gs[None, :] - Gj[:, None]), 0.0)  # (J, S)
         ok_k = rows[:, None] & k_ok[None, :]
         Kh = tl.load(k_base + rj[:, None] * s_kc + rk[None, :], mask=ok_k, other=0.0)
-        S1 = tl.dot(Kh, tl.trans(Qs), input_precision="ieee")  # (J, S): k_j . q_s
+        S1 = tl.dot(Kh, tl.trans(Qs), input_precision="ieee", out_dtype=acc_t)  # (J, S): k_j . q_s
         W = E * S1
         UD = tl.zeros((BLOCK_J, BLOCK_S), dtype=acc_t)
         if WRITE:
             E2 = tl.where(both, tl.exp(Gsp[None, :] - Gj[:, None]), 0.0)
-            S2 = tl.dot(Kh, tl.trans(Ks), input_precision="ieee")  # k_j . k_s
+            S2 = tl.dot(Kh, tl.trans(Ks), input_precision="ieee", out_dtype=acc_t)  # k_j . k_s
             W2 = E2 * S2
             UD2 = tl.zeros((BLOCK_J, BLOCK_S), dtype=acc_t)
         for v0 in range(0, DV, BLOCK_DV):
@@ -1155,24 +1155,24 @@ def memory_backward_flush_kernel(
                 mask=s_ok[:, None] & v_ok[None, :],
                 other=0.0,
             )  # (S, BV)
-            UD += tl.dot(Uh, tl.trans(DO), input_precision="ieee")
-            add = tl.dot(W, DO, input_precision="ieee")  # (J, BV)
+            UD += tl.dot(Uh, tl.trans(DO), input_precision="ieee", out_dtype=acc_t)
+            add = tl.dot(W, DO, input_precision="ieee", out_dtype=acc_t)  # (J, BV)
             if WRITE:
                 DP = tl.load(
                     DPB + kept + rs[:, None] * DV + rv[None, :],
                     mask=s_ok[:, None] & v_ok[None, :],
                     other=0.0,
                 )
-                UD2 += tl.dot(Uh, tl.trans(DP), input_precision="ieee")
-                add += tl.dot(W2, DP, input_precision="ieee")
+                UD2 += tl.dot(Uh, tl.trans(DP), input_precision="ieee", out_dtype=acc_t)
+                add += tl.dot(W2, DP, input_precision="ieee", out_dtype=acc_t)
             tile = du_base + rj[:, None] * s_duc + rv[None, :]
             tl.store(tile, tl.load(tile, mask=ok, other=0.0) + add, mask=ok)
         dsd = E * UD
-        dK_add = tl.dot(dsd, Qs, input_precision="ieee")  # (J, DK)
+        dK_add = tl.dot(dsd, Qs, input_precision="ieee", out_dtype=acc_t)  # (J, DK)
         dG_add = -tl.sum(dsd * S1, axis=1)
         if WRITE:
             dsd2 = E2 * UD2
-            dK_add += tl.dot(dsd2, Ks, input_precision="ieee")
+            dK_add += tl.dot(dsd2, Ks, input_precision="ieee", out_dtype=acc_t)
             dG_add -= tl.sum(dsd2 * S2, axis=1)
         tile_k = DKA + b * s_dkb + h * s_dkh + rj[:, None] * s_dkc + rk[None, :]
         tl.store(tile_k, tl.load(tile_k, mask=ok_k, other=0.0) + dK_add, mask=ok_k)
