@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from gpn_scale.core.hardware import device_peak_flops
-from gpn_scale.models.gpn import GPN, GPNConfig
+from gpn_scale.models.gpn import GPN, GPNConfig, load_model_config
 from gpn_scale.models.gpn.counts import count_parameters, flops_per_token
 from gpn_scale.models.gpn.reference import reference_forward
 from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
@@ -663,25 +663,6 @@ def _step_form(device: torch.device) -> str:
     return "fused CPU kernels" if kernels_for(device) is not None else "PyTorch ops"
 
 
-def load_config(name: str) -> GPNConfig:
-    """load_model_config, or PyYAML where OmegaConf is not installed (the GPU image)."""
-    from gpn_scale.models.gpn import load_model_config
-
-    try:
-        import omegaconf  # noqa: F401
-    except ImportError:
-        import yaml
-
-        from gpn_scale.models.gpn.config import resolve_model_config_path
-
-        path = resolve_model_config_path(name)
-        raw = yaml.safe_load(path.read_text())
-        raw = raw.get("model", raw)
-        raw.setdefault("name", path.stem)
-        return GPNConfig.from_dict(raw)
-    return load_model_config(name)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for results.json / results.md")
@@ -746,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    configs = [load_config(name) for name in args.config.split(",")]
+    configs = [load_model_config(name) for name in args.config.split(",")]
     candidates = [gpn_candidate(cfg, args.seq_len) for cfg in configs]
     if not args.no_transformer:
         candidates.append(transformer_candidate(configs[0], args.seq_len))

@@ -59,12 +59,21 @@ def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> 
 
     A syntax error is one ConfigError line naming the file and the line (PyYAML's own error
     is a multi-line traceback); unreadable files and bad interpolations are one line too.
+    Without OmegaConf (a bare CUDA image running the device check from a checkout) a file
+    with no interpolation is read with PyYAML as OmegaConf would read it.
     """
     import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError:
+        OmegaConf = None  # noqa: N806
+        OmegaConfBaseException = ValueError  # noqa: N806
+
+    try:
+        if OmegaConf is None:
+            return _read_yaml_without_omegaconf(Path(path), resolve, what)
         return OmegaConf.to_container(OmegaConf.load(path), resolve=resolve)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
@@ -75,9 +84,44 @@ def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> 
         raise ConfigError(
             f"{where}: YAML syntax error in the {what}: {problem}; fix the file"
         ) from None
+    except ConfigError:
+        raise
     except (yaml.YAMLError, OmegaConfBaseException, OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{path}: cannot read the {what}: {first}") from None
+
+
+def _read_yaml_without_omegaconf(path: Path, resolve: bool, what: str) -> Any:
+    """PyYAML with OmegaConf's one change to YAML 1.1 (floats such as 1e-5, which YAML 1.1
+    reads as strings, are floats); `${...}` needs OmegaConf and is one line naming it."""
+    import re
+
+    import yaml
+
+    text = path.read_text()
+    if resolve and "${" in text:
+        raise ConfigError(
+            f"{path}: the {what} uses ${{...}} interpolation, which needs omegaconf; "
+            "pip install omegaconf"
+        )
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+            |\.[0-9_]+(?:[eE][-+][0-9]+)?
+            |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+            re.X,
+        ),
+        list("-+0123456789."),
+    )
+    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def resolve_named_yaml(

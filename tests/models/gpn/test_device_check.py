@@ -241,16 +241,6 @@ def test_transformer_pp_is_causal_and_trains():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_configs_load_without_omegaconf(monkeypatch):
-    """The GPU image has PyYAML but not OmegaConf: the check reads the same configs."""
-    import sys
-
-    want = {name: load_model_config(name) for name in ("gpn_m_130m", "gpn_m_130m_2l", "tiny")}
-    monkeypatch.setitem(sys.modules, "omegaconf", None)  # import omegaconf -> ImportError
-    for name, cfg in want.items():
-        assert gpu.load_config(name) == cfg
-
-
 def test_gdn_backend_comparison_sees_agreement_and_a_difference():
     """The comparison the device check runs for fla, on two CPU backends: our chunkwise op
     and the step-by-step recurrence agree within float32 rounding, and the check fails when
