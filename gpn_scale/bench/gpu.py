@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -195,34 +196,65 @@ def graph_settings() -> list[bool | None]:
     return [True, False]
 
 
+def error_line(exc: BaseException) -> str:
+    """An exception as one line for results.json (its type and first line)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def guarded(name: str, check: Callable[..., dict], *args: Any) -> dict:
+    """`check(*args)`'s row, or a failed row naming the exception: the other checks and the
+    throughput still run (device time is scarce; the traceback goes to the log)."""
+    try:
+        return check(*args)
+    except Exception as exc:  # noqa: BLE001 - recorded as a failed check
+        traceback.print_exc()
+        return dict(check=name, error=error_line(exc), ok=False)
+
+
 def check_exactness(device: torch.device) -> Iterator[dict]:
     tokens = torch.randint(0, TINY.vocab_size, (3, 12), generator=torch.Generator().manual_seed(3))
     tokens = tokens.to(device)
     cases = [(torch.float64, None)] + [(torch.float32, g) for g in graph_settings()]
     for dtype, graphs in cases:
-        cfg = TINY if graphs is None else TINY.replace(cuda_graphs=graphs)
-        model = perturbed_model(cfg, dtype).to(device)
-        params = list(model.parameters())
-        out = model(tokens)
-        ref = reference_forward(model, tokens)
-        g_out = torch.autograd.grad(out.loss, params)
-        g_ref = torch.autograd.grad(ref.loss, params)
-        loss_err = ((out.loss - ref.loss).abs() / ref.loss.abs()).item()
-        grad_err = max(
-            ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-            for a, b in zip(g_out, g_ref)
-        )
-        tol = TOLERANCE[dtype]
         name = f"engine == reference, {str(dtype).replace('torch.', '')}"
         if graphs is not None:
             name += ", CUDA graphs " + ("on" if graphs else "off")
-        yield dict(
-            check=name,
-            loss_rel_err=loss_err,
-            grad_rel_err=grad_err,
-            tolerance=tol,
-            ok=loss_err <= tol and grad_err <= tol,
-        )
+        yield guarded(name, _engine_against_reference, device, tokens, dtype, graphs, name)
+    yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
+
+
+def _engine_against_reference(
+    device: torch.device,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    graphs: bool | None,
+    name: str,
+) -> dict:
+    """The engine's loss and every gradient against the step-by-step reference."""
+    cfg = TINY if graphs is None else TINY.replace(cuda_graphs=graphs)
+    model = perturbed_model(cfg, dtype).to(device)
+    params = list(model.parameters())
+    out = model(tokens)
+    ref = reference_forward(model, tokens)
+    g_out = torch.autograd.grad(out.loss, params)
+    g_ref = torch.autograd.grad(ref.loss, params)
+    loss_err = ((out.loss - ref.loss).abs() / ref.loss.abs()).item()
+    grad_err = max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(g_out, g_ref)
+    )
+    tol = TOLERANCE[dtype]
+    return dict(
+        check=name,
+        loss_rel_err=loss_err,
+        grad_rel_err=grad_err,
+        tolerance=tol,
+        ok=loss_err <= tol and grad_err <= tol,
+    )
+
+
+def _bf16_autocast_step(device: torch.device, tokens: torch.Tensor) -> dict:
+    """One bf16-autocast step: a finite loss and gradients; state and memory stay fp32."""
     model = perturbed_model(TINY, torch.float32).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(tokens, return_state=True)
@@ -231,7 +263,7 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
         bool(torch.isfinite(p.grad).all()) for p in model.parameters()
     )
     fp32 = out.state.s.dtype == torch.float32 and out.state.memory.dtype == torch.float32
-    yield dict(
+    return dict(
         check="bf16 autocast step",
         loss=out.loss.item(),
         finite=finite,
@@ -265,7 +297,11 @@ def check_gated_deltanet_fla(device: torch.device) -> Iterator[dict]:
         yield dict(check=name, skipped=why, ok=True)
         return
     # fla's kernels accumulate in their own order (and may use TF32 dots)
-    yield dict(check=name, **compare_gdn_backends(device, "chunk", "fla", tolerance=5e-3))
+    yield guarded(name, _compare_gdn_row, device, name)
+
+
+def _compare_gdn_row(device: torch.device, name: str) -> dict:
+    return dict(check=name, **compare_gdn_backends(device, "chunk", "fla", tolerance=5e-3))
 
 
 def compare_gdn_backends(
@@ -550,12 +586,15 @@ def sweep(
             )
             return
         oom = False
+        failure = None
         try:
             row = measure(cand, batch, seq_len, device, steps, warmup, bf16)
         except Exception as exc:  # out of memory ends the search; anything else is a failure
-            if not _is_oom(exc):
-                raise
-            oom = True
+            oom = _is_oom(exc)
+            if not oom:
+                # recorded, and the next model still runs: device time is scarce
+                traceback.print_exc()
+                failure = error_line(exc)
         finally:
             # Each batch's chunk graphs (and their static copies: ~1 GiB a pair at 130M, B =
             # 16) go before the next batch or model captures its own.
@@ -563,8 +602,9 @@ def sweep(
             gc.collect()  # the failed step's tensors, then the allocator's cache
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if oom:
-            record(dict(model=cand.name, family=cand.family, batch=batch, oom=True))
+        if oom or failure:
+            outcome = dict(oom=True) if oom else dict(error=failure)
+            record(dict(model=cand.name, family=cand.family, batch=batch, **outcome))
             return
         predicted = 2 * row["step_s"] * (warmup + steps + 2)
         record(row)
@@ -634,9 +674,8 @@ def markdown(blob: dict) -> str:
     for r in blob["runs"]:
         head = f"| {r['model']} | {params.get(r['model'], 0):,} | {r['batch']} |"
         if "tokens_per_s" not in r:
-            lines.append(
-                head + f" {'out of memory' if r.get('oom') else r.get('skipped')} | | | | | | | |"
-            )
+            why = "out of memory" if r.get("oom") else r.get("skipped") or f"**{r.get('error')}**"
+            lines.append(head + f" {why} | | | | | | | |")
             continue
         lines.append(
             head + f" {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} | "

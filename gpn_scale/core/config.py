@@ -64,13 +64,14 @@ def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> 
     """
     import yaml
 
+    omegaconf_errors: tuple[type[Exception], ...] = ()
     try:
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
-    except ImportError:
-        OmegaConf = None  # noqa: N806
-        OmegaConfBaseException = ValueError  # noqa: N806
 
+        omegaconf_errors = (OmegaConfBaseException,)
+    except ImportError:
+        OmegaConf = None  # type: ignore[assignment,misc]  # noqa: N806
     try:
         if OmegaConf is None:
             return _read_yaml_without_omegaconf(Path(path), resolve, what)
@@ -86,7 +87,7 @@ def read_yaml(path: str | Path, *, resolve: bool = True, what: str = "YAML") -> 
         ) from None
     except ConfigError:
         raise
-    except (yaml.YAMLError, OmegaConfBaseException, OSError, ValueError) as err:
+    except (yaml.YAMLError, OSError, ValueError, *omegaconf_errors) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{path}: cannot read the {what}: {first}") from None
 
