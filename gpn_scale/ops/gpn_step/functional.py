@@ -3,6 +3,8 @@ PyTorch step reference: the norms, their backward, and matmuls in the autocast d
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -59,12 +61,30 @@ def _gpu_path(t: Tensor) -> bool:
     return t.device.type in ("cuda", "meta")
 
 
+@functools.cache
+def _meta_gemm_takes_out_dtype() -> bool:
+    """Whether this torch's meta kernels take addmm's out_dtype: torch 2.11's decomposition
+    passes it on as `beta` (TypeError; the H200 image's torch, where the device check's
+    kernel prebuild runs the CUDA path on meta tensors). Where they do not, a meta result
+    of the right shape and dtype stands in: the Triton launches, not this GEMM, are what
+    the prebuild records."""
+    x = torch.empty(2, 2, device="meta", dtype=torch.bfloat16)
+    try:
+        torch.addmm(torch.empty(2, device="meta"), x, x, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
 def linear_out(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """x @ weight (+ bias) with x, weight in the matmul dtype and the result in `out_dtype`.
     On CUDA one GEMM that accumulates and writes in out_dtype (cuBLAS's dtype overload);
     elsewhere the GEMM in the matmul dtype, cast and bias added after."""
     if _gpu_path(x) and weight.dtype != out_dtype:
         x2 = x.reshape(-1, x.shape[-1])
+        if x.device.type == "meta" and not _meta_gemm_takes_out_dtype():
+            y = x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype)
+            return y.view(*x.shape[:-1], -1)
         y = (
             torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype)
             if bias is not None

@@ -248,6 +248,56 @@ def test_device_activity_counts_launches_and_busy_time_once_per_overlap():
 
 
 # ----------------------------------------------------------------------- Transformer++
+def test_activity_kinds_without_the_events_activity_type():
+    """torch 2.11 (the H200 image) has no _KinetoEvent.activity_type: the kinds follow from
+    the device and the names, and count as the newer torch's kinds do."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    class Event:
+        def __init__(self, device, name):
+            self._device, self._name = device, name
+
+        def device_type(self):
+            return self._device
+
+        def name(self):
+            return self._name
+
+    kinds = [
+        gpu.activity_kind(Event(d, n))
+        for d, n in [
+            (cuda, "triton_linear_kernel"),
+            (cuda, "Memcpy DtoD (Device -> Device)"),
+            (cuda, "Memset (Device)"),
+            (cpu, "cudaLaunchKernel"),
+            (cpu, "cuLaunchKernel"),
+            (cpu, "cudaGraphLaunch"),
+            (cpu, "aten::mm"),
+        ]
+    ]
+    assert kinds == [
+        "kernel",
+        "gpu_memcpy",
+        "gpu_memset",
+        "cuda_runtime",
+        "cuda_driver",
+        "cuda_runtime",
+        "cpu_op",
+    ]
+    events = [
+        (k, n, i, i + 1)
+        for i, (k, n) in enumerate(
+            zip(
+                kinds,
+                ["k", "c", "s", "cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "mm"],
+            )
+        )
+    ]
+    counts = gpu.device_activity(events)
+    assert (counts["kernels"], counts["copies"], counts["launch_calls"]) == (1, 2, 2)
+    assert (counts["graph_launches"], counts["cpu_ops"]) == (1, 1)
+
+
 def test_transformer_pp_matches_the_gpn_parameter_count():
     """The side-by-side Transformer++ is the family's model, sized to the GPN."""
     for name in ("gpn_m_130m", "gpn_m_130m_2l", "tiny"):
