@@ -356,6 +356,8 @@ _LAUNCH_CALLS = (
 )
 _GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 _DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+_TOP = 10  # the kernels (and copies) with the most device time, per profiled step
+_NAME_CHARS = 80  # cuBLAS / CUTLASS kernel names run to hundreds of characters
 
 
 def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
@@ -367,6 +369,7 @@ def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
     """
     kernels = copies = launches = graphs = cpu_ops = 0
     intervals: list[tuple[int, int]] = []
+    by_name: dict[str, list[int]] = {}  # kernel or copy name -> [count, total ns]
     for kind, name, start, end in events:
         if kind in _DEVICE_KINDS:
             intervals.append((start, end))
@@ -374,6 +377,9 @@ def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
                 kernels += 1
             else:
                 copies += 1
+            entry = by_name.setdefault(name[:_NAME_CHARS], [0, 0])
+            entry[0] += 1
+            entry[1] += end - start
         elif kind in ("cuda_runtime", "cuda_driver"):
             launches += name in _LAUNCH_CALLS
             graphs += name in _GRAPH_LAUNCHES
@@ -394,6 +400,10 @@ def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
         graph_launches=graphs,
         cpu_ops=cpu_ops,
         device_busy_s=busy / 1e9,
+        top_device_work=[
+            dict(name=name, count=count, seconds=ns / 1e9)
+            for name, (count, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:_TOP]
+        ],
     )
 
 
@@ -560,6 +570,10 @@ def measure(
         launch_calls_per_time_step=prof["launch_calls"] / T,
         graph_launches_per_step=prof["graph_launches"],
         copies_per_step=prof["copies"],
+        # scaled to the full window as the busy time is (seconds per training step)
+        top_device_work=[
+            dict(w, seconds=w["seconds"] * seq_len / T) for w in prof["top_device_work"]
+        ],
         gpu_busy_fraction=min(1.0, busy / seconds) if cuda else None,
     )
     # What the step backend's graph cache did at this batch: a capture that failed runs the
@@ -713,6 +727,14 @@ def markdown(blob: dict) -> str:
             f"{_fmt(r.get('kernels_per_time_step'), '.1f')} | "
             f"{_fmt(r.get('launch_calls_per_time_step'), '.1f')} | {r['step_s']:.3f} |"
         )
+    for name, r in best_rows(blob["runs"]).items():
+        if r.get("top_device_work"):
+            lines += ["", f"Device time by kernel, {name} at B={r['batch']} (s per step):"]
+            lines += [
+                f"- {w['seconds']:.4f} s ({w['seconds'] / r['step_s']:.0%}), {w['count']}x "
+                f"per profiled window: `{w['name']}`"
+                for w in r["top_device_work"]
+            ]
     ratio = blob["summary"].get("ratio_to_transformer_pp", {})
     if ratio:
         lines += ["", "GPN / Transformer++ tokens/s, each at its best batch:"]
@@ -726,9 +748,13 @@ def markdown(blob: dict) -> str:
 
 
 def _step_form(device: torch.device) -> str:
-    from gpn_scale.ops.gpn_step.registry import kernels_for
+    """The step backend the GPN runs on `device` (cuda: the Triton kernels; cpu: the fused
+    C++ kernels; reference: the PyTorch steps)."""
+    from gpn_scale.ops.gpn_step.registry import select_backend
 
-    return "fused CPU kernels" if kernels_for(device) is not None else "PyTorch ops"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a fallback's warning comes again at the first step
+        return select_backend("auto", device).name
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,8 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, mm_dtype: torch.dtype | Non
     matmul dtype (bf16 tensor cores, fp32 accumulation straight into acc: cuBLAS beta = 1);
     otherwise in acc's dtype (float32 or float64: the exactness tests stay in IEEE)."""
     if mm_dtype is not None and _gpu_path(acc):
+        if acc.device.type == "meta" and not _meta_gemm_takes_out_dtype():
+            return  # nothing to add on meta tensors; see _meta_gemm_takes_out_dtype
         torch.addmm(acc, a.to(mm_dtype), b.to(mm_dtype), out_dtype=acc.dtype, out=acc)
         return
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))

@@ -237,6 +237,7 @@ def test_device_activity_counts_launches_and_busy_time_once_per_overlap():
         ("cpu_op", "aten::mm", 0, 1),
     ]
     got = gpu.device_activity(events)
+    got.pop("top_device_work")  # its own test below
     assert got == dict(
         kernels=3,
         copies=1,
@@ -296,6 +297,22 @@ def test_activity_kinds_without_the_events_activity_type():
     counts = gpu.device_activity(events)
     assert (counts["kernels"], counts["copies"], counts["launch_calls"]) == (1, 2, 2)
     assert (counts["graph_launches"], counts["cpu_ops"]) == (1, 1)
+
+
+def test_device_time_by_kernel_is_ranked_and_totals_each_name():
+    events = [
+        ("kernel", "gemm", 0, 10),
+        ("kernel", "memory_backward_kernel", 10, 40),
+        ("kernel", "gemm", 40, 55),
+        ("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 55, 60),
+        ("cuda_runtime", "cudaLaunchKernel", 0, 1),
+    ]
+    top = gpu.device_activity(events)["top_device_work"]
+    assert top == [
+        dict(name="memory_backward_kernel", count=1, seconds=30e-9),
+        dict(name="gemm", count=2, seconds=25e-9),
+        dict(name="Memcpy DtoD (Device -> Device)", count=1, seconds=5e-9),
+    ]
 
 
 def test_transformer_pp_matches_the_gpn_parameter_count():
