@@ -350,6 +350,33 @@ def test_transformer_pp_is_causal_and_trains():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_fla_refusing_this_triton_is_a_skip_and_other_errors_are_not(monkeypatch):
+    """fla 0.6 raises for triton 3.4-3.7.0 on Hopper (the H200 image's 3.6): nothing to
+    compare, and not our fault; any other error stays a failure."""
+    refusal = (
+        "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+        "chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1"
+    )
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(gpu, "compare_gdn_backends", refuse)
+    row = gpu.guarded("GDN", gpu._compare_gdn_row, torch.device("cpu"), "GDN")
+    assert row["ok"] and row["skipped"].startswith(
+        "fla refuses this Triton: RuntimeError: Triton >= 3.4.0"
+    )
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu, "compare_gdn_backends", broken)
+    row = gpu.guarded("GDN", gpu._compare_gdn_row, torch.device("cpu"), "GDN")
+    assert row == dict(
+        check="GDN", error="RuntimeError: an illegal memory access was encountered", ok=False
+    )
+
+
 def test_gdn_backend_comparison_sees_agreement_and_a_difference():
     """The comparison the device check runs for fla, on two CPU backends: our chunkwise op
     and the step-by-step recurrence agree within float32 rounding, and the check fails when
