@@ -26,6 +26,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -163,6 +164,9 @@ def translate_stream_error(
     return err
 
 
+_RESUME_ATTACH_TRIES = 8  # 0.01 s doubling: 2.5 s in all
+
+
 def _token_dataset_class() -> type:
     """StreamingDataset subclass that remembers failures of its download threads, whose
     exceptions otherwise reach the caller only as 'Background thread failed'."""
@@ -218,6 +222,20 @@ def _token_dataset_class() -> type:
             except BaseException:
                 it.on_exit()
                 raise
+
+        def load_state_dict(self, obj: dict[str, Any]) -> None:
+            # Every rank of a node writes the same resume state into one segment named by
+            # the node's prefix: the first creates it, the others attach after streaming's
+            # one tick, and on a loaded node may find it created but not yet sized ("cannot
+            # mmap an empty file": a tp = 4 resume in the full suite). Attach again, a little
+            # later each time; the creator sizes it within microseconds of creating it.
+            for attempt in range(_RESUME_ATTACH_TRIES):
+                try:
+                    return super().load_state_dict(obj)
+                except ValueError as err:
+                    if "empty file" not in str(err) or attempt == _RESUME_ATTACH_TRIES - 1:
+                        raise
+                    time.sleep(0.01 * 2**attempt)
 
         def _resume(self, world: Any, epoch: int) -> tuple[int, int]:
             # streaming opens the resume state's segment (left by load_state_dict) here at

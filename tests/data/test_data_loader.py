@@ -94,6 +94,36 @@ def test_mid_epoch_resume_yields_exactly_the_rest(dataset, tmp_path, num_workers
     assert sorted(row_keys(restored)) == sorted(reference)
 
 
+def test_resume_attaches_to_a_resume_segment_another_rank_has_not_sized_yet(dataset, tmp_path):
+    """Every rank of a node writes the resume state into one segment named by the node's
+    prefix; one that finds it created by another rank but not yet sized ('cannot mmap an
+    empty file', a tp = 4 resume in the full suite) attaches again instead of failing."""
+    import os
+    import threading
+
+    loader = _loader(dataset, tmp_path, "run1")
+    iterator = iter(loader)
+    head = row_keys(next(iterator) for _ in range(2))
+    state = loader.state_dict()
+    del iterator
+    restored = _loader(dataset, tmp_path, "run2")
+    name = f"/dev/shm/{restored.dataset._shm_prefix_int:06}_resume"
+    # the other rank: created, sized 0.3 s later (as after a preemption on a busy node)
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    sizer = threading.Timer(0.3, os.ftruncate, (fd, 4096))
+    sizer.start()
+    try:
+        restored.load_state_dict(state)
+    finally:
+        sizer.join()
+        os.close(fd)
+    try:
+        assert head + row_keys(restored) == row_keys(_loader(dataset, tmp_path, "ref"))
+    finally:
+        restored.close()
+        Path(name).unlink(missing_ok=True)  # the test made it: the loader only attached
+
+
 def test_resume_inside_second_epoch(dataset, tmp_path):
     reference = _loader(dataset, tmp_path, "ref")
     row_keys(reference)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -135,7 +137,9 @@ def test_stale_shared_memory_from_a_killed_loader_does_not_stop_the_next_run(tmp
 
 
 def _fake_segment(name: str, payload: bytes, age_s: float) -> Path:
-    path = Path("/dev/shm") / name
+    from gpn_scale.data import shm
+
+    path = shm.SHM_DIR / name
     path.write_bytes(payload)
     stamp = time.time() - age_s
     os.utime(path, (stamp, stamp))
@@ -174,8 +178,10 @@ def test_cleaner_keeps_live_and_young_segments_of_others(tmp_path):
 def _owner_record(prefix: int, pid: int, start: str, locals_seg: Path) -> Path:
     import json
 
+    from gpn_scale.data import shm
+
     st = locals_seg.stat()
-    path = Path("/dev/shm") / f"{OWNER_RECORD}{prefix:06}"
+    path = shm.SHM_DIR / f"{OWNER_RECORD}{prefix:06}"
     path.write_text(
         json.dumps(
             {
@@ -189,8 +195,23 @@ def _owner_record(prefix: int, pid: int, start: str, locals_seg: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def private_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The cleaner's /dev/shm as a directory of its own on the same tmpfs: a dead owner's
+    fake segments and record in the real /dev/shm are cleaned by any loader that starts
+    meanwhile (the other xdist worker's), which removed them, record and all, before this
+    test's cleaner could judge its own lock file by them (seen in a full run)."""
+    from gpn_scale.data import shm
+
+    path = Path("/dev/shm") / f"gpn-test-{uuid.uuid4().hex}"
+    path.mkdir()
+    monkeypatch.setattr(shm, "SHM_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
-def test_cleaner_judges_recorded_prefixes_by_their_owner_pid(tmp_path):
+def test_cleaner_judges_recorded_prefixes_by_their_owner_pid(tmp_path, private_shm):
     """A prefix whose owner record names a dead process goes at once (young, another job's
     cache dir, its filelocks too); one whose owner lives stays (old, mapped by nobody)."""
     base = 900000 + int(uuid.uuid4().int % 90000)
@@ -220,7 +241,7 @@ def test_cleaner_judges_recorded_prefixes_by_their_owner_pid(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
-def test_a_prefix_this_process_freed_and_a_dead_job_took_since_is_stale(tmp_path):
+def test_a_prefix_this_process_freed_and_a_dead_job_took_since_is_stale(tmp_path, private_shm):
     """This process registered a prefix number once and let it go; another job registered the
     same number since and was killed. The number is not this process's any more: the cleaner
     removes it (the full suite's loaders met this: a loader saw a killed job's cache as live)."""
@@ -231,7 +252,7 @@ def test_a_prefix_this_process_freed_and_a_dead_job_took_since_is_stale(tmp_path
     shm.record_owner(base)
     assert shm._owner_alive(f"{base:06}") is True
     ours_then.unlink()  # released (streaming unlinks at a normal close)
-    (Path("/dev/shm") / f"{OWNER_RECORD}{base:06}").unlink(missing_ok=True)
+    (private_shm / f"{OWNER_RECORD}{base:06}").unlink(missing_ok=True)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead_start = _process_identity(dead.pid)[0]
     dead.wait()
