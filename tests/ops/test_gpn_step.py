@@ -113,13 +113,27 @@ def test_backend_equals_pytorch_steps_float64(backend, case, monkeypatch):
     compare(tiny_config(**CASES[case]), backend, torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("layers,chunk", [(1, 20), (1, 17), (2, 19)])
-def test_backend_equals_pytorch_steps_long_chunks_float64(backend, layers, chunk, monkeypatch):
+# (backend, layers, chunk, T): chunks of several sweep blocks, each over three chunks, the
+# last one short. In 4-step blocks (the Triton kernels under the interpreter) 20, 17 and 19
+# are whole blocks, blocks and one step, blocks and a partial one; 8, 9 and 7 are the same
+# layouts in fewer steps, which the interpreter, running every launch in Python, needs
+# (T = 45 took it 28-100 s a case).
+LONG_CHUNKS = [
+    ("cpu", 1, 20, 45),
+    ("cpu", 1, 17, 45),
+    ("cpu", 2, 19, 45),
+    pytest.param("cuda", 1, 8, 21, marks=pytest.mark.slow),
+    pytest.param("cuda", 1, 9, 21, marks=pytest.mark.slow),
+    pytest.param("cuda", 2, 7, 17, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("backend,layers,chunk,T", LONG_CHUNKS)
+def test_backend_equals_pytorch_steps_long_chunks_float64(backend, layers, chunk, T, monkeypatch):
     """Chunks of several sweep blocks (the reverse sweeps defer the history pushes of a block
     of steps onto earlier steps: 8 in the C++, 4 in the Triton kernels under the interpreter,
-    16 on a GPU): whole blocks, a partial last block, a block of one step. 45 steps of a perturbed
-    recurrence amplify float64 rounding to ~1e-11 in the state."""
+    16 on a GPU): whole blocks, a partial last block, a block of one step. Long perturbed
+    recurrences amplify float64 rounding to ~1e-11 in the state."""
     compare(
         tiny_config(n_layers=layers, chunk_size=chunk),
         backend,
@@ -128,7 +142,7 @@ def test_backend_equals_pytorch_steps_long_chunks_float64(backend, layers, chunk
         rtol=1e-10,
         atol=1e-12,
         value_tol=1e-10,
-        T=45,
+        T=T,
     )
 
 
