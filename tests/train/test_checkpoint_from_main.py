@@ -17,6 +17,7 @@ import pytest
 from train_helpers import read_metrics, train_args
 
 from gpn_scale.cli import main
+from gpn_scale.data import read_metadata
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_from_main"
 
@@ -30,6 +31,15 @@ OTHER_ENGINE = ["engine.chunk_size=5", "engine.loss_chunk_tokens=7"]
 @pytest.mark.parametrize("engine", [[], OTHER_ENGINE], ids=["as-written", "other-engine-options"])
 def test_a_checkpoint_written_by_main_resumes_to_the_same_losses(corpus, tmp_path, engine):
     expected = json.loads((FIXTURE / "expected.json").read_text())
+    # The embedded corpus is the stdlib's docstrings, so it differs by Python patch release
+    # (3.11.2 vs the 3.11.7 that wrote the fixture): the losses hold only on the fixture's data.
+    manifest = json.loads((FIXTURE / "step_000000002" / "manifest.json").read_text())
+    written_on = manifest["meta"]["loader"]["dataset"]
+    if read_metadata(corpus).fingerprint != written_on:
+        pytest.skip(
+            f"the fixture was written on another build of the default corpus ({written_on}; "
+            f"this Python's stdlib gives {read_metadata(corpus).fingerprint})"
+        )
     # A copy: resuming leaves the source alone, but a test never writes into the tree.
     ckpt = shutil.copytree(FIXTURE / "step_000000002", tmp_path / "from_main" / "step_000000002")
     run = tmp_path / "run"
