@@ -33,6 +33,7 @@ from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
+from gpn_scale.testing.triton_interpreter import speed_up_patching
 
 # Widths a tp group of up to 4 splits: 4 heads, d_ffn 24, vocab_size 40 (the embedding / tied
 # output is vocabulary-parallel: 10 rows per rank at tp = 4); loss_chunk_tokens 7 does not
@@ -131,6 +132,7 @@ def _accounting_mismatch(cfg, tp: int, launches, B: int, steps: int) -> float:
 
 
 def main() -> None:
+    speed_up_patching()  # where the test set TRITON_INTERPRET (the cuda backends)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     os.environ.pop(ENV_VAR, None)  # the backend is the one asked for here
