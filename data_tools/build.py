@@ -28,6 +28,7 @@ from data_tools.tokenizer import Encoder, TokenizerSpec, encode_in_worker, init_
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import METADATA_FILE, DatasetMetadata, SplitInfo, write_metadata
 from gpn_scale.data.storage import Location, join, translate_s3_error
+from gpn_scale.data.streaming_import import import_streaming
 
 SHARD_HASHES = ["sha1", "xxh64"]  # streaming wants them sorted; xxh64 is the fast one
 
@@ -187,6 +188,7 @@ def write_split(
     progress: bool,
 ) -> SplitInfo:
     """Write windows `indices` of the flat token array as one MDS split."""
+    import_streaming()  # without transformers (gpn_scale/data/streaming_import.py)
     from streaming import MDSWriter
 
     columns = {"tokens": f"ndarray:{dtype.name}:{seq_len}"}

@@ -11,6 +11,7 @@ from typing import Any
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, read_metadata
 from gpn_scale.data.storage import Location
+from gpn_scale.data.streaming_import import import_streaming
 
 
 @dataclass
@@ -42,6 +43,7 @@ def _read_index(location: Location, split: str) -> dict[str, Any]:
 
 def verify_dataset(root: str, progress: bool = True) -> VerifyReport:
     """Re-download and re-hash every shard file of every split."""
+    import_streaming()  # without transformers (gpn_scale/data/streaming_import.py)
     from streaming.base.hashing import get_hash
 
     location = Location(root)

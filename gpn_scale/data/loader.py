@@ -41,6 +41,7 @@ from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
 from gpn_scale.data.shm import clean_stale_streaming_shm, record_owner, registration_lock
 from gpn_scale.data.storage import Location, join
+from gpn_scale.data.streaming_import import import_streaming
 
 STATE_VERSION = 1
 
@@ -170,6 +171,7 @@ _RESUME_ATTACH_TRIES = 8  # 0.01 s doubling: 2.5 s in all
 def _token_dataset_class() -> type:
     """StreamingDataset subclass that remembers failures of its download threads, whose
     exceptions otherwise reach the caller only as 'Background thread failed'."""
+    import_streaming()  # without transformers (data/streaming_import.py)
     from streaming import StreamingDataset
 
     class TokenStreamingDataset(StreamingDataset):
@@ -283,6 +285,7 @@ _SHM_HOOK_LOCK = threading.Lock()
 def _install_shared_memory_hook() -> None:
     """Make streaming's SharedMemory report each new handle to this thread's innermost
     `_collect_shared_memory` block, if any (otherwise it behaves as before). Once per process."""
+    import_streaming()  # without transformers (data/streaming_import.py)
     from streaming.base.shared.memory import SharedMemory
 
     with _SHM_HOOK_LOCK:
@@ -486,6 +489,7 @@ def _shut_down(loader: Any, dataset: Any) -> None:
 def _shared_memory_of(dataset: object) -> list[Any]:
     """streaming's SharedMemory objects reachable from the dataset's attributes (its barrier,
     scalars and arrays hold theirs one or two levels down), each once."""
+    import_streaming()  # without transformers (data/streaming_import.py)
     from streaming.base.shared.memory import SharedMemory
 
     found: list[Any] = []
@@ -583,6 +587,7 @@ def build_loader(
     if _dist_ready():
         torch.distributed.barrier()  # nobody registers segments while the leader cleans
 
+    import_streaming()  # without transformers (data/streaming_import.py)
     from streaming import StreamingDataLoader
 
     do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
