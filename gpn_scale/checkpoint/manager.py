@@ -20,7 +20,6 @@ A checkpoint without a manifest, or whose files do not match it, is never return
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gpn_scale.checkpoint.catalog import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    STEP_DIR_RE,
+    check_step,
+    find_latest,
+    sha256_file,
+    step_dir_name,
+    step_dirs,
+)
 from gpn_scale.checkpoint.errors import CheckpointError, one_line
 from gpn_scale.checkpoint.roots import open_storage
 from gpn_scale.checkpoint.safe_load import (
@@ -44,26 +54,11 @@ from gpn_scale.checkpoint.safe_load import (
     safe_torch_load,
     safe_unpickle_metadata,
 )
-from gpn_scale.io.storage import LocalStorage, ObjectInfo, Storage
-
-FORMAT = "gpn_scale.checkpoint/1"
-MANIFEST = "manifest.json"
-LATEST = "latest"
-_STEP_RE = re.compile(r"^step_(\d{9,})$")
-
-
-def step_dir_name(step: int) -> str:
-    """`step_000000200`: zero-padded so lexical and numeric order agree."""
-    return f"step_{int(step):09d}"
+from gpn_scale.io.storage import LocalStorage, Storage
 
 
 def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass
@@ -164,7 +159,7 @@ class CheckpointManager:
         """(storage, step dir name) for a checkpoint URI under this root or anywhere else."""
         text = str(uri).rstrip("/")
         name = text.rsplit("/", 1)[-1]
-        if not _STEP_RE.match(name):
+        if not STEP_DIR_RE.match(name):
             raise CheckpointError(
                 f"{uri!r} is not a checkpoint (expected .../step_NNNNNNNNN); use --resume auto "
                 "or a step directory"
@@ -180,47 +175,10 @@ class CheckpointManager:
     def _check(
         self, storage: Storage, name: str, *, deep: bool = False
     ) -> tuple[dict[str, Any] | None, str]:
-        """(manifest, "") when `name` is complete and its files match, else (None, reason).
-
-        Cheap by default: one listing; sizes must match; a local file whose mtime changed, or an
-        S3 object whose ETag changed since the manifest was written, is re-hashed (local) or
-        rejected (S3). deep=True re-hashes every local file.
-        """
-        raw = storage.get_bytes(f"{name}/{MANIFEST}")
-        if raw is None:
-            if not storage.list(f"{name}/"):
-                return None, "no such step folder (it is missing: deleted, or never written)"
-            return None, "no manifest.json (the save did not finish)"
-        try:
-            manifest = json.loads(raw)
-            files: dict[str, dict[str, Any]] = manifest["files"]
-            if manifest.get("format") != FORMAT or not isinstance(files, dict):
-                return (
-                    None,
-                    f"manifest.json has format {manifest.get('format')!r}, expected {FORMAT!r}",
-                )
-        except (ValueError, KeyError, TypeError) as exc:
-            return None, f"manifest.json is unreadable ({one_line(exc, 120)})"
-        listing = storage.list(f"{name}/")
-        local = storage.local_dir(name)
-        for rel, want in files.items():
-            have: ObjectInfo | None = listing.get(f"{name}/{rel}")
-            if have is None:
-                return None, f"file {rel} is missing"
-            if have.size != want["size"]:
-                return None, f"file {rel} has {have.size} bytes, manifest says {want['size']}"
-            if have.etag is not None and want.get("etag") and have.etag != want["etag"]:
-                return None, f"file {rel} was rewritten after the manifest (ETag changed)"
-            if local is not None and (
-                deep or (want.get("mtime_ns") is not None and have.mtime_ns != want["mtime_ns"])
-            ):
-                if sha256_file(local / rel) != want["sha256"]:
-                    return None, f"file {rel} does not match its sha256 in the manifest"
-        return manifest, ""
+        return check_step(storage, name, deep=deep)
 
     def _candidates(self) -> list[str]:
-        names = [n for n in self.storage.list_dirs() if _STEP_RE.match(n)]
-        return sorted(names, key=lambda n: int(_STEP_RE.match(n).group(1)), reverse=True)  # type: ignore[union-attr]
+        return step_dirs(self.storage)
 
     def latest(self) -> str | None:
         """URI of the newest complete checkpoint (the `latest` pointer if it verifies, else the
@@ -229,37 +187,8 @@ class CheckpointManager:
         `self.skipped` is then [(uri, reason)] for the step directories newer than the one
         returned that are not complete (damaged, or a save that did not finish), newest first.
         """
-        self.skipped = []
-        tried: dict[str, str] = {}
-        raw = self.storage.get_bytes(LATEST)
-        candidates = self._candidates()
-
-        def step(n: str) -> int:
-            return int(n[len("step_") :])
-
-        if raw is not None:
-            try:
-                name = str(json.loads(raw)["name"])
-            except (ValueError, KeyError, TypeError):
-                name = ""
-            if _STEP_RE.match(name):
-                reason = self._check(self.storage, name)[1]
-                if not reason:
-                    self._note_skipped([n for n in candidates if step(n) > step(name)])
-                    return self.storage.child_uri(name)
-                tried[name] = reason
-        for name in candidates:
-            reason = tried[name] if name in tried else self._check(self.storage, name)[1]
-            if not reason:
-                return self.storage.child_uri(name)
-            self.skipped.append((self.storage.child_uri(name), reason))
-        return None
-
-    def _note_skipped(self, names: list[str]) -> None:
-        for name in names:
-            reason = self._check(self.storage, name)[1]
-            if reason:
-                self.skipped.append((self.storage.child_uri(name), reason))
+        uri, self.skipped = find_latest(self.storage)
+        return uri
 
     def is_complete(self, uri: str) -> bool:
         """Whether the checkpoint at `uri` (under this root or another) is complete now."""

@@ -128,3 +128,15 @@ def export_for_torch(dist_env: DistEnv) -> None:
             "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
         }
     )
+
+
+def check_world(world_size: int, tp: int) -> None:
+    """One line naming the field when the world does not split into tp groups (no torch:
+    train.sbatch's launch check runs it before any trainer starts)."""
+    if tp < 1 or world_size % tp:
+        from gpn_scale.core.config import ConfigError
+
+        raise ConfigError(
+            f"parallel.tp: {tp} does not divide the world size {world_size} (processes); "
+            f"launch a multiple of {tp} processes or choose a tp that divides {world_size}"
+        )

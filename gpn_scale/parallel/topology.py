@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpn_scale.core.env import DistEnv, export_for_torch
+from gpn_scale.core.env import DistEnv, check_world, export_for_torch
 
 
 @dataclass
@@ -105,17 +105,6 @@ class Topology:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def check_world(world_size: int, tp: int) -> None:
-    """One line naming the field when the world does not split into tp groups."""
-    if tp < 1 or world_size % tp:
-        from gpn_scale.core.config import ConfigError
-
-        raise ConfigError(
-            f"parallel.tp: {tp} does not divide the world size {world_size} (processes); "
-            f"launch a multiple of {tp} processes or choose a tp that divides {world_size}"
-        )
 
 
 def free_port() -> int:

@@ -308,13 +308,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _latest_step(cfg) -> str:
-    from gpn_scale.checkpoint import CheckpointManager
+    # The catalog, not CheckpointManager: no torch in train.sbatch's before/after calls.
+    from gpn_scale.checkpoint import open_storage
+    from gpn_scale.checkpoint.catalog import find_latest
     from gpn_scale.train.preflight import DONE_MARKER, last_ckpt_step
 
-    mgr = CheckpointManager(cfg.resolved_checkpoint_root, keep_last=cfg.checkpoint.keep_last)
-    if mgr.storage.exists(DONE_MARKER):
+    storage = open_storage(cfg.resolved_checkpoint_root)
+    if storage.exists(DONE_MARKER):
         return "done"
-    step = last_ckpt_step(mgr.latest())
+    step = last_ckpt_step(find_latest(storage)[0])
     return str(-1 if step is None else step)
 
 

@@ -56,7 +56,7 @@ def check_launch(cfg: TrainConfig, nodes: int, procs_per_node: int) -> list[str]
     same checks the trainers make at start, so a bad launch fails in one line before the
     job's nodes start torchrun. Returns warnings (a tp group that spans nodes runs every
     step's all-reduces over the network)."""
-    from gpn_scale.parallel.topology import check_world
+    from gpn_scale.core.env import check_world
     from gpn_scale.run.config import batch_layout
 
     if nodes < 1 or procs_per_node < 1:

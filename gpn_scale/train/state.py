@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpn_scale.parallel.backends import Backend
+if TYPE_CHECKING:  # torch's import, which the launch checks (train.sbatch) do without
+    from gpn_scale.parallel.backends import Backend
 
 
 class TrainingError(RuntimeError):

@@ -364,7 +364,7 @@ def test_live_analyses_under_tp_are_one_line():
 
 
 def test_world_not_divisible_and_wrong_backend_name_the_field():
-    from gpn_scale.parallel.topology import check_world
+    from gpn_scale.core.env import check_world
     from gpn_scale.run.config import TrainConfig, validate
 
     check_world(4, 2)

@@ -74,3 +74,35 @@ def test_launch_check_and_latest_step_in_one_call(corpus, tmp_path, capsys):
     (run_dir / "checkpoints" / DONE_MARKER).write_text("{}")
     assert main([*args, "2", "1"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "done"
+
+
+def test_launch_check_and_latest_step_import_no_torch(corpus, tmp_path):
+    """The same call as train.sbatch makes it, twice a job: no torch import (it was 3-4
+    CPU-seconds of each call). A complete step folder is found past a newer unfinished one."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from gpn_scale.checkpoint.catalog import FORMAT, MANIFEST
+
+    root = tmp_path / "run" / "checkpoints"
+    done = root / "step_000000002"
+    done.mkdir(parents=True)
+    blob = done / "rank_00000.pt"
+    blob.write_bytes(b"state")
+    entry = {"size": 5, "sha256": hashlib.sha256(b"state").hexdigest()}
+    manifest = {"format": FORMAT, "files": {blob.name: entry}}
+    (done / MANIFEST).write_text(json.dumps(manifest))
+    (root / "step_000000004").mkdir()  # a save that did not finish: no manifest
+    (root / "step_000000004" / "rank_00000.pt").write_bytes(b"part")
+    argv = train_args(corpus, tmp_path / "run") + ["--check-launch", "1", "2", "--latest-step"]
+    code = (
+        "import sys; from gpn_scale.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "2"
