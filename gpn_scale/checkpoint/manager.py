@@ -172,14 +172,6 @@ class CheckpointManager:
             return self.storage, name
         return open_storage(parent, **self._s3_options), name
 
-    def _check(
-        self, storage: Storage, name: str, *, deep: bool = False
-    ) -> tuple[dict[str, Any] | None, str]:
-        return check_step(storage, name, deep=deep)
-
-    def _candidates(self) -> list[str]:
-        return step_dirs(self.storage)
-
     def latest(self) -> str | None:
         """URI of the newest complete checkpoint (the `latest` pointer if it verifies, else the
         highest complete step directory), or None when there is none.
@@ -193,20 +185,20 @@ class CheckpointManager:
     def is_complete(self, uri: str) -> bool:
         """Whether the checkpoint at `uri` (under this root or another) is complete now."""
         storage, name = self._locate(uri)
-        return self._check(storage, name)[0] is not None
+        return check_step(storage, name)[0] is not None
 
     def list_checkpoints(self) -> list[tuple[int, str, bool]]:
         """(step, uri, complete) for every step directory, newest first (for status displays)."""
         out = []
-        for name in self._candidates():
-            complete = self._check(self.storage, name)[0] is not None
+        for name in step_dirs(self.storage):
+            complete = check_step(self.storage, name)[0] is not None
             out.append((int(name[len("step_") :]), self.storage.child_uri(name), complete))
         return out
 
     def delete_all(self) -> list[str]:
         """Delete every step directory (manifest first) and the `latest` pointer; returns the
         names deleted. Not collective: call it on rank 0 (the trainer's --fresh)."""
-        names = self._candidates()
+        names = step_dirs(self.storage)
         for name in names:
             self.storage.delete_prefix(f"{name}/{MANIFEST}")
             self.storage.delete_prefix(f"{name}/")
@@ -222,7 +214,7 @@ class CheckpointManager:
         if value.lower() == "auto":
             return self.latest()
         storage, name = self._locate(value)
-        manifest, reason = self._check(storage, name)
+        manifest, reason = check_step(storage, name)
         if manifest is None:
             raise CheckpointError(
                 f"cannot resume from {storage.child_uri(name)}: {reason}; pick a complete "
@@ -236,7 +228,7 @@ class CheckpointManager:
         storage, name = self._locate(uri)
         raw = storage.get_bytes(f"{name}/{MANIFEST}")
         if raw is None:
-            reason = self._check(storage, name)[1]
+            reason = check_step(storage, name)[1]
             raise CheckpointError(
                 f"{storage.child_uri(name)}: {reason}; pick a complete checkpoint"
             )
@@ -392,7 +384,7 @@ class CheckpointManager:
         """Keep the newest `keep_last` complete checkpoints (always `current`); delete older ones
         and abandoned partial directories older than `current`. Newer directories are left alone."""
         cur_step = int(current[len("step_") :])
-        names = self._candidates()  # newest first
+        names = step_dirs(self.storage)  # newest first
         complete = [n for n in names if self.storage.get_bytes(f"{n}/{MANIFEST}") is not None]
         keep = set(complete[: self.keep_last]) | {current}
         for n in names:
@@ -499,7 +491,7 @@ class CheckpointManager:
         local = storage.local_dir(name)
         downloaded = local is None
         try:
-            manifest, reason = self._check(storage, name)
+            manifest, reason = check_step(storage, name)
             if manifest is None:
                 raise CheckpointError(f"{reason}; pick a complete checkpoint or use --resume auto")
             if manifest.get("kind") != kind:

@@ -5,9 +5,9 @@ ready-made datasets of `streaming.text` (transformers' AutoTokenizer), `streamin
 (torchvision) and `streaming.multimodal`, and `streaming.base.dataloader` imports
 transformers' BatchEncoding and BatchFeature for one isinstance check in
 StreamingDataLoader's batch count. The loader and the data tools use none of the datasets,
-and their batches are tensors. Measured beside `import torch` on this 2-core machine: 4.2-5.2
-CPU-seconds for `import streaming`, 0.06 s through `import_streaming()`; a 6-step tiny
-training process 8.2 -> 5.2 CPU-seconds. That start is paid by every rank of every run
+and their batches are tensors. Measured beside `import torch` on this 2-core machine, idle:
+4.3 CPU-seconds for `import streaming`, 0.06 s through `import_streaming()`; a 6-step tiny
+training process 8.4 -> 5.3 CPU-seconds. That start is paid by every rank of every run
 (and by the hundreds of trainer processes the test suite starts), and a transformers that
 does not import in this environment no longer stops training, which never uses it.
 

@@ -10,9 +10,9 @@ tests/ops/test_gpn_step.py's 1-layer float64 case: 39,924 walks, 12.0 s of 40.1 
 
 `speed_up_patching()` keeps what the walk found the first time and, on every later call, wraps
 those of them that are not wrapped yet, as the walk does: the bindings are the same, only the
-walk is gone. It is applied
-only where the interpreter has the shape this was written against (triton 3.x's
-`_patch_builtin(pkg, builder, scope)`); anywhere else it leaves the interpreter as it is."""
+walk is gone. It is applied only where the interpreter has the shape this was written against
+(triton 3.x's `_patch_builtin(pkg, builder, scope)`); anywhere else it leaves the interpreter as
+it is."""
 
 from __future__ import annotations
 
@@ -42,16 +42,16 @@ def speed_up_patching() -> bool:
     if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
         return False
 
-    builtins_of: dict[int, tuple[object, list[tuple[str, object]]]] = {}
+    builtins_of: dict[object, list[tuple[str, object]]] = {}  # modules and classes: by identity
 
     def patch_builtin(pkg, builder, scope) -> None:
-        known = builtins_of.get(id(pkg))
-        if known is None or known[0] is not pkg:
+        known = builtins_of.get(pkg)
+        if known is None:
             # The first walk runs outside any launch (a launch patches before its helpers
             # run), so it sees the unwrapped builtins, as the interpreter's own walk does.
-            members = [(n, m) for n, m in inspect.getmembers(pkg) if core.is_builtin(m)]
-            known = builtins_of[id(pkg)] = (pkg, members)
-        for name, member in known[1]:
+            known = [(n, m) for n, m in inspect.getmembers(pkg) if core.is_builtin(m)]
+            builtins_of[pkg] = known
+        for name, member in known:
             # What the walk would find: a builtin not yet wrapped (inside a launch, a
             # helper's call finds them wrapped already and leaves them).
             if getattr(pkg, name, None) is member:
