@@ -1,4 +1,5 @@
-"""Pieces the baseline families share: the SwiGLU MLP, the pending-token shift, the LM loss.
+"""Pieces the baseline families share: the SwiGLU MLP and the pending-token shift (their head
+loss, a block of positions at a time, is models/linear_cross_entropy.py).
 
 The pending token is how a family without a natural carry meets the interface's alignment
 rule (protocol.py: logits[:, t] predicts tokens[:, t]). Its state holds the last input it has
@@ -38,9 +39,3 @@ def shift_in(tokens: Tensor, pending: Tensor) -> tuple[Tensor, Tensor]:
 def start_tokens(batch_size: int, vocab_size: int, device: torch.device | str | None) -> Tensor:
     """The pending tokens of a fresh state: the start token (id `vocab_size`) in every row."""
     return torch.full((batch_size,), vocab_size, dtype=torch.long, device=device)
-
-
-def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Mean cross-entropy over all B*T positions, in float32 (float64 when the logits are)."""
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), tokens.reshape(-1))

@@ -44,6 +44,10 @@ class GatedDeltaNetConfig:
     # Chunk length of our chunkwise op (fla's kernel uses its own, 64).
     chunk_size: int = 64
     backend: str = "auto"
+    # The head's cross-entropy runs over this many positions at a time, its gradients formed
+    # in the same pass (models/linear_cross_entropy.py), never the B*T x V logits at once;
+    # how the loss is computed, never what (GPN's engine.loss_chunk_tokens).
+    loss_chunk_tokens: int = 1024
     # Optional redundant check: when given, must equal n_layers * n_heads * d_key * d_value.
     memory_cells: int | None = None
     name: str = ""
@@ -60,6 +64,7 @@ class GatedDeltaNetConfig:
             "d_ffn",
             "conv_size",
             "chunk_size",
+            "loss_chunk_tokens",
         ):
             _require_int(key, getattr(self, key), minimum=1)
         for key in ("norm_eps", "init_std"):

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from gpn_scale.models.blocks import SwiGLU, lm_loss, shift_in, start_tokens
+from gpn_scale.models.blocks import SwiGLU, shift_in, start_tokens
 from gpn_scale.models.gated_deltanet.config import GatedDeltaNetConfig
+from gpn_scale.models.linear_cross_entropy import linear_cross_entropy
 from gpn_scale.models.protocol import LMOutput
 from gpn_scale.ops.gated_delta_rule import gated_delta_rule
 
@@ -260,7 +261,7 @@ class GatedDeltaNet(nn.Module):
         for block, state in zip(self.layers, states, strict=True):
             x, state = block(x, state)
             new_states.append(state)
-        return self.head(self.norm(x)), tuple(new_states)
+        return self.norm(x), tuple(new_states)
 
     def forward(
         self,
@@ -274,20 +275,22 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = self.initial_state(tokens.shape[0], tokens.device)
         inputs, pending = shift_in(tokens, state.pending)
-        logits, layers = self._trunk(inputs, state.layers)
+        h, layers = self._trunk(inputs, state.layers)
+        # A block of positions at a time: the (B*T x V) logits exist only when asked for.
+        loss = linear_cross_entropy(h, self.head.weight, tokens, self.config.loss_chunk_tokens)
         return LMOutput(
-            lm_loss(logits, tokens),
+            loss,
             # pending is a view of `tokens`: cloned so a caller's in-place edit of its batch
             # cannot change the carry (FSDP2 also warns about views among a unit's outputs).
             GatedDeltaNetState(layers, pending.clone()) if return_state else None,
-            logits if return_logits else None,
+            self.head(h) if return_logits else None,
         )
 
     def next_token_logits(self, state: GatedDeltaNetState) -> Tensor:
         """(B, V): the pending token through every layer's carried memory and conv cache, one
         step; the context is never recomputed."""
-        logits, _ = self._trunk(state.pending[:, None], state.layers)
-        return logits[:, 0]
+        h, _ = self._trunk(state.pending[:, None], state.layers)
+        return self.head(h[:, 0])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -19,6 +19,10 @@ group (rows x e), and W_dec, b, the norm and P from the full dh as without tp. N
 holds more than (rows x V/tp) logits. megatron-core's function is not used: it takes the
 whole logits tensor and megatron's global tp group, and keeps the softmax for a separate
 backward, where here each block's gradients (the tied E included) are formed at once.
+
+The block after the decode (logits, softmax cross-entropy, dh and dE, the vocabulary-parallel
+form included) is `gpn_scale.models.linear_cross_entropy.cross_entropy_block`, which the
+baseline families' head loss runs too.
 """
 
 from __future__ import annotations
@@ -26,11 +30,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from gpn_scale.models.gpn.vocab_parallel import vocab_start
-from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
+from gpn_scale.models.linear_cross_entropy import cross_entropy_block
 
 
 class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
@@ -58,6 +61,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
         mm = mm_dtype or P.dtype
         Em, Wm = E.to(mm), W_dec.to(mm)
         total = torch.zeros((), dtype=acc, device=P.device)
+        dE: Tensor | None = None  # the tied E's gradient, accumulated block by block
         if need_grad:
             dP = torch.empty_like(P)
             dw = torch.zeros(norm_w.shape, dtype=acc, device=P.device)
@@ -72,42 +76,19 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             h = nw @ Wm.t()
             if b_dec is not None:
                 h = h + b_dec.to(mm)
-            tgt = targets[start : start + rows]
-            logits = h @ Em.t()
-            if tp_group is not None:  # this rank's V/tp columns (see the module docstring)
-                block, grad_local = _vocab_parallel_block(
-                    logits.to(acc), tgt, v_start, tp_group, need_grad
-                )
-                total += block
-                if grad_local is None:
-                    continue
-                gm = grad_local.to(mm)
-                # Each rank's share of dh in acc, summed there (a bf16 share summed tp times
-                # would round tp times): rows x e floats per block.
-                dh = (gm @ Em).to(acc)
-                dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)
-                dh = dh.to(mm)
-            elif use_triton(logits):  # one kernel, the block read twice (ops/cross_entropy.py)
-                total += softmax_xent_(logits, tgt, need_grad).sum()
-                if not need_grad:
-                    continue
-                gm = logits  # softmax - onehot, in mm
-            else:
-                logits = logits.to(acc)
-                picked = logits.gather(1, tgt[:, None])
-                top = logits.amax(dim=-1, keepdim=True)
-                # In place, so that one (rows x V) block serves logits, exp and the gradient.
-                probs = logits.sub_(top).exp_()
-                denom = probs.sum(dim=-1, keepdim=True)
-                total += (top + denom.log() - picked).sum()
-                if not need_grad:
-                    continue
-                grad = probs.div_(denom)  # softmax - onehot
-                grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
-                gm = grad.to(mm)
-            if tp_group is None:
-                dh = gm @ Em
-            dE += (gm.t() @ h).to(acc)
+            dh = cross_entropy_block(
+                h,
+                Em,
+                targets[start : start + rows],
+                acc,
+                need_grad,
+                total,
+                dE,
+                tp_group,
+                v_start,
+            )
+            if dh is None:
+                continue
             dW += (dh.t() @ nw).to(acc)
             db += dh.sum(0).to(acc)
             dnw = (dh @ Wm).to(P.dtype)
@@ -115,6 +96,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             dn = dnw * norm_w
             dP[start : start + rows] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
         if need_grad:
+            assert dE is not None
             for g in (dP, dw, dW, db, dE):
                 g.mul_(scale)
             ctx.save_for_backward(dP, dw, dW, db, dE)
@@ -145,36 +127,6 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
-
-
-def _vocab_parallel_block(
-    logits: Tensor,
-    tgt: Tensor,
-    v_start: int,
-    group: Any,
-    need_grad: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """One block of the vocabulary-parallel cross-entropy: the block's summed loss (the
-    same on every rank) and, when gradients are needed, softmax - onehot of this rank's
-    columns (in place over `logits`, rows x V/tp). The Triton kernel (ops/cross_entropy.py)
-    normalises over a whole row, so this PyTorch form serves every device under tp."""
-    width = logits.shape[1]
-    mine = (tgt >= v_start) & (tgt < v_start + width)
-    col = (tgt - v_start).clamp(0, width - 1)
-    top = logits.amax(dim=-1, keepdim=True)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    picked = torch.where(mine[:, None], logits.gather(1, col[:, None]), 0.0)
-    probs = logits.sub_(top).exp_()
-    # The sum of exp and the target's logit in one all-reduce of (rows, 2).
-    sums = torch.cat([probs.sum(dim=-1, keepdim=True), picked], dim=1)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    denom = sums[:, :1]
-    loss = (top + denom.log() - sums[:, 1:]).sum()
-    if not need_grad:
-        return loss, None
-    grad = probs.div_(denom)
-    grad[torch.arange(grad.shape[0], device=grad.device), col] -= mine.to(grad.dtype)
-    return loss, grad
 
 
 def chunked_decode_cross_entropy(

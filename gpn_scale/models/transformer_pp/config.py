@@ -33,11 +33,15 @@ class TransformerPPConfig:
     # Weights ~ N(0, init_std); the residual outputs (o, down) are scaled by 1/sqrt(2L)
     # (fla's rescale_prenorm_residual, GPT-2's scheme).
     init_std: float = 0.02
+    # The head's cross-entropy runs over this many positions at a time, its gradients formed
+    # in the same pass (models/linear_cross_entropy.py), never the B*T x V logits at once;
+    # how the loss is computed, never what (GPN's engine.loss_chunk_tokens).
+    loss_chunk_tokens: int = 1024
     name: str = ""
     family_name: ClassVar[str] = "transformer_pp"
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ffn"):
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ffn", "loss_chunk_tokens"):
             _require_int(key, getattr(self, key))
         if self.d_model % self.n_heads:
             raise ConfigError(

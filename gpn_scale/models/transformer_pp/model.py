@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpn_scale.models.blocks import SwiGLU, lm_loss, shift_in, start_tokens
+from gpn_scale.models.blocks import SwiGLU, shift_in, start_tokens
+from gpn_scale.models.linear_cross_entropy import linear_cross_entropy
 from gpn_scale.models.protocol import LMOutput
 from gpn_scale.models.transformer_pp.config import TransformerPPConfig
 
@@ -156,11 +157,14 @@ class TransformerPP(nn.Module):
             [], [], start_tokens(batch_size, self.config.vocab_size, device), 0
         )
 
-    def _logits(self, h: Tensor) -> Tensor:
-        h = self.norm(h)
+    def _head_weight(self) -> Tensor:
+        """The output matrix (V, d): the head's, or the tied embedding's first V rows."""
         if self.head is None:
-            return F.linear(h, self.embed.weight[: self.config.vocab_size])
-        return self.head(h)
+            return self.embed.weight[: self.config.vocab_size]
+        return self.head.weight
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return F.linear(self.norm(h), self._head_weight())
 
     def _run(
         self, inputs: Tensor, state: TransformerPPState | None
@@ -194,13 +198,15 @@ class TransformerPP(nn.Module):
         )
         inputs, next_pending = shift_in(tokens, pending)
         h, keys, values = self._run(inputs, state)
-        logits = self._logits(h)
-        loss = lm_loss(logits, tokens)
+        h = self.norm(h)
+        # A block of positions at a time: the (B*T x V) logits exist only when asked for.
+        loss = linear_cross_entropy(h, self._head_weight(), tokens, self.config.loss_chunk_tokens)
+        logits = F.linear(h, self._head_weight()) if return_logits else None
         new_state = None
         if return_state:
             P = 0 if state is None else state.length
             new_state = TransformerPPState(keys, values, next_pending, P + tokens.shape[1])
-        return LMOutput(loss, new_state, logits if return_logits else None)
+        return LMOutput(loss, new_state, logits)
 
     def next_token_logits(self, state: TransformerPPState) -> Tensor:
         """(B, V): one step of the pending token against the cache (nothing recomputed)."""
