@@ -74,6 +74,13 @@ class FamilySpec:
       kernels; run before anything is created.
     - `compat_keys(cfg)`: the config fields a checkpoint must match to be resumed.
     - `recurrent`: the state is O(1) in the context length (scoring and generation reuse it).
+    - `compile_blocks(model)`: the submodules `compile.enable` compiles, each on its own
+      (torchtitan's per-block torch.compile: the blocks repeat, so one graph serves them
+      all, and FSDP2's per-block units stay outside it); None when the family is not
+      compiled (GPN: its sequence engine runs its own kernels), which refuses the key.
+    - `compile_fullgraph`: whether each block compiles as one graph (torch.compile's
+      fullgraph=True, an error on any graph break) or may break around what dynamo cannot
+      trace.
     """
 
     name: str
@@ -87,4 +94,6 @@ class FamilySpec:
     apply_tp: Callable[[nn.Module, Any], None] | None = None
     check_tp: Callable[[Any, int], None] = field(default=lambda cfg, tp: None)
     check_device: Callable[[Any, str], None] = field(default=lambda cfg, device_type: None)
+    compile_blocks: Callable[[nn.Module], list[nn.Module]] | None = None
+    compile_fullgraph: bool = True
     description: str = ""

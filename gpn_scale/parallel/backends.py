@@ -1,10 +1,11 @@
 """The parallelism backends the trainer drives: none (one process), FSDP2 and DeepSpeed ZeRO.
 
 `setup_topology` starts the process group a backend needs; `build_backend` applies the
-parallelism to a built model in a fixed order (tensor parallelism, then FSDP2 over the
-data-parallel mesh of the same parent mesh, as in torchtitan), builds the optimizer once,
-and returns one `Backend`. Everything that differs between the backends is behind that
-protocol: the training loop never asks which one it has.
+parallelism to a built model in torchtitan's fixed order (tensor parallelism, activation
+checkpointing (none yet), torch.compile of each block (`compile.enable`, parallel/compile.py),
+then FSDP2 over the data-parallel mesh of the same parent mesh, or DeepSpeed ZeRO), builds
+the optimizer once, and returns one `Backend`. Everything that differs between the backends
+is behind that protocol: the training loop never asks which one it has.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class ParallelPlan:
     zero3_persistence_threshold: int | None = None
     reduce_dtype: str = "fp32"
     reshard_after_forward: bool = True
+    compile: bool = False  # torch.compile each of the family's blocks (compile.enable)
 
 
 # --------------------------------------------------------------------------- topology
@@ -130,13 +132,21 @@ def build_backend(
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
     fsdp_units: Sequence[nn.Module] = (),
     apply_tp: Callable[[nn.Module, Any], Any] | None = None,
+    compile_blocks: Sequence[nn.Module] = (),
+    compile_fullgraph: bool = True,
     log: Callable[[str], None] = print,
 ) -> Backend:
-    """Parallelize `model` (TP, then FSDP2 or DeepSpeed) and build its optimizer, once."""
+    """Parallelize `model` (TP, then compile, then FSDP2 or DeepSpeed) and build its
+    optimizer, once. `compile_blocks` / `compile_fullgraph`: the family's (FamilySpec), read
+    when `plan.compile`."""
     if topo.tp_size > 1:  # TP first, then FSDP2 over "dp" of the same parent mesh
         if apply_tp is None:
             raise ConfigError(f"parallel.tp: {topo.tp_size}: this model has no tp plan; use tp 1")
         apply_tp(model, topo.tp_mesh)
+    if plan.compile:  # after TP (the graph sees the shards), before FSDP2 / ZeRO wrap the blocks
+        from gpn_scale.parallel.compile import apply_compile
+
+        apply_compile(compile_blocks, compile_fullgraph, log)
     if plan.backend == "deepspeed":
         return _deepspeed_backend(model, plan, make_optimizer, log)
     if plan.backend == "fsdp2":

@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.run.config import TrainConfig
+
+if TYPE_CHECKING:
+    from gpn_scale.models.protocol import FamilySpec
 
 
 def model_config(cfg: TrainConfig) -> Any:
@@ -41,6 +44,7 @@ def model_config(cfg: TrainConfig) -> Any:
             )
         model_cfg = model_cfg.replace(tbptt=cfg.train.tbptt)
     model_cfg = _with_engine(cfg, spec.name, model_cfg)
+    check_compile(cfg, spec)
     if cfg.train.stateful_windows and not spec.recurrent:
         raise ConfigError(
             f"train.stateful_windows: model={cfg.model} is family {spec.name}, whose state "
@@ -65,3 +69,20 @@ def _with_engine(cfg: TrainConfig, family: str, model_cfg: Any) -> Any:
 
     options = EngineOptions.from_dict({**model_cfg.engine.to_dict(), **given}, prefix="engine.")
     return model_cfg.replace(engine=options)
+
+
+def check_compile(cfg: TrainConfig, spec: FamilySpec) -> None:
+    """`compile.enable=true` for a family that declares no blocks to compile (GPN / GPN+M)
+    is refused in one line naming the families that take it. Refused rather than accepted
+    and ignored: a sweep sets the key per model entry (`overrides: [compile.enable=true]`
+    on the baselines' entries), so a mixed sweep never has to give it to GPN."""
+    if not cfg.compile.enable or spec.compile_blocks is not None:
+        return
+    from gpn_scale.models.registry import family_names, get_family
+
+    takers = [n for n in family_names() if get_family(n).compile_blocks is not None]
+    raise ConfigError(
+        f"compile.enable: model={cfg.model} is family {spec.name}, whose sequence engine runs "
+        f"its own kernels and is not compiled; compile.enable is for {', '.join(takers)}; "
+        "set compile.enable=false (in a sweep, set it on those families' entries only)"
+    )

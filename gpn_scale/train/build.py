@@ -35,6 +35,7 @@ def parallel_plan(
         zero3_persistence_threshold=cfg.parallel.zero3_persistence_threshold,
         reduce_dtype=cfg.parallel.reduce_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
+        compile=cfg.compile.enable,
     )
 
 
@@ -71,6 +72,9 @@ def build_model(
         ),
         fsdp_units=spec.fsdp_units(model),
         apply_tp=spec.apply_tp,
+        # model_config refused compile.enable for a family without blocks (run/model.py)
+        compile_blocks=spec.compile_blocks(model) if spec.compile_blocks else (),
+        compile_fullgraph=spec.compile_fullgraph,
         log=log,
     )
     backend.train(True)

@@ -40,9 +40,10 @@ def _flops_per_token(cfg: GatedDeltaNetConfig, seq_len: int) -> float:
     return flops_per_token(cfg, seq_len)
 
 
-def _fsdp_units(model: nn.Module) -> list[nn.Module]:
-    # One FSDP2 unit per block (each block's forward runs its own parameters); the embedding,
-    # final norm and head stay with the root unit the caller wraps last.
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    # One FSDP2 unit, and one compiled region, per block (each block's forward runs its own
+    # parameters); the embedding, final norm and head stay with the root unit the caller
+    # wraps last, uncompiled.
     return list(model.layers)  # type: ignore[arg-type]
 
 
@@ -89,12 +90,22 @@ SPEC = FamilySpec(
     build=_build,
     count_parameters=_count_parameters,
     flops_per_token=_flops_per_token,
-    fsdp_units=_fsdp_units,
+    fsdp_units=_blocks,
     compat_keys=_compat_keys,
     recurrent=True,
     apply_tp=_apply_tp,  # heads split (parallelize.py); residual norms, embedding, head on dp
     check_tp=_check_tp,
     check_device=_check_device,
+    # compile.enable: one torch.compile per block, not required to be one graph: on CUDA
+    # fla's chunk_gated_delta_rule is @torch.compiler.disable (fla 0.6.0,
+    # ops/gated_delta_rule/chunk.py), which fullgraph=True refuses ("Skip calling
+    # torch.compiler.disable()d function"), so there each block compiles in two pieces around
+    # it. Our chunkwise op (CPU, and CUDA without fla) traces whole, its chunk loop unrolled,
+    # at tp 1 and 2 alike, to the eager losses (tests/parallel/test_compile.py). The graph
+    # grows with the chunks per window: the tiny model's first step compiles for ~35 s at
+    # chunk_size 32 and 40-65 s at its 16 (T = 64, one CPU thread).
+    compile_blocks=_blocks,
+    compile_fullgraph=False,
     description=(
         "Gated DeltaNet (Yang et al.): gated delta-rule memory per layer, short convolutions, "
         "output gate and norm, SwiGLU MLP; fla's kernels on CUDA, our chunkwise op elsewhere"

@@ -73,5 +73,10 @@ SPEC = FamilySpec(
     recurrent=True,
     apply_tp=_apply_tp,
     check_tp=_check_tp,
+    # Not compiled: the forward is one custom autograd engine over the whole sequence whose
+    # steps run our own kernels (fused C++ on CPU, Triton + CUDA graphs on GPU), with no
+    # repeated block module for torch.compile to trace; compile.enable=true is refused
+    # for this family in one line (gpn_scale/run/model.py, docs/families.md says why).
+    compile_blocks=None,
     description="GPN / GPN+M: one wide recurrent state, one FFN, one shared gated-delta memory",
 )
