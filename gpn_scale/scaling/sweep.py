@@ -773,12 +773,17 @@ def format_family_rows(sweep: Sweep) -> list[str]:
 
 def validate_with_trainer(sweep: Sweep) -> None:
     """Load every run's training config (base config + overrides) through the trainer's own
-    schema, so a bad key or value fails at plan time, naming the run."""
+    schema, so a bad key or value fails at plan time, naming the run; and `compile.enable`
+    against the run's family (GPN refuses it: a mixed sweep sets it on the baselines'
+    entries, `overrides: [compile.enable=true]`)."""
+    from gpn_scale.models.registry import get_family
     from gpn_scale.run.config import load_train_config
+    from gpn_scale.run.model import check_compile
 
     for run in sweep.runs:
         try:
-            load_train_config(run.base_config, run.train_overrides())
+            cfg = load_train_config(run.base_config, run.train_overrides())
+            check_compile(cfg, get_family(run.registry_family))
         except ConfigError as err:
             raise SweepError(f"run '{run.name}': the trainer rejects its config: {err}") from None
 

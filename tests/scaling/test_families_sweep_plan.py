@@ -95,3 +95,47 @@ def test_a_mixed_sweep_validates_each_model_with_its_own_config_class(tmp_path):
         match=r"hardware.mfu: 'predicted' is GPN's launch accounting only, but models\[1\]",
     ):
         expand_sweep(tmp_path / "pred.yaml")
+
+
+def test_compile_enable_is_set_per_entry_and_refused_for_gpn_at_plan_time(tmp_path):
+    """compile.enable (torch.compile of the baselines' blocks) is refused by GPN: a mixed
+    sweep sets it on the baselines' entries, and `sweep plan` names a GPN run given it."""
+
+    def sweep(defaults_overrides: str, models: list[str]):
+        path = tmp_path / "mixed.yaml"
+        path.write_text(
+            textwrap.dedent(f"""\
+            name: mix
+            seeds: 3
+            data: {{remote: default, seq_len: 64}}
+            checkpoint_root: {tmp_path / "ck"}
+            wandb: {{project: p}}
+            hardware: {{gpu: cpu, peak_tflops: 0.1, mfu: 0.2}}
+            defaults: {{tokens: 4096, global_batch_size: 4, lr: 1.0e-3, warmup_steps: 2,
+                        overrides: {defaults_overrides}}}
+            models:
+            """)
+            + "".join(f"  - {m}\n" for m in models)
+        )
+        return load_sweep(path, price=False)
+
+    on = "overrides: [compile.enable=true]"
+    per_entry = sweep(
+        "[]",
+        [
+            "{config: tiny}",
+            f"{{config: transformer_pp_tiny, {on}}}",
+            f"{{config: gated_deltanet_tiny, {on}}}",
+        ],
+    )
+    validate_with_trainer(per_entry)
+    compiled = {
+        r.registry_family for r in per_entry.runs if "compile.enable=true" in r.train_overrides()
+    }
+    assert compiled == {"transformer_pp", "gated_deltanet"}
+    for_all = sweep("[compile.enable=true]", ["{config: transformer_pp_tiny}", "{config: tiny}"])
+    with pytest.raises(ConfigError) as err:
+        validate_with_trainer(for_all)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("run 'mix-tiny-s0': the trainer rejects its config: ")
+    assert "family gpn" in msg and "compile.enable is for transformer_pp, gated_deltanet" in msg
