@@ -187,8 +187,7 @@ def linear_cross_entropy(h: Tensor, W: Tensor, targets: Tensor, rows: int = 1024
     """
     if rows < 1:
         raise ValueError(f"rows: must be >= 1, got {rows}")
-    device = h.device.type
-    mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    mm_dtype = _autocast_dtype(h.device.type)
     flat = h.reshape(-1, h.shape[-1])
     return _ChunkedLinearCrossEntropy.apply(
         flat,
@@ -199,3 +198,13 @@ def linear_cross_entropy(h: Tensor, W: Tensor, targets: Tensor, rows: int = 1024
         1.0 / flat.shape[0],
         torch.is_grad_enabled(),
     )
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The matmul dtype autocast gives this device now, or None; a device type autocast does
+    not know (the meta tensors of the launch accounting's dry runs) has none."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
