@@ -1,0 +1,588 @@
+"""Dependent global-memory round trips of one program of a Triton kernel, read from its source.
+
+A kernel whose programs are few per SM and do little arithmetic runs at the latency of its
+memory accesses, not at the bandwidth: each load whose result the program must wait for
+before it can issue the next load costs one trip to L2 or HBM (~1 us loaded). The launch
+accounting (`gpu_model`) charges such a kernel
+
+    waves x round trips per program x loaded latency  (+ its bytes at the bandwidth)
+
+and this module counts the round trips from the kernel's own code, with the launch's
+arguments, so that a change to a kernel changes its price without anyone re-counting.
+
+The rules are those of an in-order GPU warp and of Triton's compiler:
+- a `tl.load` issues as soon as its address is known and no earlier store or block boundary
+  holds it back; its value is ready one round trip later;
+- arithmetic waits for its operands but later loads may be hoisted above it (the compiler
+  schedules loads early within a basic block);
+- a `tl.store` waits for the value it stores, and no later load is hoisted above it (the
+  pointers may alias): it is a barrier;
+- a loop iteration, a branch taken at run time (a condition on anything but constexpr
+  parameters) and the end of the program are basic-block boundaries: the warp has waited
+  there for everything the block used;
+- a loop whose loads Triton software-pipelines (`tl.range(..., num_stages>=2)`, or a loop
+  containing `tl.dot` in a kernel compiled with more than one stage) has the next
+  iteration's loads in flight while the current one computes: after its first iteration
+  a load's value is ready at the iteration's start;
+- `tl.static_range` is unrolled: its iterations are one block;
+- `@triton.jit` helpers are inlined.
+
+Branches whose condition is not known (it depends on loaded values) count their longer arm.
+Nothing here runs the kernel: loop trip counts and branch conditions come from the launch's
+scalar arguments, its constexprs and the program id.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+UNKNOWN = object()  # a value not known without running the kernel
+_MAX_SIMULATED_ITERATIONS = 3  # then extrapolated from the last iteration's cost
+
+
+@dataclass
+class _Value:
+    """What the walk knows of a name: its Python value (when known) and the round trip after
+    which it is ready (0: at once)."""
+
+    known: Any = UNKNOWN
+    ready: int = 0
+
+
+@dataclass
+class _State:
+    barrier: int = 0  # loads cannot issue before this level (stores, block boundaries)
+    stall: int = 0  # the warp has waited this far (the highest ready level it has used)
+
+    def boundary(self) -> None:
+        self.barrier = max(self.barrier, self.stall)
+
+    def use(self, ready: int) -> None:
+        self.stall = max(self.stall, ready)
+
+
+@dataclass
+class _Frame:
+    names: dict[str, _Value] = field(default_factory=dict)
+    constexprs: set[str] = field(default_factory=set)  # names whose branches resolve at compile
+    returned: _Value | None = None
+    fn_name: str = ""
+
+
+class _Return(Exception):
+    pass
+
+
+@functools.cache
+def _parsed(fn: Any) -> tuple[ast.FunctionDef, dict[str, Any]]:
+    source = textwrap.dedent(inspect.getsource(fn))
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
+    return node, fn.__globals__
+
+
+def _python_fn(kernel: Any) -> Any:
+    """The Python function behind a @triton.jit object (or the function itself)."""
+    return getattr(kernel, "fn", kernel)
+
+
+def _is_jit(obj: Any) -> bool:
+    """A @triton.jit function (compiled or, under TRITON_INTERPRET, interpreted)."""
+    return inspect.isfunction(getattr(obj, "fn", None))
+
+
+class _Walk:
+    def __init__(self, pid: Sequence[int], stages: int) -> None:
+        self.pid = tuple(pid) + (0,) * (3 - len(pid))
+        self.stages = stages
+        self.state = _State()
+        self.prefetch = False  # inside a pipelined loop past its first iteration
+        # (function, line) of each `for` loop -> its body's executions in the program (the
+        # iterations not simulated counted too)
+        self.executions: dict[tuple[str, int], float] = {}
+        self.weight = 1.0
+
+    # ------------------------------------------------------------------ functions
+    def call_function(
+        self, fn: Any, args: list[_Value], kwargs: dict[str, _Value], top: bool = False
+    ) -> _Value:
+        node, module_globals = _parsed(fn)
+        frame = _Frame(fn_name=fn.__name__)
+        params = node.args.args
+        defaults = node.args.defaults
+        first_default = len(params) - len(defaults)
+        for i, p in enumerate(params):
+            if i < len(args):
+                value = args[i]
+            elif p.arg in kwargs:
+                value = kwargs[p.arg]
+            elif i >= first_default:
+                value = _Value(self._literal(defaults[i - first_default]))
+            else:
+                value = _Value()
+            frame.names[p.arg] = value
+            if p.annotation is not None and "constexpr" in ast.unparse(p.annotation):
+                frame.constexprs.add(p.arg)
+        self.globals = module_globals
+        try:
+            self.block(node.body, frame)
+        except _Return:
+            pass
+        if top:
+            self.state.boundary()
+        return frame.returned or _Value()
+
+    @staticmethod
+    def _literal(node: ast.expr) -> Any:
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return UNKNOWN
+
+    # ----------------------------------------------------------------- statements
+    def block(self, body: Iterable[ast.stmt], frame: _Frame) -> None:
+        for stmt in body:
+            self.statement(stmt, frame)
+
+    def statement(self, stmt: ast.stmt, frame: _Frame) -> None:
+        if isinstance(stmt, ast.Assign):
+            value = self.expr(stmt.value, frame)
+            for target in stmt.targets:
+                self.assign(target, value, frame)
+        elif isinstance(stmt, ast.AugAssign):
+            current = self.expr(stmt.target, frame)
+            value = self.expr(stmt.value, frame)
+            known = _fold(type(stmt.op), current.known, value.known)
+            self.state.use(max(current.ready, value.ready))
+            self.assign(stmt.target, _Value(known, max(current.ready, value.ready)), frame)
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            self.assign(stmt.target, self.expr(stmt.value, frame), frame)
+        elif isinstance(stmt, ast.Expr):
+            self.expr(stmt.value, frame)
+        elif isinstance(stmt, ast.If):
+            self.branch(stmt, frame)
+        elif isinstance(stmt, ast.For):
+            self.loop(stmt, frame)
+        elif isinstance(stmt, ast.Return):
+            frame.returned = self.expr(stmt.value, frame) if stmt.value is not None else _Value()
+            raise _Return
+        elif isinstance(stmt, (ast.Pass, ast.Assert)):
+            pass
+        else:
+            raise NotImplementedError(f"round trips: statement {type(stmt).__name__} not modelled")
+
+    def assign(self, target: ast.expr, value: _Value, frame: _Frame) -> None:
+        if isinstance(target, ast.Name):
+            frame.names[target.id] = value
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            parts = value.known if isinstance(value.known, tuple) else None
+            for i, t in enumerate(target.elts):
+                known = parts[i].known if parts else UNKNOWN
+                ready = parts[i].ready if parts else value.ready
+                self.assign(t, _Value(known, ready), frame)
+        # subscript / attribute targets do not occur in Triton kernels
+
+    def branch(self, stmt: ast.If, frame: _Frame) -> None:
+        cond = self.expr(stmt.test, frame)
+        compile_time = _names(stmt.test) <= frame.constexprs
+        if cond.known is not UNKNOWN:
+            taken = stmt.body if cond.known else stmt.orelse
+            if not compile_time:
+                self.state.use(cond.ready)
+                self.state.boundary()
+            self.block(taken, frame)
+            if not compile_time:
+                self.state.boundary()
+            return
+        # Not known here: the longer arm (each walked from the same start).
+        self.state.use(cond.ready)
+        self.state.boundary()
+        start = _State(self.state.barrier, self.state.stall)
+        ends = []
+        for arm in (stmt.body, stmt.orelse):
+            self.state = _State(start.barrier, start.stall)
+            self.block(arm, frame)
+            self.state.boundary()
+            ends.append(self.state)
+        self.state = max(ends, key=lambda s: s.barrier)
+
+    def loop(self, stmt: ast.For, frame: _Frame) -> None:
+        it = stmt.iter
+        if not (isinstance(it, ast.Call) and isinstance(stmt.target, ast.Name)):
+            raise NotImplementedError("round trips: only `for name in range(...)` is modelled")
+        kind = _call_name(it.func)
+        bounds = [self.expr(a, frame) for a in it.args]
+        for b in bounds:
+            self.state.use(b.ready)
+        values = [b.known for b in bounds]
+        if any(v is UNKNOWN for v in values):
+            raise NotImplementedError(f"round trips: loop bounds of `{ast.unparse(it)}` unknown")
+        indices = list(range(*values))
+        var = stmt.target.id
+        if kind == "static_range":  # unrolled: one block
+            for i in indices:
+                frame.names[var] = _Value(i)
+                self.block(stmt.body, frame)
+            return
+        key = (frame.fn_name, stmt.lineno)
+        self.executions[key] = self.executions.get(key, 0.0) + self.weight * len(indices)
+        simulated = min(len(indices), _MAX_SIMULATED_ITERATIONS)
+        outer_weight = self.weight
+        if simulated:
+            self.weight = outer_weight * len(indices) / simulated
+        stages = self.stages
+        explicit = isinstance(it.func, ast.Attribute)  # tl.range(..., num_stages=...)
+        for kw in it.keywords:
+            if kw.arg == "num_stages":
+                stages = self.expr(kw.value, frame).known
+        # Triton's pipeliner works on innermost loops: those with a tl.dot, or a tl.range
+        # that asks for stages.
+        innermost = not any(isinstance(n, ast.For) for n in ast.walk(stmt) if n is not stmt)
+        has_dot = any(_call_name(n.func) == "dot" for n in _calls(stmt))
+        asked = explicit and any(kw.arg == "num_stages" for kw in it.keywords)
+        pipelined = innermost and isinstance(stages, int) and stages >= 2 and (has_dot or asked)
+        self.state.boundary()  # entering the loop
+        costs: list[int] = []
+        outer_prefetch = self.prefetch
+        for n, i in enumerate(indices[:_MAX_SIMULATED_ITERATIONS]):
+            before = self.state.barrier
+            frame.names[var] = _Value(i)
+            self.prefetch = pipelined and n > 0
+            self.block(stmt.body, frame)
+            self.state.boundary()
+            costs.append(self.state.barrier - before)
+        self.prefetch = outer_prefetch
+        self.weight = outer_weight
+        rest = len(indices) - len(costs)
+        if rest > 0:
+            self.state.barrier += rest * costs[-1]
+            self.state.stall = max(self.state.stall, self.state.barrier)
+
+    # ---------------------------------------------------------------- expressions
+    def expr(self, node: ast.expr | None, frame: _Frame) -> _Value:
+        if node is None:
+            return _Value()
+        if isinstance(node, ast.Constant):
+            return _Value(node.value)
+        if isinstance(node, ast.Name):
+            if node.id in frame.names:
+                return frame.names[node.id]
+            return _Value(self.globals.get(node.id, UNKNOWN))
+        if isinstance(node, ast.Attribute):
+            base = self.expr(node.value, frame)
+            attr: Any = UNKNOWN
+            if base.known is not UNKNOWN and not _is_tensor_like(base.known):
+                attr = getattr(base.known, node.attr, UNKNOWN)
+            return _Value(attr, base.ready)
+        if isinstance(node, ast.BinOp):
+            a, b = self.expr(node.left, frame), self.expr(node.right, frame)
+            self.state.use(max(a.ready, b.ready))
+            return _Value(_fold(type(node.op), a.known, b.known), max(a.ready, b.ready))
+        if isinstance(node, ast.UnaryOp):
+            a = self.expr(node.operand, frame)
+            self.state.use(a.ready)
+            return _Value(_unary(type(node.op), a.known), a.ready)
+        if isinstance(node, ast.BoolOp):
+            vals = [self.expr(v, frame) for v in node.values]
+            known: Any = UNKNOWN
+            if all(v.known is not UNKNOWN for v in vals):
+                ks = [v.known for v in vals]
+                known = all(ks) if isinstance(node.op, ast.And) else any(ks)
+            return _Value(known, max(v.ready for v in vals))
+        if isinstance(node, ast.Compare):
+            vals = [self.expr(node.left, frame)] + [self.expr(c, frame) for c in node.comparators]
+            known = UNKNOWN
+            if all(v.known is not UNKNOWN for v in vals) and len(node.ops) == 1:
+                known = _compare(type(node.ops[0]), vals[0].known, vals[1].known)
+            self.state.use(max(v.ready for v in vals))
+            return _Value(known, max(v.ready for v in vals))
+        if isinstance(node, ast.IfExp):
+            cond = self.expr(node.test, frame)
+            a, b = self.expr(node.body, frame), self.expr(node.orelse, frame)
+            if cond.known is not UNKNOWN:
+                chosen = a if cond.known else b
+                return _Value(chosen.known, max(cond.ready, chosen.ready))
+            return _Value(UNKNOWN, max(cond.ready, a.ready, b.ready))
+        if isinstance(node, ast.Subscript):
+            base = self.expr(node.value, frame)
+            index = self.expr(node.slice, frame)
+            return _Value(UNKNOWN, max(base.ready, index.ready))
+        if isinstance(node, (ast.Tuple, ast.List)):
+            parts = tuple(self.expr(e, frame) for e in node.elts)
+            return _Value(parts, max((p.ready for p in parts), default=0))
+        if isinstance(node, ast.Slice):
+            bounds = [self.expr(p, frame) for p in (node.lower, node.upper, node.step) if p]
+            return _Value(UNKNOWN, max((p.ready for p in bounds), default=0))
+        if isinstance(node, ast.Call):
+            return self.call(node, frame)
+        raise NotImplementedError(f"round trips: expression {type(node).__name__} not modelled")
+
+    def call(self, node: ast.Call, frame: _Frame) -> _Value:
+        name = _call_name(node.func)
+        func = self.expr(node.func, frame)  # a method's receiver (x.to(...)) is an operand
+        target = func.known if isinstance(node.func, ast.Name) else None
+        args = [self.expr(a, frame) for a in node.args]
+        kwargs = {k.arg: self.expr(k.value, frame) for k in node.keywords if k.arg}
+        operands = [func, *args, *kwargs.values()]
+        ready = max(v.ready for v in operands)
+        if target is not None and _is_jit(target):  # a @triton.jit helper: inlined
+            saved_globals = self.globals
+            saved_state = self.state
+            out = self.call_function(_python_fn(target), args, kwargs)
+            self.globals = saved_globals
+            assert self.state is saved_state
+            return out
+        if name == "load":
+            issue = max(self.state.barrier, ready)
+            self.state.use(ready)  # its address
+            # In a pipelined loop past its first iteration the load was issued one iteration
+            # ahead: its value is there when the iteration starts.
+            prefetched = self.prefetch and issue == self.state.barrier
+            return _Value(UNKNOWN, issue if prefetched else issue + 1)
+        if name == "store" or name.startswith("atomic_"):
+            self.state.use(ready)
+            self.state.boundary()
+            if name.startswith("atomic_"):
+                return _Value(UNKNOWN, self.state.barrier + 1)
+            return _Value()
+        if name == "program_id":
+            axis = args[0].known if args else kwargs["axis"].known
+            return _Value(self.pid[axis])
+        if name == "num_programs":
+            return _Value(UNKNOWN)
+        if name == "static_assert" or name == "device_print":
+            return _Value()
+        # Arithmetic, reductions, tl.dot, casts, tl.arange, tl.zeros...: ready with its
+        # operands; the warp waits for them here (later loads may still be hoisted above).
+        self.state.use(ready)
+        known = UNKNOWN
+        if name in ("cdiv",) and all(a.known is not UNKNOWN for a in args):
+            known = -(-args[0].known // args[1].known)
+        elif name in ("min", "minimum") and all(a.known is not UNKNOWN for a in args):
+            known = min(a.known for a in args)
+        elif name in ("max", "maximum") and all(a.known is not UNKNOWN for a in args):
+            known = max(a.known for a in args)
+        return _Value(known, ready)
+
+
+def _is_tensor_like(x: Any) -> bool:
+    return hasattr(x, "data_ptr") or hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - {"tl", "triton"}
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _call_name(func: ast.expr) -> str:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return ""
+
+
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.Div: lambda a, b: a / b,
+    ast.BitAnd: lambda a, b: a & b,
+    ast.BitOr: lambda a, b: a | b,
+    ast.LShift: lambda a, b: a << b,
+    ast.RShift: lambda a, b: a >> b,
+}
+
+
+def _fold(op: type, a: Any, b: Any) -> Any:
+    if a is UNKNOWN or b is UNKNOWN or op not in _BINOPS:
+        return UNKNOWN
+    if not all(isinstance(x, (int, float, bool)) for x in (a, b)):
+        return UNKNOWN
+    try:
+        return _BINOPS[op](a, b)
+    except (ZeroDivisionError, TypeError):
+        return UNKNOWN
+
+
+def _unary(op: type, a: Any) -> Any:
+    if a is UNKNOWN or not isinstance(a, (int, float, bool)):
+        return UNKNOWN
+    if op is ast.Not:
+        return not a
+    if op is ast.USub:
+        return -a
+    return a
+
+
+_COMPARE = {
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+}
+
+
+def _compare(op: type, a: Any, b: Any) -> Any:
+    if op not in _COMPARE or not all(isinstance(x, (int, float, bool)) for x in (a, b)):
+        return UNKNOWN
+    return _COMPARE[op](a, b)
+
+
+# --------------------------------------------------------------------------- public
+def _scalar(a: Any) -> Any:
+    """A launch argument as the walk sees it: ints, floats and bools by value, the rest
+    (tensors, pointers) unknown."""
+    if isinstance(a, bool) or isinstance(a, (int, float)):
+        return a
+    return UNKNOWN
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one program of a launch does, read from the source: its dependent round trips
+    and how many times each of the kernel's loops (`loop_order`) runs its body."""
+
+    trips: int
+    loop_executions: tuple[float, ...]
+
+
+def analyse(
+    kernel: Any, args: Sequence[Any], meta: dict[str, Any], pid: Sequence[int] = (0, 0, 0)
+) -> Program:
+    """Program `pid` of one launch (`kernel[grid](*args, **meta)`), walked over the kernel's
+    source (see the module docstring)."""
+    fn = _python_fn(kernel)
+    stages = int(meta.get("num_stages", 3))
+    walk = _Walk(pid, stages)
+    node, _ = _parsed(fn)
+    names = [p.arg for p in node.args.args]
+    values = [_Value(_scalar(a)) for a in args]
+    kwargs = {k: _Value(_scalar(v)) for k, v in meta.items() if k in names}
+    walk.call_function(fn, values, kwargs, top=True)
+    loops = tuple(walk.executions.get(key, 0.0) for key in loop_order(kernel, meta))
+    return Program(max(walk.state.barrier, walk.state.stall), loops)
+
+
+def round_trips(
+    kernel: Any, args: Sequence[Any], meta: dict[str, Any], pid: Sequence[int] = (0, 0, 0)
+) -> int:
+    """Dependent global round trips of program `pid` of one launch."""
+    return analyse(kernel, args, meta, pid).trips
+
+
+def loop_order(kernel: Any, meta: dict[str, Any] | None = None) -> tuple[tuple[str, int], ...]:
+    """The kernel's run-time loops (`range` / `tl.range`; `tl.static_range` is unrolled) as
+    (function, line), in the order the compiled code has them: source order, a helper's
+    loops where it is called (helpers are inlined), and none of a branch on constexprs
+    (`meta`) that the compiler drops."""
+    fn = _python_fn(kernel)
+    known = tuple(sorted((k, v) for k, v in (meta or {}).items() if isinstance(v, (bool, int))))
+    return _loop_order(fn, known)
+
+
+@functools.cache
+def _loop_order(fn: Any, known: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, int], ...]:
+    out: list[tuple[str, int]] = []
+    values = dict(known)
+
+    def walk(f: Any, node: ast.AST, constexprs: set[str]) -> None:
+        if isinstance(node, ast.If) and _names(node.test) <= constexprs:
+            taken = _static_condition(node.test, values)
+            if taken is not None:
+                for stmt in node.body if taken else node.orelse:
+                    walk(f, stmt, constexprs)
+                return
+        if isinstance(node, ast.For) and isinstance(node.iter, ast.Call):
+            if _call_name(node.iter.func) != "static_range":
+                out.append((f.__name__, node.lineno))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            target = _parsed(f)[1].get(node.func.id)
+            if target is not None and _is_jit(target):
+                helper = _python_fn(target)
+                walk(helper, _parsed(helper)[0], set())  # its constexprs are not evaluated
+        for child in ast.iter_child_nodes(node):
+            walk(f, child, constexprs)
+
+    node, _ = _parsed(fn)
+    constexprs = {
+        p.arg
+        for p in node.args.args
+        if p.annotation is not None and "constexpr" in ast.unparse(p.annotation)
+    }
+    walk(fn, node, constexprs)
+    return tuple(out)
+
+
+def _static_condition(test: ast.expr, values: dict[str, Any]) -> bool | None:
+    """A condition on constexpr parameters, evaluated (None: not with these values)."""
+    try:
+        return bool(eval(compile(ast.Expression(test), "<constexpr>", "eval"), {}, dict(values)))
+    except Exception:  # noqa: BLE001 - a name not given, or not plain Python: not evaluated
+        return None
+
+
+def _in_order(node: ast.AST) -> Iterable[ast.AST]:
+    """The nodes under `node` in source order (depth first)."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        yield from _in_order(child)
+
+
+def cached_analysis(
+    kernel: Any, args: Sequence[Any], meta: dict[str, Any], pid: Sequence[int] = (0, 0, 0)
+) -> Program:
+    """`analyse`, remembered per kernel, scalar arguments, meta-parameters and program
+    id (a chunk launches the same kernel with the same scalars many times)."""
+    key = (
+        id(_python_fn(kernel)),
+        tuple(None if _scalar(a) is UNKNOWN else _scalar(a) for a in args),
+        tuple(sorted((k, v) for k, v in meta.items() if isinstance(v, (int, float, bool, str)))),
+        tuple(pid),
+    )
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _CACHE[key] = analyse(kernel, args, meta, pid)
+    return hit
+
+
+_CACHE: dict[tuple, Program] = {}
+
+
+def program_durations(trips: Sequence[float], grid: Sequence[int], seconds: float) -> list[float]:
+    """Each program's time (its class's round trips x `seconds`), in launch order (grid axis
+    0 fastest): `trips` holds one count per value of axis 1, taken to hold along the others
+    (rows, split-K ranges); the kernels branch on axis 1 (heads against FFN blocks)."""
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    per = list(trips) or [0]
+    return [per[j] * seconds for _ in range(g[2]) for j in range(g[1]) for _ in range(g[0])]
+
+
+@functools.lru_cache(maxsize=4096)
+def makespan(durations: tuple[float, ...], slots: int) -> float:
+    """The time the last of `durations` (programs in launch order) ends when each starts on
+    the first of `slots` resident places to free up (the hardware's block scheduler)."""
+    import heapq
+
+    if not durations:
+        return 0.0
+    if len(durations) <= slots:
+        return max(durations)
+    free = [0.0] * slots
+    for d in durations:
+        t = heapq.heappop(free)
+        heapq.heappush(free, t + d)
+    return max(free)

@@ -1,0 +1,143 @@
+"""accounting/round_trips.py: the dependent global round trips of a Triton program, read from
+its source (what the launch accounting's latency model charges), on kernels small enough to
+count by hand, and on the CUDA backend's own kernels at the shipped sizes."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+import triton.language as tl
+
+from gpn_scale.accounting import round_trips
+
+
+@triton.jit
+def _load_store(X, Y):
+    tl.store(Y, tl.load(X) + 1.0)
+
+
+@triton.jit
+def _two_levels(X, Y, Z):
+    a = tl.load(X)
+    tl.store(Y, a)  # a barrier: the next load may alias Y
+    b = tl.load(Z)
+    tl.store(Y + 1, b)
+
+
+@triton.jit
+def _hoisted(X, Y, Z):
+    a = tl.load(X)
+    c = a * 2.0  # arithmetic: the next load is hoisted above it
+    b = tl.load(Z)
+    tl.store(Y, c + b)
+
+
+@triton.jit
+def _loop(X, Y, N, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, N, BLOCK):
+        acc += tl.load(X + i + tl.arange(0, BLOCK))
+    tl.store(Y + tl.arange(0, BLOCK), acc)
+
+
+@triton.jit
+def _pipelined(X, Y, N, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.range(0, N, BLOCK, num_stages=3):
+        acc += tl.load(X + i + tl.arange(0, BLOCK))
+    tl.store(Y + tl.arange(0, BLOCK), acc)
+
+
+@triton.jit
+def _unrolled(X, Y, SPLITS: tl.constexpr):
+    acc = 0.0
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(X + s)
+    tl.store(Y, acc)
+
+
+@triton.jit
+def _helper(P):
+    return tl.load(P) * 2.0
+
+
+@triton.jit
+def _branches(X, Y, H: tl.constexpr, WIDE: tl.constexpr):
+    h = tl.program_id(1)
+    if h >= H:  # a run-time branch: per program class
+        tl.store(Y, tl.load(X))
+    else:
+        a = _helper(X)
+        tl.store(Y, a)
+        b = tl.load(X + 1)
+        tl.store(Y + 1, b)
+        if WIDE:  # constexpr: resolved at compile time, no block boundary
+            c = tl.load(X + 2)
+            tl.store(Y + 2, c)
+
+
+def trips(kernel, args, meta=None, pid=(0, 0, 0)):
+    return round_trips.round_trips(kernel, args, meta or {}, pid)
+
+
+def test_a_load_then_its_store_is_one_round_trip_and_a_store_is_a_barrier():
+    assert trips(_load_store, (None, None)) == 1
+    assert trips(_two_levels, (None, None, None)) == 2
+    assert trips(_hoisted, (None, None, None)) == 1
+
+
+def test_loop_iterations_each_wait_unless_the_loop_is_pipelined_or_unrolled():
+    assert trips(_loop, (None, None, 64), {"BLOCK": 8}) == 8
+    assert trips(_loop, (None, None, 640), {"BLOCK": 8}) == 80  # extrapolated past 3
+    # pipelined: the first iteration's load waits, the next ones were issued ahead
+    assert trips(_pipelined, (None, None, 64), {"BLOCK": 8}) == 1
+    assert trips(_unrolled, (None, None), {"SPLITS": 5}) == 1
+
+
+def test_branches_on_the_program_id_give_classes_and_constexpr_ones_no_boundary():
+    assert trips(_branches, (None, None), {"H": 2, "WIDE": False}, pid=(0, 2, 0)) == 1
+    assert trips(_branches, (None, None), {"H": 2, "WIDE": False}, pid=(0, 1, 0)) == 2
+    assert trips(_branches, (None, None), {"H": 2, "WIDE": True}, pid=(0, 1, 0)) == 3
+
+
+def test_loop_executions_line_up_with_the_loops_the_compiler_keeps():
+    p = round_trips.analyse(_loop, (None, None, 64), {"BLOCK": 8})
+    assert p.loop_executions == (8.0,)
+    assert round_trips.loop_order(_unrolled, {"SPLITS": 5}) == ()
+    assert len(round_trips.loop_order(_branches, {"H": 2, "WIDE": True})) == 0
+
+
+def test_makespan_places_programs_on_the_first_free_slot():
+    assert round_trips.makespan((1.0, 1.0, 1.0), 2) == 2.0
+    assert round_trips.makespan((3.0, 1.0, 1.0, 1.0), 2) == 3.0
+    assert round_trips.makespan((), 4) == 0.0
+    durations = round_trips.program_durations([2.0, 1.0], (3, 2), 1.0)
+    assert durations == [2.0, 2.0, 2.0, 1.0, 1.0, 1.0]  # axis 0 fastest
+
+
+@pytest.fixture(scope="module")
+def shipped_launches():
+    from gpn_scale.accounting import gpu_compile
+
+    return gpu_compile.record_launches(gpu_compile.Case("gpn_m_130m", 16))
+
+
+def test_the_backends_kernels_at_the_shipped_size(shipped_launches):
+    """The memory backward waits ~3 round trips per d_value block (8 blocks at dv 256) and
+    ~14 more around them; the forward ~2 per block (4) and 2 more; the row kernel three
+    blocks of d; the split-K sum one."""
+    counts: dict[str, int] = {}
+    for rec in shipped_launches:
+        if rec.kernel is None or rec.kernel.fn.__name__ == "linear_kernel":
+            continue
+        per = round_trips.round_trips(rec.kernel, rec.args, rec.meta, (0, 0, 0))
+        counts[rec.name] = max(counts.get(rec.name, 0), per)
+    assert 30 <= counts["memory/FFN backward 0"] <= 45
+    assert 8 <= counts["memory/FFN 0"] <= 12
+    assert counts["row backward"] <= 10 and counts["fuse-gate GEMM (split-K sum)"] == 1
+    ffn = [
+        round_trips.round_trips(rec.kernel, rec.args, rec.meta, (0, 15, 0))
+        for rec in shipped_launches
+        if rec.name == "memory/FFN backward 0"
+    ]
+    assert max(ffn) <= 2  # an FFN program (h >= H): one load level, its stores
