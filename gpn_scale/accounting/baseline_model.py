@@ -58,6 +58,7 @@ class _FlashAttentionStandIn(torch.autograd.Function):
 
 
 def _record(name: str, nbytes: int, flops: int) -> None:
+    # into the dispatch recorder's list, in the order the step runs them
     if _Recorded.ops is not None:
         _Recorded.ops.append(Op(name, "attention", nbytes, flops, False, efficiency=EFF_ATTENTION))
 
@@ -79,16 +80,45 @@ def _flash_attention(ops: list) -> Iterator[None]:
         _Recorded.ops = None
 
 
-def transformer_step_ops(cfg, batch: int, seq_len: int) -> list:
-    """Every kernel of one Transformer++ training step (bf16) at (batch, seq_len)."""
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+def fused(ops: list[Op]) -> list[Op]:
+    """The step as `torch.compile` runs it (compile.enable): the matmuls and flash attention
+    as they are, and each run of pointwise and reduction ops between two of them as ONE
+    kernel (inductor fuses them), which moves at least the largest operand set of the run
+    once: that op's bytes. A lower bound on what inductor's kernels move; the matmuls and
+    attention are the eager step's own."""
+    out: list[Op] = []
+    run: list[Op] = []
+
+    def flush() -> None:
+        if run:
+            big = max(run, key=lambda op: op.bytes)
+            out.append(Op(f"fused pointwise ({len(run)} ops)", big.phase, big.bytes, 0, False))
+            run.clear()
+
+    for op in ops:
+        if op.name.rstrip("_") in _MATMULS or op.phase == "attention":
+            flush()
+            out.append(op)
+        else:
+            run.append(op)
+    flush()
+    return out
+
+
+def transformer_step_ops(cfg, batch: int, seq_len: int, compiled: bool = False) -> list:
+    """Every kernel of one Transformer++ training step (bf16) at (batch, seq_len); with
+    `compiled`, its pointwise runs fused as torch.compile fuses them (`fused`)."""
     from gpn_scale.models.registry import family_of
 
     spec = family_of(cfg)
     with torch.device("meta"):
         model = spec.build(cfg).to(torch.bfloat16)
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    attention: list = []
     recorder = AtenRecorder(sequential=True)
-    with _flash_attention(attention), recorder:
+    with _flash_attention(recorder.ops), recorder:
         model(tokens).loss.backward()
-    return recorder.ops + attention
+    ops = recorder.ops
+    return fused(ops) if compiled else ops

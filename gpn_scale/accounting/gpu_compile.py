@@ -31,6 +31,7 @@ triton build (its key hashes triton's sources and libtriton), so it is built whe
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -345,8 +346,16 @@ class Facts:
     shared: int = 0  # bytes per block (Triton's figure: static + dynamic)
     # global loads: source operand -> {bytes per load instruction: count} (from the PTX)
     loads: dict[str, dict[int, int]] = field(default_factory=dict)
+    # source operands loaded with cp.async (global -> shared, what Triton's pipeliner emits
+    # for multi-buffered loops); the others go through registers
+    async_operands: list[str] = field(default_factory=list)
     wgmma: bool = False
     mma_sync: bool = False
+    # PTX instructions of the kernel, and of each loop's own body (nested loops excluded),
+    # in code order: with the loops' executions (round_trips.analyse) the instructions one
+    # warp issues
+    instructions: int = 0
+    loop_instructions: list[int] = field(default_factory=list)
     local_accesses: int = 0  # ld.local / st.local in the PTX
     compile_s: float = 0.0
     logged: bool = True  # False: a Triton cache hit, no ptxas log (registers, spills unknown)
@@ -403,26 +412,34 @@ def _load_bytes(op: str, operands: str) -> int:
 
 
 def source_operands(path: str) -> dict[int, str]:
-    """Source line -> the pointer operand its `tl.load(` reads (the first name of the
+    """Source line -> the pointer operand the `tl.load` on it reads (the first name of the
     address expression: `W` in `tl.load(W + rk[:, None] * ...`), over the kernel's file (a
-    load may sit in a @triton.jit helper the kernel calls)."""
-    lines = Path(path).read_text().splitlines()
+    load may sit in a @triton.jit helper the kernel calls). Every line of a load spanning
+    several lines maps to it: Triton's debug locations point at the call's line (3.8) or at
+    its address argument's (3.6)."""
     out: dict[int, str] = {}
-    for i, line in enumerate(lines):
-        at = line.find("tl.load(")
-        if at < 0:
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and node.args
+        ):
             continue
-        rest = line[at + len("tl.load(") :].strip()
-        if not rest and i + 1 < len(lines):
-            rest = lines[i + 1].strip()
-        m = re.match(r"[A-Za-z_]\w*", rest)
-        if m:
-            out[i + 1] = m.group(0)
+        names = [n for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)]
+        if not names:
+            continue
+        first = min(names, key=lambda n: (n.lineno, n.col_offset))  # the leftmost
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+            out.setdefault(line, first.id)
     return out
 
 
-def parse_ptx_loads(ptx: str, operands: dict[int, str], source_file: str) -> dict[str, dict]:
-    """Global load instructions of the PTX, by the source operand their `.loc` line reads."""
+def parse_ptx_loads(
+    ptx: str, operands: dict[int, str], source_file: str, asynchronous: set[str] | None = None
+) -> dict[str, dict]:
+    """Global load instructions of the PTX, by the source operand their `.loc` line reads;
+    `asynchronous`, when given, receives the operands loaded with cp.async."""
     files = {
         int(m.group(1)): m.group(2)
         for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
@@ -440,7 +457,39 @@ def parse_ptx_loads(ptx: str, operands: dict[int, str], source_file: str) -> dic
             continue
         operand = operands.get(loc[1], f"line {loc[1]}")
         out[operand][_load_bytes(m.group(1), m.group(2))] += 1
+        if asynchronous is not None and m.group(1).startswith("cp.async"):
+            asynchronous.add(operand)
     return {k: dict(v) for k, v in out.items()}
+
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def ptx_instructions(ptx: str) -> tuple[int, list[int]]:
+    """(instructions in the PTX, each loop's own instructions), loops found by their
+    backward branches and listed by where they start; a nested loop's instructions are its
+    own, not its parent's."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    is_instr = [
+        bool(t) and not t.startswith((".", "//", "{", "}", "(", ")", "$")) and not t.endswith(":")
+        for t in lines
+    ]
+    labels = {m.group(1): i for i, t in enumerate(lines) if (m := _LABEL.match(t))}
+    spans = sorted(
+        (labels[m.group(1)], i)
+        for i, t in enumerate(lines)
+        if (m := _BRANCH.search(t)) and m.group(1) in labels and labels[m.group(1)] < i
+    )
+    own = []
+    for a, b in spans:
+        inner = sum(
+            sum(is_instr[c : d + 1])
+            for c, d in spans
+            if a < c and d < b and not any(a < e < c and d < f < b for e, f in spans)
+        )
+        own.append(sum(is_instr[a : b + 1]) - inner)
+    return sum(is_instr), own
 
 
 def _compile_job(job: dict) -> dict:
@@ -483,7 +532,10 @@ def _compile_into(job: dict, cache_dir: str) -> dict:
     facts.shared = int(compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
     path = inspect.getsourcefile(kernel.fn) or ""
-    facts.loads = parse_ptx_loads(ptx, source_operands(path), path)
+    asynchronous: set[str] = set()
+    facts.loads = parse_ptx_loads(ptx, source_operands(path), path, asynchronous)
+    facts.async_operands = sorted(asynchronous)
+    facts.instructions, facts.loop_instructions = ptx_instructions(ptx)
     facts.wgmma = "wgmma" in ptx
     facts.mma_sync = "mma.sync" in ptx
     facts.local_accesses = len(re.findall(r"\b(?:ld|st)\.local", ptx))
@@ -503,6 +555,10 @@ def _job(v: Variant, target: Target, triton_cache: str | None) -> dict:
     )
 
 
+# Bumped when Facts gains a field: entries written before lack it and are compiled again.
+FACTS_SCHEMA = 5
+
+
 class FactsCache:
     """Facts of variants already compiled (a variant's key hashes the kernel's source, the
     specialisation, the options and the architecture), kept in one JSON file."""
@@ -513,7 +569,7 @@ class FactsCache:
         if path is not None and path.is_file():
             with contextlib.suppress(ValueError, OSError):
                 blob = json.loads(path.read_text())
-                if blob.get("triton") == _triton_version():
+                if blob.get("triton") == _triton_version() and blob.get("schema") == FACTS_SCHEMA:
                     self.data = blob.get("facts", {})
 
     def get(self, key: str) -> Facts | None:
@@ -533,7 +589,8 @@ class FactsCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(triton=_triton_version(), facts=self.data)))
+        blob = dict(triton=_triton_version(), schema=FACTS_SCHEMA, facts=self.data)
+        tmp.write_text(json.dumps(blob))
         os.replace(tmp, self.path)
 
 
@@ -709,6 +766,16 @@ class Row:
         """Programs of the smallest grid over the SMs (one wave: 1.0)."""
         return self.variant.min_programs() / self.target.sm_count
 
+    def source_loops(self) -> tuple:
+        """The run-time loops of the variant's source, its constexprs applied (what the
+        accounting pairs with the compiled loops to count instructions)."""
+        from gpn_scale.accounting import round_trips
+
+        kernel = getattr(importlib.import_module(self.variant.module), self.variant.kernel)
+        names = list(inspect.signature(kernel.fn).parameters)
+        meta = {names[k[0]]: v for k, v in self.variant.constexprs.items() if k[0] < len(names)}
+        return round_trips.loop_order(kernel, meta)
+
     def weight_load_bytes(self) -> int | None:
         operand = WEIGHT_OPERAND.get(self.variant.kernel)
         return self.facts.narrowest_load(operand) if operand else None
@@ -728,6 +795,14 @@ class Row:
             out.append(f"shared memory {f.shared} B over {t.name}'s {t.smem_per_block} B")
         if self.blocks_per_sm() < 1:
             out.append("does not fit on an SM")
+        if self.case.shipped and v.kernel != "linear_kernel":
+            # (tiny test shapes: LLVM unrolls one-trip loops; only the shipped sizes matter)
+            compiled, source = len(f.loop_instructions), len(self.source_loops())
+            if compiled != source:
+                out.append(
+                    f"{compiled} loops compiled, {source} in the source: the accounting "
+                    "cannot count the instructions its programs issue (round_trips.loop_order)"
+                )
         step_gemm = v.kernel == "linear_kernel" and v.phases <= set(STEP_PHASES)
         if self.case.shipped and step_gemm:
             if v.min_programs() < t.sm_count:
@@ -823,103 +898,6 @@ def facts_by_launch(rows: list[Row]) -> dict[tuple[str, str], Row]:
             key = (name, r.target.name)
             if key not in out or r.variant.programs() > out[key].variant.programs():
                 out[key] = r
-    return out
-
-
-# ------------------------------------------------------------------ for the accounting
-@dataclass(frozen=True)
-class KernelCost:
-    """What the compiled variant of one launch adds to its price (`accounting/gpu_model.py`)."""
-
-    kernel: str
-    programs: int
-    blocks_per_sm: int
-    threads: int  # per program
-    spill_bytes: int  # per thread: spill stores + spill loads (local memory traffic)
-    in_flight: int  # bytes one program keeps in flight (the GEMMs' pipelined tiles); 0: unmodelled
-    host_s: float  # the host's time for Triton's argument binding of an eager launch
-
-
-def _gemm_in_flight(rec, facts: Facts, num_stages: int) -> int:
-    """Bytes one GEMM program has in flight: its pipelined (A, W) tiles. Triton pipelines
-    the K loop with cp.async (num_stages - 1 tiles ahead) only where the loads are at least
-    4 bytes wide; 2-byte loads go through registers, one tile at a time."""
-    meta = rec.meta
-    a, w = rec.args[0], rec.args[3]
-    tile = (
-        meta["BLOCK_M"] * meta["BLOCK_K"] * a.element_size()
-        + meta["BLOCK_K"] * meta["BLOCK_N"] * w.element_size()
-    )
-    width = facts.narrowest_load("W") or 0
-    return tile * (max(1, num_stages - 1) if width >= 4 else 1)
-
-
-def binding_seconds(records: list, repeats: int = 30) -> dict[tuple[str, str], float]:
-    """Host time of Triton's per-launch argument binding (its binder and cache key: the part
-    of `JITFunction.run` before the driver call) for each (kernel, launch name), measured
-    here on the launches' own arguments (the best of 5 rounds: this machine is shared)."""
-    _, knobs, GPUTarget, make_backend, create_binder = _triton()
-    from triton.runtime.jit import compute_cache_key
-
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    out: dict[tuple[str, str], float] = {}
-    for rec in records:
-        if rec.kernel is None or (rec.kernel.fn.__name__, rec.name) in out:
-            continue
-        kernel = rec.kernel
-        binder = create_binder(kernel.signature, kernel.params, backend)
-        args = [_FakePointer(a) if isinstance(a, torch.Tensor) else a for a in rec.args]
-        kwargs = dict(rec.meta, debug=False)
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        key_cache: dict = {}
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                _, spec, options = binder(*args, **kwargs)
-                compute_cache_key(key_cache, spec, options)
-            best = min(best, (time.perf_counter() - t0) / repeats)
-        out[(kernel.fn.__name__, rec.name)] = best
-    return out
-
-
-def launch_costs(
-    records: list, target: Target, jobs: int = 1, cache: FactsCache | None = None
-) -> list[KernelCost | None]:
-    """Per launch (None for an ATen copy or a collective): its compiled variant's cost
-    inputs, compiling what the facts cache does not hold."""
-    keys: list[str | None] = []
-    variants = {v.key: v for v in specialise(records, target, keys)}
-    facts = compile_variants(
-        [(v, target) for v in variants.values()],
-        jobs,
-        cache if cache is not None else FactsCache(default_cache_path()),
-        progress=False,
-    )
-    binding = binding_seconds(records)
-    out: list[KernelCost | None] = []
-    for rec, key in zip(records, keys):
-        if key is None:
-            out.append(None)
-            continue
-        v, f = variants[key], facts[(key, target.name)]
-        name = rec.kernel.fn.__name__
-        in_flight = (
-            _gemm_in_flight(rec, f, int(v.options.get("num_stages", 3)))
-            if name == "linear_kernel"
-            else 0
-        )
-        out.append(
-            KernelCost(
-                name,
-                _prod(rec.grid),
-                max(1, target.blocks_per_sm(f.registers, v.num_warps, f.shared)),
-                32 * v.num_warps,
-                f.spill_stores + f.spill_loads,
-                in_flight,
-                binding[(name, rec.name)],
-            )
-        )
     return out
 
 

@@ -105,18 +105,18 @@ def predict_tp(
     shard_gates: bool = False,
     allreduces_per_step: float | None = None,
 ) -> TpPrediction:
-    from gpn_scale.accounting.gpu_model import EFF_BW, EFF_FLOPS, GPUS, GRAPH_GAP_S
+    from gpn_scale.accounting.step_model import GPUS, GRAPH_GAP_S
 
-    spec = GPUS[gpu]
+    spec = GPUS[gpu]  # its ceilings: measured copy bandwidth and GEMM rate (ceilings.py)
     B = per_gpu * tp  # a group of tp GPUs runs the sequences of tp GPUs
     sharded, replicated = loop_weight_bytes(cfg, tp, shard_gates)
     w = sharded + replicated
     in_l2 = w <= L2_BYTES
-    bw = L2_BYTES_PER_S if in_l2 else EFF_BW * spec.hbm_bytes_per_s
+    bw = L2_BYTES_PER_S if in_l2 else spec.copy_bytes_per_s
     m0 = 4.0 * B * (cfg.n_heads // tp) * cfg.d_key * cfg.d_value if cfg.memory else 0.0
     flops = 2.0 * B * w / 2.0  # 2 FLOPs per weight per sequence
-    peak = EFF_FLOPS * spec.bf16_flops_per_s
-    hbm = EFF_BW * spec.hbm_bytes_per_s
+    peak = spec.matmul_flops_per_s
+    hbm = spec.copy_bytes_per_s
     fwd = max(w / bw + m0 / hbm, flops / peak)
     bwd = max(w / bw + 2 * m0 / hbm, flops / peak)
     gaps = sequential_launches * GRAPH_GAP_S
@@ -148,7 +148,7 @@ def predict_tp(
 
 @functools.lru_cache(maxsize=32)
 def _rank_accounting(cfg: GPNConfig, per_gpu: int, seq_len: int, tp: int) -> Any:
-    from gpn_scale.accounting.gpu_model import account
+    from gpn_scale.accounting.step_model import account
 
     return account(cfg, per_gpu, seq_len, tp=tp)
 
@@ -161,7 +161,7 @@ def tp_table(
     n_gpus: int = 8,
     shard_gates: bool = False,
 ) -> list[TpPrediction]:
-    from gpn_scale.accounting.gpu_model import GPUS, SEQUENTIAL, account, predict
+    from gpn_scale.accounting.step_model import GPUS, SEQUENTIAL, account, predict
 
     acc = account(cfg, per_gpu, seq_len)
     p = predict(acc, GPUS[gpu], graphs=True, cfg=cfg)
@@ -192,7 +192,7 @@ def predicted_mfu_at_tp(cfg: GPNConfig, per_gpu: int, seq_len: int, gpu: str, tp
     """The MFU `gpn-scale sweep plan` prices a run with at `parallel.tp = tp`: the launch
     accounting's tp = 1 MFU (gpu_model.predicted_mfu) times this model's predicted speed-up
     of tp over tp = 1 (NCCL; each GPU does the same FLOPs at any tp)."""
-    from gpn_scale.accounting.gpu_model import predicted_mfu
+    from gpn_scale.accounting.step_model import predicted_mfu
 
     base = predicted_mfu(cfg, per_gpu, seq_len, gpu)
     if tp == 1:

@@ -346,6 +346,15 @@ def _predicted_mfu(cfg: Any, sequences_per_gpu: int, seq_len: int, gpu: str, tp:
         raise SweepError(f"hardware.mfu: 'predicted': {err}; give a measured fraction") from None
 
 
+@functools.cache
+def _pricing_basis(gpu: str) -> str:
+    # The calibrated accounting names what it rests on: the ceilings a committed device run
+    # measured, the kernels it recorded (accounting/ceilings.py, docs/device-runs).
+    from gpn_scale.accounting.step_model import pricing_basis
+
+    return pricing_basis(gpu)
+
+
 def _tp_override(overrides: list[str]) -> int:
     """The `parallel.tp=N` among a size's overrides (checked by _check_tp_override), else 1."""
     tp = 1
@@ -617,6 +626,7 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
                 )
     if predicted_gpu is not None:
         hardware["predicted_mfu"] = predicted
+        hardware["priced_with"] = _pricing_basis(predicted_gpu)
     description = raw.get("description") or ""
     return Sweep(
         name=name,
@@ -663,10 +673,11 @@ def _mfu_text(hw: Mapping[str, Any]) -> str:
     if hw["mfu"] != "predicted":
         return f"{float(hw['mfu']):.0%} MFU"
     per_size = ", ".join(f"{size} {m:.1%}" for size, m in hw.get("predicted_mfu", {}).items())
+    basis = f"; {hw['priced_with']}" if hw.get("priced_with") else ""
     return (
         f"the MFU predicted by gpn_scale.accounting.gpu_model at {hw['sequences_per_gpu']} "
         f"sequences per GPU (a size with a parallel.tp override: accounting/tp_model.py's "
-        f"speed-up; {per_size}; give a measured hardware.mfu to override)"
+        f"speed-up; {per_size}; give a measured hardware.mfu to override){basis}"
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpn_scale.accounting import gpu_model
+from gpn_scale.models.gpn import load_model_config
 from gpn_scale.ops.gpn_step import cuda
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 from gpn_scale.scaling.sweep import SweepError, format_plan, load_sweep
@@ -74,7 +75,7 @@ def test_dry_accounting_matches_a_real_run(monkeypatch):
 
 
 def test_prediction_on_the_paper_model_has_floor_below_it_and_graphs_help_small_batches():
-    cfg = gpu_model.load_model_config("gpn_m_130m")
+    cfg = load_model_config("gpn_m_130m")
     acc = gpu_model.account(cfg, batch=64, seq_len=256)
     assert acc.launches_per_step("sequential forward") <= 8
     assert acc.launches_per_step("sequential backward") <= 12
@@ -181,10 +182,11 @@ def test_sweep_plan_prices_a_tp_size_with_the_predicted_tp_speed_up(tmp_path):
 
 # ------------------------------------------------------- compiled kernels in the price
 def _gemm(cost_kw: dict, name: str = "reverse step: input dy W^T 0") -> gpu_model.Op:
-    from gpn_scale.accounting.gpu_compile import KernelCost
+    from gpn_scale.accounting.kernel_costs import KernelCost
 
     kw = dict(kernel="linear_kernel", programs=156, blocks_per_sm=9, threads=128,
-              spill_bytes=0, in_flight=40_000, host_s=16e-6)  # fmt: skip
+              spill_bytes=0, in_flight=16_384, host_s=16e-6, grid=(1, 39, 4),
+              l2_bytes=0, m_blocks=1)  # fmt: skip
     kw.update(cost_kw)
     return gpu_model.Op(name, "sequential backward", 146_000_000, 0, True, cost=KernelCost(**kw))
 
@@ -195,35 +197,66 @@ def _seconds(op: gpu_model.Op, graphs: bool = True) -> float:
     return gpu_model.predict(acc, gpu_model.GPUS["h200"], graphs=graphs).seconds
 
 
-def test_compiled_price_charges_spills_small_grids_unpipelined_tiles_and_host_binding():
-    base = _seconds(_gemm({}))
+def test_a_gemm_streams_its_weight_at_the_share_its_unique_bytes_in_flight_cover():
+    """Little's law: copy bandwidth x latency bytes must be in flight; 156 programs with 16 KB
+    of weight tiles each keep 2.5 MB, ~0.58 of the 4.3 MB an H200 needs; row blocks reading
+    the same tile count once; the L2 -> SM traffic of the A operand bounds it where larger."""
     h200 = gpu_model.GPUS["h200"]
-    # One wave of programs with pipelined tiles: at the assumed bandwidth.
-    assert base == pytest.approx(146e6 / (0.8 * h200.hbm_bytes_per_s) + gpu_model.GRAPH_GAP_S)
-    # 39 programs keep a quarter of the bytes in flight: 4x the time.
-    assert _seconds(_gemm(dict(programs=39))) == pytest.approx(
-        146e6 / (0.8 * h200.hbm_bytes_per_s) * 156 / 39 * 4.8e6 / (156 * 40_000)
-        + gpu_model.GRAPH_GAP_S
+    need = h200.copy_bytes_per_s * h200.latency_s
+    share = 156 * 16_384 / need
+    base = _seconds(_gemm({}))
+    expected = 146e6 / (h200.copy_bytes_per_s * share) + h200.latency_s + gpu_model.GRAPH_GAP_S
+    assert base == pytest.approx(expected)
+    # enough in flight: the copy bandwidth
+    full = _seconds(_gemm(dict(in_flight=65_536)))
+    assert full == pytest.approx(146e6 / h200.copy_bytes_per_s + h200.latency_s + 1.3e-6)
+    # two row blocks read each weight tile: half the unique bytes in flight, twice the time
+    shared = _seconds(_gemm(dict(m_blocks=2)))
+    fixed = h200.latency_s + gpu_model.GRAPH_GAP_S
+    assert shared - fixed == pytest.approx(2 * (base - fixed))
+    # the float32 A re-read by every column tile: the L2 -> SM traffic bounds it
+    l2 = 4 * 146e6
+    assert _seconds(_gemm(dict(in_flight=65_536, l2_bytes=int(l2)))) == pytest.approx(
+        l2 / h200.l2_bytes_per_s + h200.latency_s + 1.3e-6
     )
-    # Tiles read through registers (2-byte loads: one tile in flight, not two).
-    assert _seconds(_gemm(dict(in_flight=20_000))) > 1.5 * base
-    # Spill traffic: 20 KB a thread over 156 x 128 threads is 400 MB more.
-    assert _seconds(_gemm(dict(spill_bytes=20_000))) > 3 * base
-    # Eager: at least the host's binding; graphed: not.
+    # spill traffic is bytes too; eager: at least the host's binding; graphed: not
+    assert _seconds(_gemm(dict(spill_bytes=20_000))) > 2 * base
     small = _gemm(dict(host_s=85e-6), name="reverse step: row backward")
     small.bytes = 1000
     assert _seconds(small, graphs=False) == pytest.approx(85e-6 + gpu_model.LAUNCHER_S)
     assert _seconds(small, graphs=True) < 10e-6
 
 
-def test_bandwidth_share_of_other_kernels_is_the_sms_their_grid_occupies():
-    from gpn_scale.accounting.gpu_compile import KernelCost
+def test_other_kernels_wait_their_round_trips_per_wave_and_issue_between_them():
+    """Each program: its round trips x the loaded latency, plus its instructions at one per
+    dependent-issue latency (few warps cannot hide it); programs placed on the SMs' resident
+    slots; plus the kernel's bytes."""
+    from gpn_scale.accounting.kernel_costs import KernelCost
 
     h200 = gpu_model.GPUS["h200"]
-    row = KernelCost("rev_row_kernel", 16, 16, 128, 0, 0, 5e-6)
-    assert gpu_model.bandwidth_share(row, h200) == pytest.approx(16 / 132)
-    waves = KernelCost("memory_backward_kernel", 448, 1, 256, 0, 0, 5e-6)
-    assert gpu_model.bandwidth_share(waves, h200) == pytest.approx(448 / 132 / 4)
+
+    def op(programs, trips, issued=(), blocks=1, nbytes=0):
+        cost = KernelCost("memory_backward_kernel", programs, blocks, 256, 0, 0, 5e-6,
+                          grid=(programs // len(trips), len(trips)), trips=trips,
+                          issued=issued)  # fmt: skip
+        return gpu_model.Op("reverse step: memory/FFN backward 0", "sequential backward",
+                            nbytes, 0, True, cost=cost)  # fmt: skip
+
+    one_wave = _seconds(op(132, (40,)))
+    assert one_wave == pytest.approx(40 * h200.latency_s + gpu_model.GRAPH_GAP_S)
+    # 7.3 waves of (40 round trips): 8 waves, the last partly filled
+    assert _seconds(op(960, (40,))) == pytest.approx(8 * 40 * h200.latency_s + 1.3e-6)
+    # two resident programs per SM: half the waves
+    assert _seconds(op(960, (40,), blocks=2)) == pytest.approx(4 * 40e-6 + 1.3e-6)
+    # 8 warps issuing 60,000 warp-instructions: 7,500 each, one per 4 cycles at 1.98 GHz
+    issue = 7_500 * 4 / h200.sm_clock_hz
+    assert _seconds(op(132, (40,), issued=(60_000,))) == pytest.approx(40e-6 + issue + 1.3e-6)
+    # classes along grid axis 1 (heads, then short FFN programs)
+    mixed = _seconds(op(132 * 2, (40, 2)))
+    assert 40e-6 < mixed < 45e-6
+    assert _seconds(op(132, (40,), nbytes=int(4.3e6))) == pytest.approx(
+        40e-6 + 4.3e6 / h200.copy_bytes_per_s + 1.3e-6
+    )
 
 
 def test_transformer_baseline_counts_its_gemm_flops_exactly_and_flash_attention_per_layer():

@@ -1,0 +1,368 @@
+"""`python -m gpn_scale.accounting.gpu_model`: the accounting's tables, its JSON, and its
+prediction held against a committed device run.
+
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64            # tables
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64 --json     # one object
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m \\
+        --against docs/device-runs/2026-12-04-h200 [--json]                  # vs measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from typing import Any
+
+from gpn_scale.accounting import ceilings, device_runs, pricing
+from gpn_scale.accounting.step_model import (
+    GPUS,
+    SEQUENTIAL,
+    Accounting,
+    Baseline,
+    account,
+    account_baseline,
+    baseline_for,
+    predict,
+)
+from gpn_scale.models.gpn import GPNConfig, load_model_config
+from gpn_scale.models.gpn.config import ConfigError
+
+
+def _launches(acc: Accounting, phase: str) -> str:
+    sums = acc.split_sums_per_step(phase)
+    kernels = acc.launches_per_step(phase) - sums
+    return f"{kernels:.0f}" + (f" + {sums:.0f} split-K sums" if sums else "")
+
+
+def facts_sources(acc: Accounting) -> dict[str, int]:
+    """Triton launches of the longer probe by where their compiled facts came from."""
+    return dict(Counter(op.cost.facts for op in acc.ops if op.cost is not None))
+
+
+def top_kernels(acc: Accounting, gpu: str, graphs: bool, n: int = 12) -> list[dict[str, Any]]:
+    """The launch roles ranked by predicted seconds per training step."""
+    p = predict(acc, gpu, graphs=graphs)
+    return [
+        {"role": role, "predicted_s": s, "share": s / p.seconds}
+        for role, s in sorted(p.per_role_seconds.items(), key=lambda kv: -kv[1])[:n]
+    ]
+
+
+def report(
+    acc: Accounting,
+    cfg: GPNConfig,
+    gpus: list[str],
+    before: Accounting | None = None,
+    baseline: Baseline | None = None,
+) -> str:
+    lines = [
+        f"# GPU accounting: {acc.config}, batch {acc.batch}, T = {acc.seq_len}, chunk "
+        f"{acc.chunk}, {acc.n_layers} layer(s) (bf16 autocast; probes of "
+        f"{' and '.join(map(str, sorted(acc.probes)))} steps, extrapolated)",
+        "",
+        f"Launches per time step (CUDA backend): forward {_launches(acc, SEQUENTIAL[0])}, "
+        f"reverse sweep {_launches(acc, SEQUENTIAL[1])}",
+    ]
+    if acc.tp > 1:
+        lines.append(
+            f"Tensor parallelism: one rank of tp = {acc.tp}; all-reduces per time step: "
+            f"forward {acc.collectives_per_step('sequential forward'):.0f}, reverse sweep "
+            f"{acc.collectives_per_step('sequential backward'):.0f} (each priced at "
+            f"{pricing.COLLECTIVE_S * 1e6:.0f} us)"
+        )
+    lines += ["", "| phase | launches | GB moved | GFLOP |", "|---|---|---|---|"]
+    per_phase = acc.per_phase()
+    for phase, row in sorted(per_phase.items(), key=lambda kv: -kv[1]["bytes"]):
+        lines.append(
+            f"| {phase} | {row['launches']:,.0f} | {row['bytes'] / 1e9:,.2f} | "
+            f"{row['flops'] / 1e9:,.1f} |"
+        )
+    rows = [(f"CUDA backend, graphs {'on' if g else 'off'}", acc, g) for g in (True, False)]
+    if before is not None:
+        rows.append(("PyTorch steps (eager)", before, False))
+    phases = sorted(per_phase, key=lambda ph: -per_phase[ph]["bytes"])
+    lines += [
+        "",
+        "| GPU | path | predicted s/step | floor s/step | floor / predicted | "
+        "tokens/s | MFU | " + " | ".join(phases) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(phases),
+    ]
+    for key in gpus:
+        for label, a, graphs in rows:
+            p = predict(a, key, graphs=graphs, cfg=cfg)
+            lines.append(
+                f"| {p.gpu.name} | {label} | {p.seconds:.3f} | {p.floor_seconds:.3f} | "
+                f"{p.floor_seconds / p.seconds:.0%} | {p.tokens_per_s:,.0f} | {p.mfu:.1%} | "
+                + " | ".join(f"{p.per_phase_seconds.get(ph, 0):.3f}" for ph in phases)
+                + " |"
+            )
+    lines += [
+        "",
+        f"Where the step goes on the {GPUS[gpus[-1]].name} (graphs on), launch roles by "
+        "predicted time:",
+        "",
+        "| role | s/step | share |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {k['role']} | {k['predicted_s']:.4f} | {k['share']:.0%} |"
+        for k in top_kernels(acc, gpus[-1], True)
+    ]
+    if baseline is not None:
+        lines += [
+            "",
+            f"Beside what users would otherwise train: {baseline.config} (bf16, flash "
+            "attention), the same batch and T (accounting/baseline_model.py); compiled "
+            "(compile.enable, the honest anchor) and eager:",
+            "",
+            "| GPU | GPN+M tokens/s (best path) | Transformer++ compiled tokens/s (MFU) | "
+            "eager tokens/s (MFU) | GPN+M / compiled Transformer++ |",
+            "|---|---|---|---|---|",
+        ]
+        for key in gpus:
+            best = max(predict(acc, key, graphs=g, cfg=cfg).tokens_per_s for g in (True, False))
+            comp, eager = baseline.tokens_per_s(key, True), baseline.tokens_per_s(key, False)
+            lines.append(
+                f"| {GPUS[key].name} | {best:,.0f} | {comp:,.0f} ({baseline.mfu(key, True):.1%}) "
+                f"| {eager:,.0f} ({baseline.mfu(key, False):.1%}) | {best / comp:.2f} |"
+            )
+    lines += ["", "Ceilings priced with (accounting/ceilings.py):"]
+    for key in gpus:
+        lines += [f"- {GPUS[key].name}: {d}" for d in ceilings.describe(GPUS[key])]
+    lines += [
+        "",
+        f"Kernel facts (occupancy, pipelining, instructions): {facts_sources(acc)} launches; "
+        f"{pricing.GRAPH_GAP_S * 1e6:.1f} us between graphed kernels, "
+        f"{pricing.HOST_LAUNCH_S * 1e6:.0f} us host time per eager ATen launch, the host's "
+        f"measured Triton binding + {pricing.LAUNCHER_S * 1e6:.0f} us per eager Triton launch.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def prediction_json(acc: Accounting, cfg: GPNConfig, gpu: str, baseline: Baseline | None) -> dict:
+    p = predict(acc, gpu, graphs=True, cfg=cfg)
+    c = GPUS[gpu]
+    out: dict[str, Any] = {
+        "config": acc.config,
+        "batch": acc.batch,
+        "seq_len": acc.seq_len,
+        "gpu": c.name,
+        "graphs": True,
+        "predicted_s": p.seconds,
+        "serial_floor_s": p.floor_seconds,
+        "tokens_per_s": p.tokens_per_s,
+        "mfu": p.mfu,
+        "per_phase_s": p.per_phase_seconds,
+        "kernels": top_kernels(acc, gpu, True, n=len(p.per_role_seconds)),
+        "ceilings": {
+            k: {"value": getattr(c, k), "source": c.source(k)}
+            for k in (*ceilings.MEASURED_KEYS, "sm_clock_hz", "dependent_issue_cycles")
+        },
+        "kernel_facts": facts_sources(acc),
+    }
+    if baseline is not None:
+        comp = baseline.tokens_per_s(gpu, True)
+        out.update(
+            baseline=baseline.config,
+            baseline_tokens_per_s=comp,
+            baseline_eager_tokens_per_s=baseline.tokens_per_s(gpu, False),
+            baseline_mfu=baseline.mfu(gpu, True),
+            gpn_over_compiled_transformer=p.tokens_per_s / comp,
+        )
+    return out
+
+
+def against(
+    config: str,
+    run_arg: str,
+    chunk_size: int | None = None,
+    batches: list[int] | None = None,
+) -> dict[str, Any]:
+    """The accounting beside a committed device run: per measured batch of `config` the
+    predicted and measured step, and per launch role where the run kept a ledger. The run's
+    own ceilings (where it measured them) and its recorded kernel facts are priced with."""
+    run = device_runs.resolve(run_arg)
+    blob = device_runs.read_results(run)
+    meta = blob.get("meta", {})
+    gpu = ceilings.gpu_key(meta.get("device_name", ""))
+    if gpu is None:
+        raise ValueError(f"{run}: device {meta.get('device_name')!r} has no ceilings (H100, H200)")
+    rows = device_runs.model_rows(blob, config)
+    if not rows:
+        models = [k for k, v in blob.get("summary", {}).items() if isinstance(v, dict)]
+        raise ValueError(f"{run}: no measured rows for {config} (models: {', '.join(models)})")
+    cfg = load_model_config(config)
+    if chunk_size is not None:
+        cfg = cfg.replace(chunk_size=chunk_size)
+    seq_len = int(meta.get("seq_len", 2048))
+    graphs = meta.get("cuda_graphs", True)
+    ledger = device_runs.ledger_rows(blob, config)
+    steps, kernels = [], []
+    c = ceilings.with_measured(
+        ceilings.DEFAULTS[gpu], blob.get("ceilings") or {}, f"measured, {run.name}"
+    )
+    facts_used = False
+    for row in sorted(rows, key=lambda r: r["batch"]):
+        if batches is not None and row["batch"] not in batches:
+            continue
+        facts = device_runs.kernel_facts(run, config, row["batch"])
+        facts_used |= bool(facts)
+        acc = account(cfg, row["batch"], seq_len, config, facts=facts or None)
+        p = predict(acc, c, graphs=graphs, cfg=cfg)
+        steps.append(
+            {
+                "batch": row["batch"],
+                "predicted_s": p.seconds,
+                "measured_s": row["step_s"],
+                "predicted_over_measured": p.seconds / row["step_s"],
+            }
+        )
+        for k in ledger:
+            if k["batch"] == row["batch"] and k["role"] in p.per_role_seconds:
+                kernels.append(
+                    {
+                        "batch": k["batch"],
+                        "role": k["role"],
+                        "predicted_s": p.per_role_seconds[k["role"]],
+                        "measured_s": k["s_per_step"],
+                    }
+                )
+    return {
+        "run": run.name,
+        "config": config,
+        "gpu": c.name,
+        "seq_len": seq_len,
+        "graphs": graphs,
+        "kernel_facts": f"{run.name}/{device_runs.KERNELS}" if facts_used else "this tree's",
+        "ceilings": {
+            k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
+        },
+        "steps": steps,
+        "kernels": kernels,
+    }
+
+
+def against_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"# {result['config']} against device run {result['run']} ({result['gpu']}, T = "
+        f"{result['seq_len']}, graphs {'on' if result['graphs'] else 'off'}; kernel facts: "
+        f"{result['kernel_facts']})",
+        "",
+        "| batch | predicted s/step | measured s/step | predicted / measured |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s['batch']} | {s['predicted_s']:.3f} | {s['measured_s']:.3f} | "
+        f"{s['predicted_over_measured']:.2f} |"
+        for s in result["steps"]
+    ]
+    if result["kernels"]:
+        lines += ["", "| batch | role | predicted s/step | measured s/step |", "|---|---|---|---|"]
+        lines += [
+            f"| {k['batch']} | {k['role']} | {k['predicted_s']:.4f} | {k['measured_s']:.4f} |"
+            for k in result["kernels"]
+        ]
+    else:
+        lines += ["", "The run kept no per-launch ledger: steps only."]
+    lines += ["", "Ceilings:"] + [
+        f"- {k}: {v['value']:.4g} ({v['source']})" for k, v in result["ceilings"].items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpn_scale.accounting.gpu_model",
+        description="Launch, byte and FLOP accounting of a GPN training step on CUDA, and "
+        "its predicted time on H100/H200",
+    )
+    parser.add_argument("config", help="model config name or path (e.g. gpn_m_130m)")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per GPU (default 64)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="override chunk_size")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        help=f"comma-separated, of {', '.join(GPUS)} (default: both; h200 with --json)",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="one rank of a tp group of this size")
+    parser.add_argument(
+        "--compiled",
+        default="auto",
+        help="price each Triton launch with its kernel compiled for this target (sm_90, "
+        "sm_80; accounting/gpu_compile.py, its facts cached in .cache/gpu-compile), 'none' "
+        "(the facts cache or a device run's recorded kernels), or 'auto' (sm_90, unless "
+        "this process runs Triton's interpreter)",
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument(
+        "--baseline",
+        default="auto",
+        help="the Transformer++ priced beside it ('auto': the same ladder size, 'none')",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--against",
+        metavar="RUN",
+        help="a committed device run (a folder, or its name under docs/device-runs): the "
+        "prediction beside what it measured",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.against:
+        try:
+            result = against(args.config, args.against, args.chunk_size)
+        except (FileNotFoundError, ValueError, ConfigError) as exc:
+            print(f"gpu_model: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(result, indent=1) if args.json else against_table(result))
+        return 0
+    gpus = [
+        g.strip().lower() for g in (args.gpu or ("h200" if args.json else "h100,h200")).split(",")
+    ]
+    gpus = [g for g in gpus if g]
+    unknown = [g for g in gpus if g not in GPUS]
+    if unknown or not gpus or args.batch < 1 or args.seq_len < 1 or args.tp < 1:
+        problem = f"unknown GPU {unknown[0]}" if unknown else "batch, seq-len and tp must be >= 1"
+        print(f"gpu_model: {problem} (GPUs: {', '.join(GPUS)})", file=sys.stderr)
+        return 2
+    compiled: str | None = args.compiled.lower()
+    if compiled == "auto":
+        compiled = None if os.environ.get("TRITON_INTERPRET") == "1" else "sm_90"
+    elif compiled == "none":
+        compiled = None
+    if compiled is not None and compiled not in ("sm_90", "sm_80"):
+        print(f"gpu_model: --compiled {compiled!r}: expected sm_90, sm_80 or none", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_model_config(args.config)
+        if args.chunk_size is not None:
+            cfg = cfg.replace(chunk_size=args.chunk_size)
+        acc = account(
+            cfg,
+            args.batch,
+            args.seq_len,
+            args.config,
+            tp=args.tp,
+            compiled=compiled,
+            jobs=max(1, args.jobs),
+        )
+        baseline = None
+        if args.baseline.lower() != "none":
+            name = baseline_for(args.config) if args.baseline == "auto" else args.baseline
+            baseline = account_baseline(name, args.batch, args.seq_len)
+    except ConfigError as exc:
+        print(f"gpu_model: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(prediction_json(acc, cfg, gpus[0], baseline), indent=1))
+        return 0
+    before = account(cfg, args.batch, args.seq_len, args.config, backend="reference", tp=args.tp)
+    print(report(acc, cfg, gpus, before, baseline))
+    return 0

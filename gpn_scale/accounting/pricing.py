@@ -1,0 +1,125 @@
+"""The price of one recorded launch on one GPU: seconds, and which ceiling bounds it.
+
+Three kinds of launch, three physical models (the ceilings and their sources:
+`ceilings.py`; the launch's facts: `kernel_costs.py`):
+
+- **A few-row GEMM** (`linear_kernel`: the batch's rows against a weight streamed once) is
+  the slowest of three rates:
+  - HBM: its bytes at the copy bandwidth, drawn at the share its unique weight bytes in flight
+    cover (Little's law: copy bandwidth x latency bytes must be in flight; programs reading
+    the same weight tile, the grid's row blocks, count once: the second is an L2 hit);
+  - L2 -> SMs: every program's A rows and weight tiles at the L2 bandwidth (the float32 A
+    operand is read again by every column tile);
+  - its FLOPs at the GEMM rate;
+  plus one latency for the pipeline to fill.
+- **Any other Triton kernel** runs at the latency of its memory accesses: each program's
+  dependent round trips (`round_trips.py`, from the kernel's source) x the latency, its
+  programs placed on the resident slots (SMs x programs per SM) as the block scheduler
+  does, plus its bytes at what the SMs it occupies can draw (and spill traffic).
+- **An ATen op** (the chunk-wide work, outside the sequential steps): its bytes at the copy
+  bandwidth or its FLOPs at the GEMM rate (flash attention at its own share of the peak).
+
+Graphed launches pay the GPU-side gap between kernels; eager ones at least the host's time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpn_scale.accounting import round_trips
+from gpn_scale.accounting.ceilings import Ceilings
+from gpn_scale.accounting.kernel_record import Op
+
+GRAPH_GAP_S = 1.3e-6  # between two kernels of a replayed graph, on the GPU (Hazy Research)
+HOST_LAUNCH_S = 5e-6  # host time to issue one eager ATen launch (dispatch included)
+# An eager Triton launch costs the host its argument binding, measured
+# (kernel_costs.binding_seconds: 16 us a GEMM, 45-85 us the memory backward's 93 arguments,
+# on a 2-core development machine), plus the launcher and the driver's call:
+LAUNCHER_S = 4e-6
+# A small-message NCCL all-reduce on 8 NVLink GPUs (latency-bound; tp_model.py's figure)
+COLLECTIVE_S = 25e-6
+GRAPH_COPIES = "graph copies in/out"  # ops/gpn_step/cuda.py's record of a replay's copies
+
+
+@dataclass(frozen=True)
+class Price:
+    seconds: float
+    bound: str  # what limits it: hbm | l2 | flops | latency | host | collective | copy
+    hbm_seconds: float = 0.0  # its bytes alone at the copy bandwidth (for shares)
+
+
+def price(op: Op, c: Ceilings, graphed: bool, graphs_on: bool = True) -> Price:
+    """One launch's time on the GPU of `c`; `graphed`: replayed inside a CUDA graph."""
+    if op.name.endswith(GRAPH_COPIES):
+        if not graphs_on:
+            return Price(0.0, "copy")
+        t = op.bytes / c.copy_bytes_per_s
+        return Price(t + GRAPH_GAP_S, "copy", t)
+    if op.collective:
+        return Price(COLLECTIVE_S, "collective")
+    hbm = op.bytes / c.copy_bytes_per_s
+    if op.cost is not None:
+        t, bound = _triton(op, c)
+        host = op.cost.host_s + LAUNCHER_S
+    else:
+        rate = (
+            op.efficiency * c.datasheet_bf16_flops_per_s if op.efficiency else c.matmul_flops_per_s
+        )
+        t, bound = max((hbm, "hbm"), (op.flops / rate, "flops"))
+        host = HOST_LAUNCH_S
+    t += GRAPH_GAP_S
+    if not graphed and host > t:
+        return Price(host, "host", hbm)
+    return Price(t, bound, hbm)
+
+
+def _triton(op: Op, c: Ceilings) -> tuple[float, str]:
+    k = op.cost
+    if k.in_flight:
+        return _gemm(op, c)
+    slots = c.sm_count * k.blocks_per_sm
+    per_class = tuple(
+        t * c.latency_s + (issue_seconds(k, k.issued[j], c) if j < len(k.issued) else 0.0)
+        for j, t in enumerate(k.trips)
+    )
+    durations = tuple(round_trips.program_durations(per_class, k.grid or (k.programs,), 1.0))
+    latency = round_trips.makespan(durations, slots)
+    active = min(c.sm_count, k.programs)
+    draw = min(c.copy_bytes_per_s, active * c.l2_one_sm_bytes_per_s)
+    moved = op.bytes + k.programs * k.threads * k.spill_bytes
+    transfer = moved / draw
+    flops = op.flops / c.matmul_flops_per_s
+    t = latency + max(transfer, flops)
+    return t, "latency" if latency >= transfer else "hbm"
+
+
+def issue_seconds(k, issued: float, c: Ceilings) -> float:
+    """The time one program spends issuing its instructions (`issued` warp-instructions),
+    between its round trips: each warp's stream at one instruction per scheduler slot it
+    shares with the SM's resident warps, and no faster than the dependent-issue latency
+    (few warps cannot hide it: with 1-2 warps per scheduler a warp issues every 4 cycles)."""
+    warps = max(1, k.threads // 32)
+    per_scheduler = warps * k.blocks_per_sm / c.schedulers_per_sm
+    cycles_per_instruction = max(per_scheduler, c.dependent_issue_cycles)
+    return issued / warps * cycles_per_instruction / c.sm_clock_hz
+
+
+def gemm_hbm_share(k, c: Ceilings) -> float:
+    """The share of the copy bandwidth a GEMM's grid can draw: its unique weight bytes in
+    flight over bandwidth x latency (Little's law)."""
+    resident = min(k.programs, c.sm_count * k.blocks_per_sm)
+    unique = resident * k.in_flight / max(1, min(k.m_blocks, resident))
+    return min(1.0, unique / (c.copy_bytes_per_s * c.latency_s))
+
+
+def _gemm(op: Op, c: Ceilings) -> tuple[float, str]:
+    k = op.cost
+    share = max(gemm_hbm_share(k, c), 1e-3)
+    moved = op.bytes + k.programs * k.threads * k.spill_bytes
+    terms = (
+        (moved / (c.copy_bytes_per_s * share), "hbm"),
+        (k.l2_bytes / c.l2_bytes_per_s, "l2"),
+        (op.flops / c.matmul_flops_per_s, "flops"),
+    )
+    t, bound = max(terms)
+    return t + c.latency_s, bound

@@ -1,0 +1,383 @@
+"""Launch, byte and FLOP accounting of a training step on CUDA, and the predicted step time
+(the library; `python -m gpn_scale.accounting.gpu_model` is its command, gpu_report.py its
+tables).
+
+Nothing is guessed per kernel: the engine's real code path runs on meta tensors at the real
+sizes with the CUDA step backend in dry mode (`ops/gpn_step/cuda.py`: every Triton launch is
+recorded with its grid, the bytes it must move and its FLOPs, and nothing runs), and every
+ATen op of the chunk-wide work (recompute, weight gradients, memory advance, decode, the
+loss) is recorded by a dispatch mode with its operands' bytes and matmul FLOPs. The probe
+runs two chunks' worth of steps (every per-step and per-chunk cost is linear in T for T a
+multiple of the chunk size) and scales to --seq-len.
+
+Each launch is priced by `pricing.py` on the GPU's ceilings (`ceilings.py`: measured by a
+committed device run where one exists, else this workplace's or public figures, each printed
+with its source): a few-row GEMM at the slowest of its HBM stream (Little's law on its
+unique weight bytes in flight), its L2 -> SM traffic and its FLOPs; every other Triton
+kernel at its dependent round trips per program (`round_trips.py`, read from its source) x
+the loaded latency x the waves its grid needs, plus its bytes; ATen ops at their bytes or
+FLOPs. Graphed launches pay the GPU-side gap between kernels (~1.3 us, Hazy Research);
+eager ones at least the host's launch cost. With graphs the sequential phases also pay their
+replays' copies of each chunk's inputs and outputs into the static buffers.
+
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64 --json
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --against docs/device-runs/2026-12-04-h200
+
+Under tensor parallelism (--tp N) the probe is one rank of a tp group: a model of its share
+of the heads and FFN hidden units, the CUDA backend's steps split at the group's fixed
+points (`ops/gpn_step/collectives.py`), each all-reduce recorded as a collective (priced at
+COLLECTIVE_S, a latency) and nothing reduced on meta tensors.
+
+The floor beside it is what any implementation of this algorithm must pay: each sequential
+step streams the loop weights (bf16) and every sequence's float32 M0 once in the
+forward and once in the reverse sweep (or its GEMM FLOPs, if larger), and the chunk-wide
+FLOPs run at peak.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from gpn_scale.accounting import ceilings, device_runs, pricing
+from gpn_scale.accounting.ceilings import Ceilings
+from gpn_scale.accounting.dry_run import as_tp_rank
+from gpn_scale.accounting.kernel_record import SEQUENTIAL, AtenRecorder, Op
+from gpn_scale.models.gpn import GPN, GPNConfig, engine
+from gpn_scale.models.gpn.counts import flops_per_token
+from gpn_scale.models.gpn.parallelize import check_tp
+from gpn_scale.ops import launch as launches_
+from gpn_scale.ops.execution import execution
+from gpn_scale.ops.gpn_step import phases
+from gpn_scale.ops.gpn_step.registry import ENV_VAR
+
+GPUS: dict[str, Ceilings] = {key: ceilings.for_gpu(key) for key in ceilings.DEFAULTS}
+GRAPH_GAP_S = pricing.GRAPH_GAP_S
+HOST_LAUNCH_S = pricing.HOST_LAUNCH_S
+LAUNCHER_S = pricing.LAUNCHER_S
+COLLECTIVE_S = pricing.COLLECTIVE_S
+SPLIT_SUM = "(split-K sum)"  # the name suffix of a split GEMM's sum (ops/gpn_step/cuda.py)
+
+
+@dataclass
+class Accounting:
+    """What one training step launches, per phase, at `seq_len`: the code path is run at two
+    probe lengths (one and two chunks) and every figure extrapolated linearly to seq_len
+    (per-window work, e.g. folding the weights, is in both probes alike; per-chunk and
+    per-token work grows with T)."""
+
+    config: str
+    batch: int
+    seq_len: int
+    chunk: int
+    n_layers: int
+    probes: dict[int, list[Op]] = field(default_factory=dict)  # probe T -> its ops
+    loop_weight_bytes: int = 0  # bf16
+    m0_bytes: int = 0  # per sequence, float32
+    loop_params: int = 0
+    tp: int = 1  # the probe is one rank of a tp group of this size
+    compiled: str | None = None  # the target whose compiled facts the ops carry
+
+    def at_seq_len(self, measure) -> float:
+        """measure(ops) at each probe, extrapolated linearly to seq_len."""
+        (t1, ops1), *rest = sorted(self.probes.items())
+        v1 = measure(ops1)
+        if not rest:
+            return v1 * self.seq_len / t1
+        t2, ops2 = rest[0]
+        v2 = measure(ops2)
+        return v1 + (v2 - v1) * (self.seq_len - t1) / (t2 - t1)
+
+    @property
+    def ops(self) -> list[Op]:
+        """The longer probe's ops (for listing what runs; figures come from at_seq_len)."""
+        return self.probes[max(self.probes)]
+
+    def phases(self) -> list[str]:
+        return sorted({op.phase for op in self.ops})
+
+    def per_phase(self) -> dict[str, dict[str, float]]:
+        def total(phase: str, what: str) -> float:
+            def measure(ops: list[Op]) -> float:
+                mine = [op for op in ops if op.phase == phase]
+                return len(mine) if what == "launches" else sum(getattr(op, what) for op in mine)
+
+            return self.at_seq_len(measure)
+
+        return {
+            ph: {w: total(ph, w) for w in ("launches", "bytes", "flops")} for ph in self.phases()
+        }
+
+    def launches_per_step(self, phase: str) -> float:
+        """Launches of one time step of `phase`: the CUDA backend's per-step kind, or (the
+        PyTorch steps) every op of the phase, per-chunk work included, over its steps."""
+        kind = "forward step" if phase == "sequential forward" else "reverse step"
+
+        def count(ops: list[Op]) -> int:
+            if any(op.triton for op in ops if op.phase in SEQUENTIAL):
+                return sum(
+                    1 for op in ops if op.triton and not op.collective and op.name.startswith(kind)
+                )
+            return sum(1 for op in ops if op.phase == phase and not op.collective)
+
+        return self.at_seq_len(count) / self.seq_len
+
+    def split_sums_per_step(self, phase: str) -> float:
+        """Of `launches_per_step`, the split-K sums (one after each GEMM split over K to fill
+        the SMs: `ops/gpn_step/cuda.py`, `gemm_plan`)."""
+        kind = "forward step" if phase == "sequential forward" else "reverse step"
+
+        def count(ops: list[Op]) -> int:
+            return sum(
+                1 for op in ops if op.triton and op.name.startswith(kind) and SPLIT_SUM in op.name
+            )
+
+        return self.at_seq_len(count) / self.seq_len
+
+    def collectives_per_step(self, phase: str) -> float:
+        """All-reduces of the tp group in one time step of `phase` (0 at tp = 1)."""
+
+        def count(ops: list[Op]) -> int:
+            return sum(1 for op in ops if op.collective and op.phase == phase)
+
+        return self.at_seq_len(count) / self.seq_len
+
+
+def account(
+    cfg: GPNConfig,
+    batch: int,
+    seq_len: int,
+    name: str = "",
+    backend: str = "cuda",
+    tp: int = 1,
+    compiled: str | None = None,
+    jobs: int = 1,
+    facts: dict[tuple[str, str], dict] | None = None,
+) -> Accounting:
+    """Run one training step's code path on meta tensors; record its launches. `backend`:
+    "cuda" (the Triton step kernels) or "reference" (the PyTorch steps, what CUDA ran before
+    the CUDA backend existed: every ATen op a launch). `tp` > 1: one rank of a tensor-
+    parallel group of that size (its heads and FFN share; see the module docstring).
+    Every Triton launch carries what its price needs beyond bytes and FLOPs
+    (`kernel_costs.KernelCost`: occupancy, round trips per program, GEMM tile geometry).
+    `compiled` ("sm_90", "sm_80"): its variant compiled for that target (accounting/
+    gpu_compile.py; in `jobs` processes where its facts cache lacks it); None: the facts
+    cache, else what a committed device run recorded for the kernel (no compile). `facts`
+    (`device_runs.kernel_facts`): a device run's own compiled kernels, priced first."""
+    check_tp(cfg, tp, "tp")
+    if tp > 1:
+        cfg = cfg.replace(n_heads=cfg.n_heads // tp, d_ffn=cfg.d_ffn // tp)
+    C = cfg.engine.chunk_size
+    lengths = [seq_len] if seq_len <= C else [C, 2 * C]
+    acc = Accounting(name or cfg.name, batch, seq_len, C, cfg.n_layers, tp=tp)
+    for T in lengths:
+        acc.probes[T] = _probe(
+            cfg.replace(step_backend=backend), batch, T, backend, tp, compiled, jobs, facts
+        )
+    acc.compiled = compiled
+    d, f, H, dk, dv = cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_value
+    w_in = sum(d * w for w in _in_widths(cfg))
+    w_out = cfg.n_layers * (H * dv + f) * d
+    acc.loop_params = w_in + w_out + d * d
+    acc.loop_weight_bytes = 2 * acc.loop_params
+    acc.m0_bytes = 4 * H * dk * dv if cfg.memory else 0
+    return acc
+
+
+def _probe(
+    cfg: GPNConfig,
+    batch: int,
+    T: int,
+    backend: str,
+    tp: int = 1,
+    compiled: str | None = None,
+    jobs: int = 1,
+    facts: dict[tuple[str, str], dict] | None = None,
+) -> list[Op]:
+    with torch.device("meta"):
+        model = GPN(cfg)
+    tokens = torch.zeros(batch, T, dtype=torch.long, device="meta")
+    recorder = AtenRecorder(sequential=backend != "cuda")
+    previous = os.environ.pop(ENV_VAR, None)
+    try:
+        with (
+            launches_.recording(dry=True, keep_args=True) as launches,
+            phases.phase_timer(),
+            recorder,
+            execution(matmul_dtype=torch.bfloat16),
+            as_tp_rank(tp),
+        ):
+            model(tokens).loss.backward()
+    finally:
+        if previous is not None:
+            os.environ[ENV_VAR] = previous
+    from gpn_scale.accounting import gpu_compile, kernel_costs
+
+    target = gpu_compile.TARGETS[compiled or "sm_90"]
+    costs = kernel_costs.launch_costs(
+        list(launches), target, jobs, compile=compiled is not None, recorded=facts
+    )
+    for launch in launches:  # the records' tensors are not needed past this point
+        launch.args, launch.kernel = (), None
+    ops = [
+        Op(
+            f"{launch.phase}: {launch.name}",
+            _engine_phase(launch.phase),
+            launch.bytes,
+            launch.flops,
+            True,
+            launch.name.startswith(launches_.COLLECTIVE),
+            cost,
+        )
+        for launch, cost in zip(launches, costs)
+    ]
+    return ops + recorder.ops
+
+
+def _engine_phase(launch_phase: str) -> str:
+    if launch_phase.startswith("forward"):
+        return "sequential forward"
+    if launch_phase.startswith("reverse"):
+        return "sequential backward"
+    return launch_phase  # a Triton kernel of the chunk-wide work (e.g. "decode")
+
+
+def _in_widths(cfg: GPNConfig) -> list[int]:
+    return [sum(engine.input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
+
+
+@dataclass
+class Prediction:
+    gpu: Ceilings
+    graphs: bool
+    seconds: float
+    floor_seconds: float
+    tokens_per_s: float
+    mfu: float
+    per_phase_seconds: dict[str, float]
+    per_role_seconds: dict[str, float] = field(default_factory=dict)  # launch role -> s/step
+
+
+def role(op_name: str) -> str:
+    """A launch's role (what the ledger and a device run name it by): the name without the
+    engine phase ("input GEMM 0", "memory/FFN backward 0", "mm")."""
+    return op_name.split(": ", 1)[-1]
+
+
+def gpu_ceilings(gpu: Ceilings | str) -> Ceilings:
+    return GPUS[gpu] if isinstance(gpu, str) else gpu
+
+
+def predict(
+    acc: Accounting,
+    gpu: Ceilings | str,
+    graphs: bool = True,
+    cfg: GPNConfig | None = None,
+) -> Prediction:
+    """The step's predicted time on `gpu` (its ceilings; see `pricing.py`), per phase and per
+    launch role, beside the floor and the MFU (model FLOPs of `cfg`)."""
+    c = gpu_ceilings(gpu)
+
+    def op_time(op: Op) -> float:
+        graphed = graphs and op.triton and op.phase in SEQUENTIAL and not op.collective
+        return pricing.price(op, c, graphed, graphs_on=graphs).seconds
+
+    per_phase = {
+        ph: acc.at_seq_len(lambda ops, ph=ph: sum(op_time(op) for op in ops if op.phase == ph))
+        for ph in acc.phases()
+    }
+    roles = sorted({role(op.name) for op in acc.ops})
+    per_role = {
+        r: acc.at_seq_len(lambda ops, r=r: sum(op_time(op) for op in ops if role(op.name) == r))
+        for r in roles
+    }
+    seconds = sum(per_phase.values())
+    B, T = acc.batch, acc.seq_len
+    step_stream = (acc.loop_weight_bytes + B * acc.m0_bytes) / c.copy_bytes_per_s
+    step_flops = 2 * B * acc.loop_params / c.matmul_flops_per_s
+    chunk_flops = acc.at_seq_len(
+        lambda ops: sum(op.flops for op in ops if op.phase not in SEQUENTIAL)
+    )
+    floor = 2 * T * max(step_stream, step_flops) + chunk_flops / c.matmul_flops_per_s
+    tokens_per_s = B * T / seconds
+    model_flops = flops_per_token(cfg, T) if cfg is not None else 0.0
+    return Prediction(
+        c,
+        graphs,
+        seconds,
+        floor,
+        tokens_per_s,
+        model_flops * tokens_per_s / c.datasheet_bf16_flops_per_s,
+        per_phase,
+        per_role,
+    )
+
+
+@dataclass
+class Baseline:
+    """The predicted step of the model users would otherwise train (accounting/baseline_model):
+    eager (`ops`) and as torch.compile runs it (`compiled_ops`: compile.enable)."""
+
+    config: str
+    ops: list[Op]
+    batch: int
+    seq_len: int
+    flops_per_token: float
+    compiled_ops: list[Op] = field(default_factory=list)
+
+    def seconds(self, gpu: Ceilings | str, compiled: bool = True) -> float:
+        acc = Accounting(self.config, self.batch, self.seq_len, self.seq_len, 0)
+        acc.probes[self.seq_len] = self.compiled_ops if compiled and self.compiled_ops else self.ops
+        return predict(acc, gpu, graphs=False).seconds
+
+    def tokens_per_s(self, gpu: Ceilings | str, compiled: bool = True) -> float:
+        return self.batch * self.seq_len / self.seconds(gpu, compiled)
+
+    def mfu(self, gpu: Ceilings | str, compiled: bool = True) -> float:
+        c = gpu_ceilings(gpu)
+        return self.flops_per_token * self.tokens_per_s(c, compiled) / c.datasheet_bf16_flops_per_s
+
+
+def baseline_for(config: str) -> str:
+    """The Transformer++ of the same ladder size as a GPN config name (gpn_m_130m_2l ->
+    transformer_pp_130m)."""
+    size = config.removesuffix("_2l").split("_")[-1]
+    return f"transformer_pp_{size}"
+
+
+def account_baseline(name: str, batch: int, seq_len: int) -> Baseline:
+    from gpn_scale.accounting.baseline_model import fused, transformer_step_ops
+    from gpn_scale.models.registry import load_model_config as load_family_config
+
+    spec, cfg = load_family_config(name)
+    ops = transformer_step_ops(cfg, batch, seq_len)
+    return Baseline(name, ops, batch, seq_len, spec.flops_per_token(cfg, seq_len), fused(ops))
+
+
+def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str = "h100") -> float:
+    """The MFU the accounting predicts (graphs on): what `gpn-scale sweep plan` prices with
+    unless a sweep gives a measured `hardware.mfu`. No kernel is compiled: the facts cache,
+    else the kernels a committed device run recorded (`kernel_costs`); the ceilings are the
+    newest device run's where it measured them (`ceilings.for_gpu`)."""
+    acc = account(cfg, sequences_per_gpu, seq_len)
+    return predict(acc, GPUS[gpu], graphs=True, cfg=cfg).mfu
+
+
+def pricing_basis(gpu: str) -> str:
+    """One line: what a prediction on `gpu` rests on (for `sweep plan` and the report)."""
+    c = GPUS[gpu]
+    measured = sorted({src for src in c.sources.values() if src.startswith("measured")})
+    facts_run = device_runs.newest_kernel_facts()[1]
+    return (
+        f"calibrated accounting ({c.name}: "
+        + (
+            "; ".join(measured)
+            if measured
+            else "ceilings from this workplace's and public "
+            "figures, no device run measured them yet"
+        )
+        + (f"; kernel facts of device run {facts_run}" if facts_run else "")
+        + ")"
+    )
