@@ -1,39 +1,37 @@
 """The device check: one script for a session that is lent a GPU (results under --out).
 
-    python -m gpn_scale.bench.gpu --out "$OUT"              # on the GPU machine (<= 8 min)
-    python -m gpn_scale.bench.gpu --device cpu --config tiny,tiny_2l --seq-len 32 \\
-        --batches 2,4 --steps 1 --warmup 0 --out /tmp/gpu-smoke   # the same code, as a smoke test
+    python -m gpn_scale.bench.gpu --out "$OUT"              # on the GPU machine (<= 9 min)
+    python -m gpn_scale.bench.gpu --device cpu --config tiny,tiny_2l --seq-len 16 \\
+        --batches 2,4 --ledger-batches 2 --steps 1 --warmup 0 --fp32 --out /tmp/gpu-smoke
 
-0. CUDA usable? With --device cuda and no usable CUDA it stops at once with one line
-   (torch's CUDA version and the driver's), before anything else.
-1. Exactness on the device: the engine against the step-by-step reference on a tiny
-   2-layer config (loss and every gradient) in float64, and in float32 with and without
-   CUDA graphs (where the engine has the `cuda_graphs` option); one bf16-autocast step
-   (finite loss; state and memory stay float32). Gated DeltaNet's fla kernels against our
-   chunkwise op (loss, every gradient, a carried-state continuation; float32): fla cannot
-   run on CPU, so this is its first check (skipped, and said so, without CUDA or fla).
-2. Throughput: each `--config` (default the paper's 130M 1-layer and 2-layer GPN+M) and a
-   Transformer++ with the first config's parameter count (the family's model,
-   gpn_scale/models/transformer_pp, sized by counts.matching_config),
-   at `--seq-len` (2048), bf16 autocast, AdamW, batch sizes doubling from `--min-batch` up
-   to the first that does not fit (or an explicit `--batches` list). Per batch: tokens/s,
-   MFU (against the device's dense bf16 peak), peak memory allocated and reserved, and from
-   one torch.profiler step: kernels per training step and per time step, host launch calls,
-   and the fraction of the step's wall time the GPU is busy. Then the ratio of GPN+M to
-   Transformer++ tokens/s, each at its best batch.
-3. Before anything runs on the GPU, every Triton kernel variant the GPN runs will launch
-   (the exactness configs, each `--config` at batches 8 to 512) is compiled into
-   `--triton-cache` (default .cache/triton-device) by `accounting/gpu_compile.py`, one process per
-   CPU core, and this process's Triton cache is pointed there: a first use that compiled
-   serially (~68 s at 130M, most of it the memory kernels) then finds them built. Variants
-   already in the directory (carried from an earlier run) are cache hits. Best effort: a
-   failure is recorded and the kernels compile on first use as before.
-4. `--max-seconds` (default 450) bounds the whole run: each model gets an equal share of
-   what is left when it starts, and a batch is not started when twice the previous one's
-   cost would overrun that share.
+Decision data first, each part written under --out as soon as it is measured
+(results.json and results.md rewritten after every step, so a run cut short keeps what it
+measured; the format: accounting/device_runs.py):
 
-results.json and results.md are rewritten after every step, so a run cut short leaves
-what it measured. Nothing is asserted here; the exactness tolerances are those of
+0. CUDA usable? With --device cuda and no usable CUDA it stops at once with one line.
+   Every Triton variant the check launches is compiled into --triton-cache first, one
+   process per CPU core (accounting/gpu_compile.py; best effort).
+1. Exactness on the device (bench/gpu_exactness.py): the engine against the step-by-step
+   reference (float64; float32 with and without CUDA graphs; a bf16 step), and Gated
+   DeltaNet's fla kernels against our chunkwise op.
+2. The ledger (bench/gpu_ledger.py): the first config at --ledger-batches (64, 128), every
+   launch of one forward and one reverse chunk timed in sequence and alone, with its bytes,
+   FLOPs, rates, compiled facts and the accounting's prediction; kernels.json records what
+   this machine's Triton compiled.
+3. The phase split (bench/gpu_profile.py): one step by engine phase, at the same batches.
+4. Ceilings (bench/gpu_ceilings.py): copy, L2 over all SMs and one SM, dependent-load
+   latency idle and under load, cuBLAS at the step GEMMs' shapes: what the accounting
+   prices with once this run is committed.
+5. Nsight Compute on the ledger's replay of the top kernels, and a gzipped Chrome trace of a
+   64-step window (best effort, one line each on failure).
+6. Throughput (bench/gpu_throughput.py): each --config (1- and 2-layer GPN+M) at --batches,
+   and the Transformer++ of the first config's size, eager and compiled (compile.enable),
+   all at --seq-len, bf16 autocast, fused AdamW; each row's GPU busy fraction over a full
+   profiled window. The headline: GPN+M / compiled Transformer++, each at its best batch.
+
+`--max-seconds` (480) bounds the whole run: the throughput models share what is left when
+they start, and a batch is not started when twice the previous one's steady cost would
+overrun its share. Nothing is asserted here; the exactness tolerances are those of
 tests/models/gpn/test_engine.py and the verdict is printed next to each error.
 """
 
@@ -41,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import shutil
@@ -50,34 +47,18 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from gpn_scale.core.hardware import device_peak_flops
-from gpn_scale.models.gpn import GPN, GPNConfig, load_model_config
-from gpn_scale.models.gpn.counts import count_parameters, flops_per_token
-from gpn_scale.models.gpn.reference import reference_forward
-from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
-from gpn_scale.testing.models import perturbed_model, tiny_config
+from gpn_scale.accounting import device_runs
+from gpn_scale.bench import gpu_exactness as exactness
+from gpn_scale.bench import gpu_throughput as throughput
+from gpn_scale.bench.gpu_exactness import error_line
+from gpn_scale.models.gpn import load_model_config
 
-TINY = tiny_config(n_layers=2)
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-# The GPN's launch count is measured on a window this long: at today's ~450 kernels per time
-# step a full 2048-step window is ~1M kernel records, more than the profiler's activity
-# buffers hold. Kernels per time step do not depend on T (chunk work recurs every chunk);
-# the window-level work (embedding, decode, optimizer) is then spread over fewer steps.
-PROFILE_SEQ_LEN = 256
 EXIT_NO_CUDA = 2
-
-
-def _clock() -> float:
-    """The budget's clock (a seam for tests)."""
-    return time.perf_counter()
 
 
 # --------------------------------------------------------------------------- 0. CUDA usable
@@ -118,32 +99,35 @@ def cuda_problem() -> str | None:
 
 # --------------------------------------------------------------------------- results file
 class Results:
-    """meta, checks, runs, summary; both files rewritten (atomically) after every step."""
+    """meta, checks, runs, summary and the decision data (ledger, phases, ceilings,
+    profiles); both files rewritten (atomically) after every step."""
 
     def __init__(self, out: Path, meta: dict) -> None:
         self.out, self.meta = out, meta
         self.checks: list[dict] = []
         self.runs: list[dict] = []
         self.summary: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}  # ledger, phases, ceilings, ncu, trace
 
     def save(self) -> None:
-        self.meta["elapsed_s"] = round(_clock() - self.meta["_t0"], 1)
+        self.meta["elapsed_s"] = round(throughput._clock() - self.meta["_t0"], 1)
         blob = dict(
             meta={k: v for k, v in self.meta.items() if not k.startswith("_")},
             checks=self.checks,
             runs=self.runs,
             summary=self.summary,
+            **self.extra,
         )
         for name, text in (
-            ("results.json", json.dumps(blob, indent=2)),
-            ("results.md", markdown(blob)),
+            (device_runs.RESULTS, json.dumps(blob, indent=2)),
+            (device_runs.REPORT, markdown(blob)),
         ):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text)
             os.replace(tmp, self.out / name)
 
 
-# --------------------------------------------------------------------------- 1. exactness
+# ------------------------------------------------------------------ kernels compiled first
 PREBUILD_BATCHES = (8, 16, 32, 64, 128, 256, 512)
 
 
@@ -191,516 +175,26 @@ def use_triton_cache(cache_dir: Path) -> None:
         triton.knobs.cache.dir = str(cache_dir)
 
 
-def graph_settings() -> list[bool | None]:
-    """The CUDA backend with and without graph capture (`engine.cuda_graphs`)."""
-    return [True, False]
-
-
-def error_line(exc: BaseException) -> str:
-    """An exception as one line for results.json (its type and first line)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def guarded(name: str, check: Callable[..., dict], *args: Any) -> dict:
-    """`check(*args)`'s row, or a failed row naming the exception: the other checks and the
-    throughput still run (device time is scarce; the traceback goes to the log)."""
-    try:
-        return check(*args)
-    except Exception as exc:  # noqa: BLE001 - recorded as a failed check
-        traceback.print_exc()
-        return dict(check=name, error=error_line(exc), ok=False)
-
-
-def check_exactness(device: torch.device) -> Iterator[dict]:
-    tokens = torch.randint(0, TINY.vocab_size, (3, 12), generator=torch.Generator().manual_seed(3))
-    tokens = tokens.to(device)
-    cases = [(torch.float64, None)] + [(torch.float32, g) for g in graph_settings()]
-    for dtype, graphs in cases:
-        name = f"engine == reference, {str(dtype).replace('torch.', '')}"
-        if graphs is not None:
-            name += ", CUDA graphs " + ("on" if graphs else "off")
-        yield guarded(name, _engine_against_reference, device, tokens, dtype, graphs, name)
-    yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
-
-
-def _engine_against_reference(
-    device: torch.device,
-    tokens: torch.Tensor,
-    dtype: torch.dtype,
-    graphs: bool | None,
-    name: str,
-) -> dict:
-    """The engine's loss and every gradient against the step-by-step reference."""
-    cfg = TINY if graphs is None else TINY.replace(cuda_graphs=graphs)
-    model = perturbed_model(cfg, dtype).to(device)
-    params = list(model.parameters())
-    out = model(tokens)
-    ref = reference_forward(model, tokens)
-    g_out = torch.autograd.grad(out.loss, params)
-    g_ref = torch.autograd.grad(ref.loss, params)
-    loss_err = ((out.loss - ref.loss).abs() / ref.loss.abs()).item()
-    grad_err = max(
-        ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(g_out, g_ref)
-    )
-    tol = TOLERANCE[dtype]
-    return dict(
-        check=name,
-        loss_rel_err=loss_err,
-        grad_rel_err=grad_err,
-        tolerance=tol,
-        ok=loss_err <= tol and grad_err <= tol,
-    )
-
-
-def _bf16_autocast_step(device: torch.device, tokens: torch.Tensor) -> dict:
-    """One bf16-autocast step: a finite loss and gradients; state and memory stay fp32."""
-    model = perturbed_model(TINY, torch.float32).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        out = model(tokens, return_state=True)
-    out.loss.backward()
-    finite = bool(torch.isfinite(out.loss)) and all(
-        bool(torch.isfinite(p.grad).all()) for p in model.parameters()
-    )
-    fp32 = out.state.s.dtype == torch.float32 and out.state.memory.dtype == torch.float32
-    return dict(
-        check="bf16 autocast step",
-        loss=out.loss.item(),
-        finite=finite,
-        state_and_memory_fp32=fp32,
-        ok=finite and fp32,
-    )
-
-
-GDN_TINY = dict(
-    family="gated_deltanet",
-    vocab_size=64,
-    d_model=64,
-    n_layers=2,
-    n_heads=2,
-    d_key=32,
-    d_value=32,
-    d_ffn=96,
-    chunk_size=16,
-)
-
-
-def check_gated_deltanet_fla(device: torch.device) -> Iterator[dict]:
-    """Gated DeltaNet's fla kernels (its CUDA path) against our chunkwise op (held to fla's
-    reference forms and to a step-by-step recurrence in the CPU tests), float32. CPU runs
-    cannot load fla's kernels: recorded as skipped, with the reason."""
-    from gpn_scale.ops.gated_delta_rule import fla_import_error
-
-    name = "GDN fla == chunk, float32"
-    why = "needs CUDA" if device.type != "cuda" else fla_import_error()
-    if why is not None:
-        yield dict(check=name, skipped=why, ok=True)
-        return
-    # fla's kernels accumulate in their own order (and may use TF32 dots)
-    yield guarded(name, _compare_gdn_row, device, name)
-
-
-def _compare_gdn_row(device: torch.device, name: str) -> dict:
-    try:
-        return dict(check=name, **compare_gdn_backends(device, "chunk", "fla", tolerance=5e-3))
-    except RuntimeError as exc:
-        # fla refuses Triton builds it knows to be wrong on this GPU (3.4 to 3.7.0 on Hopper:
-        # the H200 image's 3.6); not a fault of ours, and nothing to compare
-        if "upgrade Triton" not in str(exc):
-            raise
-        return dict(check=name, skipped=f"fla refuses this Triton: {error_line(exc)}", ok=True)
-
-
-def compare_gdn_backends(
-    device: torch.device, reference: str, other: str, tolerance: float
-) -> dict[str, Any]:
-    """The same tiny Gated DeltaNet (float32) on two gated-delta-rule backends: relative
-    errors of the loss, of every gradient, and of a continuation from a carried state (fla
-    decodes it with its fused recurrent kernel)."""
-    from gpn_scale.models.registry import config_from_dict
-
-    spec, cfg = config_from_dict(GDN_TINY)
-    gen = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=gen).to(device)
-    results = {}
-    for backend in (reference, other):
-        torch.manual_seed(0)
-        model = spec.build(cfg.replace(backend=backend)).to(device)
-        out = model(tokens)
-        grads = torch.autograd.grad(out.loss, list(model.parameters()))
-        with torch.no_grad():
-            state = model(tokens[:, :31], return_state=True).state
-            cont = model(tokens[:, 31:], state, return_logits=True).logits
-        results[backend] = (out.loss.detach(), grads, cont)
-    (l0, g0, c0), (l1, g1, c1) = results[reference], results[other]
-    errors = dict(
-        loss_rel_err=((l1 - l0).abs() / l0.abs()).item(),
-        grad_rel_err=max(
-            ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(g1, g0)
-        ),
-        continuation_rel_err=((c1 - c0).abs().max() / c0.abs().max()).item(),
-    )
-    return dict(**errors, tolerance=tolerance, ok=max(errors.values()) <= tolerance)
-
-
-# --------------------------------------------------------------------------- 2. profiler
-# Host calls that put work on the GPU one launch at a time (runtime and driver API; Triton
-# launches through the driver), and the graph launches that replay many kernels at once.
-_LAUNCH_CALLS = (
-    "cudaLaunchKernel",
-    "cudaLaunchKernelExC",
-    "cudaLaunchCooperativeKernel",
-    "cuLaunchKernel",
-    "cuLaunchKernelEx",
-    "cuLaunchCooperativeKernel",
-)
-_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
-_DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
-_TOP = 10  # the kernels (and copies) with the most device time, per profiled step
-_NAME_CHARS = 80  # cuBLAS / CUTLASS kernel names run to hundreds of characters
-
-
-def device_activity(events: Iterable[tuple[str, str, int, int]]) -> dict:
-    """Counts and busy time from profiler events given as (kind, name, start_ns, end_ns).
-
-    kind is the profiler's activity type ("kernel", "gpu_memcpy", "gpu_memset",
-    "cuda_runtime", "cuda_driver", "cpu_op", ...). Busy time is the union of the device
-    intervals, so kernels overlapping on several streams count once.
-    """
-    kernels = copies = launches = graphs = cpu_ops = 0
-    intervals: list[tuple[int, int]] = []
-    by_name: dict[str, list[int]] = {}  # kernel or copy name -> [count, total ns]
-    for kind, name, start, end in events:
-        if kind in _DEVICE_KINDS:
-            intervals.append((start, end))
-            if kind == "kernel":
-                kernels += 1
-            else:
-                copies += 1
-            entry = by_name.setdefault(name[:_NAME_CHARS], [0, 0])
-            entry[0] += 1
-            entry[1] += end - start
-        elif kind in ("cuda_runtime", "cuda_driver"):
-            launches += name in _LAUNCH_CALLS
-            graphs += name in _GRAPH_LAUNCHES
-        elif kind == "cpu_op":
-            cpu_ops += 1
-    busy, reach = 0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    return dict(
-        kernels=kernels,
-        copies=copies,
-        launch_calls=launches,
-        graph_launches=graphs,
-        cpu_ops=cpu_ops,
-        device_busy_s=busy / 1e9,
-        top_device_work=[
-            dict(name=name, count=count, seconds=ns / 1e9)
-            for name, (count, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:_TOP]
-        ],
-    )
-
-
-def profile(fn: Callable[[], None], device: torch.device) -> dict:
-    """device_activity of one call of `fn` (CUDA activity only on a GPU: recording every
-    CPU op of a GPN window would cost more than the step), plus its wall time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with torch_profile(activities=activities) as prof:
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        wall = time.perf_counter() - start
-    events = (
-        (activity_kind(e), e.name(), e.start_ns(), e.end_ns())
-        for e in prof.profiler.kineto_results.events()
-    )
-    return dict(device_activity(events), profiled_wall_s=wall)
-
-
-def activity_kind(event: Any) -> str:
-    """A profiler event's activity type ("kernel", "cuda_runtime", ...). torch before 2.12
-    (the H200 image's 2.11) has no `activity_type()` on its events: there the kind follows
-    from the device (GPU events are kernels, copies or memsets, which kineto names
-    "Memcpy ..." / "Memset ...") and, on the host, from the launch calls' names."""
-    if hasattr(event, "activity_type"):
-        return str(event.activity_type())
-    name = event.name()
-    if event.device_type() == torch.autograd.DeviceType.CUDA:
-        if name.startswith("Memcpy"):
-            return "gpu_memcpy"
-        return "gpu_memset" if name.startswith("Memset") else "kernel"
-    if name.startswith("cu") and not name.startswith("cuda"):
-        return "cuda_driver"
-    return "cuda_runtime" if name.startswith("cuda") else "cpu_op"
-
-
-# --------------------------------------------------------------------------- 3. throughput
-@dataclass
-class Candidate:
-    """One model measured over batch sizes."""
-
-    name: str
-    family: str  # "gpn+m" / "gpn" / "transformer++"
-    params: int
-    vocab_size: int
-    build: Callable[[], nn.Module]  # a fresh model (on the CPU)
-    flops_per_token: float  # training FLOPs per token at the run's seq_len
-    profile_seq_len: int  # window of the profiled step
-
-
-def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
-    def build() -> nn.Module:
-        return GPN(cfg)
-
-    return Candidate(
-        cfg.name or "gpn",
-        cfg.family,
-        count_parameters(cfg),
-        cfg.vocab_size,
-        build,
-        flops_per_token(cfg, seq_len),
-        min(seq_len, PROFILE_SEQ_LEN),
-    )
-
-
-def transformer_candidate(like: GPNConfig, seq_len: int) -> Candidate:
-    """The Transformer++ family's model (models/transformer_pp) of the GPN's size and
-    embedding width, its FLOPs counted as its training runs count them."""
-    from gpn_scale.models.transformer_pp import counts as tpp_counts
-    from gpn_scale.models.transformer_pp.model import TransformerPP
-
-    tcfg = tpp_counts.matching_config(like.vocab_size, like.d_emb, count_parameters(like))
-    name = f"transformer++ L{tcfg.n_layers} d{tcfg.d_model} f{tcfg.d_ffn}"
-    # Attention makes its cost per token depend on T: profiled on the full window.
-    return Candidate(
-        name,
-        "transformer++",
-        tpp_counts.count_parameters(tcfg),
-        tcfg.vocab_size,
-        lambda: TransformerPP(tcfg),
-        tpp_counts.flops_per_token(tcfg, seq_len),
-        seq_len,
-    )
-
-
-def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    out = model(tokens)
-    return out if isinstance(out, torch.Tensor) else out.loss
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(
-    cand: Candidate,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
-    steps: int,
-    warmup: int,
-    bf16: bool,
-) -> dict:
-    torch.manual_seed(0)
-    model = cand.build().to(device)
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-    tokens = torch.randint(0, cand.vocab_size, (batch, seq_len), device=device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def step(x: torch.Tensor = tokens) -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = _loss(model, x)
-        loss.backward()
-        opt.step()
-
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    seconds = (time.perf_counter() - start) / steps
-    tokens_per_s = batch * seq_len / seconds
-    peak = device_peak_flops(device)
-    row = dict(
-        model=cand.name,
-        family=cand.family,
-        batch=batch,
-        seq_len=seq_len,
-        step_s=seconds,
-        tokens_per_s=tokens_per_s,
-        mfu=cand.flops_per_token * tokens_per_s / peak if peak else None,
-        peak_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-        peak_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
-    )
-    # One profiled step (after one unprofiled step at that window: a first step at a new
-    # shape may compile or capture graphs).
-    short = tokens[:, : cand.profile_seq_len]
-    if cand.profile_seq_len != seq_len:
-        step(short)
-    try:
-        prof = profile(lambda: step(short), device)
-    except Exception as exc:  # noqa: BLE001 - the throughput above stands without it
-        traceback.print_exc()
-        row["profile_error"] = error_line(exc)
-        return row
-    T = cand.profile_seq_len
-    # Busy fraction of the timed (unprofiled) step: device time of the profiled window
-    # scaled to the full window (per-step work dominates the GPN; T++ is profiled in full).
-    busy = prof["device_busy_s"] * seq_len / T
-    row.update(
-        profiled_seq_len=T,
-        kernels_per_step=prof["kernels"],
-        kernels_per_time_step=prof["kernels"] / T,
-        launch_calls_per_time_step=prof["launch_calls"] / T,
-        graph_launches_per_step=prof["graph_launches"],
-        copies_per_step=prof["copies"],
-        # scaled to the full window as the busy time is (seconds per training step)
-        top_device_work=[
-            dict(w, seconds=w["seconds"] * seq_len / T) for w in prof["top_device_work"]
-        ],
-        gpu_busy_fraction=min(1.0, busy / seconds) if cuda else None,
-    )
-    # What the step backend's graph cache did at this batch: a capture that failed runs the
-    # chunks eagerly, and the row says so instead of being taken for a graphed one.
-    graphs = cuda_graphs_status()
-    if graphs:
-        row["cuda_graphs"] = graphs
-    return row
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def batch_sizes(batches: str, min_batch: int, max_batch: int) -> Iterator[int]:
-    """An explicit comma list in increasing order, or "auto": doubling from min_batch (up
-    to max_batch, a guard for devices that never report out of memory, like a CPU)."""
-    if batches != "auto":
-        yield from sorted(int(b) for b in batches.split(","))
-        return
-    batch = min_batch
-    while batch <= max_batch:
-        yield batch
-        batch *= 2
-
-
-def sweep(
-    cand: Candidate,
-    sizes: Iterable[int],
-    seq_len: int,
-    device: torch.device,
-    steps: int,
-    warmup: int,
-    bf16: bool,
-    deadline: float,
-    record: Callable[[dict], None],
-) -> None:
-    """Every batch size in turn until one does not fit or the next would overrun `deadline`.
-    The next batch's predicted cost is twice the previous one's steady steps (warmup, timed
-    and two profiled), not its wall time, which may hold a one-time compile or capture.
-    Each row goes to `record` at once."""
-    predicted = 0.0
-    for batch in sizes:
-        now = _clock()
-        if now >= deadline or now + predicted > deadline:
-            record(
-                dict(
-                    model=cand.name,
-                    family=cand.family,
-                    batch=batch,
-                    skipped="time budget (--max-seconds)",
-                )
-            )
-            return
-        oom = False
-        failure = None
-        try:
-            row = measure(cand, batch, seq_len, device, steps, warmup, bf16)
-        except Exception as exc:  # out of memory ends the search; anything else is a failure
-            oom = _is_oom(exc)
-            if not oom:
-                # recorded, and the next model still runs: device time is scarce
-                traceback.print_exc()
-                failure = error_line(exc)
-        finally:
-            # Each batch's chunk graphs (and their static copies: ~1 GiB a pair at 130M, B =
-            # 16) go before the next batch or model captures its own.
-            clear_cuda_graphs()
-            gc.collect()  # the failed step's tensors, then the allocator's cache
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        if oom or failure:
-            outcome = dict(oom=True) if oom else dict(error=failure)
-            record(dict(model=cand.name, family=cand.family, batch=batch, **outcome))
-            return
-        predicted = 2 * row["step_s"] * (warmup + steps + 2)
-        record(row)
-        print(f"  {cand.name} batch {batch}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
-
-
-def best_rows(runs: list[dict]) -> dict[str, dict]:
-    best: dict[str, dict] = {}
-    for r in runs:
-        if "tokens_per_s" in r and r["tokens_per_s"] > best.get(r["model"], {}).get(
-            "tokens_per_s", 0
-        ):
-            best[r["model"]] = r
-    return best
-
-
-def ratios(runs: list[dict], candidates: list[Candidate]) -> dict[str, Any]:
-    """GPN / Transformer++ tokens/s, each at its best batch."""
-    best = best_rows(runs)
-    tpp = next((c.name for c in candidates if c.family == "transformer++"), None)
-    if tpp not in best:
-        return {}
-    out = {}
-    for c in candidates:
-        if c.family != "transformer++" and c.name in best:
-            g, t = best[c.name], best[tpp]
-            out[c.name] = dict(
-                ratio=g["tokens_per_s"] / t["tokens_per_s"],
-                batch=g["batch"],
-                tokens_per_s=g["tokens_per_s"],
-                transformer_batch=t["batch"],
-                transformer_tokens_per_s=t["tokens_per_s"],
-            )
-    return out
-
-
 # --------------------------------------------------------------------------- report
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def markdown(blob: dict) -> str:
+    """results.md: the same figures as results.json, for people."""
     meta = blob["meta"]
-    setup = (
-        f"torch {meta['torch']} (CUDA {meta['torch_cuda']}), driver {meta['driver']}; "
-        f"T={meta['seq_len']}, {'bf16 autocast' if meta['bf16'] else 'fp32'}; "
-        f"step kernels: {meta['step_form']}; {meta.get('elapsed_s', 0)} s of "
-        f"{meta['max_seconds']:g} s"
-    )
     lines = [
         f"# Device check: {meta['device_name']}",
         "",
-        setup,
+        f"torch {meta['torch']} (CUDA {meta.get('torch_cuda')}), triton {meta.get('triton', '?')}, "
+        f"driver {meta.get('driver', '-')}; T={meta['seq_len']}, "
+        f"{'bf16 autocast' if meta['bf16'] else 'fp32'}; step kernels: {meta.get('step_form')}; "
+        f"commit {meta.get('commit', '?')[:12]}; "
+        + (
+            f"{meta['elapsed_s']} s of {meta.get('max_seconds', 0):g} s"
+            if meta.get("elapsed_s") is not None
+            else f"a budget of {meta.get('max_seconds', 0):g} s"
+        ),
         "",
         "| check | result | ok |",
         "|---|---|---|",
@@ -708,12 +202,86 @@ def markdown(blob: dict) -> str:
     for c in blob["checks"]:
         detail = {k: v for k, v in c.items() if k not in ("check", "ok")}
         lines.append(f"| {c['check']} | {detail} | {'yes' if c['ok'] else '**NO**'} |")
+    lines += _ledger_md(blob) + _phases_md(blob) + _ceilings_md(blob)
+    for key in ("ncu", "trace"):
+        if key in blob:
+            lines += ["", f"{key}: {blob[key]}"]
+    lines += _runs_md(blob)
+    return "\n".join(lines) + "\n"
+
+
+def _ledger_md(blob: dict) -> list[str]:
+    rows = blob.get("ledger", {}).get("rows", [])
+    if not rows:
+        return []
+    from gpn_scale.bench.gpu_ledger import by_role
+
+    out = ["", "## Where the step goes: launch roles by measured time (ledger, in sequence)"]
+    for (config, batch), roles in by_role(rows).items():
+        total = sum(r["s_per_step"] for r in roles)
+        out += [
+            "",
+            f"{config} at B={batch}: {total:.3f} s of kernels per training step",
+            "",
+            "| role | s/step | share | predicted s/step | alone us | GB/s | copy share | "
+            "programs/SM | regs | smem B |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['role']} | {r['s_per_step']:.4f} | {r['s_per_step'] / total:.0%} | "
+            f"{_fmt(r.get('predicted_s_per_step'), '.4f')} | {r['alone_s'] * 1e6:.1f} | "
+            f"{_fmt(r.get('gbytes_per_s'), '.0f')} | {_fmt(r.get('copy_share'), '.0%')} | "
+            f"{r['programs_per_sm']:.2f} | {_fmt(r.get('registers'), 'd')} | "
+            f"{_fmt(r.get('shared'), 'd')} |"
+            for r in roles
+        ]
+    return out
+
+
+def _phases_md(blob: dict) -> list[str]:
+    rows = blob.get("phases", [])
+    out = []
+    for p in rows:
+        if "phases_s" not in p:
+            out += ["", f"phases {p.get('config')} B={p.get('batch')}: {p.get('error')}"]
+            continue
+        out += ["", f"Phases of one step, {p['config']} at B={p['batch']} ({p['step_s']:.3f} s):"]
+        out += [
+            f"- {name}: {sec:.3f} s ({sec / p['step_s']:.0%})"
+            for name, sec in sorted(p["phases_s"].items(), key=lambda kv: -kv[1])
+        ]
+    return out
+
+
+def _ceilings_md(blob: dict) -> list[str]:
+    c = blob.get("ceilings")
+    if not c:
+        return []
+    if "error" in c:
+        return ["", f"ceilings: {c['error']}"]
+    out = ["", "Ceilings measured (the accounting prices with these once committed):"]
+    out += [f"- {k}: {c[k]:.4g}" for k in device_runs_keys() if isinstance(c.get(k), float)]
+    for g in c.get("gemms", []):
+        out.append(
+            f"- cuBLAS {g['role']} {g['shape']}: {g['tflops']:.0f} TFLOP/s, "
+            f"{g.get('gbytes_per_s', 0):.0f} GB/s"
+        )
+    return out
+
+
+def device_runs_keys() -> tuple[str, ...]:
+    from gpn_scale.accounting.ceilings import MEASURED_KEYS
+
+    return MEASURED_KEYS
+
+
+def _runs_md(blob: dict) -> list[str]:
     header = (
         "| model | params | batch | tokens/s | MFU | peak alloc GB | peak reserved GB "
         "| GPU busy | kernels / time step | launch calls / time step | step s |"
     )
-    lines += ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
-    params = meta.get("params", {})
+    lines = ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    params = blob["meta"].get("params", {})
     for r in blob["runs"]:
         head = f"| {r['model']} | {params.get(r['model'], 0):,} | {r['batch']} |"
         if "tokens_per_s" not in r:
@@ -721,13 +289,13 @@ def markdown(blob: dict) -> str:
             lines.append(head + f" {why} | | | | | | | |")
             continue
         lines.append(
-            head + f" {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} | "
-            f"{_fmt(r['peak_allocated_gb'], '.1f')} | {_fmt(r['peak_reserved_gb'], '.1f')}"
+            head + f" {r['tokens_per_s']:,.0f} | {_fmt(r.get('mfu'), '.1%')} | "
+            f"{_fmt(r.get('peak_allocated_gb'), '.1f')} | {_fmt(r.get('peak_reserved_gb'), '.1f')}"
             f" | {_fmt(r.get('gpu_busy_fraction'), '.0%')} | "
             f"{_fmt(r.get('kernels_per_time_step'), '.1f')} | "
             f"{_fmt(r.get('launch_calls_per_time_step'), '.1f')} | {r['step_s']:.3f} |"
         )
-    for name, r in best_rows(blob["runs"]).items():
+    for name, r in throughput.best_rows(blob["runs"]).items():
         if r.get("top_device_work"):
             lines += ["", f"Device time by kernel, {name} at B={r['batch']} (s per step):"]
             lines += [
@@ -735,16 +303,20 @@ def markdown(blob: dict) -> str:
                 f"per profiled window: `{w['name']}`"
                 for w in r["top_device_work"]
             ]
-    ratio = blob["summary"].get("ratio_to_transformer_pp", {})
+    summary = blob.get("summary", {})
+    ratio = summary.get("ratio_to_transformer_pp", {})
     if ratio:
         lines += ["", "GPN / Transformer++ tokens/s, each at its best batch:"]
         for name, x in ratio.items():
             lines.append(
-                f"- {name}: **{x['ratio']:.2f}x** ({x['tokens_per_s']:,.0f} at B="
-                f"{x['batch']} vs {x['transformer_tokens_per_s']:,.0f} at B="
-                f"{x['transformer_batch']})"
+                f"- {name}: **{x['ratio']:.2f}x** ({x['tokens_per_s']:,.0f} at B={x['batch']} vs "
+                f"{x['transformer_tokens_per_s']:,.0f} at B={x['transformer_batch']}, "
+                f"{x.get('transformer', 'eager')})"
             )
-    return "\n".join(lines) + "\n"
+    headline = summary.get(device_runs.HEADLINE)
+    said = f"**{headline:.2f}x**" if headline else "not measured"
+    lines += ["", f"Headline, GPN+M / compiled Transformer++: {said}"]
+    return lines
 
 
 def _step_form(device: torch.device) -> str:
@@ -757,50 +329,72 @@ def _step_form(device: torch.device) -> str:
         return select_backend("auto", device).name
 
 
-def main(argv: list[str] | None = None) -> int:
+def _commit() -> str:
+    from gpn_scale.accounting.run_kernels import _commit as commit
+
+    return commit()
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for results.json / results.md")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--config",
         default="gpn_m_130m,gpn_m_130m_2l",
-        help="comma-separated model configs (names or paths); the "
-        "Transformer++ matches the first one's parameter count",
+        help="comma-separated model configs (names or paths); the ledger, phases and "
+        "the Transformer++ follow the first",
     )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument(
         "--batches",
-        default="auto",
-        help="'auto' (doubling from --min-batch up to the first that does not "
-        "fit) or a comma-separated list",
+        default="64,128,256",
+        help="throughput batch sizes: a comma-separated list, or 'auto' (doubling from "
+        "--min-batch up to the first that does not fit)",
     )
+    parser.add_argument("--ledger-batches", default="64,128", help="the ledger's and phases'")
     parser.add_argument("--min-batch", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="the ledger's replays per launch")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
-    parser.add_argument(
-        "--no-transformer", action="store_true", help="skip the Transformer++ baseline"
-    )
+    parser.add_argument("--no-transformer", action="store_true", help="skip the baseline")
     parser.add_argument(
         "--max-seconds",
         type=float,
-        default=450.0,
-        help="time budget for the whole check (default fits 8 min on an H200)",
+        default=480.0,
+        help="time budget for the whole check (default: 8 of an H200's 15 minutes)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument(
         "--triton-cache",
         type=Path,
         default=default_triton_cache(),
-        help="Triton cache the check's kernels are compiled into first, then used "
-        "(default .cache/triton-device)",
+        help="Triton cache the check's kernels are compiled into first, then used",
     )
     parser.add_argument(
         "--no-prebuild", action="store_true", help="compile kernels on first use instead"
     )
-    args = parser.parse_args(argv)
-    t0 = _clock()
+    parser.add_argument(
+        "--no-ledger",
+        action="store_true",
+        help="skip the ledger, phases, Nsight Compute and the trace (a throughput-only rerun)",
+    )
+    parser.add_argument("--no-ceilings", action="store_true", help="skip the ceilings")
+    return parser
+
+
+def _batches(text: str, flag: str) -> list[int]:
+    try:
+        return [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"device check: {flag} {text!r}: expected integers like 64,128") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    t0 = throughput._clock()
     device = torch.device(args.device)
     if device.type == "cuda":
         problem = cuda_problem()
@@ -814,64 +408,48 @@ def main(argv: list[str] | None = None) -> int:
             )
             return EXIT_NO_CUDA
     out = Path(args.out)
-    if (out / "results.json").exists() and not args.overwrite:
+    if (out / device_runs.RESULTS).exists() and not args.overwrite:
         print(
-            f"device check: {out / 'results.json'} exists; pick another --out or pass --overwrite",
+            f"device check: {out / device_runs.RESULTS} exists; pick another --out or pass "
+            "--overwrite",
             file=sys.stderr,
         )
         return 2
+    ledger_batches = _batches(args.ledger_batches, "--ledger-batches")
+    if args.batches != "auto":
+        _batches(args.batches, "--batches")
     out.mkdir(parents=True, exist_ok=True)
-    configs = [load_model_config(name) for name in args.config.split(",")]
-    candidates = [gpn_candidate(cfg, args.seq_len) for cfg in configs]
+    names = args.config.split(",")
+    configs = [load_model_config(name) for name in names]
+    candidates = [throughput.gpn_candidate(cfg, args.seq_len) for cfg in configs]
     if not args.no_transformer:
-        candidates.append(transformer_candidate(configs[0], args.seq_len))
-    meta = dict(
-        torch=torch.__version__,
-        torch_cuda=torch.version.cuda,
-        driver=driver_version() if device.type == "cuda" else "-",
-        device=str(device),
-        device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"),
-        seq_len=args.seq_len,
-        bf16=not args.fp32,
-        step_form=_step_form(device),
-        max_seconds=args.max_seconds,
-        params={c.name: c.params for c in candidates},
-        _t0=t0,
-    )
-    results = Results(out, meta)
+        candidates.append(throughput.transformer_candidate(configs[0], args.seq_len))
+        if device.type == "cuda":  # inductor on a CPU is the tests' business (tests/train)
+            candidates.append(throughput.transformer_candidate(configs[0], args.seq_len, True))
+    results = Results(out, _meta(args, device, candidates, t0))
     results.save()
-    print(f"device check on {meta['device_name']} (torch {meta['torch']})", flush=True)
+    print(f"device check on {results.meta['device_name']} (torch {torch.__version__})", flush=True)
     if device.type == "cuda":
-        if not args.no_prebuild:
-            major, minor = torch.cuda.get_device_capability(device)
-            meta["triton_prebuild"] = prebuild_triton_cache(
-                args.triton_cache,
-                args.config.split(","),
-                args.seq_len,
-                f"sm_{major}{minor}",
-                out / "triton-prebuild.log",
-                timeout_s=args.max_seconds / 4,
-            )
-            print(f"  Triton kernels prebuilt: {meta['triton_prebuild']}", flush=True)
-            results.save()
-        use_triton_cache(args.triton_cache)
-    for row in [*check_exactness(device), *check_gated_deltanet_fla(device)]:
+        _prebuild(args, results, names)
+    for row in [*exactness.check_exactness(device), *exactness.check_gated_deltanet_fla(device)]:
         results.checks.append(row)
         results.save()
         print(f"  {row['check']}: {'ok' if row['ok'] else 'FAILED'} {row}", flush=True)
+    label = configs[0].name or Path(names[0]).stem  # a config given by path: its file's stem
+    _decision_data(args, results, device, configs[0], label, ledger_batches, names[0])
 
     def record(row: dict) -> None:
         results.runs.append(row)
-        results.summary["ratio_to_transformer_pp"] = ratios(results.runs, candidates)
+        _summarise(results, candidates)
         results.save()
 
     deadline = t0 + args.max_seconds
     for i, cand in enumerate(candidates):
-        now = _clock()
+        now = throughput._clock()
         share = now + (deadline - now) / (len(candidates) - i)
-        sweep(
+        throughput.sweep(
             cand,
-            batch_sizes(args.batches, args.min_batch, args.max_batch),
+            throughput.batch_sizes(args.batches, args.min_batch, args.max_batch),
             args.seq_len,
             device,
             args.steps,
@@ -880,10 +458,188 @@ def main(argv: list[str] | None = None) -> int:
             share,
             record,
         )
+    _summarise(results, candidates)
     results.save()
-    report = markdown(json.loads((out / "results.json").read_text()))
-    print(report)
+    print((out / device_runs.REPORT).read_text())
     return 0 if all(c["ok"] for c in results.checks) else 1
+
+
+def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, Any]:
+    import platform
+
+    import triton
+
+    return dict(
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        driver=driver_version() if device.type == "cuda" else "-",
+        device=str(device),
+        device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"),
+        sm_count=(
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else None
+        ),
+        commit=_commit(),
+        seq_len=args.seq_len,
+        bf16=not args.fp32,
+        step_form=_step_form(device),
+        cuda_graphs=True,
+        max_seconds=args.max_seconds,
+        params={c.name: c.params for c in candidates},
+        _t0=t0,
+    )
+
+
+def _prebuild(args, results: Results, names: list[str]) -> None:
+    if not args.no_prebuild:
+        major, minor = torch.cuda.get_device_capability()
+        results.meta["triton_prebuild"] = prebuild_triton_cache(
+            args.triton_cache,
+            names,
+            args.seq_len,
+            f"sm_{major}{minor}",
+            Path(args.out) / "triton-prebuild.log",
+            timeout_s=args.max_seconds / 4,
+        )
+        print(f"  Triton kernels prebuilt: {results.meta['triton_prebuild']}", flush=True)
+        results.save()
+    use_triton_cache(args.triton_cache)
+
+
+def _guard(what: str, fn, *a, **kw) -> Any:
+    """fn's result, or {"error": one line} (the traceback in the log): the check goes on."""
+    try:
+        return fn(*a, **kw)
+    except Exception as exc:  # noqa: BLE001 - recorded, and the rest of the check runs
+        traceback.print_exc()
+        print(f"  {what} failed: {error_line(exc)}", flush=True)
+        return {"error": error_line(exc)}
+
+
+def _decision_data(
+    args, results: Results, device, cfg, name: str, batches: list[int], source: str = ""
+) -> None:
+    """The ledger, the phase split, the ceilings, the accounting's prediction for each
+    ledger row, Nsight Compute's counters and a trace, in that order (steps 2-5)."""
+    from gpn_scale.bench import gpu_ceilings, gpu_ledger, gpu_profile
+
+    bf16 = not args.fp32
+    rows: list[dict] = []
+    if not args.no_ledger:
+        results.extra["ledger"] = {"rows": rows}
+    for b in [] if args.no_ledger else batches:
+        got = _guard(
+            f"ledger B={b}",
+            gpu_ledger.ledger,
+            cfg,
+            b,
+            device,
+            bf16,
+            args.repeats,
+            config_name=name,
+            seq_len=args.seq_len,
+        )
+        if isinstance(got, dict):
+            results.extra["ledger"].setdefault("errors", []).append({"batch": b, **got})
+        else:
+            rows += got
+        results.save()
+    for b in [] if args.no_ledger else batches:
+        got = _guard(f"phases B={b}", gpu_profile.phase_split, cfg, b, args.seq_len, device, bf16)
+        results.extra.setdefault("phases", []).append({"config": name, "batch": b, **got})
+        results.save()
+    if not args.no_ceilings:
+        scale = "full" if device.type == "cuda" else "tiny"
+        results.extra["ceilings"] = _guard("ceilings", gpu_ceilings.measure_ceilings, device, scale)
+        results.save()
+    if args.no_ledger:
+        return
+    _predict_ledger(results, cfg, name, args.seq_len)
+    facts = gpu_ledger.device_facts(rows)
+    if facts["variants"]:
+        import triton
+
+        facts.update(
+            triton=triton.__version__,
+            commit=results.meta["commit"],
+            recorded="on the device (the ledger's launches)",
+        )
+        (Path(args.out) / device_runs.KERNELS).write_text(json.dumps(facts, indent=1) + "\n")
+    if device.type == "cuda" and rows:
+        top = [r["kernel"] for r in next(iter(gpu_ledger.by_role(rows).values()))][:6]
+        kernels = list(dict.fromkeys(top))[:3]
+        results.extra["ncu"] = _guard(
+            "ncu",
+            gpu_profile.ncu_counters,
+            source or name,
+            batches[0],
+            kernels,
+            Path(args.out),
+            timeout_s=min(120.0, args.max_seconds / 6),
+        )
+        results.save()
+    trace = Path(args.out) / f"trace-{name}-B{batches[0]}.json.gz"
+    window = cfg.engine.chunk_size
+    results.extra["trace"] = _guard(
+        "trace", gpu_profile.chrome_trace, cfg, batches[0], window, device, trace, bf16
+    )
+    results.save()
+
+
+def _predict_ledger(results: Results, cfg, name: str, seq_len: int) -> None:
+    """Each ledger row's predicted seconds per step: the accounting at this run's measured
+    ceilings and this machine's compiled kernels (a failure: one line)."""
+    from gpn_scale.accounting import ceilings as ceilings_
+    from gpn_scale.bench import gpu_ledger
+
+    rows = results.extra["ledger"]["rows"]
+    measured = results.extra.get("ceilings") or {}
+    key = ceilings_.gpu_key(results.meta["device_name"]) or "h200"
+    c = ceilings_.with_measured(ceilings_.DEFAULTS[key], measured, "measured by this run")
+    facts = gpu_ledger.device_facts(rows)
+    for b in sorted({r["batch"] for r in rows}):
+        got = _guard(
+            f"prediction B={b}",
+            gpu_ledger.predicted_per_role,
+            cfg,
+            b,
+            seq_len,
+            c,
+            _facts_by_name(facts, name, b),
+        )
+        if isinstance(got, dict) and "error" in got:
+            results.extra["ledger"].setdefault("errors", []).append({"batch": b, **got})
+            continue
+        for r in rows:
+            if r["batch"] == b:
+                r["predicted_s_per_step"] = got.get(r["role"])
+    results.save()
+
+
+def _facts_by_name(facts: dict, config: str, batch: int) -> dict:
+    out: dict = {}
+    for v in facts["variants"]:
+        if f"{config} bf16 B={batch}" not in v["cases"]:
+            continue
+        out.setdefault((v["kernel"], ""), v)
+        for n in v["names"]:
+            out.setdefault((v["kernel"], n), v)
+    return out
+
+
+def _summarise(results: Results, candidates: list) -> None:
+    runs = results.runs
+    configs = {c.name: c.config or c.name for c in candidates}
+    eager = throughput.ratios(runs, candidates)
+    compiled = throughput.ratios(runs, candidates, compiled=True)
+    first = next((c.name for c in candidates if c.family != "transformer++"), None)
+    headline = compiled.get(first, {}).get("ratio") if first else None
+    results.summary = device_runs.summary(runs, configs, headline)
+    results.summary["ratio_to_transformer_pp"] = eager
+    results.summary["ratio_to_compiled_transformer_pp"] = compiled
 
 
 if __name__ == "__main__":

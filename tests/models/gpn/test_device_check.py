@@ -1,6 +1,8 @@
 """The GPU session's device-check script (gpn_scale/bench/gpu.py): end to end in its CPU
-smoke mode, plus the pieces a CPU cannot show (no CUDA, out of memory, the time budget,
-profiler event accounting) and the Transformer++ baseline it measures beside the GPN."""
+smoke mode (the ledger's replay in Triton's interpreter, the phases, the ceilings at tiny
+sizes, the trace, the throughput), plus the pieces a CPU cannot show (no CUDA, out of memory,
+the time budget, profiler event accounting) and the Transformer++ baseline it measures beside
+the GPN."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 import pytest
 import torch
 
-from gpn_scale.bench import gpu
+from gpn_scale.bench import gpu, gpu_exactness, gpu_ledger, gpu_throughput
 from gpn_scale.models.gpn import load_model_config
 from gpn_scale.models.gpn.counts import count_parameters
 from gpn_scale.models.transformer_pp.counts import count_parameters as tpp_parameters
@@ -32,12 +34,23 @@ SMOKE = [
     "0",
     "--fp32",
 ]
+# The tests of the throughput's bookkeeping leave the decision data out (the first test runs
+# it all).
+FAST = [*SMOKE, "--no-ledger", "--no-ceilings"]
 
 
 def test_device_check_runs_and_records(tmp_path):
-    rc = gpu.main([*SMOKE, "--out", str(tmp_path)])
+    """Everything the device check does, in its CPU smoke mode: the ledger (every launch of
+    the recorded step has a row with its role, bytes and FLOPs), the phase split, the
+    ceilings, the trace, the throughput and the device-run summary the accounting reads."""
+    model = tmp_path / "tiny_c4.yaml"  # a 4-step chunk: the interpreter replays every launch
+    model.write_text(_tiny_yaml(chunk_size=4, vocab_size=64, name="tiny_c4"))
+    out = tmp_path / "out"
+    args = [*SMOKE, "--ledger-batches", "2", "--repeats", "1"]
+    args[args.index("tiny,tiny_2l")] = f"{model},tiny_2l"
+    rc = gpu.main([*args, "--out", str(out)])
     assert rc == 0
-    result = json.loads((tmp_path / "results.json").read_text())
+    result = json.loads((out / "results.json").read_text())
     checks = result["checks"]
     assert all(c["ok"] for c in checks)
     float32 = [c["check"] for c in checks if c["check"].startswith("engine") and "32" in c["check"]]
@@ -47,9 +60,23 @@ def test_device_check_runs_and_records(tmp_path):
         "engine == reference, float32, CUDA graphs on",
         "engine == reference, float32, CUDA graphs off",
     ]
+    # the ledger: one row per distinct launch, every role of the recorded step present
+    rows = result["ledger"]["rows"]
+    cfg = gpu_ledger.load_model_config(str(model))
+    recorded = gpu_ledger.record_step(cfg, 2, torch.device("cpu"), bf16=False)
+    assert {r.role for r in recorded} == {r["role"] for r in rows}
+    assert all(r["role"] and r["bytes"] > 0 and r["alone_s"] > 0 for r in rows)
+    # the accounting's prediction per role (its dry run sizes the GEMM grids for 132 SMs, the
+    # interpreter's for 16: a split-K sum may be one side's only)
+    assert all(r["predicted_s_per_step"] for r in rows if "split-K" not in r["role"])
+    assert {p["batch"] for p in result["phases"]} == {2}
+    assert "sequential forward" in result["phases"][0]["phases_s"]
+    ceilings = result["ceilings"]
+    assert all(ceilings[k] > 0 for k in ("copy_bytes_per_s", "latency_s", "l2_bytes_per_s"))
+    assert (out / result["trace"]["trace"]).stat().st_size > 0
     runs = result["runs"]
     tpp = [r["model"] for r in runs if r["family"] == "transformer++"]
-    assert [r["model"] for r in runs] == ["tiny"] * 2 + ["tiny_2l"] * 2 + tpp[:1] * 2
+    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + ["tiny_2l"] * 2 + tpp[:1] * 2
     assert [r["batch"] for r in runs] == [2, 4] * 3  # increasing order
     for r in runs:
         assert r["tokens_per_s"] > 0 and r["mfu"] is None  # no peak on a CPU
@@ -57,15 +84,29 @@ def test_device_check_runs_and_records(tmp_path):
         assert r["gpu_busy_fraction"] is None and r["kernels_per_step"] == 0
         assert r["profiled_seq_len"] == 16
     params = result["meta"]["params"]
-    assert abs(params[tpp[0]] / params["tiny"] - 1) < 0.01  # same size, side by side
-    ratio = result["summary"]["ratio_to_transformer_pp"]
-    assert set(ratio) == {"tiny", "tiny_2l"}
-    best = max(r["tokens_per_s"] for r in runs if r["model"] == "tiny")
+    assert abs(params[tpp[0]] / params["tiny_c4"] - 1) < 0.1  # same size, side by side
+    summary = result["summary"]
+    assert [row["batch"] for row in summary["tiny_2l"]["rows"]] == [2, 4]
+    assert set(summary["tiny_2l"]["rows"][0]) == {"batch", "tokens_per_s", "step_s", "mfu"}
+    assert summary["gpn_over_compiled_transformer"] is None  # no compiled baseline on CPU
+    ratio = summary["ratio_to_transformer_pp"]
+    best = max(r["tokens_per_s"] for r in runs if r["model"] == "tiny_2l")
     best_t = max(r["tokens_per_s"] for r in runs if r["model"] == tpp[0])
-    assert ratio["tiny"]["ratio"] == pytest.approx(best / best_t)
-    md = (tmp_path / "results.md").read_text()
+    assert ratio["tiny_2l"]["ratio"] == pytest.approx(best / best_t)
+    md = (out / "results.md").read_text()
     assert "| 4 |" in md and "peak reserved GB" in md and "GPU busy" in md
+    assert "Where the step goes" in md and "Ceilings measured" in md
     assert "GPN / Transformer++ tokens/s, each at its best batch" in md
+
+
+def _tiny_yaml(**changes) -> str:
+    """The tests' tiny GPN+M (testing/models.py) as a model YAML: the interpreter runs the
+    ledger's every launch over its small tiles in seconds."""
+    import yaml
+
+    from gpn_scale.testing.models import tiny_config
+
+    return yaml.safe_dump(tiny_config(**changes).to_dict())
 
 
 def test_results_are_on_disk_after_every_step(tmp_path, monkeypatch):
@@ -78,8 +119,8 @@ def test_results_are_on_disk_after_every_step(tmp_path, monkeypatch):
         seen.append((len(blob["checks"]), [(r["model"], r["batch"]) for r in blob["runs"]]))
         return _row(cand, batch, seq_len)
 
-    monkeypatch.setattr(gpu, "measure", fake)
-    assert gpu.main([*SMOKE, "--no-transformer", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(gpu_throughput, "measure", fake)
+    assert gpu.main([*FAST, "--no-transformer", "--out", str(tmp_path)]) == 0
     n_checks = len(json.loads((tmp_path / "results.json").read_text())["checks"])
     assert seen == [
         (n_checks, []),
@@ -111,7 +152,7 @@ def test_a_failing_check_or_model_is_a_row_and_the_rest_still_runs(tmp_path, mon
     """Device time is scarce: a kernel that does not compile in one exactness case (as the
     H200 image's triton 3.6 did in fp64) or one model whose step fails is recorded, and the
     other checks and models still run; the exit status says something failed."""
-    real = gpu._engine_against_reference
+    real = gpu_exactness._engine_against_reference
 
     def fp64_fails(device, tokens, dtype, graphs, name):
         if dtype == torch.float64:
@@ -123,9 +164,9 @@ def test_a_failing_check_or_model_is_a_row_and_the_rest_still_runs(tmp_path, mon
             raise RuntimeError("an illegal memory access was encountered")
         return _row(cand, batch, seq_len)
 
-    monkeypatch.setattr(gpu, "_engine_against_reference", fp64_fails)
-    monkeypatch.setattr(gpu, "measure", first_model_fails)
-    assert gpu.main([*SMOKE, "--no-transformer", "--out", str(tmp_path)]) == 1
+    monkeypatch.setattr(gpu_exactness, "_engine_against_reference", fp64_fails)
+    monkeypatch.setattr(gpu_throughput, "measure", first_model_fails)
+    assert gpu.main([*FAST, "--no-transformer", "--out", str(tmp_path)]) == 1
     blob = json.loads((tmp_path / "results.json").read_text())
     failed = [c for c in blob["checks"] if not c["ok"]]
     assert failed == [
@@ -155,7 +196,7 @@ def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return _row(cand, batch, seq_len)
 
-    monkeypatch.setattr(gpu, "measure", fake)
+    monkeypatch.setattr(gpu_throughput, "measure", fake)
     rc = gpu.main(
         [
             "--device",
@@ -165,6 +206,10 @@ def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch
             "--seq-len",
             "16",
             "--no-transformer",
+            "--batches",
+            "auto",
+            "--no-ledger",
+            "--no-ceilings",
             "--out",
             str(tmp_path),
         ]
@@ -179,19 +224,19 @@ def test_time_budget_stops_before_a_batch_that_would_overrun(monkeypatch):
     """The next batch is predicted to cost twice the last one's steps (a fake clock, no
     timing): 1 timed + 2 profiled steps per batch here."""
     clock = [100.0]
-    monkeypatch.setattr(gpu, "_clock", lambda: clock[0])
+    monkeypatch.setattr(gpu_throughput, "_clock", lambda: clock[0])
 
     def fake(cand, batch, seq_len, *args):
         row = dict(_row(cand, batch, seq_len), step_s=batch / 8)  # compute-bound
         clock[0] += 3 * row["step_s"] + (30.0 if batch == 8 else 0.0)  # + a first compile
         return row
 
-    monkeypatch.setattr(gpu, "measure", fake)
-    cand = gpu.gpn_candidate(load_model_config("tiny"), 16)
+    monkeypatch.setattr(gpu_throughput, "measure", fake)
+    cand = gpu_throughput.gpn_candidate(load_model_config("tiny"), 16)
     rows: list[dict] = []
-    gpu.sweep(
+    gpu_throughput.sweep(
         cand,
-        gpu.batch_sizes("auto", 8, 1 << 20),
+        gpu_throughput.batch_sizes("auto", 8, 1 << 20),
         16,
         torch.device("cpu"),
         1,
@@ -218,7 +263,7 @@ def test_stops_at_once_with_one_line_when_cuda_is_not_usable(tmp_path, monkeypat
 
 def test_refuses_to_overwrite_earlier_results(tmp_path, capsys):
     (tmp_path / "results.json").write_text("{}")
-    assert gpu.main([*SMOKE, "--out", str(tmp_path)]) == 2
+    assert gpu.main([*FAST, "--out", str(tmp_path)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "results.json").read_text() == "{}"
 
@@ -236,7 +281,7 @@ def test_device_activity_counts_launches_and_busy_time_once_per_overlap():
         ("cuda_runtime", "cudaMemcpyAsync", 0, 1),
         ("cpu_op", "aten::mm", 0, 1),
     ]
-    got = gpu.device_activity(events)
+    got = gpu_throughput.device_activity(events)
     got.pop("top_device_work")  # its own test below
     assert got == dict(
         kernels=3,
@@ -265,7 +310,7 @@ def test_activity_kinds_without_the_events_activity_type():
             return self._name
 
     kinds = [
-        gpu.activity_kind(Event(d, n))
+        gpu_throughput.activity_kind(Event(d, n))
         for d, n in [
             (cuda, "triton_linear_kernel"),
             (cuda, "Memcpy DtoD (Device -> Device)"),
@@ -294,7 +339,7 @@ def test_activity_kinds_without_the_events_activity_type():
             )
         )
     ]
-    counts = gpu.device_activity(events)
+    counts = gpu_throughput.device_activity(events)
     assert (counts["kernels"], counts["copies"], counts["launch_calls"]) == (1, 2, 2)
     assert (counts["graph_launches"], counts["cpu_ops"]) == (1, 1)
 
@@ -307,7 +352,7 @@ def test_device_time_by_kernel_is_ranked_and_totals_each_name():
         ("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 55, 60),
         ("cuda_runtime", "cudaLaunchKernel", 0, 1),
     ]
-    top = gpu.device_activity(events)["top_device_work"]
+    top = gpu_throughput.device_activity(events)["top_device_work"]
     assert top == [
         dict(name="memory_backward_kernel", count=1, seconds=30e-9),
         dict(name="gemm", count=2, seconds=25e-9),
@@ -326,7 +371,7 @@ def test_transformer_pp_matches_the_gpn_parameter_count():
     tiny = matching_config(512, 64, count_parameters(load_model_config("tiny")))
     model = TransformerPP(tiny)
     assert sum(p.numel() for p in model.parameters()) == tpp_parameters(tiny)
-    cand = gpu.transformer_candidate(load_model_config("tiny"), 64)
+    cand = gpu_throughput.transformer_candidate(load_model_config("tiny"), 64)
     assert cand.params == tpp_parameters(tiny)
 
 
@@ -361,8 +406,8 @@ def test_fla_refusing_this_triton_is_a_skip_and_other_errors_are_not(monkeypatch
     def refuse(*args, **kwargs):
         raise RuntimeError(refusal)
 
-    monkeypatch.setattr(gpu, "compare_gdn_backends", refuse)
-    row = gpu.guarded("GDN", gpu._compare_gdn_row, torch.device("cpu"), "GDN")
+    monkeypatch.setattr(gpu_exactness, "compare_gdn_backends", refuse)
+    row = gpu_exactness.guarded("GDN", gpu_exactness._compare_gdn_row, torch.device("cpu"), "GDN")
     assert row["ok"] and row["skipped"].startswith(
         "fla refuses this Triton: RuntimeError: Triton >= 3.4.0"
     )
@@ -370,8 +415,8 @@ def test_fla_refusing_this_triton_is_a_skip_and_other_errors_are_not(monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("an illegal memory access was encountered")
 
-    monkeypatch.setattr(gpu, "compare_gdn_backends", broken)
-    row = gpu.guarded("GDN", gpu._compare_gdn_row, torch.device("cpu"), "GDN")
+    monkeypatch.setattr(gpu_exactness, "compare_gdn_backends", broken)
+    row = gpu_exactness.guarded("GDN", gpu_exactness._compare_gdn_row, torch.device("cpu"), "GDN")
     assert row == dict(
         check="GDN", error="RuntimeError: an illegal memory access was encountered", ok=False
     )
@@ -381,7 +426,11 @@ def test_gdn_backend_comparison_sees_agreement_and_a_difference():
     """The comparison the device check runs for fla, on two CPU backends: our chunkwise op
     and the step-by-step recurrence agree within float32 rounding, and the check fails when
     the errors exceed its tolerance (zero here)."""
-    ok = gpu.compare_gdn_backends(torch.device("cpu"), "chunk", "recurrent", tolerance=1e-4)
+    ok = gpu_exactness.compare_gdn_backends(
+        torch.device("cpu"), "chunk", "recurrent", tolerance=1e-4
+    )
     assert ok["ok"] and 0 <= ok["grad_rel_err"] < 1e-4 and ok["continuation_rel_err"] < 1e-4
-    strict = gpu.compare_gdn_backends(torch.device("cpu"), "chunk", "recurrent", tolerance=0.0)
+    strict = gpu_exactness.compare_gdn_backends(
+        torch.device("cpu"), "chunk", "recurrent", tolerance=0.0
+    )
     assert not strict["ok"] or max(strict[k] for k in strict if k.endswith("_err")) == 0.0
