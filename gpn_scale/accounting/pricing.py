@@ -7,9 +7,10 @@ Three kinds of launch, three physical models (the ceilings and their sources:
   the slowest of three rates:
   - HBM: its bytes at the copy bandwidth, drawn at the share its unique weight bytes in flight
     cover (Little's law: copy bandwidth x latency bytes must be in flight; programs reading
-    the same weight tile, the grid's row blocks, count once: the second is an L2 hit);
+    the same weight tile, the grid's row blocks, count once: the second is an L2 hit), wave
+    by wave (a last partial wave keeps fewer bytes in flight);
   - L2 -> SMs: every program's A rows and weight tiles at the L2 bandwidth (the float32 A
-    operand is read again by every column tile);
+    operand is read again by every column tile), or the most loaded SM's at one SM's;
   - its FLOPs at the GEMM rate;
   plus one latency for the pipeline to fill.
 - **Any other Triton kernel** runs at the latency of its memory accesses: each program's
@@ -104,22 +105,31 @@ def issue_seconds(k, issued: float, c: Ceilings) -> float:
     return issued / warps * cycles_per_instruction / c.sm_clock_hz
 
 
-def gemm_hbm_share(k, c: Ceilings) -> float:
+def gemm_hbm_share(k, c: Ceilings, resident: int | None = None) -> float:
     """The share of the copy bandwidth a GEMM's grid can draw: its unique weight bytes in
-    flight over bandwidth x latency (Little's law)."""
-    resident = min(k.programs, c.sm_count * k.blocks_per_sm)
+    flight over bandwidth x latency (Little's law), with `resident` programs running (all
+    that fit, by default)."""
+    if resident is None:
+        resident = min(k.programs, c.sm_count * k.blocks_per_sm)
     unique = resident * k.in_flight / max(1, min(k.m_blocks, resident))
     return min(1.0, unique / (c.copy_bytes_per_s * c.latency_s))
 
 
 def _gemm(op: Op, c: Ceilings) -> tuple[float, str]:
+    """A grid that is not a whole number of waves streams its last wave with fewer programs
+    in flight (each wave at its own share); a grid that is not a multiple of the SMs loads
+    some SMs with one program more, whose A and weight tiles come through one SM's L2 port."""
     k = op.cost
-    share = max(gemm_hbm_share(k, c), 1e-3)
     moved = op.bytes + k.programs * k.threads * k.spill_bytes
-    terms = (
-        (moved / (c.copy_bytes_per_s * share), "hbm"),
-        (k.l2_bytes / c.l2_bytes_per_s, "l2"),
-        (op.flops / c.matmul_flops_per_s, "flops"),
-    )
+    slots = c.sm_count * k.blocks_per_sm
+    hbm, left = 0.0, k.programs
+    while left > 0:
+        wave = min(left, slots)
+        share = max(gemm_hbm_share(k, c, wave), 1e-3)
+        hbm += moved * wave / k.programs / (c.copy_bytes_per_s * share)
+        left -= wave
+    per_sm = -(-k.programs // c.sm_count) * k.l2_bytes / k.programs
+    l2 = max(k.l2_bytes / c.l2_bytes_per_s, per_sm / c.l2_one_sm_bytes_per_s)
+    terms = ((hbm, "hbm"), (l2, "l2"), (op.flops / c.matmul_flops_per_s, "flops"))
     t, bound = max(terms)
     return t + c.latency_s, bound

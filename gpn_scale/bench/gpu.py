@@ -599,6 +599,10 @@ def _predict_ledger(results: Results, cfg, name: str, seq_len: int) -> None:
     measured = results.extra.get("ceilings") or {}
     key = ceilings_.gpu_key(results.meta["device_name"]) or "h200"
     c = ceilings_.with_measured(ceilings_.DEFAULTS[key], measured, "measured by this run")
+    copy = measured.get("copy_bytes_per_s")
+    for r in rows:  # each launch alone against the copy bandwidth this run measured
+        if isinstance(copy, (int, float)) and copy > 0 and r.get("gbytes_per_s"):
+            r["copy_share"] = r["gbytes_per_s"] * 1e9 / copy
     facts = gpu_ledger.device_facts(rows)
     for b in sorted({r["batch"] for r in rows}):
         got = _guard(

@@ -284,3 +284,21 @@ def test_transformer_baseline_counts_its_gemm_flops_exactly_and_flash_attention_
     assert not any(op.bytes >= B * cfg.n_heads * T * T * 2 for op in ops if op.name == "bmm")
     baseline = gpu_model.Baseline("transformer_pp_tiny", ops, B, T, spec.flops_per_token(cfg, T))
     assert baseline.tokens_per_s(gpu_model.GPUS["h200"]) > 0
+
+
+def test_a_gemm_grid_pays_for_its_partial_last_wave_and_its_most_loaded_sm():
+    h200 = gpu_model.GPUS["h200"]
+    fixed = h200.latency_s + gpu_model.GRAPH_GAP_S
+    # one resident program per SM: 133 programs are a full wave and one alone, which keeps
+    # one program's tiles in flight (far below bandwidth x latency)
+    whole = _seconds(_gemm(dict(programs=132, blocks_per_sm=1, in_flight=65_536))) - fixed
+    tail = _seconds(_gemm(dict(programs=133, blocks_per_sm=1, in_flight=65_536))) - fixed
+    share = 65_536 / (h200.copy_bytes_per_s * h200.latency_s)
+    alone = 146e6 / 133 / (h200.copy_bytes_per_s * share)
+    assert tail == pytest.approx(whole * 132 / 133 + alone)
+    # 264 programs over 132 SMs: two programs' tiles through one SM's L2 port
+    l2 = 132 * 2 * 1_000_000
+    got = _seconds(_gemm(dict(programs=264, in_flight=65_536, l2_bytes=l2))) - fixed
+    one_sm = 2 * 1_000_000 / h200.l2_one_sm_bytes_per_s
+    all_sms = l2 / h200.l2_bytes_per_s
+    assert got == pytest.approx(max(one_sm, all_sms, 146e6 / h200.copy_bytes_per_s))
