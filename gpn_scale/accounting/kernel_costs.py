@@ -181,9 +181,13 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
     else:
         in_flight, l2_bytes, m_blocks = 0, 0, 1
         g1 = grid[1] if len(grid) > 1 else 1
-        programs_ = [
+        first = round_trips.cached_analysis(rec.kernel, rec.args, rec.meta, (0, 0, 0))
+        # one walk per program class: along grid axis 1 only where the kernel branches on it
+        programs_ = [first] + [
             round_trips.cached_analysis(rec.kernel, rec.args, rec.meta, (0, j, 0))
-            for j in range(g1)
+            if first.branches_on_pid1
+            else first
+            for j in range(1, g1)
         ]
         trips = tuple(p.trips for p in programs_)
         issued = tuple(

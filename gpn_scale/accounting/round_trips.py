@@ -53,6 +53,7 @@ class _Value:
 
     known: Any = UNKNOWN
     ready: int = 0
+    from_pid1: bool = False  # derived from tl.program_id(1): a branch on it splits programs
 
 
 @dataclass
@@ -107,6 +108,7 @@ class _Walk:
         # iterations not simulated counted too)
         self.executions: dict[tuple[str, int], float] = {}
         self.weight = 1.0
+        self.branches_on_pid1 = False
 
     # ------------------------------------------------------------------ functions
     def call_function(
@@ -190,6 +192,7 @@ class _Walk:
 
     def branch(self, stmt: ast.If, frame: _Frame) -> None:
         cond = self.expr(stmt.test, frame)
+        self.branches_on_pid1 |= cond.from_pid1
         compile_time = _names(stmt.test) <= frame.constexprs
         if cond.known is not UNKNOWN:
             taken = stmt.body if cond.known else stmt.orelse
@@ -283,25 +286,26 @@ class _Walk:
         if isinstance(node, ast.BinOp):
             a, b = self.expr(node.left, frame), self.expr(node.right, frame)
             self.state.use(max(a.ready, b.ready))
-            return _Value(_fold(type(node.op), a.known, b.known), max(a.ready, b.ready))
+            folded = _fold(type(node.op), a.known, b.known)
+            return _Value(folded, max(a.ready, b.ready), a.from_pid1 or b.from_pid1)
         if isinstance(node, ast.UnaryOp):
             a = self.expr(node.operand, frame)
             self.state.use(a.ready)
-            return _Value(_unary(type(node.op), a.known), a.ready)
+            return _Value(_unary(type(node.op), a.known), a.ready, a.from_pid1)
         if isinstance(node, ast.BoolOp):
             vals = [self.expr(v, frame) for v in node.values]
             known: Any = UNKNOWN
             if all(v.known is not UNKNOWN for v in vals):
                 ks = [v.known for v in vals]
                 known = all(ks) if isinstance(node.op, ast.And) else any(ks)
-            return _Value(known, max(v.ready for v in vals))
+            return _Value(known, max(v.ready for v in vals), any(v.from_pid1 for v in vals))
         if isinstance(node, ast.Compare):
             vals = [self.expr(node.left, frame)] + [self.expr(c, frame) for c in node.comparators]
             known = UNKNOWN
             if all(v.known is not UNKNOWN for v in vals) and len(node.ops) == 1:
                 known = _compare(type(node.ops[0]), vals[0].known, vals[1].known)
             self.state.use(max(v.ready for v in vals))
-            return _Value(known, max(v.ready for v in vals))
+            return _Value(known, max(v.ready for v in vals), any(v.from_pid1 for v in vals))
         if isinstance(node, ast.IfExp):
             cond = self.expr(node.test, frame)
             a, b = self.expr(node.body, frame), self.expr(node.orelse, frame)
@@ -353,7 +357,7 @@ class _Walk:
             return _Value()
         if name == "program_id":
             axis = args[0].known if args else kwargs["axis"].known
-            return _Value(self.pid[axis])
+            return _Value(self.pid[axis], from_pid1=axis == 1)
         if name == "num_programs":
             return _Value(UNKNOWN)
         if name == "static_assert" or name == "device_print":
@@ -458,6 +462,7 @@ class Program:
 
     trips: int
     loop_executions: tuple[float, ...]
+    branches_on_pid1: bool = False  # programs along grid axis 1 may differ
 
 
 def analyse(
@@ -474,7 +479,7 @@ def analyse(
     kwargs = {k: _Value(_scalar(v)) for k, v in meta.items() if k in names}
     walk.call_function(fn, values, kwargs, top=True)
     loops = tuple(walk.executions.get(key, 0.0) for key in loop_order(kernel, meta))
-    return Program(max(walk.state.barrier, walk.state.stall), loops)
+    return Program(max(walk.state.barrier, walk.state.stall), loops, walk.branches_on_pid1)
 
 
 def round_trips(
