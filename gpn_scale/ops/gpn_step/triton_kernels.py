@@ -604,6 +604,8 @@ def memory_forward_kernel(
         for v0 in range(0, DV, BLOCK_DV):
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
+            # Every load of the block before its first store (a store holds back every later
+            # load: the pointers may alias).
             m0 = tl.load(
                 m0_base + rk[:, None] * s_m0k + rv[None, :],
                 mask=k_ok[:, None] & v_ok[None, :],
@@ -614,16 +616,17 @@ def memory_forward_kernel(
                 mask=hist_ok[:, None] & v_ok[None, :],
                 other=0.0,
             )
+            rg = tl.load(y_row + COL_RGATE + h * DV + rv, mask=v_ok, other=0.0)
+            if WRITE:
+                v = tl.load(y_row + COL_VALUE + h * DV + rv, mask=v_ok, other=0.0)
             o = tl.exp(G) * tl.sum(q[:, None] * m0, axis=0) + tl.sum(cq[:, None] * Uh, axis=0)
             if WRITE:
                 err = tl.exp(Gp) * tl.sum(k[:, None] * m0, axis=0) + tl.sum(
                     ck[:, None] * Uh, axis=0
                 )
-                v = tl.load(y_row + COL_VALUE + h * DV + rv, mask=v_ok, other=0.0)
                 u = beta * (v - err)
                 o = o + qk * u
                 tl.store(uh_base + tau * s_uhc + rv, u, mask=v_ok)
-            rg = tl.load(y_row + COL_RGATE + h * DV + rv, mask=v_ok, other=0.0)
             tl.store(HID + b * stride_hid + h * DV + rv, _silu(rg) * o, mask=v_ok)
             ss += tl.sum(tl.where(v_ok, o * o, 0.0), axis=0)
         tl.store(SS + b * H + h, ss)
@@ -948,52 +951,53 @@ def memory_backward_kernel(
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
             col_v = h * DV + rv
+            ok_v = read_ok[:, None] & v_ok[None, :]
+            # The block's rows of the chunk's u adjoints (the rest: the block's flush).
+            tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
+            ok_push = in_block[:, None] & v_ok[None, :]
+            # Every load of the block before its first store: a store holds back every later
+            # load (the pointers may alias), so loads after stores cost round trips of their own.
             dh_read = tl.load(DH + b * stride_dh + col_v, mask=v_ok, other=0.0)
             rg = tl.load(y_row + COL_RGATE + col_v, mask=v_ok, other=0.0)
             ro = tl.load(RO + b * stride_o + col_v, mask=v_ok, other=0.0)
-            tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
-            do = tl.where(v_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
-            tl.store(DOB + kept + slot * DV + rv, do, mask=v_ok)
-            drq = eG * do
-            tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
-            dGt += tl.sum(
-                do * tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0), axis=0
-            )
-            ok_v = read_ok[:, None] & v_ok[None, :]
+            rq = tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0)
             Uh = tl.load(u_base + rc[:, None] * s_uc + rv[None, :], mask=ok_v, other=0.0)
-            dsd += tl.sum(Uh * do[None, :], axis=1)
-            dU_add = coef[:, None] * do[None, :]
             m0 = tl.load(
                 m0_base + rk[:, None] * s_m0k + rv[None, :],
                 mask=k_ok[:, None] & v_ok[None, :],
                 other=0.0,
             )
+            du_rows = tl.load(tile_du, mask=ok_push, other=0.0)
+            if WRITE:
+                du_t = tl.load(du_base + tau * s_duc + rv, mask=v_ok, other=0.0)
+                v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
+                pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
+                rk_t = tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0)
+            do = tl.where(v_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
+            drq = eG * do
+            dGt += tl.sum(do * rq, axis=0)
+            dsd += tl.sum(Uh * do[None, :], axis=1)
+            dU_add = coef[:, None] * do[None, :]
             dq += tl.sum(m0 * drq[None, :], axis=1)
+            tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
+            tl.store(DOB + kept + slot * DV + rv, do, mask=v_ok)
+            tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
             if WRITE:
                 # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at
                 # t has added its share (j = t: weight 1).
-                du = tl.load(du_base + tau * s_duc + rv, mask=v_ok, other=0.0) + tl.sum(
-                    tl.where(is_t[:, None], dU_add, 0.0), axis=0
-                )
-                v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
-                pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
+                du = du_t + tl.sum(tl.where(is_t[:, None], dU_add, 0.0), axis=0)
                 dbeta += tl.sum(du * (v - pred), axis=0)
                 dvv = beta * du
-                tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
                 dpred = -dvv
-                tl.store(DPB + kept + slot * DV + rv, dpred, mask=v_ok)
                 drk = eGp * dpred
-                tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
-                dGp += tl.sum(
-                    dpred * tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0), axis=0
-                )
+                dGp += tl.sum(dpred * rk_t, axis=0)
                 dsd2 += tl.sum(Uh * dpred[None, :], axis=1)
                 dU_add += coef2[:, None] * dpred[None, :]
                 dk += tl.sum(m0 * drk[None, :], axis=1)
-            # The block's rows of the chunk's u adjoints (the rest: the block's flush).
-            tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
-            ok_push = in_block[:, None] & v_ok[None, :]
-            tl.store(tile_du, tl.load(tile_du, mask=ok_push, other=0.0) + dU_add, mask=ok_push)
+                tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
+                tl.store(DPB + kept + slot * DV + rv, dpred, mask=v_ok)
+                tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
+            tl.store(tile_du, du_rows + dU_add, mask=ok_push)
         dGt = eG * dGt
         dsd = dsd * w
         dK_add = dsd[:, None] * q[None, :]
