@@ -9,9 +9,9 @@ RMSNorm and the gated residual in its epilogue; then the fuse gate (a GEMM whose
 grounds the next state). 1 layer: 4 launches a step; L layers: 3 L + 1.
 
 Reverse sweep per step: the fuse gate's dy @ W^T and a row kernel (its RMSNorm backward and
-the last layer's start), then per layer dc @ W_out^T, ONE memory/FFN kernel (the read and
-the write reversed, one pass over M0 for both), dY @ W_in^T and a row kernel. 1 layer: 6;
-L layers: 4 L + 2.
+the last layer's start), then per layer dc @ W_out^T, (GPN+M) a row kernel for the read
+norm's backward sums, ONE memory/FFN kernel (the read and the write reversed, one pass over M0
+for both), dY @ W_in^T and a row kernel. GPN+M 1 layer: 7, L layers: 5 L + 2; GPN: 4 L + 2.
 
 Under tensor parallelism (plan.tp_size > 1) the step splits at the group's fixed points
 (`collectives.py`, called through `tp_sum_`): forward, two down GEMMs write the row-parallel
@@ -19,11 +19,11 @@ partials of the read columns (unnormalised) and of the FFN columns beside the me
 kernel's per-head sums of squares of the read output, all summed in ONE all-reduce ((1) and
 (2) together), and a small kernel applies the read norm's scale and adds the gated residual
 (GPN without memory: one down GEMM, its partial summed (1), the residual kernel); reverse,
-a small kernel's read-norm row sums are summed (4) before the memory kernel reads them, and
+the read-norm row sums are summed (4) before the memory kernel reads them, and
 dY @ W_in^T over the sharded column blocks is summed (3) before a second GEMM adds the
 replicated predict gate's share in its epilogue. Per step: forward 5 L + 1 launches and L
 all-reduces (GPN: 4 L + 1 and L), reverse 6 L + 2 and 2 L (GPN: 5 L + 2 and L). At tp = 1
-none of this runs: the launches are those above.
+none of the collectives runs: the launches are those above.
 
 Every launch goes through `_launch`, which can record it (name, phase, grid, bytes, FLOPs)
 instead of or besides running it: `gpn_scale.accounting.gpu_model` runs this very code on meta
@@ -668,7 +668,9 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     BD = min(_p2(d), 16 if _interpreting(dP) else 1024)
     split = _split(plan)
     DNP = new(B, d) if split else None  # the sharded blocks' dY W^T before its sum
-    SUMS = new(B, 2) if split and mem else None  # the read norm backward's row sums
+    # GPN+M: the read norm backward's (B, 2) row sums, once per row (and under tp summed over
+    # the group) before the memory kernel, instead of again by each of its H head programs.
+    SUMS = new(B, 2) if mem else None
     ds_end = sweep.ds_end.contiguous() if sweep.ds_end is not None else None
     extra = sweep.ds_prev_end.contiguous() if sweep.ds_prev_end is not None else None
     _launch(
@@ -780,8 +782,10 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
 def _read_norm_sums(
     plan: StepPlan, i: int, tau: int, acts, DH: Tensor, SUMS: Tensor, blocks: dict[str, int]
 ) -> None:
-    """Under tp (4): the read norm backward's (B, 2) row sums over this rank's columns,
-    then summed over the group (`memory_backward_kernel` reads them)."""
+    """The read norm backward's (B, 2) row sums over this rank's columns, one program per
+    row; under tp summed over the group (4). `memory_backward_kernel` reads them: each of a
+    row's H head programs would otherwise sum all H * dv columns again (four dependent
+    round trips each at 130M)."""
     ph = "reverse step"
     o, ro, y = acts.o[i][tau], acts.ro[i][tau], acts.y[i][tau]
     B = o.shape[0]
@@ -804,7 +808,8 @@ def _read_norm_sums(
         HV=plan.H * plan.dv,
         BLOCK_HV=blocks["BLOCK_HV"],
     )
-    _tp_sum(SUMS, plan, f"read norm backward sums {i}", ph)
+    if _split(plan):
+        _tp_sum(SUMS, plan, f"read norm backward sums {i}", ph)
 
 
 def _input_grad_split(
