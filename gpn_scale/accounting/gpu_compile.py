@@ -114,6 +114,7 @@ class Case:
 GATE_CASES = (
     Case("gpn_m_130m", 16, shipped=True),
     Case("gpn_m_130m", 64, shipped=True),
+    Case("gpn_m_130m", 128, shipped=True),  # the GEMMs' 128-row tiles (8 warps)
     Case("gpn_m_130m_2l", 16, shipped=True),
     Case("gpn_m_130m_2l", 64, shipped=True),
     Case("gpn_m_1b", 16, tp=8),

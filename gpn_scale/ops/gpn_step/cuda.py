@@ -119,7 +119,11 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
     elif ieee:
         bm, bn, bk, warps = min(64, max(16, _p2(M))), 32, 32, 4
     else:
-        bm, bn, bk, warps = min(64, max(16, _p2(M))), 64, 64, 4
+        # 128 rows a program from B = 128: one row block streams each weight tile (two
+        # row blocks read it at the same time, so only half their tiles in flight are HBM
+        # bytes: accounting/pricing.py); 8 warps hold its 128-row accumulator and A tiles
+        bm = min(128 if M >= 128 else 64, max(16, _p2(M)))
+        bn, bk, warps = 64, 64, 8 if bm == 128 else 4
     programs = triton_cdiv(M, bm) * triton_cdiv(N, bn)
     sms = _sm_count(t)
     if programs >= sms or K <= bk:
