@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from gpn_scale.accounting import ceilings, device_runs, pricing
+from gpn_scale.accounting import ceilings, device_runs, pricing, recorded
 from gpn_scale.accounting.step_model import (
     GPUS,
     SEQUENTIAL,
@@ -204,13 +204,21 @@ def against(
     c = ceilings.with_measured(
         ceilings.DEFAULTS[gpu], blob.get("ceilings") or {}, f"measured, {run.name}"
     )
-    facts_used = False
+    priced = ""
     for row in sorted(rows, key=lambda r: r["batch"]):
         if batches is not None and row["batch"] not in batches:
             continue
-        facts = device_runs.kernel_facts(run, config, row["batch"])
-        facts_used |= bool(facts)
-        acc = account(cfg, row["batch"], seq_len, config, facts=facts or None)
+        acc = recorded.read(run, config, row["batch"], seq_len)
+        if acc is not None:  # the launches that ran there, as counted then
+            priced = f"{run.name}/{recorded.OPS}"
+        else:  # this tree's launches, with the run's compiled facts where it has them
+            facts = device_runs.kernel_facts(run, config, row["batch"])
+            acc = account(cfg, row["batch"], seq_len, config, facts=facts or None)
+            priced = (
+                f"this tree's launches, {run.name}/{device_runs.KERNELS}"
+                if facts
+                else ("this tree's launches and compiled kernels")
+            )
         p = predict(acc, c, graphs=graphs, cfg=cfg)
         steps.append(
             {
@@ -236,7 +244,7 @@ def against(
         "gpu": c.name,
         "seq_len": seq_len,
         "graphs": graphs,
-        "kernel_facts": f"{run.name}/{device_runs.KERNELS}" if facts_used else "this tree's",
+        "priced": priced,
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
         },
@@ -248,8 +256,8 @@ def against(
 def against_table(result: dict[str, Any]) -> str:
     lines = [
         f"# {result['config']} against device run {result['run']} ({result['gpu']}, T = "
-        f"{result['seq_len']}, graphs {'on' if result['graphs'] else 'off'}; kernel facts: "
-        f"{result['kernel_facts']})",
+        f"{result['seq_len']}, graphs {'on' if result['graphs'] else 'off'}; priced: "
+        f"{result['priced']})",
         "",
         "| batch | predicted s/step | measured s/step | predicted / measured |",
         "|---|---|---|---|",

@@ -98,9 +98,12 @@ def kernel_rows(
     ]
 
 
-def launch_rows(configs: list[str], batches: list[int], seq_len: int) -> dict[str, Any]:
+def launch_rows(
+    configs: list[str], batches: list[int], seq_len: int, kept: list | None = None
+) -> dict[str, Any]:
     """Per config and batch, per launch role: launches, bytes and FLOPs per training step at
-    `seq_len` (the launch accounting's dry run of this tree)."""
+    `seq_len` (the launch accounting's dry run of this tree, its kernels' facts from the
+    facts cache kernel_rows filled); each accounting is also appended to `kept`."""
     from gpn_scale.accounting.step_model import account, role
     from gpn_scale.models.gpn import load_model_config
 
@@ -109,6 +112,8 @@ def launch_rows(configs: list[str], batches: list[int], seq_len: int) -> dict[st
         cfg = load_model_config(config)
         for batch in batches:
             acc = account(cfg, batch, seq_len, config)
+            if kept is not None:
+                kept.append(acc)
             roles = sorted({role(op.name) for op in acc.ops if op.triton})
             rows = [
                 {
@@ -142,7 +147,8 @@ def record(
     where: str = AHEAD_OF_TIME,
     measured: str | None = None,
 ) -> None:
-    """Write kernels.json and launches.json into `run` (`where`: how the facts were got;
+    """Write kernels.json, launches.json and ops.json.gz into `run` (`where`: how the facts
+    were got;
     `measured`: the commit the run measured, whose kernel sources must equal this tree's)."""
     import triton
 
@@ -167,13 +173,17 @@ def record(
         variants=kernel_rows(configs, batches, arch, jobs),
     )
     (run / device_runs.KERNELS).write_text(json.dumps(blob, indent=1) + "\n")
+    kept: list = []
     launches = dict(
         commit=commit,
         compiled_from=blob["compiled_from"],
         seq_len=seq_len,
-        configs=launch_rows(configs, batches, seq_len),
+        configs=launch_rows(configs, batches, seq_len, kept),
     )
     (run / "launches.json").write_text(json.dumps(launches, indent=1) + "\n")
+    from gpn_scale.accounting import recorded
+
+    recorded.write(run, kept)  # every launch with what its price needs (--against)
 
 
 def main(argv: list[str] | None = None) -> int:
