@@ -24,6 +24,19 @@ OPTIMIZER = "optimizer"
 REST = "the rest (embedding, loss sum, autograd glue)"
 
 
+def _warm_step(cfg: GPNConfig, batch: int, seq_len: int, device: torch.device, bf16: bool):
+    """A fresh model's forward-backward and optimizer at (batch, seq_len), after one
+    warm-up step (kernels compiled, chunk graphs captured)."""
+    torch.manual_seed(0)
+    model = GPN(cfg).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    forward_backward, opt = _step_fn(model, tokens, bf16)
+    forward_backward()
+    opt.step()
+    _sync(device)
+    return forward_backward, opt
+
+
 def _step_fn(model: torch.nn.Module, tokens: torch.Tensor, bf16: bool):
     device = tokens.device
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -48,13 +61,7 @@ def phase_split(
     """Seconds of one training step by engine phase (sequential forward, reverse sweep,
     recompute, memory carry, weight gradients, decode/loss), the optimizer step, and the
     rest (the step's time less those), after one warm-up step (graphs captured)."""
-    torch.manual_seed(0)
-    model = GPN(cfg).to(device)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
-    forward_backward, opt = _step_fn(model, tokens, bf16)
-    forward_backward()
-    opt.step()
-    _sync(device)
+    forward_backward, opt = _warm_step(cfg, batch, seq_len, device, bf16)
     timer = _Events(device)
     with phases_.phase_timer() as seconds:
         timer.start()
@@ -111,13 +118,7 @@ def chrome_trace(
     `seq_len` window, after one warm-up step."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model = GPN(cfg).to(device)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
-    forward_backward, opt = _step_fn(model, tokens, bf16)
-    forward_backward()
-    opt.step()
-    _sync(device)
+    forward_backward, opt = _warm_step(cfg, batch, seq_len, device, bf16)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     raw = out.with_suffix("")  # trace.json
     with profile(activities=activities) as prof:

@@ -10,17 +10,10 @@ import math
 import pytest
 import torch
 
+from gpn_scale.accounting.ceilings import MEASURED_KEYS  # what the accounting reads of a run
 from gpn_scale.bench import gpu_ceilings as gc
 
 CPU = torch.device("cpu")
-# gpn_scale/accounting/ceilings.py's MEASURED_KEYS: what the accounting reads of a run
-MEASURED_KEYS = (
-    "copy_bytes_per_s",
-    "l2_bytes_per_s",
-    "l2_one_sm_bytes_per_s",
-    "latency_s",
-    "matmul_flops_per_s",
-)
 DETAILS = ("latency_hbm_idle_s", "latency_l2_s", "latency_hbm_loaded_s")
 
 
