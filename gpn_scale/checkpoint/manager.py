@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 import warnings
@@ -152,6 +153,19 @@ class CheckpointManager:
 
     def _stage(self) -> Path:
         return self._staging_root / f"rank_{self.rank:05d}"
+
+    def _download_dir(self) -> Path:
+        """A new directory of its own for one load's downloads (removed after the load): two
+        readers of one S3 checkpoint on a machine (evals, a resume) share the staging root,
+        but never their files, so neither deletes them under the other. Those of processes
+        gone from this host (a load that failed) are removed here."""
+        stage, prefix = self._stage(), f"load-{socket.gethostname()}-"
+        stage.mkdir(parents=True, exist_ok=True)
+        for old in stage.glob(f"{prefix}*"):
+            pid = old.name[len(prefix) :].split("-")[0]
+            if pid.isdigit() and not _process_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=stage))
 
     # -- locating -----------------------------------------------------------------------------
 
@@ -501,7 +515,7 @@ class CheckpointManager:
                 )
             files = manifest["files"]
             if local is None:
-                local = self._stage() / "load" / name
+                local = self._download_dir() / name
                 for rel, entry in files.items():
                     dest = local / rel
                     if not (
@@ -614,7 +628,7 @@ class CheckpointManager:
             return self._loaded(manifest, local, full_uri, "dcp")
         finally:
             if downloaded:
-                shutil.rmtree(local, ignore_errors=True)
+                shutil.rmtree(local.parent, ignore_errors=True)
 
     def load_deepspeed(self, uri: str, engine: Any) -> LoadedCheckpoint:
         """COLLECTIVE. engine.load_checkpoint from the verified files (same world size only:
@@ -657,7 +671,7 @@ class CheckpointManager:
             return loaded
         finally:
             if downloaded:
-                shutil.rmtree(local, ignore_errors=True)
+                shutil.rmtree(local.parent, ignore_errors=True)
 
 
 def _find_checkpoint_error(exc: BaseException) -> str | None:
@@ -677,6 +691,16 @@ def _find_checkpoint_error(exc: BaseException) -> str | None:
         elif isinstance(e, tuple):  # DCP keeps (exception, traceback) pairs
             stack.extend(x for x in e if isinstance(x, BaseException))
     return None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _deepspeed_safe_load(path: str) -> Any:

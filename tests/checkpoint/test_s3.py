@@ -82,6 +82,43 @@ def test_s3_round_trip_exact(s3_bucket: str, tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "stage2").rglob("*") if p.is_file()]
 
 
+def test_two_readers_on_one_machine_never_share_a_download(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36 case 12: two readers of one S3 checkpoint on a machine share its staging root
+    (for S3 one per machine by default). The first to finish deleted the download under the
+    second, which then failed with a misleading message. Each load has a folder of its own:
+    here the second reader loads and finishes while the first is between its download and
+    its read, and both get the checkpoint's exact state."""
+    import gpn_scale.checkpoint.manager as manager_module
+
+    root = f"{s3_bucket}/two-readers"
+    uri, (model, opt) = _save(CheckpointManager(root, staging_dir=str(tmp_path / "w"), **FAST), 1)
+    stage = tmp_path / "one-machine"
+    first = CheckpointManager(root, staging_dir=str(stage), **FAST)
+    second = CheckpointManager(root, staging_dir=str(stage), **FAST)
+    read_metadata = manager_module.safe_unpickle_metadata
+    seconds: list[tuple] = []
+
+    def second_reader_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not seconds:  # the first reader has its files: the second reads it all now
+            seconds.append(fresh())
+            app = app_state(*seconds[0])
+            second.load(uri, app)
+            apply(*seconds[0], app)
+        return read_metadata(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "safe_unpickle_metadata", second_reader_meanwhile)
+    model1, opt1 = fresh()
+    app1 = app_state(model1, opt1)
+    first.load(uri, app1)
+    apply(model1, opt1, app1)
+    assert seconds, "the second reader never ran"
+    assert_same_training_state(model, opt, model1, opt1)
+    assert_same_training_state(model, opt, *seconds[0])
+    assert not [p for p in stage.rglob("*") if p.is_file()]  # both downloads removed
+
+
 def test_s3_multipart_upload_and_download(s3_bucket: str, tmp_path: Path) -> None:
     storage = open_storage(f"{s3_bucket}/mp", multipart_mb=5)
     assert isinstance(storage, S3Storage)
