@@ -25,20 +25,28 @@ s3transfer: `GPN_S3_MULTIPART_MB` (default 64).
 Errors: every failure is one line naming the problem and the fix, raised as the caller's own
 error type (`error=`, default `StorageError`) so that this package imports nothing else of
 gpn_scale; `subject` names what the root is to the user ("checkpoint root", "dataset root").
+
+Conditional writes (`get_versioned` / `put_if`, for the run lease): a write that lands only if
+the object is still the version the writer read (or still absent), so two writers can never
+both win. S3: `If-Match` / `If-None-Match: *` on the PUT (AWS since 2024, MinIO, moto; a store
+that ignores them needs the lease's read-back and heartbeat checks); local: the read, compare
+and replace under a lock file created with O_CREAT | O_EXCL beside the object.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import functools
+import hashlib
 import os
 import shutil
 import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -233,12 +241,15 @@ _BUSY_CODES = {
     "ThrottlingException",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+# A conditional write that lost: the object changed (or appeared) since it was read.
+_CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "412"}
 RETRIED = ("unreachable", "busy")
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
     """(kind, detail) for an exception chain; kind is one of 'nocreds', 'auth', 'bucket',
-    'notfound', 'unreachable' (no connection), 'busy' (5xx, throttling), 'fatal'."""
+    'notfound', 'conflict' (a conditional write lost), 'unreachable' (no connection), 'busy'
+    (5xx, throttling), 'fatal'."""
     from botocore import exceptions as bexc
 
     seen: BaseException | None = exc
@@ -254,6 +265,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
             status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
             if code == "NoSuchBucket":
                 return "bucket", one_line(e)
+            if code in _CONFLICT_CODES or status == "412":
+                return "conflict", one_line(e)
             if code in _AUTH_CODES or status == "403":
                 return "auth", one_line(e)
             if code in _NOT_FOUND_CODES or status == "404":
@@ -345,6 +358,10 @@ class NotFound(Exception):
     """The object does not exist (callers decide whether that is an error)."""
 
 
+class Conflict(Exception):
+    """A conditional write found the object changed since it was read (another writer won)."""
+
+
 def call(
     what: str,
     url: str,
@@ -356,7 +373,8 @@ def call(
 ) -> T:
     """Run one S3 request, retrying transient failures with the policy's backoff.
 
-    Raises NotFound for a missing object, `error` (one line) for everything else."""
+    Raises NotFound for a missing object, Conflict for a conditional write that lost,
+    `error` (one line) for everything else."""
     for attempt in range(1, policy.attempts + 1):
         try:
             return fn()
@@ -364,6 +382,8 @@ def call(
             kind, detail = classify(exc)
             if kind == "notfound":
                 raise NotFound(detail) from exc
+            if kind == "conflict":
+                raise Conflict(detail) from exc
             if kind not in RETRIED or attempt == policy.attempts:
                 raise error(
                     describe(
@@ -421,6 +441,17 @@ class Storage(ABC):
     @abstractmethod
     def get_bytes(self, key: str) -> bytes | None:
         """A small object's content, or None when it does not exist."""
+
+    @abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(content, version) of a small object, or None when it does not exist; the version
+        changes whenever the object is rewritten (for `put_if`)."""
+
+    @abstractmethod
+    def put_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        """Write a small object only if it is still at `version` (None: only if it does not
+        exist), atomically with that check. The new version, or None when another writer
+        changed it first (nothing written)."""
 
     @abstractmethod
     def exists(self, key: str) -> bool:
@@ -542,6 +573,48 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise self._fail("read", self._path(key), exc) from exc
 
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        data = self.get_bytes(key)
+        return None if data is None else (data, _digest(data))
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        with self._locked(self._path(key)):
+            current = self.get_versioned(key)
+            if (current[1] if current else None) != version:
+                return None
+            self.put_bytes(key, data)
+        return _digest(data)
+
+    @contextlib.contextmanager
+    def _locked(self, dest: Path) -> Iterator[None]:
+        """Hold `.<name>.lock` beside `dest` (created with O_EXCL: one holder at a time, also
+        across the nodes of a shared filesystem). A lock older than LOCK_STALE_S was left by
+        a process that died inside the few milliseconds it is held: broken."""
+        lock = dest.with_name(f".{dest.name}.lock")
+        deadline = time.monotonic() + 3 * LOCK_STALE_S
+        while True:
+            try:
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                break
+            except FileExistsError:
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - lock.stat().st_mtime > LOCK_STALE_S:
+                        lock.unlink(missing_ok=True)
+                        continue
+                if time.monotonic() > deadline:
+                    raise self.error(
+                        f"{lock} stayed locked for {3 * LOCK_STALE_S:.0f}s; remove it if no "
+                        "job is using this run"
+                    ) from None
+                time.sleep(0.005)
+            except OSError as exc:
+                raise self._fail("lock", lock, exc) from exc
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
@@ -604,6 +677,13 @@ def writable_dir(directory: str | os.PathLike[str]) -> bool:
     os.close(fd)
     os.unlink(path)
     return True
+
+
+LOCK_STALE_S = 10.0  # a put_if lock is held for milliseconds; older means its holder died
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _fsync_file(path: Path) -> None:
@@ -721,6 +801,29 @@ class S3Storage(Storage):
             )
         except NotFound:
             return None
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        def read() -> tuple[bytes, str]:
+            out = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return out["Body"].read(), str(out.get("ETag", "")).strip('"')
+
+        try:
+            return self._call(f"read {key}", read)
+        except NotFound:
+            return None
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": f'"{version}"'}
+        try:
+            out = self._call(
+                f"write {key}",
+                lambda: self.client.put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=data, **condition
+                ),
+            )
+        except (Conflict, NotFound):  # changed, or deleted, since `version` was read
+            return None
+        return str(out.get("ETag", "")).strip('"')
 
     def exists(self, key: str) -> bool:
         try:

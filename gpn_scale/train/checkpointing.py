@@ -160,6 +160,24 @@ class RunCheckpoints:
             self.lease.release()
             self.lease = None
 
+    def lease_lost(self, now: bool = False) -> str | None:
+        """Rank 0: the line saying another job took the run over, else None (other ranks:
+        None). `now` reads the lease (before a checkpoint write); else the heartbeat thread's
+        last look (each step: no I/O)."""
+        if self.lease is None:
+            return None
+        try:
+            return self.lease.check() if now else self.lease.lost
+        except Exception:  # noqa: BLE001 - unreadable now: the heartbeat thread keeps looking
+            return self.lease.lost
+
+    def run_in_use(self) -> bool:
+        """Whether another job holds the run's lease now: a failed start then removes none
+        of the folders it found missing (they may be that job's by now)."""
+        from gpn_scale.checkpoint.lease import held_by_another
+
+        return held_by_another(self.mgr.storage, self.lease)
+
     def discard_previous_run(self) -> None:
         """--fresh: delete the earlier run's checkpoints and DONE (rank 0), then agree."""
         mgr = self.mgr
@@ -206,7 +224,13 @@ class RunCheckpoints:
     # ------------------------------------------------------------------ save / restore
     def save(self, backend: Backend, state: TrainState, loader: Any, model_cfg: Any) -> str:
         finite = 0.0 if backend.weights_finite() else 1.0
-        if self.topo.all_reduce_max(finite) > 0:
+        lost = self.lease_lost(now=True)  # one writer per run: read the lease before writing
+        flag = self.topo.all_reduce_max(2.0 if lost else finite)
+        if flag >= 2:
+            from gpn_scale.checkpoint.lease import LOST_ON_RANK_0, LeaseLost
+
+            raise LeaseLost(lost or LOST_ON_RANK_0)
+        if flag > 0:
             raise TrainingError(
                 f"refusing to checkpoint at step {state.step}: the weights are not "
                 "finite; the previous checkpoint is kept"

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gpn_scale import optim as optim_lib
+from gpn_scale.checkpoint.lease import LOST_ON_RANK_0, LeaseLost
 from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import detect
 from gpn_scale.core.hardware import device_peak_flops as peak_flops  # MFU's denominator
@@ -497,10 +498,15 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """All ranks agree (one all-reduce MAX) whether to stop now: a preemption signal on
-        any rank, or the job's wall-clock deadline passed on any rank."""
+        any rank, or the job's wall-clock deadline passed on any rank; LeaseLost when the
+        run's lease was taken over."""
         if self._stops.flag is None:
             return False
-        return self._topo.all_reduce_max(float(self._stops.local_request())) > 0
+        lost = self.ckpt.lease_lost() if self.ckpt is not None else None  # rank 0's, no I/O
+        vote = self._topo.all_reduce_max(2.0 if lost else float(self._stops.local_request()))
+        if vote >= 2:  # another job took the run over: stop at once, write nothing more
+            raise LeaseLost(lost or LOST_ON_RANK_0)
+        return vote > 0
 
     def _requeue_and_agree(self) -> None:
         """Ask SLURM to requeue (a preemption, not a Ctrl-C); then no rank exits before every
@@ -542,6 +548,8 @@ class Trainer:
         metrics.jsonl where the run dir did); never anything that was there before."""
         if self.topo is not None and not self.topo.is_main:
             return
+        if not self.eval_only and self.ckpt is not None and self.ckpt.run_in_use():
+            return  # another job holds the run's lease: what we found missing may be its now
         import shutil
 
         for path in self._new_dirs:

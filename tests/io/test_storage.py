@@ -121,3 +121,31 @@ def test_a_dead_endpoint_is_retried_and_reported_alike(
         assert "\n" not in msg
         assert "S3 unreachable" in msg and f"endpoint {dead}" in msg
         assert "after 3 attempts" in msg and f"check {setting}" in msg
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_conditional_write_lands_only_on_the_version_it_read(request, tmp_path, where):
+    """put_if (the lease's writes): only where the object is still absent, or still the
+    version read; a writer that lost writes nothing and learns it (None)."""
+    from gpn_scale.io.storage import open_storage as open_any
+
+    if where == "local":
+        root = str(tmp_path / "root")
+    else:
+        s3 = request.getfixturevalue("s3_endpoint")
+        root = f"{s3.create_bucket(f'putif-{uuid.uuid4().hex[:8]}')}/p"
+    a, b = open_any(root), open_any(root)
+    assert a.get_versioned("k") is None
+    v1 = a.put_if("k", b"one", None)
+    assert v1 and b.put_if("k", b"two", None) is None  # it exists now: the second create loses
+    data, version = b.get_versioned("k")
+    assert (data, version) == (b"one", v1)
+    v2 = b.put_if("k", b"two", v1)
+    assert v2 and v2 != v1
+    assert a.put_if("k", b"three", v1) is None  # read v1, but b wrote since
+    assert a.get_bytes("k") == b"two"
+    a.delete("k")
+    assert a.put_if("k", b"four", v2) is None  # deleted since v2 was read
+    assert a.get_versioned("k") is None
+    if where == "local":  # the lock beside it is gone after each write
+        assert sorted(p.name for p in Path(root).iterdir()) == []
