@@ -24,7 +24,9 @@ Public API (the trainer codes against exactly these names)::
     # DeepSpeed: ckpt.save_deepspeed(step, engine, meta=..., rank_state=...)
     #            ckpt.load_deepspeed(uri, engine)
 
-- `CheckpointError(ConfigError)`: every failure, one line naming the problem and the fix.
+- `CheckpointError(ConfigError)`: every failure, one line naming the problem and the fix;
+  `CheckpointDamaged(CheckpointError)` when it is the checkpoint's own files (missing, not
+  matching the manifest, refused pickles): another checkpoint may load.
 - `open_storage(uri) -> Storage`: LocalStorage(dir) or S3Storage(bucket, prefix) from
   gpn_scale.io, the storage layer the data pipeline uses too (boto3; endpoint from
   S3_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; multipart; bounded exponential
@@ -34,7 +36,9 @@ Public API (the trainer codes against exactly these names)::
   `preflight()`, `save(step, app_state, *, meta, rank_state=None) -> uri`,
   `save_deepspeed(step, engine, *, meta, rank_state=None) -> uri`, `latest() -> uri | None`,
   `load(uri, app_state) -> LoadedCheckpoint`, `load_deepspeed(uri, engine) -> LoadedCheckpoint`,
-  `resolve_resume(resume) -> uri | None`, `read_meta(uri) -> dict`, `list_checkpoints()`.
+  `resolve_resume(resume) -> uri | None`, `read_meta(uri) -> dict`, `list_checkpoints()`;
+  for `--resume auto`: `refuse_start_over()` (no complete checkpoint, damaged ones there: a
+  one-line error) and `load_newest(uri, load, log)` (a damaged one falls back to the next).
 - `LoadedCheckpoint(meta, rank_state, step, uri, world_size, kind, extra)`.
 - `capture_rng_state() -> dict` / `restore_rng_state(state)`: python, numpy, torch CPU (and CUDA)
   RNG states as weights_only-loadable values, for `rank_state`.
@@ -50,7 +54,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gpn_scale.checkpoint.errors import CheckpointError
+from gpn_scale.checkpoint.errors import CheckpointDamaged, CheckpointError
 from gpn_scale.checkpoint.roots import open_storage
 from gpn_scale.io.storage import LocalStorage, ObjectInfo, S3Storage, Storage
 
@@ -78,6 +82,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointError",
     "CheckpointManager",
     "LoadedCheckpoint",

@@ -1,11 +1,11 @@
-"""The one error type of the checkpoint package."""
+"""The error types of the checkpoint package."""
 
 from __future__ import annotations
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.io.storage import one_line
 
-__all__ = ["CheckpointError", "one_line"]
+__all__ = ["CheckpointDamaged", "CheckpointError", "one_line"]
 
 
 class CheckpointError(ConfigError):
@@ -19,3 +19,16 @@ class CheckpointError(ConfigError):
     def __init__(self, message: str) -> None:
         # Keep the promise of one line even when a wrapped library error is multi-line.
         super().__init__(" ".join(str(message).split()))
+
+
+class CheckpointDamaged(CheckpointError):
+    """The checkpoint's own files cannot be loaded: missing, not matching the manifest (size,
+    sha256, step), or refused as unsafe pickles. Another checkpoint may well load, so
+    `--resume auto` falls back on this one; anything else (storage down, another model's
+    shapes) is a plain CheckpointError, which no older checkpoint would cure.
+
+    `reason`: the damage alone, without the `cannot load <uri>:` and the fix around it."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = " ".join(str(message if reason is None else reason).split())

@@ -28,9 +28,10 @@ import socket
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from gpn_scale.checkpoint.catalog import (
     step_dir_name,
     step_dirs,
 )
-from gpn_scale.checkpoint.errors import CheckpointError, one_line
+from gpn_scale.checkpoint.errors import CheckpointDamaged, CheckpointError, one_line
 from gpn_scale.checkpoint.roots import open_storage
 from gpn_scale.checkpoint.safe_load import (
     SafeFileSystemReader,
@@ -56,6 +57,8 @@ from gpn_scale.checkpoint.safe_load import (
     safe_unpickle_metadata,
 )
 from gpn_scale.io.storage import LocalStorage, Storage
+
+T = TypeVar("T")
 
 
 def _rank_file(rank: int) -> str:
@@ -102,6 +105,7 @@ class CheckpointManager:
         self.storage: Storage = open_storage(self.root, **self._s3_options)
         self.keep_last = keep_last
         self.skipped: list[tuple[str, str]] = []  # set by latest(): newer, incomplete ones
+        self.note = ""  # set by latest(): a stale `latest` pointer passed over, said in a line
         if staging_dir is not None:
             self._staging_root = Path(staging_dir).expanduser().absolute()
         elif isinstance(self.storage, LocalStorage):
@@ -137,14 +141,17 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _agree(self, error: str | None, what: str) -> list[Any]:
-        """Collective: raise the first rank's error on every rank (so no rank is left waiting)."""
-        errors = self._gather(error)
-        for r, err in enumerate(errors):
+    def _agree(self, error: str | None, what: str, damaged: bool = False) -> list[Any]:
+        """Collective: raise the first rank's error on every rank (so no rank is left waiting);
+        as CheckpointDamaged when that rank found the checkpoint's files `damaged`."""
+        errors = self._gather((error, damaged))
+        for r, (err, bad) in enumerate(errors):
             if err:
                 where = f" on rank {r}" if self.world_size > 1 else ""
+                if bad:
+                    raise CheckpointDamaged(f"{what}{where}: {err}", reason=err)
                 raise CheckpointError(f"{what}{where}: {err}")
-        return errors
+        return [err for err, _ in errors]
 
     @property
     def staging_root(self) -> Path:
@@ -186,14 +193,17 @@ class CheckpointManager:
             return self.storage, name
         return open_storage(parent, **self._s3_options), name
 
-    def latest(self) -> str | None:
-        """URI of the newest complete checkpoint (the `latest` pointer if it verifies, else the
-        highest complete step directory), or None when there is none.
+    def latest(self, exclude: dict[str, str] | None = None) -> str | None:
+        """URI of the newest complete checkpoint (the `latest` pointer if it verifies and no
+        complete step directory of a higher step was written after it, else the highest
+        complete step directory), or None when there is none. `exclude`: {name: reason} of
+        step directories found damaged otherwise (by a load), never returned.
 
         `self.skipped` is then [(uri, reason)] for the step directories newer than the one
-        returned that are not complete (damaged, or a save that did not finish), newest first.
+        returned that are not complete (damaged, or a save that did not finish), newest first;
+        `self.note` one line when a stale pointer was passed over, else "".
         """
-        uri, self.skipped = find_latest(self.storage)
+        uri, self.skipped, self.note = find_latest(self.storage, exclude)
         return uri
 
     def is_complete(self, uri: str) -> bool:
@@ -235,6 +245,50 @@ class CheckpointManager:
                 "checkpoint or use --resume auto"
             )
         return storage.child_uri(name)
+
+    def refuse_start_over(self) -> None:
+        """After `latest()` found no complete checkpoint: raise when step directories whose
+        save finished (they have a manifest) are there all the same, damaged. Only --fresh
+        starts over them; directories of saves that never finished (no manifest) hold nothing
+        to resume and stop nothing."""
+        damaged = self._damaged(self.skipped)
+        if damaged:
+            raise self._nothing_loadable(damaged)
+
+    def load_newest(self, uri: str, load: Callable[[str], T], log: Callable[[str], None]) -> T:
+        """`--resume auto`'s load: `load(uri)`, and while that finds the checkpoint damaged
+        (CheckpointDamaged: a file failing its sha256, a refused pickle), the newest complete
+        checkpoint not tried yet, each fallback said by `log`. None left: the one-line error
+        of `refuse_start_over`. Collective like `load`: the ranks agree on a load's errors, so
+        every rank walks the same checkpoints."""
+        bad: dict[str, str] = {}
+        while True:
+            try:
+                return load(uri)
+            except CheckpointDamaged as err:
+                bad[self._locate(uri)[1]] = err.reason
+                older = self.latest(exclude=bad)
+                if older is None:
+                    raise self._nothing_loadable(self._damaged(self.skipped)) from None
+                log(f"resume auto: cannot load {uri}: {err.reason}; falling back to {older}")
+                uri = older
+
+    def _damaged(self, skipped: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Of `skipped`: the step directories whose save finished (a manifest is there)."""
+        return [
+            (uri, why)
+            for uri, why in skipped
+            if self.storage.exists(f"{uri.rstrip('/').rsplit('/', 1)[-1]}/{MANIFEST}")
+        ]
+
+    def _nothing_loadable(self, damaged: list[tuple[str, str]]) -> CheckpointError:
+        named = "; ".join(f"{uri.rsplit('/', 1)[-1]}: {why}" for uri, why in damaged[:4])
+        more = f"; and {len(damaged) - 4} more" if len(damaged) > 4 else ""
+        return CheckpointError(
+            f"resume auto: no checkpoint under {self.root} can be loaded, and starting over "
+            f"would overwrite them ({named}{more}); restore the damaged files, pass --resume "
+            "with a checkpoint that loads, or --fresh to delete them and start at step 0"
+        )
 
     def read_meta(self, uri: str) -> dict[str, Any]:
         """The `meta` a checkpoint was saved with, from its manifest (not collective, cheap: no
@@ -279,6 +333,11 @@ class CheckpointManager:
         try:
             if self.rank == 0:
                 json.dumps(meta)
+                if "step" in meta and meta["step"] != int(step):
+                    raise CheckpointError(
+                        f"meta says step {meta['step']!r}, the save is of step {step}; pass "
+                        "the same step to both"
+                    )
             shutil.rmtree(stage, ignore_errors=True)
             stage.mkdir(parents=True, exist_ok=True)
             if self.rank == 0 and self.storage.list(f"{name}/"):
@@ -498,56 +557,44 @@ class CheckpointManager:
 
         Returns (manifest, storage, name, local_dir, downloaded). Every file is hashed once:
         local roots split the hashing across ranks; S3 downloads are hashed by the downloader.
+        Damage (check_step's reasons, a sha256 mismatch) raises CheckpointDamaged on every rank.
         """
         storage, name = self._locate(uri)
-        err = None
+        err, damaged = None, False
         manifest: dict[str, Any] | None = None
         local = storage.local_dir(name)
         downloaded = local is None
         try:
             manifest, reason = check_step(storage, name)
             if manifest is None:
-                raise CheckpointError(f"{reason}; pick a complete checkpoint or use --resume auto")
-            if manifest.get("kind") != kind:
-                raise CheckpointError(
+                err, damaged = reason, True
+            elif manifest.get("kind") != kind:
+                err = (
                     f"it is a {manifest.get('kind')} checkpoint; load it with the matching "
                     "load method"
                 )
-            files = manifest["files"]
-            if local is None:
-                local = self._download_dir() / name
-                for rel, entry in files.items():
-                    dest = local / rel
-                    if not (
-                        dest.exists()
-                        and dest.stat().st_size == entry["size"]
-                        and sha256_file(dest) == entry["sha256"]
-                    ):
-                        storage.get_file(f"{name}/{rel}", dest)
-                        if sha256_file(dest) != entry["sha256"]:
-                            raise CheckpointError(
-                                f"downloaded {rel} does not match its sha256 in the manifest"
-                            )
             else:
-                for i, (rel, entry) in enumerate(sorted(files.items())):
-                    if (
-                        i % self.world_size == self.rank
-                        and sha256_file(local / rel) != entry["sha256"]
-                    ):
-                        raise CheckpointError(
-                            f"file {rel} does not match its sha256 in the manifest"
-                        )
+                local, err = self._verified_files(storage, name, manifest["files"], local)
+                damaged = err is not None
         except CheckpointError as exc:
             err = str(exc)
         except Exception as exc:  # noqa: BLE001 - must reach the gather, or the other ranks hang
             err = one_line(exc, 200)
         full_uri = storage.child_uri(name)
-        results = self._gather((err, full_uri))
-        for r, (rank_err, _) in enumerate(results):
+        results = self._gather((err, damaged, full_uri))
+        if downloaded and local is not None and any(e for e, _, _ in results):
+            shutil.rmtree(local.parent, ignore_errors=True)  # this load's own download folder
+        for r, (rank_err, bad, _) in enumerate(results):
             if rank_err:
                 where = f" (rank {r})" if self.world_size > 1 else ""
+                if bad:
+                    raise CheckpointDamaged(
+                        f"cannot load {full_uri}{where}: {rank_err}; pick a complete checkpoint "
+                        "or use --resume auto",
+                        reason=rank_err,
+                    )
                 raise CheckpointError(f"cannot load {full_uri}{where}: {rank_err}")
-        uris = sorted({u for _, u in results})
+        uris = sorted({u for _, _, u in results})
         if len(uris) > 1:
             raise CheckpointError(
                 f"ranks asked to load different checkpoints ({', '.join(uris)}); resolve the "
@@ -557,18 +604,42 @@ class CheckpointManager:
         assert manifest is not None and local is not None
         return manifest, storage, name, local, downloaded
 
+    def _verified_files(
+        self, storage: Storage, name: str, files: dict[str, Any], local: Path | None
+    ) -> tuple[Path, str | None]:
+        """(the local directory holding the checkpoint's files, the first damage found or
+        None): an S3 checkpoint's files downloaded (kept when already there and matching) and
+        hashed; a local root's files hashed where they are, split across the ranks."""
+        if local is None:
+            local = self._download_dir() / name
+            for rel, entry in files.items():
+                dest = local / rel
+                if not (
+                    dest.exists()
+                    and dest.stat().st_size == entry["size"]
+                    and sha256_file(dest) == entry["sha256"]
+                ):
+                    storage.get_file(f"{name}/{rel}", dest)
+                    if sha256_file(dest) != entry["sha256"]:
+                        return local, f"downloaded {rel} does not match its sha256 in the manifest"
+            return local, None
+        for i, (rel, entry) in enumerate(sorted(files.items())):
+            if i % self.world_size == self.rank and sha256_file(local / rel) != entry["sha256"]:
+                return local, f"file {rel} does not match its sha256 in the manifest"
+        return local, None
+
     def _loaded(
         self, manifest: dict[str, Any], local: Path, uri: str, kind: str
     ) -> LoadedCheckpoint:
         """Collective: this rank's rank_state (when the world size matches) + the rest."""
         saved_world = int(manifest.get("world_size", 1))
-        rank_state, err = None, None
+        rank_state, err, damaged = None, None, False
         try:
             if saved_world == self.world_size and _rank_file(self.rank) in manifest["files"]:
                 rank_state = safe_torch_load(local / _rank_file(self.rank))
         except CheckpointError as exc:
-            err = str(exc)
-        self._agree(err, f"cannot load {uri}")
+            err, damaged = str(exc), isinstance(exc, CheckpointDamaged)
+        self._agree(err, f"cannot load {uri}", damaged)
         return LoadedCheckpoint(
             meta=manifest.get("meta", {}),
             rank_state=rank_state,
@@ -619,7 +690,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001
             cause = _find_checkpoint_error(exc)
             if cause is not None:
-                raise CheckpointError(f"cannot load {full_uri}: {cause}") from exc
+                raise _rewrapped(cause, f"cannot load {full_uri}") from exc
             raise CheckpointError(
                 f"cannot load {full_uri}: DCP load failed ({one_line(exc)}); does the "
                 "model/optimizer match the checkpoint?"
@@ -657,7 +728,9 @@ class CheckpointManager:
             raise
         except Exception as exc:  # noqa: BLE001
             cause = _find_checkpoint_error(exc)
-            why = cause or f"DeepSpeed load_checkpoint failed ({one_line(exc)})"
+            if cause is not None:
+                raise _rewrapped(cause, f"cannot load {full_uri}") from exc
+            why = f"DeepSpeed load_checkpoint failed ({one_line(exc)})"
             raise CheckpointError(f"cannot load {full_uri}: {why}") from exc
         finally:
             ckpt_engine.load = original
@@ -674,15 +747,15 @@ class CheckpointManager:
                 shutil.rmtree(local.parent, ignore_errors=True)
 
 
-def _find_checkpoint_error(exc: BaseException) -> str | None:
-    """DCP wraps per-rank failures (CheckpointException); dig out our own refusal message."""
+def _find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
+    """DCP wraps per-rank failures (CheckpointException); dig out our own refusal."""
     stack: list[Any] = [exc]
     seen = 0
     while stack and seen < 50:
         e = stack.pop()
         seen += 1
         if isinstance(e, CheckpointError):
-            return str(e)
+            return e
         if isinstance(e, BaseException):
             stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
             failures = getattr(e, "failures", None)
@@ -691,6 +764,13 @@ def _find_checkpoint_error(exc: BaseException) -> str | None:
         elif isinstance(e, tuple):  # DCP keeps (exception, traceback) pairs
             stack.extend(x for x in e if isinstance(x, BaseException))
     return None
+
+
+def _rewrapped(cause: CheckpointError, what: str) -> CheckpointError:
+    """`cause` under `what: `, still CheckpointDamaged when it was (a refused pickle)."""
+    if isinstance(cause, CheckpointDamaged):
+        return CheckpointDamaged(f"{what}: {cause}", reason=cause.reason)
+    return CheckpointError(f"{what}: {cause}")
 
 
 def _process_alive(pid: int) -> bool:

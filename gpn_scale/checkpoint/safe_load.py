@@ -7,7 +7,8 @@ Three places in a checkpoint are pickles, and all three are closed here:
 - DCP's `.metadata` file: DCP uses plain `pickle.load`, so `SafeFileSystemReader` reads it with
   an unpickler that only knows DCP's own metadata dataclasses and a few torch value types.
 Per-rank state files and DeepSpeed files go through `safe_torch_load` (weights_only=True).
-Any refusal is a CheckpointError naming the file.
+Any refusal is a CheckpointDamaged (a CheckpointError) naming the file: `--resume auto` falls
+back to an older checkpoint on it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from gpn_scale.checkpoint.errors import CheckpointError, one_line
+from gpn_scale.checkpoint.errors import CheckpointDamaged, one_line
 
 # Modules whose dataclasses/enums may appear in DCP metadata. Classes only: calling a dataclass
 # or enum constructor with pickled arguments cannot run anything else.
@@ -112,7 +113,7 @@ def safe_unpickle_metadata(data: bytes, what: str) -> Any:
     try:
         return _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(
+        raise CheckpointDamaged(
             f"refusing to load {what}: it is not plain DCP metadata ({one_line(exc)}); the "
             "checkpoint is corrupt or was tampered with, pick another"
         ) from exc
@@ -141,7 +142,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = _weights_only_load(value)
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"refusing to unpickle checkpoint value '{read_item.dest_index.fqn}' "
                 f"({_why(exc)}); "
                 "checkpoints may hold only tensors and plain python values"
@@ -169,7 +170,7 @@ def safe_torch_load(path: Path, *, extra_safe_globals: Iterable[Any] = ()) -> An
     try:
         return _weights_only_load(path, extra_safe_globals, map_location="cpu")
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(
+        raise CheckpointDamaged(
             f"refusing to load {path}: not loadable with weights_only=True ({_why(exc)}); "
             "checkpoints may hold only tensors and plain python values"
         ) from exc

@@ -65,8 +65,13 @@ class RunCheckpoints:
         written; an eval with nothing to evaluate is refused here."""
         cfg, mgr = self.cfg, self.mgr
         resume_uri = mgr.resolve_resume(self.resume) if self.resume != "none" else None
-        for uri, reason in mgr.skipped if self.resume == "auto" else ():
+        auto = self.resume == "auto"
+        if auto and resume_uri is None and not self.eval_only:
+            mgr.refuse_start_over()  # damaged checkpoints are never started over in silence
+        for uri, reason in mgr.skipped if auto else ():
             self.log(f"resume auto: skipped {uri} (step {last_ckpt_step(uri)}): {reason}")
+        if auto and mgr.note:
+            self.log(f"resume auto: {mgr.note}")
         warm = None
         if cfg.checkpoint.initial_load and not self.eval_only:
             if resume_uri:
@@ -265,6 +270,10 @@ class RunCheckpoints:
             return TrainState()
         if self.eval_only and self.resume == "auto":
             return self._restore_newest(uri, backend, loader, model_cfg)
+        if self.resume == "auto":  # a damaged checkpoint falls back to the one before it
+            return self.mgr.load_newest(
+                uri, lambda u: self._restore(u, backend, loader, model_cfg), self.log
+            )
         return self._restore(uri, backend, loader, model_cfg)
 
     def _restore(self, uri: str, backend: Backend, loader: Any, model_cfg: Any) -> TrainState:

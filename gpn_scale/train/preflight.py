@@ -178,6 +178,8 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
     run_dir_exists = check_local_dir(run_dir, "run_dir")
     mgr, where = _dry_run_checkpoints(cfg, ckpt_root)
     resume_uri = mgr.resolve_resume(resume) if resume != "none" else None
+    if resume == "auto" and resume_uri is None:
+        mgr.refuse_start_over()  # as a start would: damaged checkpoints are not started over
     finished = None
     if resume != "none":
         raw = mgr.storage.get_bytes(DONE_MARKER)
