@@ -504,19 +504,7 @@ class LocalStorage(Storage):
         return self.root / key if key else self.root
 
     def _fail(self, action: str, path: Path, exc: OSError) -> Exception:
-        if isinstance(exc, PermissionError) or exc.errno in (
-            errno.EACCES,
-            errno.EPERM,
-            errno.EROFS,
-        ):
-            fix = f"fix its permissions or choose a writable {self.subject}"
-        elif exc.errno == errno.ENOSPC:
-            fix = f"free disk space or choose another {self.subject}"
-        elif exc.errno == errno.ENOTDIR or isinstance(exc, FileExistsError):
-            fix = f"a file is in the way of the directory; choose another {self.subject}"
-        else:
-            fix = f"check the {self.subject}"
-        return self.error(f"cannot {action} {path}: {one_line(exc)}; {fix}")
+        return self.error(os_error_line(action, path, exc, self.subject))
 
     def put_file(self, local_path: Path, key: str) -> ObjectInfo:
         dest = self._path(key)
@@ -560,7 +548,7 @@ class LocalStorage(Storage):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, dest)  # atomic: readers never see half a file
-            _fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise self._fail("write", dest, exc) from exc
@@ -665,6 +653,26 @@ class LocalStorage(Storage):
         return self._path(key.rstrip("/"))
 
 
+# Errors of the disk, not of the program: full, over quota, read-only, refused, failing.
+DISK_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+)
+
+
+def os_error_line(action: str, path: str | os.PathLike[str], exc: OSError, subject: str) -> str:
+    """`cannot <action> <path>: <the error>; <the fix>`: one line for a failed file operation,
+    `subject` naming the setting that chose the place ("run_dir", "checkpoint root")."""
+    if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"fix its permissions or choose a writable {subject}"
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free disk space or choose another {subject}"
+    elif exc.errno == errno.ENOTDIR or isinstance(exc, FileExistsError):
+        fix = f"a file is in the way of the directory; choose another {subject}"
+    else:
+        fix = f"check the {subject}"
+    return f"cannot {action} {path}: {one_line(exc)}; {fix}"
+
+
 def writable_dir(directory: str | os.PathLike[str]) -> bool:
     """Whether a file can be created in the existing `directory`: a probe file created and
     removed (os.access alone is not enough: root passes it on a read-only mount)."""
@@ -691,7 +699,8 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries durable (a new or renamed file in it survives a crash)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

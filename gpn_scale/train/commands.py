@@ -3,9 +3,10 @@ Trainer) and demo.py.
 
 Heavy imports (torch, deepspeed, streaming) happen inside the handlers so `--help` is fast.
 Exit codes: 0 done; 2 bad config / checkpoint / credentials / data (one line on stderr,
-nothing written); 3 stopped after too many non-finite steps; 75 preempted (or a first
-Ctrl-C) after a successful save (rerun: `--resume auto` is the default); 130 aborted by a
-second Ctrl-C.
+nothing written), a disk that refuses a write (full, read-only: one line naming the
+file), or a run taken over by another job (--take-over: nothing more written); 3 stopped
+after too many non-finite steps; 75 preempted (or a first Ctrl-C) after a successful save
+(rerun: `--resume auto` is the default); 130 aborted by a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -229,6 +230,20 @@ def _errors():
     return tuple(types)
 
 
+def _disk_failure(err: OSError) -> str | None:
+    """One line for a write the disk refused (full, read-only, no permission, I/O error)
+    wherever it happened (the trainer's own writers name theirs); None: a bug, traceback."""
+    import errno
+
+    from gpn_scale.io.storage import DISK_ERRNOS, os_error_line
+
+    if err.errno not in DISK_ERRNOS:
+        return None
+    action = "write" if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) else "access"
+    where = err.filename if err.filename is not None else "a file"
+    return os_error_line(action, where, err, "run_dir / checkpoint.root")
+
+
 def _fail(err: BaseException | str) -> int:
     msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     print(f"gpn-scale: error: {msg}", file=sys.stderr, flush=True)
@@ -289,6 +304,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         ).run()
     except errors as err:
         return _fail(err)
+    except OSError as err:
+        line = _disk_failure(err)
+        if line is None:
+            raise
+        return _fail(line)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and exits 75)
         from gpn_scale.train.signals import EXIT_ABORTED
 

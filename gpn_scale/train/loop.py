@@ -44,6 +44,7 @@ from gpn_scale.train.progress import (
 )
 from gpn_scale.train.run_data import endless_batches
 from gpn_scale.train.signals import EXIT_NONFINITE, EXIT_PREEMPTED, StopConditions
+from gpn_scale.train.sinks import sync_sinks
 from gpn_scale.train.state import Components, RunResult, TrainState
 from gpn_scale.train.step import StepResult, train_step
 
@@ -493,8 +494,10 @@ class Trainer:
         """A checkpoint of step s.step, unless the newest one already is."""
         if last_ckpt_step(s.last_ckpt) == s.step:
             return
+        sync_sinks(self._sinks)  # the history up to this step is on disk before the checkpoint
         s.last_ckpt = self._ckpt.save(c.backend, s, c.train_loader, c.model_cfg)
         self._emit({"event": "checkpoint", "checkpoint": s.last_ckpt}, s.step, s.tokens)
+        sync_sinks(self._sinks)
 
     def _stop_requested(self) -> bool:
         """All ranks agree (one all-reduce MAX) whether to stop now: a preemption signal on

@@ -1,6 +1,10 @@
 """The sinks a run writes its metrics to, opened on rank 0: the resolved config beside
 them, a JSONL history, and W&B when configured (online, offline, or auto: offline where
-the server cannot be reached)."""
+the server cannot be reached).
+
+Durable: config.yaml is written whole (temp file, fsync, rename) and the history is fsynced
+at each checkpoint (`sync_sinks`), so a crash never leaves a checkpoint whose config and
+history are gone; what the history's repair on resume finds is logged in one line each."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import Any
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import RUN_CONFIG
+from gpn_scale.io.storage import LocalStorage
 from gpn_scale.run.config import TrainConfig, relocatable, to_yaml
 from gpn_scale.train.metrics import JsonlSink, WandbSink, scrub_secrets
 
@@ -27,8 +32,12 @@ def open_sinks(
     path = Path(run_dir)
     # Resolved (defaults filled in, the derived paths written out) and relocatable: paths
     # inside the run folder relative to it, so a copied folder reads its own files.
-    (path / RUN_CONFIG).write_text(to_yaml(relocatable(cfg)))
-    sinks: list[Any] = [JsonlSink(str(path / "metrics.jsonl"), resume_step=resume_step)]
+    folder = LocalStorage(path, error=ConfigError, subject="run_dir")
+    folder.put_bytes(RUN_CONFIG, to_yaml(relocatable(cfg)).encode())  # atomic, fsynced
+    history = JsonlSink(str(path / "metrics.jsonl"), resume_step=resume_step)
+    for note in history.notes:
+        log(f"metrics: {note}")
+    sinks: list[Any] = [history]
     if cfg.logging.wandb.mode != "disabled":
         config = scrub_secrets(
             {**cfg.to_dict(), "model_config": model_cfg.to_dict(), "params": n_params}
@@ -41,6 +50,13 @@ def open_sinks(
         wandb_id = sink.run_id
         sinks.append(sink)
     return sinks, wandb_id
+
+
+def sync_sinks(sinks: list[Any]) -> None:
+    """Put what the sinks hold on disk (the JSONL history; W&B keeps its own files)."""
+    for sink in sinks:
+        if isinstance(sink, JsonlSink):
+            sink.sync()
 
 
 def _open_wandb(

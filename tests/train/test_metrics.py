@@ -3,6 +3,7 @@ resuming the same W&B run id, and secret scrubbing."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -88,6 +89,78 @@ def test_jsonl_unwritable_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot write metrics file .*run_dir") as ei:
         JsonlSink(str(blocker / "metrics.jsonl"))
     assert "\n" not in str(ei.value)
+
+
+class _FullDisk:
+    """A file whose writes the disk refuses (ENOSPC), as a full run_dir does mid-run."""
+
+    def __init__(self, real) -> None:  # type: ignore[no-untyped-def]
+        self.real, self.closed = real, False
+
+    def write(self, text: str = "") -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    flush = write
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def close(self) -> None:
+        self.real.close()
+        self.closed = True
+
+
+def test_a_full_or_read_only_disk_under_the_metrics_file_is_one_line(tmp_path: Path) -> None:
+    """Issue 36 case 3: a run_dir that filled up mid-run turned the metrics writer's OSError
+    into a 26-line traceback (exit 1). It is a ConfigError (the CLI's one line, exit 2)
+    naming the file, the cause and the fix."""
+    path = tmp_path / "run" / "metrics.jsonl"
+    sink = JsonlSink(str(path))
+    sink.log({"loss": 1.0}, step=1)
+    sink._file = _FullDisk(sink._file)
+    for action in (lambda: sink.log({"loss": 0.5}, step=2), sink.sync):
+        with pytest.raises(ConfigError) as err:
+            action()
+        line = str(err.value)
+        assert "\n" not in line and str(path) in line, line
+        assert "No space left on device" in line and "free disk space" in line, line
+    with pytest.raises(ConfigError):
+        sink.close()
+    assert sink._file.closed  # closed all the same
+
+
+def test_resume_repairs_a_torn_history_and_names_one_with_a_gap(tmp_path: Path) -> None:
+    """Issue 36 case 4: after a filesystem abort metrics.jsonl was 0 bytes while checkpoints
+    of steps 5 and 10 survived; the resume went on and the history silently lacked steps
+    1-10. The repair names the gap in one line (a torn last line is dropped, and said)."""
+    from gpn_scale.models.registry import load_model_config
+    from gpn_scale.run.config import load_train_config
+    from gpn_scale.train.sinks import open_sinks
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b"")  # what the abort left
+    cfg = load_train_config("ci_tiny", ["logging.wandb.mode=disabled"])
+    lines: list[str] = []
+    sinks, _ = open_sinks(
+        cfg, str(path.parent), 10, None, load_model_config("tiny")[1], 1, lines.append
+    )
+    sinks[0].close()
+    gap = [ln for ln in lines if ln.startswith("metrics: ")]
+    assert len(gap) == 1 and "steps 1-10 are missing" in gap[0] and str(path) in gap[0], lines
+
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    sink = JsonlSink(str(path), resume_step=10)
+    sink.close()
+    assert len(sink.notes) == 2 and "dropped a torn last line" in sink.notes[0]
+    assert "ends at step 3" in sink.notes[1] and "steps 4-10 are missing" in sink.notes[1]
+    assert [r["step"] for r in _strict_rows(path)] == [1, 2, 3]
+
+    # a whole history (the checkpoint's own row at step 10 included) says nothing
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 11)))
+    sink = JsonlSink(str(path), resume_step=10)
+    sink.close()
+    assert sink.notes == []
 
 
 # -- W&B offline ------------------------------------------------------------------------------
