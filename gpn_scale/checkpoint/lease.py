@@ -18,8 +18,9 @@ the conditions) counts as lost too.
 
 A holder whose lease was replaced (another job's `--take-over`, its own job requeued) has lost
 the run: the heartbeat thread looks every min(ttl_s / 5, CHECK_S) seconds and sets `lost` (one
-line), which the trainer reads at each step; `check()` reads the lease at once (the trainer
-calls it before each checkpoint write). The trainer then stops without writing anything more.
+line), which the trainer reads at each step (in the stop all-reduce it runs with preemption
+on); `check()` reads the lease at once (the trainer calls it before each checkpoint write).
+The trainer then stops without writing anything more.
 """
 
 from __future__ import annotations

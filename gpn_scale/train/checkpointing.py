@@ -178,10 +178,14 @@ class RunCheckpoints:
 
     def run_in_use(self) -> bool:
         """Whether another job holds the run's lease now: a failed start then removes none
-        of the folders it found missing (they may be that job's by now)."""
+        of the folders it found missing (they may be that job's by now). If not, our own
+        lease is released first (its heartbeat would put it back into a removed folder)."""
         from gpn_scale.checkpoint.lease import held_by_another
 
-        return held_by_another(self.mgr.storage, self.lease)
+        if held_by_another(self.mgr.storage, self.lease):
+            return True
+        self.release_lease()
+        return False
 
     def discard_previous_run(self) -> None:
         """--fresh: delete the earlier run's checkpoints and DONE (rank 0), then agree."""

@@ -55,8 +55,9 @@ def open_sinks(
 def sync_sinks(sinks: list[Any]) -> None:
     """Put what the sinks hold on disk (the JSONL history; W&B keeps its own files)."""
     for sink in sinks:
-        if isinstance(sink, JsonlSink):
-            sink.sync()
+        sync = getattr(sink, "sync", None)
+        if sync is not None:
+            sync()
 
 
 def _open_wandb(
