@@ -258,7 +258,7 @@ def test_chunk_graph_capture_out_of_memory_is_raised_and_graphs_stay_on(monkeypa
 def test_cuda_backend_at_the_gpus_block_sizes_equals_pytorch_steps_float64(monkeypatch):
     """The GPU's own block sizes, which the other tests' interpreter-sized blocks never run:
     64-wide GEMM tiles (every one partial here) and the split-K a 132-SM GPU gets, d_value
-    blocks of 64 forward / 32 backward, tl.dot's 16-wide minimum on the memory tiles, sweep
+    blocks of 32 forward / 16 backward, tl.dot's 16-wide minimum on the memory tiles, sweep
     blocks of 16 steps with their flush (a chunk of 20: a full and a partial block), the
     fused input's 16-element padded rows. (Loops over several GPU-sized blocks would need
     d > 1024 and take the interpreter a quarter of an hour: the compile gate sees those

@@ -107,13 +107,20 @@ class GemmPlan:
         return (*g, self.splits) if self.splits > 1 else g
 
 
+# bf16 weight panels 128 columns wide: each program keeps twice the weight bytes in flight
+# (2 x 16 KB with Triton's 3 stages: 4.3 MB over the SMs, the copy bandwidth x latency an
+# H200 needs), and half as many programs read the float32 A rows again (L2 -> SM bytes).
+GEMM_BLOCK_N = 128
+
+
 def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False) -> GemmPlan:
-    """Few-row GEMMs stream the weight once: a block of the batch's rows against 64-column
-    panels (32 x 32 tiles for float32/float64 operands, whose IEEE products run on the FMA
-    units: 64-wide tiles spilled there). Where that gives fewer programs than the GPU has
-    SMs (an output of width d: N / 64 = 39 programs at 130M), K is split into ranges (at
-    most MAX_SPLITS, each a multiple of BLOCK_K, never straddling k1) so that one wave of
-    programs streams it."""
+    """Few-row GEMMs stream the weight once: a block of the batch's rows against
+    GEMM_BLOCK_N-column panels (32 x 32 tiles for float32/float64 operands, whose IEEE
+    products run on the FMA units: 64-wide tiles spilled there). Where that gives fewer
+    programs than the GPU has SMs (an output of width d: N / 128 = 20 programs at 130M), K
+    is split into ranges (at most MAX_SPLITS, each a multiple of BLOCK_K, never straddling
+    k1), as many as fit in one wave: rounding up instead left 1.06-1.5 programs per SM, a
+    second wave that a few SMs run alone (accounting/pricing.py's partial wave)."""
     if _interpreting(t):
         bm, bn, bk, warps = 16, 16, 16, 1
     elif ieee:
@@ -123,15 +130,12 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
         # row blocks read it at the same time, so only half their tiles in flight are HBM
         # bytes: accounting/pricing.py); 8 warps hold its 128-row accumulator and A tiles
         bm = min(128 if M >= 128 else 64, max(16, _p2(M)))
-        bn, bk, warps = 64, 64, 8 if bm == 128 else 4
+        bn, bk, warps = GEMM_BLOCK_N, 64, 8 if bm == 128 else 4
     programs = triton_cdiv(M, bm) * triton_cdiv(N, bn)
     sms = _sm_count(t)
     if programs >= sms or K <= bk:
         return GemmPlan(bm, bn, bk, warps)
-    want = min(triton_cdiv(sms, programs), MAX_SPLITS, triton_cdiv(K, bk))
-    per = triton_cdiv(triton_cdiv(K, want), bk) * bk
-    s1 = triton_cdiv(k1, per) if k1 else 0
-    splits = s1 + triton_cdiv(K - k1, per)
+    splits, s1, per = _wave_splits(programs, sms, K, k1, bk)
     if splits <= 1:
         return GemmPlan(bm, bn, bk, warps)
     return GemmPlan(bm, bn, bk, warps, splits, s1, per)
@@ -354,6 +358,25 @@ def _split(plan: StepPlan) -> bool:
     return plan.tp_size > 1
 
 
+def wave_fill(programs: int, sms: int) -> float:
+    """The share of its waves' program slots a grid fills (one program per SM a wave)."""
+    return programs / (triton_cdiv(programs, sms) * sms)
+
+
+def _wave_splits(programs: int, sms: int, K: int, k1: int, bk: int) -> tuple[int, int, int]:
+    """(splits, of them over [0, k1), K per split) for a grid of `programs` column tiles:
+    of the ranges of K / n (n <= MAX_SPLITS, a multiple of bk, a range never straddling
+    k1: that boundary can add one), the grid that fills its waves best, more splits on a
+    tie."""
+    best: tuple[float, int, int, int] = (0.0, 1, 0, K)
+    for want in range(1, min(MAX_SPLITS, triton_cdiv(K, bk)) + 1):
+        per = triton_cdiv(triton_cdiv(K, want), bk) * bk
+        s1 = triton_cdiv(k1, per) if k1 else 0
+        splits = s1 + triton_cdiv(K - k1, per)
+        best = max(best, (wave_fill(programs * splits, sms), splits, s1, per))
+    return best[1], best[2], best[3]
+
+
 def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
     """One fixed point: x (contiguous) summed over the tp group, in place, through
     `collectives.tp_sum_` (recorded as a collective; a dry run only records it)."""
@@ -362,10 +385,22 @@ def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
         tp_sum_(x, plan)
 
 
-# The memory kernels' d_value block and warps on the GPU (what accounting/gpu_compile.py compiles
-# without spills at the shipped configs).
-MEMORY_BACKWARD_BLOCK_DV = 32
-MEMORY_BACKWARD_WARPS = 8
+# The memory kernels' d_value block, warps and register cap on the GPU: what
+# accounting/gpu_compile.py compiles without spills at the shipped configs, with at least two
+# programs resident per SM (one program cannot hide its own round trips and issue latency).
+# The backward at 4 warps x 16 d_value columns holds what 8 warps x 32 did per thread
+# (<= 255 registers: 2 programs per SM, not 1); the forward at 32 columns needs ~140
+# registers (3 per SM, not 2). The flush keeps 8 warps: at 4, or capped at 128 registers,
+# it spills 150-260 bytes a thread.
+MEMORY_BACKWARD_BLOCK_DV = 16
+MEMORY_BACKWARD_WARPS = 4
+MEMORY_BACKWARD_MAXNREG = 255
+MEMORY_FORWARD_BLOCK_DV = 32
+MEMORY_FORWARD_WARPS = 4
+MEMORY_FORWARD_MAXNREG: int | None = None
+FLUSH_BLOCK_DV = 64
+FLUSH_WARPS = 8
+FLUSH_MAXNREG = 255
 SWEEP_BLOCK = 16
 
 # --------------------------------------------------------------------------- backend
@@ -648,10 +683,12 @@ def _memory_forward(
         ),
         tau,
         **_layer_meta(plan, i),
-        BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else 64),
+        BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else MEMORY_FORWARD_BLOCK_DV),
         BLOCK_DK=blocks["BLOCK_DK"],
         BLOCK_C=blocks["BLOCK_C"],
         BLOCK_F=blocks["BLOCK_F"],
+        num_warps=MEMORY_FORWARD_WARPS,
+        maxnreg=MEMORY_FORWARD_MAXNREG,
     )
 
 
@@ -1007,7 +1044,7 @@ def _memory_backward(
         BLOCK_S=_sweep_block(y),
         num_warps=MEMORY_BACKWARD_WARPS,
         # ptxas otherwise caps the layers above 0 (no write) at 128 registers and spills
-        maxnreg=255,
+        maxnreg=MEMORY_BACKWARD_MAXNREG,
     )
     S = _sweep_block(y)
     if mem and tau % S == 0 and tau > 0:
@@ -1053,11 +1090,11 @@ def _flush_block(
         DV=dv,
         WRITE=write,
         BLOCK_DK=max(1 if _interpreting(dob) else 16, _p2(dk)),
-        BLOCK_DV=min(_p2(dv), 8 if _interpreting(dob) else 64),
+        BLOCK_DV=min(_p2(dv), 8 if _interpreting(dob) else FLUSH_BLOCK_DV),
         BLOCK_J=S,
         BLOCK_S=S,
-        num_warps=8,
-        maxnreg=255,
+        num_warps=FLUSH_WARPS,
+        maxnreg=FLUSH_MAXNREG,
     )
 
 

@@ -1,0 +1,67 @@
+"""`ops/gpn_step/cuda.gemm_plan`: how a few-row step GEMM is tiled and split over K on a GPU
+of a given size (pure arithmetic; the compile gate checks the same grids compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpn_scale.ops.gpn_step import cuda
+
+
+@pytest.fixture
+def on_gpu_sizes(monkeypatch):
+    monkeypatch.setattr(cuda, "_interpreting", lambda t: False)
+
+
+# (M, N, K, k1): the 130M step GEMMs (d = 2496, width 27,358, the down GEMM's read columns
+# 3,840 then the FFN's) and a 1B tp rank's, at B = 16 / 64 / 128.
+SHAPES = [
+    (m, n, k, k1)
+    for m in (16, 64, 128)
+    for n, k, k1 in (
+        (2496, 27358, 0),
+        (2496, 2496, 0),
+        (2496, 3840 + 6656, 3840),
+        (27358, 2496, 0),
+        (512, 2048, 0),  # a narrow tp rank's: 4 tiles x at most MAX_SPLITS
+    )
+]
+
+
+@pytest.mark.parametrize("sms", [132, 108])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_split_grids_fill_their_waves_and_never_straddle_the_read_columns(
+    on_gpu_sizes, shape, sms, monkeypatch
+):
+    M, N, K, k1 = shape
+    monkeypatch.setattr(cuda, "_sm_count", lambda t: sms)
+    t = torch.empty(0, device="meta")
+    plan = cuda.gemm_plan(M, N, K, t, k1)
+    grid = plan.grid(M, N)
+    programs = grid[0] * grid[1] * (grid[2] if len(grid) > 2 else 1)
+    if plan.splits == 1:
+        assert grid[0] * grid[1] >= sms or K <= plan.block_k
+        return
+    assert plan.splits <= cuda.MAX_SPLITS + (1 if k1 else 0)
+    capped = plan.splits - plan.splits_k1 >= cuda.MAX_SPLITS  # too few tiles to fill a wave
+    assert capped or cuda.wave_fill(programs, sms) >= 0.75, (plan, programs)
+    assert plan.k_per_split % plan.block_k == 0
+    # The ranges cover [0, K) once; the first splits_k1 end at k1 or inside it.
+    ranges = [
+        (s * plan.k_per_split, min((s + 1) * plan.k_per_split, k1)) for s in range(plan.splits_k1)
+    ] + [
+        (k1 + s * plan.k_per_split, min(k1 + (s + 1) * plan.k_per_split, K))
+        for s in range(plan.splits - plan.splits_k1)
+    ]
+    assert all(lo < hi for lo, hi in ranges)
+    assert sum(hi - lo for lo, hi in ranges) == K
+
+
+def test_a_split_never_leaves_a_nearly_empty_second_wave(on_gpu_sizes, monkeypatch):
+    """Rounding the split count up (the old rule) put 20 column tiles x 7 = 140 programs on
+    132 SMs: 8 programs in a second wave. Now one wave of 120."""
+    monkeypatch.setattr(cuda, "_sm_count", lambda t: 132)
+    plan = cuda.gemm_plan(128, 2496, 27358, torch.empty(0, device="meta"))
+    assert (plan.block_n, plan.splits) == (128, 6)
+    assert cuda.wave_fill(20 * 7, 132) < 0.6 < cuda.wave_fill(20 * 6, 132) == 120 / 132
