@@ -69,6 +69,7 @@ _PATH_KEYS = (
     ("data", "remote"),
     ("data", "local_cache"),
     ("logging", "wandb", "dir"),
+    ("profiling", "folder"),
     ("model",),
 )
 

@@ -181,6 +181,22 @@ class PreemptionSection:
 
 
 @dataclass
+class ProfilingSection:
+    # torch.profiler over training steps (train/profiling.py; torchtitan's profiling.*):
+    # every `every` steps a window ends; its last `active` steps are recorded after `warmup`
+    # profiled steps that are not, one Chrome trace per rank and window.
+    enable: bool = False  # write rank<r>_step<n>.json traces (chrome://tracing, Perfetto)
+    every: int = 100  # a window ends at every multiple of this many steps
+    warmup: int = 3  # steps before each recorded span that run the profiler unrecorded
+    active: int = 1  # steps recorded in each window (warmup + active <= every)
+    folder: str | None = None  # local dir or s3://bucket/prefix (default <run_dir>/profiling)
+    # CUDA memory snapshots (rank<r>_step<n>_memory.pickle at every window's end, _oom on
+    # out-of-memory; https://pytorch.org/memory_viz); records the allocation history from
+    # the first step (slower steps). CPU runs skip it.
+    memory_snapshot: bool = False
+
+
+@dataclass
 class DebugSection:
     # Test hooks: the loss is replaced by NaN at these steps / from this step on.
     inject_nan_steps: list[int] = field(default_factory=list)
@@ -219,6 +235,7 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     analysis: AnalysisSection = field(default_factory=AnalysisSection)
     preemption: PreemptionSection = field(default_factory=PreemptionSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
     debug: DebugSection = field(default_factory=DebugSection)
 
     # ----- derived paths ------------------------------------------------------------
@@ -248,6 +265,7 @@ ZERO_IS_OFF = {
     "debug.step_sleep": "0 = off",
     "debug.eval_sleep": "0 = off",
     "debug.setup_sleep": "0 = off",
+    "profiling.warmup": "0 = no warm-up steps",
 }
 # Keys that name a place on disk: a leading ~ is the user's home, as in a shell.
 PATH_KEYS = (
@@ -257,6 +275,7 @@ PATH_KEYS = (
     "data.local_cache",
     "checkpoint.root",
     "logging.wandb.dir",
+    "profiling.folder",
 )
 
 _ENUMS = {
@@ -310,6 +329,7 @@ _SECTION_TYPES: dict[str, type] = {
         EvalSection,
         AnalysisSection,
         PreemptionSection,
+        ProfilingSection,
         DebugSection,
     )
 }
@@ -556,6 +576,30 @@ def _check_parallel_and_analysis(cfg: TrainConfig) -> None:
         )
 
 
+def _check_profiling(section: ProfilingSection) -> None:
+    """profiling.*: a schedule that fits its period and a folder the storage layer opens."""
+    for key in ("every", "active"):
+        if getattr(section, key) < 1:
+            raise ConfigError(f"profiling.{key}: must be >= 1, got {getattr(section, key)}")
+    if section.warmup + section.active > section.every:
+        raise ConfigError(
+            f"profiling.warmup + profiling.active: must be <= profiling.every={section.every} "
+            f"(one window per period), got {section.warmup} + {section.active}; raise "
+            "profiling.every or shorten the window"
+        )
+    folder = section.folder
+    if folder is not None and not folder.strip():
+        raise ConfigError(
+            "profiling.folder: empty; give a directory or s3://bucket/prefix, or null "
+            "(<run_dir>/profiling)"
+        )
+    if folder is not None and "://" in folder and not folder.startswith(("s3://", "file://")):
+        raise ConfigError(
+            f"profiling.folder: {folder!r} uses unsupported scheme "
+            f"'{folder.split('://', 1)[0]}'; use a directory or s3://bucket/prefix"
+        )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Value checks the types cannot express (one line each)."""
     check_numbers(cfg)
@@ -607,6 +651,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optim.eps <= 0:
         raise ConfigError(f"optim.eps: must be > 0, got {cfg.optim.eps}")
     _check_parallel_and_analysis(cfg)
+    _check_profiling(cfg.profiling)
     mb = cfg.train.micro_batch_size
     if mb is not None and mb < 1:
         raise ConfigError(f"train.micro_batch_size: must be >= 1, got {mb}")
@@ -651,6 +696,7 @@ def relocatable(cfg: TrainConfig) -> TrainConfig:
         out.data.remote = str(run_folder.to_run_relative(cfg.data.remote, run_dir))
     out.data.local_cache = run_folder.to_run_relative(cfg.data.local_cache, run_dir)
     out.logging.wandb.dir = run_folder.to_run_relative(cfg.logging.wandb.dir, run_dir)
+    out.profiling.folder = run_folder.to_run_relative(cfg.profiling.folder, run_dir)
     if run_folder.looks_like_path(cfg.model) and Path(cfg.model).is_file():
         out.model = str(run_folder.to_run_relative(cfg.model, run_dir))
     return out

@@ -4,8 +4,8 @@
              root and where to start (checkpointing.py) -> data (run_data.py) -> model ->
              backend: TP, then FSDP2 or DeepSpeed, and the optimizer -> restore -> sinks
     step:    lr(step) -> train_step (step.py): accumulate micro-batches, global loss, clip,
-             skip if non-finite else update -> after the step: metrics, [eval],
-             [checkpoint], [preemption: save, exit 75]
+             skip if non-finite else update -> after the step: metrics, [profile
+             (profiling.py)], [eval], [checkpoint], [preemption: save, exit 75]
     finish:  eval -> final checkpoint -> DONE marker
 
 Everything that depends on the backend is behind `parallel.backends.Backend`; the loop
@@ -35,6 +35,7 @@ from gpn_scale.train.build import build_model, training_flops_per_token
 from gpn_scale.train.checkpointing import RunCheckpoints
 from gpn_scale.train.determinism import set_determinism
 from gpn_scale.train.preflight import last_ckpt_step
+from gpn_scale.train.profiling import open_profiler
 from gpn_scale.train.progress import (
     FirstStepNotice,
     Throughput,
@@ -330,23 +331,17 @@ class Trainer:
         )  # fmt: skip
         notice = FirstStepNotice(self.log, device.type, s.step + 1)
         o, sched = cfg.optim, cfg.schedule
+        prof = open_profiler(cfg.profiling, topo.rank, self.run_dir, s.step, device, self.log)
         try:
             while s.step < total:
                 t0 = time.perf_counter()
                 lr = optim_lib.lr_at(s.step, o.lr, sched.warmup_steps, total, sched.min_lr_ratio)
                 r = train_step(
-                    c.backend,
-                    batches,
-                    lr=lr,
-                    accum=c.accum,
-                    grad_clip=o.grad_clip,
-                    device=device,
-                    mean_over_ranks=topo.all_reduce_mean,
-                    autocast=self._autocast,
-                    carry=s.carry,
-                    stateful=cfg.train.stateful_windows,
+                    c.backend, batches, lr=lr, accum=c.accum, grad_clip=o.grad_clip,
+                    device=device, mean_over_ranks=topo.all_reduce_mean, autocast=self._autocast,
+                    carry=s.carry, stateful=cfg.train.stateful_windows,
                     poison=cfg.debug.poisons(s.step),
-                )
+                )  # fmt: skip
                 notice.done()
                 s.step += 1
                 self._stepped = True
@@ -355,11 +350,13 @@ class Trainer:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self._record_step(c, s, r, lr, time.perf_counter() - t0, meter)
+                prof.step(s.step)  # before any scheduled eval / checkpoint: not in the trace
                 stopped = self._after_step(c, s)
                 if stopped is not None:
                     return stopped
         finally:
             notice.done()
+            prof.close()  # (a CUDA out-of-memory error in flight: a memory snapshot)
             if self._pbar is not None:  # the bar ends with the steps; the summary follows it
                 self._pbar.close()
                 self._pbar = None
