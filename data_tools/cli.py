@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except DataError as err:
-        print(f"gpn-data: error: {err}", file=sys.stderr)
+        from gpn_scale.io.storage import redact_urls
+
+        print(f"gpn-data: error: {redact_urls(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gpn-data: interrupted", file=sys.stderr)

@@ -92,6 +92,13 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
         "--max-docs", type=int, default=None, help="stop after this many documents (default: all)"
     )
     p.add_argument(
+        "--encoding-errors",
+        default="strict",
+        choices=("strict", "replace"),
+        help="text and JSONL inputs must be UTF-8: strict (default) refuses a byte that is "
+        "not, naming the file and its offset; replace reads such bytes as U+FFFD",
+    )
+    p.add_argument(
         "--scratch-dir",
         default=None,
         help="where the token scratch file goes (needs ~2 bytes/token)",
@@ -177,6 +184,13 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="train on the first this many documents (default: all)",
+    )
+    p.add_argument(
+        "--encoding-errors",
+        default="strict",
+        choices=("strict", "replace"),
+        help="text and JSONL inputs must be UTF-8: strict (default) refuses a byte that is "
+        "not, naming the file and its offset; replace reads such bytes as U+FFFD",
     )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_tokenizer)
@@ -285,7 +299,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
         source["field"] = args.field
         docs = iter_documents(
-            files, field=args.field, hf_split=args.hf_split, max_docs=args.max_docs
+            files,
+            field=args.field,
+            hf_split=args.hf_split,
+            max_docs=args.max_docs,
+            encoding_errors=args.encoding_errors,
         )
         meta = build_dataset(docs, args.out, spec, options, source)
     print(
@@ -308,7 +326,13 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from data_tools.tokenizer import train_bpe
 
     files = expand_inputs(args.inputs, args.format)
-    docs = iter_documents(files, field=args.field, hf_split=args.hf_split, max_docs=args.max_docs)
+    docs = iter_documents(
+        files,
+        field=args.field,
+        hf_split=args.hf_split,
+        max_docs=args.max_docs,
+        encoding_errors=args.encoding_errors,
+    )
     spec = train_bpe(
         docs,
         args.out,

@@ -5,10 +5,10 @@ the `datasets` package). Inputs are read in a fixed, sorted order so builds repe
 from __future__ import annotations
 
 import gzip
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from gpn_scale.data.errors import DataError
 
@@ -71,15 +71,40 @@ def expand_inputs(inputs: list[str], fmt: str = "auto") -> list[tuple[str, str]]
     return files
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+ENCODING_ERRORS = ("strict", "replace")
 
 
-def _iter_jsonl(path: str, field: str) -> Iterator[str]:
-    with _open_text(path) as fh:
-        for lineno, line in enumerate(fh, 1):
+def _decode(raw: bytes, path: str, errors: str, offset: int = 0, line: int | None = None) -> str:
+    """UTF-8 text of `raw` (at byte `offset` of the file); a byte that is not UTF-8 is one
+    DataError naming the file and its offset, unless `errors` is "replace" (U+FFFD)."""
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as err:
+        at = f"{path}:{line}" if line is not None else path
+        raise DataError(
+            f"{at}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte offset "
+            f"{offset + err.start}); convert the file to UTF-8 (e.g. iconv -t UTF-8), or pass "
+            "--encoding-errors replace to read such bytes as U+FFFD"
+        ) from None
+
+
+def _open_bytes(path: str) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _read_text(path: str, errors: str) -> str:
+    """The whole file as text, line ends as text mode reads them (\r\n and \r -> \n)."""
+    with _open_bytes(path) as fh:
+        text = _decode(fh.read(), path, errors)
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _iter_jsonl(path: str, field: str, errors: str = "strict") -> Iterator[str]:
+    offset = 0
+    with _open_bytes(path) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = _decode(raw, path, errors, offset, lineno)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -146,15 +171,21 @@ def iter_documents(
     field: str = "text",
     hf_split: str = "train",
     max_docs: int | None = None,
+    encoding_errors: str = "strict",
 ) -> Iterator[str]:
-    """Every document of every input, in order (a text file is one document)."""
+    """Every document of every input, in order (a text file is one document). Text and
+    JSONL files must be UTF-8: a byte that is not is refused in one line naming the file
+    and its offset, unless `encoding_errors="replace"` (read as U+FFFD)."""
+    if encoding_errors not in ENCODING_ERRORS:
+        raise DataError(
+            f"--encoding-errors {encoding_errors!r}: choose one of {', '.join(ENCODING_ERRORS)}"
+        )
     count = 0
     for path, kind in files:
         if kind == "text":
-            with _open_text(path) as fh:
-                docs: Iterator[str] = iter([fh.read()])
+            docs: Iterator[str] = iter([_read_text(path, encoding_errors)])
         elif kind == "jsonl":
-            docs = _iter_jsonl(path, field)
+            docs = _iter_jsonl(path, field, encoding_errors)
         elif kind == "parquet":
             docs = _iter_parquet(path, field)
         else:

@@ -46,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    train = (sys.argv[1:] if argv is None else argv)[:1] == ["train"]
+    if train:  # first: a preemption signal in the start-up is the trainer's, not fatal
+        from gpn_scale.train.signals import install_early, release_early
+
+        install_early()
+    try:
+        return _main(argv)
+    finally:
+        if train:
+            release_early()
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -54,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if args.command is None else 2
         return int(args.func(args) or 0)
     except ConfigError as err:
-        print(f"gpn-scale: error: {err}", file=sys.stderr)
+        from gpn_scale.io.storage import redact_urls
+
+        print(f"gpn-scale: error: {redact_urls(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `gpn-scale sweep plan … | head`: the reader left; so do we
         from gpn_scale.core.pipes import quiet_broken_pipe

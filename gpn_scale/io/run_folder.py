@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +126,54 @@ def is_run_folder(path: str | Path) -> bool:
 
 
 def read_run_config(folder: str | Path) -> dict[str, Any]:
-    """config.yaml of the run folder `folder`, its paths resolved for where it lies now."""
+    """config.yaml of the run folder `folder`, its paths resolved for where it lies now.
+
+    An empty or unreadable config.yaml (truncated by a crash or a copy) is never read as the
+    schema's defaults (another dataset, another seq_len): the config the run's newest
+    checkpoint recorded (its manifest's meta.config) stands in, said in one line on stderr;
+    without one, one ConfigError line naming the file and the fix."""
     from gpn_scale.core.config import ConfigError, read_yaml
 
-    raw = read_yaml(Path(folder) / RUN_CONFIG, resolve=False, what="run config")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{Path(folder) / RUN_CONFIG}: expected a mapping of config sections")
-    return rebase_run_config(raw, str(folder))
+    path = Path(folder) / RUN_CONFIG
+    try:
+        raw = read_yaml(path, resolve=False, what="run config")
+        why = f"{path} is empty" if not raw else f"{path}: not a mapping of config sections"
+    except ConfigError as err:
+        raw, why = None, str(err)
+    if isinstance(raw, dict) and raw:
+        return rebase_run_config(raw, str(folder))
+    recorded, manifest = _recorded_config(Path(folder) / "checkpoints")
+    if recorded is None:
+        raise ConfigError(
+            f"{why}, and no checkpoint in {Path(folder) / 'checkpoints'} records the run's "
+            "config; restore config.yaml (e.g. from a copy of the run), or give the training "
+            "config in its place (gpn-scale eval CONFIG run_dir=... checkpoint.root=...)"
+        )
+    if str(path) not in _SAID:
+        _SAID.add(str(path))
+        print(
+            f"gpn-scale: warning: {why}; using the config recorded in {manifest}", file=sys.stderr
+        )
+    return rebase_run_config(recorded, str(folder))
+
+
+_SAID: set[str] = set()  # the config.yaml files a line already named (one line a process)
+
+
+def _recorded_config(root: Path) -> tuple[dict[str, Any] | None, str]:
+    """(meta.config, its manifest) of the newest checkpoint under `root` that records one."""
+    import json
+
+    steps = [p for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
+    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
+        manifest = step / "manifest.json"
+        try:
+            config = json.loads(manifest.read_bytes()).get("meta", {}).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(config, dict) and config:
+            return config, str(manifest)
+    return None, ""
 
 
 def checkpoint_run_dir(step_uri: str, meta: dict[str, Any]) -> str | None:

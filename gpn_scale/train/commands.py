@@ -246,7 +246,9 @@ def _disk_failure(err: OSError) -> str | None:
 
 def _fail(err: BaseException | str) -> int:
     msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    print(f"gpn-scale: error: {msg}", file=sys.stderr, flush=True)
+    from gpn_scale.io.storage import redact_urls  # no endpoint password in a line
+
+    print(f"gpn-scale: error: {redact_urls(msg)}", file=sys.stderr, flush=True)
     return 2
 
 

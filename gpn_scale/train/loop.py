@@ -86,7 +86,7 @@ class Trainer:
         self._new_files: list[Path] = []
         self._started = False  # the setup succeeded and the sinks are open
         self._stepped = False  # an optimizer step or checkpoint of this process happened
-        self._stops = StopConditions(enabled=False, end_margin_s=0.0, requeue=False)  # run's
+        self._stops = StopConditions.off()  # run() installs the run's
 
     def log(self, msg: str) -> None:
         if self.topo is None or self.topo.is_main:
@@ -419,7 +419,7 @@ class Trainer:
     def _after_step(self, c: Components, s: TrainState) -> RunResult | None:
         """Stop on too many non-finite steps or a preemption; else the scheduled eval and
         checkpoint."""
-        cfg, total = self.cfg, self.cfg.schedule.total_steps
+        cfg, total, every = self.cfg, self.cfg.schedule.total_steps, self.cfg.checkpoint.every_steps
         if s.in_a_row >= cfg.train.max_nonfinite_in_a_row:
             msg = (
                 f"stopping at step {s.step}: {s.in_a_row} consecutive steps had a "
@@ -440,9 +440,9 @@ class Trainer:
             return self._preempted(s)
         if cfg.eval.every_steps and s.step % cfg.eval.every_steps == 0 and s.step < total:
             s.final_eval = self._evaluate(c, s)
-        if cfg.checkpoint.every_steps and s.step % cfg.checkpoint.every_steps == 0:
-            if s.step < total:
-                self._save(c, s)
+        if every and s.step % every == 0 and s.step < total:
+            self._save(c, s)  # a signal during it: that save is the preemption's, no more steps
+            return self._preempted(s) if self._stop_requested() else None
         return None
 
     # ------------------------------------------------------------------ finish

@@ -65,16 +65,58 @@ class PreemptionFlag:
             b"then exiting; press Ctrl-C again to abort without saving\n",
         )
 
-    def install(self) -> PreemptionFlag:
+    def install(self, interrupt: bool = True) -> PreemptionFlag:
+        """The handlers (again: a second call keeps the first one's previous handlers);
+        `interrupt`: Ctrl-C's too."""
         for sig in PREEMPT_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handler)
-        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+            self._previous.setdefault(sig, signal.signal(sig, self._handler))
+        if interrupt:
+            previous = signal.signal(signal.SIGINT, self._interrupt)
+            self._previous.setdefault(signal.SIGINT, previous)
         return self
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+
+# The flag `gpn-scale train` installs first (cli.main, before its heavy imports: torch, the
+# config): a SIGTERM / SIGUSR1 in the start-up's first seconds is recorded, not fatal, and the
+# trainer takes it over (StopConditions): it stops before step 1, writes nothing, exits 75.
+_early: PreemptionFlag | None = None
+
+
+def install_early() -> None:
+    """SIGTERM / SIGUSR1 recorded from now on (Ctrl-C keeps its default until the trainer)."""
+    global _early
+    if _early is None:
+        _early = PreemptionFlag().install(interrupt=False)
+
+
+def release_early() -> None:
+    """The end of `gpn-scale train` when no trainer took the early flag (a read-only
+    sub-command, a refused config): its handlers go, and a signal it recorded takes its
+    default course, as it would have without the flag."""
+    global _early
+    flag, _early = _early, None
+    if flag is not None:
+        flag.uninstall()
+        if flag.signum is not None:
+            signal.raise_signal(flag.signum)
+
+
+def _take_early(enabled: bool) -> PreemptionFlag | None:
+    """The trainer's flag: the early one when installed (a signal it saw is kept), else a
+    new one; none when preemption is disabled (a signal seen early then acts as by default)."""
+    global _early
+    flag, _early = _early, None
+    if enabled:
+        return (flag or PreemptionFlag()).install()
+    if flag is not None:
+        _early = flag
+        release_early()
+    return None
 
 
 def job_deadline(environ: Mapping[str, str], margin_s: float) -> float | None:
@@ -110,10 +152,18 @@ class StopConditions:
     less preemption.end_margin_s); and how it says why."""
 
     def __init__(self, enabled: bool, end_margin_s: float, requeue: bool) -> None:
-        self.flag = PreemptionFlag().install() if enabled else None
+        self.flag = _take_early(enabled)
         self.deadline = job_deadline(os.environ, end_margin_s) if enabled else None
         self.margin_s, self.requeue = end_margin_s, requeue
         self.deadline_hit = False
+
+    @classmethod
+    def off(cls) -> StopConditions:
+        """Nothing to stop on (a trainer before its run): the early flag is left alone."""
+        stops = cls.__new__(cls)
+        stops.flag, stops.deadline, stops.margin_s = None, None, 0.0
+        stops.requeue = stops.deadline_hit = False
+        return stops
 
     def local_request(self) -> bool:
         """This rank's view (the trainer agrees on it over all ranks)."""

@@ -74,7 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fail(msg: str) -> int:
-    print(f"gpn-scale: error: {msg}", file=sys.stderr, flush=True)
+    from gpn_scale.io.storage import redact_urls  # no endpoint password in a line
+
+    print(f"gpn-scale: error: {redact_urls(msg)}", file=sys.stderr, flush=True)
     return 2
 
 
