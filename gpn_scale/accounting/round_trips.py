@@ -512,7 +512,8 @@ def _loop_order(fn: Any, known: tuple[tuple[str, Any], ...]) -> tuple[tuple[str,
                     walk(f, stmt, constexprs)
                 return
         if isinstance(node, ast.For) and isinstance(node.iter, ast.Call):
-            if _call_name(node.iter.func) != "static_range":
+            once = _static_trips(node.iter, constexprs, values) == 1  # LLVM drops the loop
+            if _call_name(node.iter.func) != "static_range" and not once:
                 out.append((f.__name__, node.lineno))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             target = _parsed(f)[1].get(node.func.id)
@@ -530,6 +531,20 @@ def _loop_order(fn: Any, known: tuple[tuple[str, Any], ...]) -> tuple[tuple[str,
     }
     walk(fn, node, constexprs)
     return tuple(out)
+
+
+def _static_trips(call: ast.Call, constexprs: set[str], values: dict[str, Any]) -> int | None:
+    """The trip count of a `range(...)` whose bounds are constexprs and literals (None: known
+    only at run time)."""
+    if call.keywords or not call.args or not all(_names(a) <= constexprs for a in call.args):
+        return None
+    try:
+        bounds = [
+            eval(compile(ast.Expression(a), "<range>", "eval"), {}, dict(values)) for a in call.args
+        ]
+        return len(range(*(int(b) for b in bounds)))
+    except Exception:  # noqa: BLE001 - a name not given, or not plain Python: not evaluated
+        return None
 
 
 def _static_condition(test: ast.expr, values: dict[str, Any]) -> bool | None:

@@ -20,6 +20,7 @@ A checkpoint without a manifest, or whose files do not match it, is never return
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -509,18 +510,33 @@ class CheckpointManager:
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.save(app_state, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
+            full = self._disk_full(exc, stage)
             shutil.rmtree(stage, ignore_errors=True)
             raise CheckpointError(
-                f"checkpoint {name} not saved: DCP save failed ({one_line(exc)})"
+                f"checkpoint {name} not saved: {full or f'DCP save failed ({one_line(exc)})'}"
             ) from exc
         try:
             if rank_state is not None:
-                torch.save(rank_state, stage / _rank_file(self.rank))
+                _save_rank_state(rank_state, stage / _rank_file(self.rank))
             self._stage_files(stage, files)
         except Exception as exc:  # noqa: BLE001
-            err = f"cannot write rank_state ({one_line(exc, 160)})"
+            err = self._disk_full(exc, stage) or f"cannot write rank_state ({one_line(exc, 160)})"
         per_rank = err if err else self._upload_stage(name, stage)
         return self._commit(step, name, stage, "dcp", per_rank, meta)
+
+    def _disk_full(self, exc: BaseException, stage: Path) -> str:
+        """The one line for a staged write that ran out of disk (ENOSPC, EDQUOT: also inside
+        DCP's per-rank failures, or torch's "unexpected pos" of a short write), else ''."""
+        if not _out_of_space(exc, stage):
+            return ""
+        if isinstance(self.storage, LocalStorage):
+            fix = "set checkpoint.root to a disk with room (its .staging holds each save)"
+        else:
+            fix = "set GPN_CKPT_STAGING to a local disk with room"
+        return (
+            f"no space left on device writing the checkpoint into the staging directory "
+            f"{self._staging_root}; free space there (old checkpoints, caches) or {fix}"
+        )
 
     def _stage_files(self, stage: Path, files: dict[str, bytes] | None) -> None:
         if self.rank != 0 or not files:
@@ -552,14 +568,16 @@ class CheckpointManager:
             if ok is False:
                 err = "engine.save_checkpoint returned False"
         except Exception as exc:  # noqa: BLE001
-            err = f"DeepSpeed save_checkpoint failed ({one_line(exc, 200)})"
+            err = self._disk_full(exc, stage) or (
+                f"DeepSpeed save_checkpoint failed ({one_line(exc, 200)})"
+            )
         try:
             if not err and rank_state is not None:
-                torch.save(rank_state, stage / _rank_file(self.rank))
+                _save_rank_state(rank_state, stage / _rank_file(self.rank))
             if not err:
                 self._stage_files(stage, files)
         except Exception as exc:  # noqa: BLE001
-            err = f"cannot write rank_state ({one_line(exc, 160)})"
+            err = self._disk_full(exc, stage) or f"cannot write rank_state ({one_line(exc, 160)})"
         per_rank = err if err else self._upload_stage(name, stage)
         return self._commit(step, name, stage, "deepspeed", per_rank, meta)
 
@@ -758,6 +776,45 @@ class CheckpointManager:
         finally:
             if downloaded:
                 shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def _save_rank_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save through a Python file: a full disk is then an OSError (ENOSPC), not the
+    "unexpected pos 10048 vs 9936" of torch's own file writer."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+
+
+_SHORT_WRITE = ("unexpected pos", "file write failed", "no space left on device")
+
+
+def _out_of_space(exc: BaseException, stage: Path) -> bool:
+    """Whether `exc` (its chain, DCP's per-rank failures) is a write that found no room."""
+    stack: list[Any] = [exc]
+    seen, short_write = 0, False
+    while stack and seen < 50:
+        e = stack.pop()
+        seen += 1
+        if isinstance(e, tuple):  # DCP keeps (exception, traceback) pairs
+            stack.extend(x for x in e if isinstance(x, BaseException))
+            continue
+        if not isinstance(e, BaseException):
+            continue
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        short_write = short_write or any(w in str(e).lower() for w in _SHORT_WRITE)
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+    if not short_write:
+        return False
+    # torch's own writer lost the errno: ask the disk whether a small write still fits.
+    try:
+        free = shutil.disk_usage(stage if stage.exists() else stage.parent).free
+    except OSError:
+        return False
+    return free < 16 * 1024 * 1024
 
 
 def _find_checkpoint_error(exc: BaseException) -> CheckpointError | None:

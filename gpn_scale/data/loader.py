@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
+import json
 import os
 import re
 import shutil
@@ -115,16 +117,59 @@ def _per_run_cache(world_size: int) -> tuple[str, bool]:
 
 
 _CHECKSUM = re.compile(r"Checksum failure: (\S+)")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _not_found_on_s3(cause: BaseException) -> bool:
+    try:
+        from botocore.exceptions import ClientError
+    except ImportError:  # pragma: no cover - boto3 is a dependency
+        return False
+    if not isinstance(cause, ClientError):
+        return False
+    code = str(cause.response.get("Error", {}).get("Code", ""))
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def _setup_problem(cause: BaseException, text: str, root: str, split: str, cache: str) -> str:
+    """The one-line message for a bad index, a cache limit or a full cache disk, or ''."""
+    lowered = text.lower()
+    if isinstance(cause, json.JSONDecodeError) or "index file at" in lowered:
+        return (
+            f"{root}/{split}/index.json is not a valid index ({text}); run `gpn-data verify "
+            f"{root}` and rebuild the dataset with --overwrite"
+        )
+    if "cache_limit" in text or "cache limit" in lowered:
+        return (
+            f"data.cache_limit is too small for the shards of {root}/{split} ({text}); raise "
+            "data.cache_limit (at least 4 times the largest shard) or unset it"
+        )
+    if (isinstance(cause, OSError) and cause.errno in _DISK_FULL) or (
+        "no space left on device" in lowered or "disk quota exceeded" in lowered
+    ):
+        where = f" in {cache}" if cache else ""
+        return (
+            f"the data cache is full: no space left on device{where} for the shards of "
+            f"{root}/{split} ({text}); set data.cache_limit (e.g. 20gb) to bound the cache, or "
+            "data.local_cache to a disk with room"
+        )
+    return ""
 
 
 def translate_stream_error(
-    err: BaseException, remote: str, split: str, background: BaseException | None = None
+    err: BaseException,
+    remote: str,
+    split: str,
+    background: BaseException | None = None,
+    cache: str = "",
 ) -> BaseException:
     """Name the problem behind a streaming failure in one line (or return `err` as is)."""
     if isinstance(err, DataError):
         return err
     cause = background or err
-    text = f"{cause}"
+    if isinstance(cause, DataError):
+        return cause
+    text = " ".join(f"{cause}".split())
     root = remote.rstrip("/")
     match = _CHECKSUM.search(text)
     if match:
@@ -140,6 +185,14 @@ def translate_stream_error(
             f"shard {root}/{split}/{shard} is missing (listed in the index but "
             f"not found); run `gpn-data verify {root}` and rebuild the dataset "
             "with --overwrite"
+        )
+    problem = _setup_problem(cause, text, root, split, cache)
+    if problem:
+        return DataError(problem)
+    if _not_found_on_s3(cause):  # before the text checks: the key names a .zstd file
+        return DataError(
+            f"a shard of {root}/{split} is missing on S3 ({text}); run "
+            f"`gpn-data verify {root}` and rebuild with --overwrite"
         )
     if ("zstd" in text.lower() or "decompress" in text.lower()) and not isinstance(
         cause, FileNotFoundError
@@ -178,6 +231,7 @@ def _token_dataset_class() -> type:
         _background_error: BaseException | None = None
         _gpn_remote: str = ""  # set by build_loader, for error messages
         _gpn_split: str = ""
+        _gpn_cache: str = ""
 
         def on_exception(self, future: Any) -> None:
             # streaming's own version re-raises inside the future's done-callback, where
@@ -255,8 +309,9 @@ def _token_dataset_class() -> type:
                 yield from super().__iter__()
             except Exception as err:  # noqa: BLE001 - translated or re-raised as is
                 translated = translate_stream_error(
-                    err, self._gpn_remote, self._gpn_split, self._background_error
-                )
+                    err, self._gpn_remote, self._gpn_split, self._background_error,
+                    self._gpn_cache,
+                )  # fmt: skip
                 if translated is err:
                     raise
                 raise translated from err
@@ -264,7 +319,9 @@ def _token_dataset_class() -> type:
             # stop on the failure event); a short epoch must not pass for a complete one.
             if self._background_error is not None:
                 error = self._background_error
-                translated = translate_stream_error(error, self._gpn_remote, self._gpn_split)
+                translated = translate_stream_error(
+                    error, self._gpn_remote, self._gpn_split, cache=self._gpn_cache
+                )
                 raise translated from error
 
     return TokenStreamingDataset
@@ -412,7 +469,7 @@ class TokenLoader:
                 raise DataError(text.rsplit("DataError: ", 1)[1]) from err
             raise
         except Exception as err:  # noqa: BLE001 - errors from workers arrive re-wrapped
-            translated = translate_stream_error(err, self.remote, self.split)
+            translated = translate_stream_error(err, self.remote, self.split, cache=self.cache_dir)
             if translated is err:
                 raise
             raise translated from err
@@ -590,6 +647,9 @@ def build_loader(
     import_streaming()  # without transformers (data/streaming_import.py)
     from streaming import StreamingDataLoader
 
+    from gpn_scale.data import s3_download
+
+    s3_download.install()  # shards through gpn_scale.io's retries (data/s3_download.py)
     do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
     dataset_cls = _token_dataset_class()
     opened: list[Any] = []
@@ -612,18 +672,22 @@ def build_loader(
                 record_owner(dataset._shm_prefix_int)
     except BaseException as err:
         _release_handles(opened)  # the prefix walk's, and what a failed construction made
-        if not isinstance(err, ValueError):
+        if not isinstance(err, Exception):
             raise
         if "Reused local directory" in str(err):
             raise DataError(
                 f"local cache {cache_dir} is in use by another running loader; "
                 "give each concurrent run its own DataConfig.local_cache"
             ) from err
-        raise translate_stream_error(err, cfg.remote, split) from err
+        translated = translate_stream_error(err, cfg.remote, split, cache=cache_dir)
+        if translated is err:
+            raise
+        raise translated from err
     # The prefix walk's handles on the segments of every prefix registered already (other
     # loaders', other jobs'): streaming never closes them.
     _release_handles(opened, keep=dataset)
     dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
+    dataset._gpn_cache = cache_dir
     try:
         loader = StreamingDataLoader(
             dataset,

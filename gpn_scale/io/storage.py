@@ -18,9 +18,15 @@ Retries: botocore's own are switched off and replaced by one bounded exponential
 (`RetryPolicy`: `GPN_S3_RETRIES` attempts, default 5; delays `GPN_S3_BACKOFF_S` * 2**i,
 default 0.5 s, capped at 8 s), so that the number of attempts and the delays are known (and
 short in tests), and so that errors that retrying will not cure (credentials, a missing
-bucket) fail on the first attempt with one line. Timeouts: `GPN_S3_CONNECT_TIMEOUT_S`
-(default 5), `GPN_S3_READ_TIMEOUT_S` (default 60). Multipart uploads/downloads through
-s3transfer: `GPN_S3_MULTIPART_MB` (default 64).
+bucket) fail on the first attempt with one line. Retried: no connection, a connection reset
+or a body cut short, timeouts, 5xx and throttling (503 SlowDown), and a transfer that arrived
+corrupted (botocore's FlexibleChecksumError; BadDigest). The same loop serves the shard
+downloads of the data loader (gpn_scale.data.s3_download replaces streaming's own client),
+and a multipart upload retries each part on its own, never the whole file. Requests that
+succeed only after retrying are said on stderr (`RETRY_LOG`: one line a minute at most, with
+the count), so a run slowed down by a throttling store says so. Timeouts:
+`GPN_S3_CONNECT_TIMEOUT_S` (default 5), `GPN_S3_READ_TIMEOUT_S` (default 60). Multipart
+uploads/downloads: `GPN_S3_MULTIPART_MB` (default 64) per part.
 
 Errors: every failure is one line naming the problem and the fix, raised as the caller's own
 error type (`error=`, default `StorageError`) so that this package imports nothing else of
@@ -43,7 +49,9 @@ import hashlib
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -185,6 +193,51 @@ class RetryPolicy:
         return float(min(self.backoff_s * 2 ** (attempt - 1), self.max_delay_s))
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class RetryLog:
+    """Says that S3 requests succeed only after retrying: a run that goes on slowly under a
+    throttling store (503 SlowDown) says so, in one line at most every `interval_s` (the first
+    at once), with the number of retries since the last line. A request that fails for good
+    is not counted here: its error says `after N attempts`. `clock` and `say` are for tests."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = _to_stderr,
+        interval_s: float = 60.0,
+    ) -> None:
+        self.clock, self.say, self.interval_s = clock, say, interval_s
+        self._lock = threading.Lock()
+        self._retries = 0  # since the last line
+        self._requests = 0
+        self._last: float | None = None  # clock() of the last line
+
+    def recovered(self, what: str, url: str, retries: int, detail: str) -> None:
+        """A request (`what` on `url`) succeeded after `retries` retries, the last for `detail`."""
+        with self._lock:
+            self._retries += retries
+            self._requests += 1
+            now = self.clock()
+            if self._last is not None and now - self._last < self.interval_s:
+                return
+            since = "" if self._last is None else f" in the last {(now - self._last) / 60:.0f} min"
+            count, requests = self._retries, self._requests
+            self._retries = self._requests = 0
+            self._last = now
+        self.say(
+            f"S3 retrying: {count} retr{'y' if count == 1 else 'ies'} of {requests} "
+            f"request{'s' if requests != 1 else ''}{since} at {_where()} (latest: {what} {url}: "
+            f"{detail}); the run goes on, slower while S3 answers so "
+            "(GPN_S3_RETRIES bounds the attempts per request)"
+        )
+
+
+RETRY_LOG = RetryLog()
+
+
 _CREDENTIAL_VARIABLES = (
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
@@ -258,15 +311,18 @@ _BUSY_CODES = {
     "ThrottlingException",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+# The store saw a corrupted upload body: the next attempt sends it again.
+_CORRUPT_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 # A conditional write that lost: the object changed (or appeared) since it was read.
 _CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "412"}
-RETRIED = ("unreachable", "busy")
+RETRIED = ("unreachable", "busy", "corrupt")
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
     """(kind, detail) for an exception chain; kind is one of 'nocreds', 'auth', 'bucket',
-    'notfound', 'conflict' (a conditional write lost), 'unreachable' (no connection), 'busy'
-    (5xx, throttling), 'fatal'."""
+    'notfound', 'conflict' (a conditional write lost), 'unreachable' (no connection, a
+    connection reset, a body cut short), 'busy' (5xx, throttling), 'corrupt' (a transfer that
+    failed its checksum), 'fatal'."""
     from botocore import exceptions as bexc
 
     seen: BaseException | None = exc
@@ -277,6 +333,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
     for e in chain:
         if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
             return "nocreds", one_line(e)
+        if isinstance(e, bexc.FlexibleChecksumError):
+            return "corrupt", one_line(e)
         if isinstance(e, bexc.ClientError):
             code = str(e.response.get("Error", {}).get("Code", ""))
             status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
@@ -290,6 +348,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
                 return "notfound", one_line(e)
             if code in _BUSY_CODES or status.startswith("5"):
                 return "busy", one_line(e)
+            if code in _CORRUPT_CODES:
+                return "corrupt", one_line(e)
             return "fatal", one_line(e)
         if isinstance(
             e,
@@ -299,6 +359,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
                 bexc.ConnectTimeoutError,
                 bexc.ReadTimeoutError,
                 bexc.HTTPClientError,
+                bexc.IncompleteReadError,
                 ConnectionError,
                 TimeoutError,
             ),
@@ -370,6 +431,12 @@ def describe(
             f"S3 kept failing at {where} to {what} {url}{after} ({detail}); try again "
             f"later, or check {var}"
         )
+    if kind == "corrupt":
+        return (
+            f"S3 transfers kept arriving corrupted (checksum mismatch) at {where} trying to "
+            f"{what} {url}{after} ({detail}); check the network path to {var} (a proxy "
+            "that rewrites bodies?), then try again"
+        )
     return f"S3 error for {url} at {where} while trying to {what}: {detail}"
 
 
@@ -394,11 +461,13 @@ def call(
 
     Raises NotFound for a missing object, Conflict for a conditional write that lost,
     `error` (one line) for everything else."""
+    last = ""
     for attempt in range(1, policy.attempts + 1):
         try:
-            return fn()
+            result = fn()
         except Exception as exc:  # noqa: BLE001 - classified below, re-raised as `error`
             kind, detail = classify(exc)
+            last = detail
             if kind == "notfound":
                 raise NotFound(detail) from exc
             if kind == "conflict":
@@ -415,6 +484,10 @@ def call(
                     )
                 ) from exc
             time.sleep(policy.delay(attempt))
+            continue
+        if attempt > 1:
+            RETRY_LOG.recovered(what, url, attempt - 1, last)
+        return result
     raise AssertionError("unreachable")
 
 
@@ -785,13 +858,66 @@ class S3Storage(Storage):
 
     def put_file(self, local_path: Path, key: str) -> ObjectInfo:
         full = self._key(key)
+        size = local_path.stat().st_size
+        if size > self.transfer_config.multipart_threshold:
+            self._put_multipart(local_path, key, size)
+            return ObjectInfo(size=size)
         self._call(
             f"upload {key}",
             lambda: self.client.upload_file(
                 str(local_path), self.bucket, full, Config=self.transfer_config
             ),
         )
-        return ObjectInfo(size=local_path.stat().st_size)
+        return ObjectInfo(size=size)
+
+    def _put_multipart(self, local_path: Path, key: str, size: int) -> None:
+        """A multipart upload whose parts are each retried on their own (s3transfer's retries
+        the whole file: a 4-part upload under 40% part faults failed all of its attempts); an
+        upload that fails is aborted, so no parts are left to pay for."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        full, chunk = self._key(key), self.transfer_config.multipart_chunksize
+        count = -(-size // chunk)
+        upload = self._call(
+            f"start the upload of {key}",
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32"
+            ),
+        )["UploadId"]
+
+        def send(number: int) -> dict[str, Any]:
+            with open(local_path, "rb") as f:
+                f.seek((number - 1) * chunk)
+                body = f.read(chunk)
+            out = self.client.upload_part(
+                Bucket=self.bucket, Key=full, UploadId=upload, PartNumber=number, Body=body,
+                ChecksumAlgorithm="CRC32",
+            )  # fmt: skip
+            part = {"PartNumber": number, "ETag": out["ETag"]}
+            if out.get("ChecksumCRC32"):
+                part["ChecksumCRC32"] = out["ChecksumCRC32"]
+            return part
+
+        def part(number: int) -> dict[str, Any]:
+            return self._call(f"upload part {number} of {count} of {key}", lambda: send(number))
+
+        pool = ThreadPoolExecutor(max(1, self.transfer_config.max_concurrency))
+        try:
+            parts = list(pool.map(part, range(1, count + 1)))
+            self._call(
+                f"finish the upload of {key}",
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload,
+                    MultipartUpload={"Parts": parts},
+                ),
+            )  # fmt: skip
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
     def get_file(self, key: str, local_path: Path) -> None:
         local_path.parent.mkdir(parents=True, exist_ok=True)

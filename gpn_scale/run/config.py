@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -37,6 +38,9 @@ class DataSection:
     # (None: from the first run's node count, kept on resume)
     num_canonical_nodes: int | None = None
     num_workers: int = 0  # DataLoader worker processes per rank (0 = in the main process)
+    # Bound on the shard cache per node (e.g. 20gb; None: every shard the run reads stays):
+    # streaming evicts the least recently used shards beyond it. At least 4x the largest shard.
+    cache_limit: str | None = None
 
 
 @dataclass
@@ -600,9 +604,26 @@ def _check_profiling(section: ProfilingSection) -> None:
         )
 
 
+_SIZE = re.compile(r"\s*(\d+(\.\d+)?)\s*(b|[kmgtp]b)?\s*", re.IGNORECASE)
+
+
+def _check_cache_limit(limit: str | None) -> None:
+    """data.cache_limit: a size streaming reads (`500mb`, `20gb`, bytes), above zero."""
+    if limit is None:
+        return
+    match = _SIZE.fullmatch(str(limit))
+    bytes_with_fraction = match and match.group(2) and (match.group(3) or "b").lower() == "b"
+    if not match or float(match.group(1)) <= 0 or bytes_with_fraction:
+        raise ConfigError(
+            f"data.cache_limit: expected a size such as 500mb, 20gb or a number of bytes, got "
+            f"{limit!r}; or null for no limit"
+        )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Value checks the types cannot express (one line each)."""
     check_numbers(cfg)
+    _check_cache_limit(cfg.data.cache_limit)
     for key, allowed in _ENUMS.items():
         value = cfg
         for part in key.split("."):

@@ -137,6 +137,79 @@ class LocalS3:
         self.stop()
 
 
+def slow_down(operation: str) -> Exception:
+    """The 503 SlowDown a throttling S3 answers."""
+    from botocore.exceptions import ClientError
+
+    return ClientError(
+        {
+            "Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+            "ResponseMetadata": {"HTTPStatusCode": 503},
+        },
+        operation,
+    )
+
+
+def checksum_mismatch(operation: str) -> Exception:
+    """botocore's error for a body whose checksum does not match (a corrupted transfer)."""
+    from botocore.exceptions import FlexibleChecksumError
+
+    return FlexibleChecksumError(
+        error_msg=f"Expected checksum abc= did not match calculated checksum xyz= ({operation})"
+    )
+
+
+def connection_reset(operation: str) -> Exception:
+    return ConnectionResetError(104, f"Connection reset by peer ({operation})")
+
+
+class S3Faults:
+    """Deterministic S3 faults, in-process: while entered, a call of `operation` on `client`
+    raises `error(operation)` before anything is sent whenever `when(n, params)` is true
+    (`n`: the 1-based count of that operation's calls so far, `params`: its arguments, e.g.
+    PartNumber). Counts are kept in `calls` and `injected`; no sleeps, no network tricks.
+
+        with S3Faults(client).fail("UploadPart", slow_down, lambda n, p: n % 2 == 1) as faults:
+            ...
+        assert faults.injected["UploadPart"] == 4
+    """
+
+    def __init__(self, client: Any) -> None:
+        import threading
+        from collections import Counter
+
+        self.client = client
+        self.calls: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()
+        self._rules: list[tuple[str, Any, Any]] = []
+        self._lock = threading.Lock()
+        self._id = f"gpn-s3-faults-{id(self)}"
+
+    def fail(self, operation: str, error: Any, when: Any) -> S3Faults:
+        self._rules.append((operation, error, when))
+        return self
+
+    def _hook(self, model: Any, params: Any, **_: Any) -> None:
+        name = model.name
+        with self._lock:
+            self.calls[name] += 1
+            n = self.calls[name]
+            rule = next((r for r in self._rules if r[0] == name and r[2](n, params)), None)
+            if rule is not None:
+                self.injected[name] += 1
+        if rule is not None:
+            raise rule[1](name)
+
+    def __enter__(self) -> S3Faults:
+        self.client.meta.events.register(
+            "before-parameter-build.s3", self._hook, unique_id=self._id
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.meta.events.unregister("before-parameter-build.s3", unique_id=self._id)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gpn_scale.testing.s3",

@@ -50,6 +50,7 @@ def build_loader(
         shuffle_seed=cfg.data.shuffle_seed,
         num_canonical_nodes=cfg.data.num_canonical_nodes,
         num_workers=cfg.data.num_workers,
+        cache_limit=cfg.data.cache_limit,
     )
     tp = topo.tp_size
     if batch % tp:

@@ -345,7 +345,7 @@ def _mem_blocks(plan: StepPlan, t: Tensor, C: int) -> dict[str, int]:
         BLOCK_DK=max(at_least, _p2(max(plan.dk, 1))),
         BLOCK_C=max(at_least, _p2(C)),
         BLOCK_F=min(_p2(plan.f), 16 if small else 512),
-        BLOCK_HV=min(_p2(max(plan.H * plan.dv, 1)), 16 if small else 1024),
+        BLOCK_HV=min(_p2(max(plan.H * plan.dv, 1)), 16 if small else ROW_BLOCK),
     )
 
 
@@ -402,6 +402,12 @@ FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8
 FLUSH_MAXNREG = 255
 SWEEP_BLOCK = 16
+# The reverse sweep's row kernels (one program per batch row: B programs, one per SM at most)
+# take a whole row of d (or of the read's H * dv columns) in one block of 16 warps: each
+# block of a row was a dependent round trip of its own (130M: 3 of 1,024 for d = 2,496, 4
+# for the 3,840 read columns), and a row program is alone on its SM.
+ROW_BLOCK = 4096
+ROW_WARPS = 16
 
 # --------------------------------------------------------------------------- backend
 GRAPH_COPIES = "graph copies in/out"  # recorded (dry runs) where a replay copies its buffers
@@ -706,7 +712,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     ws = SplitWorkspace(dP)
     blocks = _mem_blocks(plan, dP, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
-    BD = min(_p2(d), 16 if _interpreting(dP) else 1024)
+    BD = min(_p2(d), 16 if _interpreting(dP) else ROW_BLOCK)
     split = _split(plan)
     DNP = new(B, d) if split else None  # the sharded blocks' dY W^T before its sum
     # GPN+M: the read norm backward's (B, 2) row sums, once per row (and under tp summed over
@@ -731,6 +737,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         d,
         HAS_DS=ds_end is not None,
         BLOCK_D=BD,
+        num_warps=ROW_WARPS,
     )
     # GPN+M's memory buffers (None for GPN).
     M0: Tensor | None
@@ -848,6 +855,7 @@ def _read_norm_sums(
         COL_RGATE=_layer_meta(plan, i)["COL_RGATE"],
         HV=plan.H * plan.dv,
         BLOCK_HV=blocks["BLOCK_HV"],
+        num_warps=ROW_WARPS,
     )
     if _split(plan):
         _tp_sum(SUMS, plan, f"read norm backward sums {i}", ph)
@@ -941,6 +949,7 @@ def _rev_row(
         THEN_LAYER=then_layer,
         HAS_PREV=has_prev,
         BLOCK_D=BD,
+        num_warps=ROW_WARPS,
     )
 
 

@@ -599,7 +599,9 @@ def memory_forward_kernel(
         cq = tl.where(hist_ok, tl.sum(Kh * q[None, :], axis=1) * tl.exp(G - Gj), 0.0)
         if WRITE:
             ck = tl.where(hist_ok, tl.sum(Kh * k[None, :], axis=1) * tl.exp(Gp - Gj), 0.0)
-        ss = tl.sum(tl.zeros((BLOCK_DV,), dtype=SS.dtype.element_ty), axis=0)
+        # o's sum of squares kept per column over the loop, summed once after it (a sum to a
+        # scalar in the loop is a cross-warp reduction every block)
+        ss_v = tl.zeros((BLOCK_DV,), dtype=SS.dtype.element_ty)
         m0_base = M0 + b * s_m0b + h * s_m0h
         for v0 in range(0, DV, BLOCK_DV):
             rv = v0 + tl.arange(0, BLOCK_DV)
@@ -628,8 +630,8 @@ def memory_forward_kernel(
                 o = o + qk * u
                 tl.store(uh_base + tau * s_uhc + rv, u, mask=v_ok)
             tl.store(HID + b * stride_hid + h * DV + rv, _silu(rg) * o, mask=v_ok)
-            ss += tl.sum(tl.where(v_ok, o * o, 0.0), axis=0)
-        tl.store(SS + b * H + h, ss)
+            ss_v += tl.where(v_ok, o * o, 0.0)
+        tl.store(SS + b * H + h, tl.sum(ss_v, axis=0))
         if WRITE:
             tl.store(kh_base + tau * s_khc + rk, k, mask=k_ok)
             tl.store(gh_base + tau, G)
@@ -927,7 +929,11 @@ def memory_backward_kernel(
         sdot = tl.sum(Kh * q[None, :], axis=1)
         coef = w * sdot  # dU_j += coef_j * do
         dsd = tl.zeros((BLOCK_C,), dtype=acc_t)  # sum_v u_j * do, then times w_j
-        dGt = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
+        # Sums over d_value of one value per column (dG_t's, and the write's beta and G_{t-1}
+        # terms) are kept per column over the loop and summed once after it: a sum to a
+        # scalar in the loop is a cross-warp reduction (shuffles, shared memory, barriers)
+        # every block.
+        dGt_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
         dq = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drq
         if WRITE:
             k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
@@ -940,8 +946,10 @@ def memory_backward_kernel(
             coef2 = w2 * sdot2
             beta = tl.load(BETA + b * s_bb + h * s_bh)
             dsd2 = tl.zeros((BLOCK_C,), dtype=acc_t)
-            dGp = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
-            dbeta = tl.sum(tl.zeros((BLOCK_C,), dtype=acc_t), axis=0)
+            dGp_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
+            dbeta_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
+            # the read's coefficient at row t (weight 1: q_t . k_t): du_t's share, taken once
+            coef_t = tl.sum(tl.where(is_t, coef, 0.0), axis=0)
             dk = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drk
         u_base = UA + b * s_ub + h * s_uh
         du_base = DUA + b * s_dub + h * s_duh
@@ -975,7 +983,7 @@ def memory_backward_kernel(
                 rk_t = tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0)
             do = tl.where(v_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
             drq = eG * do
-            dGt += tl.sum(do * rq, axis=0)
+            dGt_v += do * rq
             dsd += tl.sum(Uh * do[None, :], axis=1)
             dU_add = coef[:, None] * do[None, :]
             dq += tl.sum(m0 * drq[None, :], axis=1)
@@ -985,12 +993,12 @@ def memory_backward_kernel(
             if WRITE:
                 # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at
                 # t has added its share (j = t: weight 1).
-                du = du_t + tl.sum(tl.where(is_t[:, None], dU_add, 0.0), axis=0)
-                dbeta += tl.sum(du * (v - pred), axis=0)
+                du = du_t + coef_t * do
+                dbeta_v += du * (v - pred)
                 dvv = beta * du
                 dpred = -dvv
                 drk = eGp * dpred
-                dGp += tl.sum(dpred * rk_t, axis=0)
+                dGp_v += dpred * rk_t
                 dsd2 += tl.sum(Uh * dpred[None, :], axis=1)
                 dU_add += coef2[:, None] * dpred[None, :]
                 dk += tl.sum(m0 * drk[None, :], axis=1)
@@ -998,7 +1006,7 @@ def memory_backward_kernel(
                 tl.store(DPB + kept + slot * DV + rv, dpred, mask=v_ok)
                 tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
             tl.store(tile_du, du_rows + dU_add, mask=ok_push)
-        dGt = eG * dGt
+        dGt = eG * tl.sum(dGt_v, axis=0)
         dsd = dsd * w
         dK_add = dsd[:, None] * q[None, :]
         dw = dsd * sdot
@@ -1008,8 +1016,8 @@ def memory_backward_kernel(
         Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
         dq += tl.sum(dsd[:, None] * Kh, axis=0)
         if WRITE:
-            tl.store(dy_row + COL_BETA + h, dbeta * beta * (1.0 - beta))
-            dGp = eGp * dGp
+            tl.store(dy_row + COL_BETA + h, tl.sum(dbeta_v, axis=0) * beta * (1.0 - beta))
+            dGp = eGp * tl.sum(dGp_v, axis=0)
             dsd2 = dsd2 * w2
             dK_add += dsd2[:, None] * k[None, :]
             dw2 = dsd2 * sdot2
