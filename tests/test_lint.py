@@ -38,3 +38,17 @@ def test_ruff_format() -> None:
 @pytest.mark.slow  # ~35 s without a warm .mypy_cache
 def test_mypy() -> None:
     _run("mypy")  # what and how: [tool.mypy] in pyproject.toml
+
+
+def test_pre_commit_runs_the_same_ruff_over_the_same_trees() -> None:
+    """.pre-commit-config.yaml's hooks are the lint above, so a commit that passes them passes
+    CI's lint (ruff from the project's environment: the pinned version)."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    hooks = {h["id"]: h for repo in config["repos"] for h in repo["hooks"]}
+    assert hooks["ruff-check"]["entry"].split()[:2] == ["ruff", "check"]
+    assert hooks["ruff-format"]["entry"].split() == ["ruff", "format"]
+    for hook in hooks.values():
+        assert hook["language"] == "system"
+        assert hook["files"] == "^(" + "|".join(TREES) + ")/"

@@ -201,20 +201,20 @@ def run_engine(
         )
         spans, cuts = make_spans(T, cfg.engine.chunk_size, cfg.tbptt)
         plan = StepPlan(
-            cfg.n_layers,
-            cfg.memory,
-            H_local,
-            cfg.d_key,
-            cfg.d_value,
-            cfg.d_state,
-            cfg.d_ffn // tp_size,
-            eps,
-            spans,
-            cuts,
-            mm_dtype,
-            cfg.engine,
-            tp_size,
-            tp_group,
+            n_layers=cfg.n_layers,
+            memory=cfg.memory,
+            H=H_local,
+            dk=cfg.d_key,
+            dv=cfg.d_value,
+            d=cfg.d_state,
+            f=cfg.d_ffn // tp_size,
+            eps=eps,
+            spans=spans,
+            cuts=cuts,
+            mm_dtype=mm_dtype,
+            options=cfg.engine,
+            tp_size=tp_size,
+            tp_group=tp_group,
         )
         weights = fold_loop_weights(model, tp_group)
         carry = (

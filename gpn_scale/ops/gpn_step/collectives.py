@@ -1,6 +1,7 @@
 """The fixed points where a tensor-parallel step talks to the other ranks of its tp group.
 
-Under tensor parallelism (`gpn_scale.parallel.tp`) each rank holds its share of the memory
+Under tensor parallelism (GPN's plan: `gpn_scale.models.gpn.parallelize`, applied to the built
+model by `gpn_scale.parallel`) each rank holds its share of the memory
 heads and of the FFN hidden units: the column blocks of the fused input matmul for those
 (the predict gate stays replicated), the matching rows of the down-projection, and the
 memory (B, H/tp, dk, dv) itself. The state s, the gates and the fuse path are replicated,

@@ -71,7 +71,7 @@ class ColumnLayout:
 
 
 # ------------------------------------------------------------------------- plan
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepPlan:
     """Static description of one engine call (everything that is not a tensor)."""
 
