@@ -13,22 +13,21 @@ credentials, an unreachable endpoint or a model that does not fit the data), the
   workers), so restoring it yields exactly the samples not yet consumed;
 - stale `/dev/shm` segments and filelocks of killed jobs are cleaned before streaming
   starts, and jobs starting together on one machine register their shared memory one at a
-  time (see `shm.py`).
+  time (see `shm.py`);
+- every reach into streaming's private API (the dataset's overrides but `__iter__`, its
+  shared-memory handles, the `s3://` downloader) is in `streaming_compat.py`, checked
+  against the installed streaming when the first loader is built.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import errno
-import functools
 import json
 import os
 import re
 import shutil
 import tempfile
-import threading
-import time
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -39,11 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpn_scale.data import streaming_compat
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
 from gpn_scale.data.shm import clean_stale_streaming_shm, record_owner, registration_lock
 from gpn_scale.data.storage import Location, join
-from gpn_scale.data.streaming_import import import_streaming
 
 STATE_VERSION = 1
 
@@ -218,90 +217,15 @@ def translate_stream_error(
     return err
 
 
-_RESUME_ATTACH_TRIES = 8  # 0.01 s doubling: 2.5 s in all
-
-
 def _token_dataset_class() -> type:
-    """StreamingDataset subclass that remembers failures of its download threads, whose
-    exceptions otherwise reach the caller only as 'Background thread failed'."""
-    import_streaming()  # without transformers (data/streaming_import.py)
-    from streaming import StreamingDataset
+    """The patched StreamingDataset (data/streaming_compat.py: it remembers failures of its
+    download threads, and neither hangs nor leaks on them), whose epochs raise those failures
+    as one-line DataErrors."""
 
-    class TokenStreamingDataset(StreamingDataset):
-        _background_error: BaseException | None = None
+    class TokenStreamingDataset(streaming_compat.patched_dataset_class()):  # type: ignore[misc]
         _gpn_remote: str = ""  # set by build_loader, for error messages
         _gpn_split: str = ""
         _gpn_cache: str = ""
-
-        def on_exception(self, future: Any) -> None:
-            # streaming's own version re-raises inside the future's done-callback, where
-            # concurrent.futures can only log it: a 30-90 line traceback on stderr before
-            # our one-line error. Keep its effect (stop the other threads), record the error
-            # for __iter__ to raise in the main thread, and raise nothing here.
-            error = future.exception()
-            if error is not None:
-                self._background_error = error
-                self._event.set()
-
-        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
-            try:
-                return super().prepare_shard(shard_id, blocking)
-            except BaseException:
-                # streaming leaves a shard whose download failed in state PREPARING, and
-                # every other worker/rank of the node then waits for it forever (a hang,
-                # not an error). Their wait loops end only on LOCAL, so mark it LOCAL: a
-                # reader then finds the file missing and takes streaming's own recovery
-                # path (re-download + hash check), which fails again in *its* main thread
-                # and reports the error (or succeeds, if the failure was transient).
-                from streaming.base.dataset import _ShardState
-
-                try:
-                    if self._shard_states[shard_id] == _ShardState.PREPARING:
-                        self._shard_states[shard_id] = _ShardState.LOCAL
-                except Exception:  # noqa: BLE001 - best effort; the original error matters
-                    pass
-                raise
-
-        # streaming's download threads report their exit (it.on_exit()) only when they end
-        # normally; one that dies by an exception never does, and the epoch's it.exit() then
-        # waits for it forever (seen as a rare hang on a corrupt shard). Report it anyway.
-        def _prepare_thread(self, it: Any) -> None:
-            try:
-                super()._prepare_thread(it)
-            except BaseException:
-                it.on_exit()
-                raise
-
-        def _ready_thread(self, it: Any) -> None:
-            try:
-                super()._ready_thread(it)
-            except BaseException:
-                it.on_exit()
-                raise
-
-        def load_state_dict(self, obj: dict[str, Any]) -> None:
-            # Every rank of a node writes the same resume state into one segment named by
-            # the node's prefix: the first creates it, the others attach after streaming's
-            # one tick, and on a loaded node may find it created but not yet sized ("cannot
-            # mmap an empty file": a tp = 4 resume in the full suite). Attach again, a little
-            # later each time; the creator sizes it within microseconds of creating it.
-            for attempt in range(_RESUME_ATTACH_TRIES):
-                try:
-                    return super().load_state_dict(obj)
-                except ValueError as err:
-                    if "empty file" not in str(err) or attempt == _RESUME_ATTACH_TRIES - 1:
-                        raise
-                    time.sleep(0.01 * 2**attempt)
-
-        def _resume(self, world: Any, epoch: int) -> tuple[int, int]:
-            # streaming opens the resume state's segment (left by load_state_dict) here at
-            # the start of every epoch, reads it, and keeps the handle until the process
-            # exits: one descriptor per epoch of a restored loader. Close it after reading.
-            with _collect_shared_memory() as opened:
-                try:
-                    return super()._resume(world, epoch)
-                finally:
-                    _release_handles(opened)
 
         def __iter__(self) -> Iterator[dict[str, Any]]:
             self._background_error = None
@@ -325,72 +249,6 @@ def _token_dataset_class() -> type:
                 raise translated from error
 
     return TokenStreamingDataset
-
-
-# streaming's SharedMemory registers `atexit.register(self.cleanup)` for every handle it
-# creates or opens: the handle, and the descriptor of its segment, then live until the process
-# exits, whether or not anything else still refers to it. Two of its callers drop handles at
-# once: the prefix walk of every StreamingDataset construction opens each existing prefix's six
-# segments (on every rank) to find a free prefix, and `_resume` opens the resume state each
-# epoch. And a dataset that is collected without close() leaves all of its handles behind.
-# So the handles streaming creates during those calls are collected here (per thread) and the
-# ones nothing keeps are released.
-_SHM_COLLECTING = threading.local()
-_SHM_HOOK_LOCK = threading.Lock()
-
-
-def _install_shared_memory_hook() -> None:
-    """Make streaming's SharedMemory report each new handle to this thread's innermost
-    `_collect_shared_memory` block, if any (otherwise it behaves as before). Once per process."""
-    import_streaming()  # without transformers (data/streaming_import.py)
-    from streaming.base.shared.memory import SharedMemory
-
-    with _SHM_HOOK_LOCK:
-        if getattr(SharedMemory.__init__, "_gpn_collecting", False):
-            return
-        original = SharedMemory.__init__
-
-        @functools.wraps(original)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            blocks = getattr(_SHM_COLLECTING, "blocks", None)
-            if blocks:
-                blocks[-1].append(self)
-
-        __init__._gpn_collecting = True  # type: ignore[attr-defined]
-        SharedMemory.__init__ = __init__  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _collect_shared_memory() -> Iterator[list[Any]]:
-    """The streaming SharedMemory handles this thread creates inside the block."""
-    _install_shared_memory_hook()
-    blocks = _SHM_COLLECTING.__dict__.setdefault("blocks", [])
-    opened: list[Any] = []
-    blocks.append(opened)
-    try:
-        yield opened
-    finally:
-        blocks.pop()
-
-
-def _release_handle(shm: Any) -> None:
-    """Close a streaming SharedMemory handle (and unlink its segment if it created it), and
-    drop its exit handler: that handler kept the handle alive, and run again at exit it would
-    unlink by name a segment that another loader or job may have registered since."""
-    try:
-        shm.cleanup()
-    except Exception:  # noqa: BLE001 - e.g. BufferError, a view still open: exit cleans it
-        return
-    atexit.unregister(shm.cleanup)
-
-
-def _release_handles(handles: list[Any], keep: object = None) -> None:
-    """Release the handles, except those the dataset `keep` holds."""
-    kept = {id(shm) for shm in _shared_memory_of(keep)} if keep is not None else set()
-    for shm in handles:
-        if id(shm) not in kept:
-            _release_handle(shm)
 
 
 # Loaders not closed yet (weakly held): `close_unclosed_loaders` ends them, for a process
@@ -429,7 +287,7 @@ class TokenLoader:
         # A loader dropped without close() is closed when it is collected (streaming's exit
         # handlers would keep its shared memory until the process exits). Not at exit:
         # streaming cleans up there itself.
-        self._finalizer = weakref.finalize(self, _shut_down, loader, dataset)
+        self._finalizer = weakref.finalize(self, streaming_compat.shut_down, loader, dataset)
         self._finalizer.atexit = False
         self.metadata = metadata
         self.split = split
@@ -524,54 +382,6 @@ class TokenLoader:
         self._finalizer()
 
 
-def _shut_down(loader: Any, dataset: Any) -> None:
-    """What `TokenLoader.close` does (once; it holds no reference to the TokenLoader)."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-    # streaming's download threads of the main process (num_workers=0) run on until the
-    # epoch ends: stop them and wait, so that nothing is written into the cache after
-    # close() (a failed start removes the cache it had made)
-    epoch = getattr(dataset, "_iterator", None)
-    if epoch is not None and hasattr(epoch, "exit"):
-        epoch.exit()
-    executor = getattr(dataset, "_executor", None)
-    if executor is not None:
-        executor.shutdown(wait=True, cancel_futures=True)
-        with contextlib.suppress(AttributeError):
-            del dataset._executor
-    _release_shared_memory(dataset)
-
-
-def _shared_memory_of(dataset: object) -> list[Any]:
-    """streaming's SharedMemory objects reachable from the dataset's attributes (its barrier,
-    scalars and arrays hold theirs one or two levels down), each once."""
-    import_streaming()  # without transformers (data/streaming_import.py)
-    from streaming.base.shared.memory import SharedMemory
-
-    found: list[Any] = []
-    seen: set[int] = set()
-    stack: list[tuple[object, int]] = [(dataset, 0)]
-    while stack:
-        obj, depth = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, SharedMemory):
-            found.append(obj)
-            continue
-        if depth < 3 and hasattr(obj, "__dict__"):
-            stack.extend((value, depth + 1) for value in vars(obj).values())
-    return found
-
-
-def _release_shared_memory(dataset: object) -> None:
-    """Release the dataset's SharedMemory handles: the segments they created are unlinked,
-    those they opened closed."""
-    for shm in _shared_memory_of(dataset):
-        _release_handle(shm)
-
-
 # DataLoader workers hand each batch's storage to the main process as a file descriptor,
 # over a Unix socket at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (multiprocessing's
 # resource_sharer). A socket path is at most 107 bytes on Linux; beyond that the bind fails
@@ -644,17 +454,17 @@ def build_loader(
     if _dist_ready():
         torch.distributed.barrier()  # nobody registers segments while the leader cleans
 
-    import_streaming()  # without transformers (data/streaming_import.py)
+    # `import streaming` without transformers (streaming_import.py), checked once per process
+    # against the private names the patches use (streaming_compat.py)
+    streaming_compat.import_streaming()
     from streaming import StreamingDataLoader
 
-    from gpn_scale.data import s3_download
-
-    s3_download.install()  # shards through gpn_scale.io's retries (data/s3_download.py)
+    streaming_compat.install_s3_downloader()  # shards through gpn_scale.io (s3_download.py)
     do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
     dataset_cls = _token_dataset_class()
     opened: list[Any] = []
     try:
-        with registration_lock(local_leader), _collect_shared_memory() as opened:
+        with registration_lock(local_leader), streaming_compat.collect_shared_memory() as opened:
             dataset = dataset_cls(
                 remote=join(cfg.remote, split),
                 local=os.path.join(cache_dir, split),
@@ -669,9 +479,10 @@ def build_loader(
                 download_retry=1,
             )
             if local_leader:  # the leader registered the prefix: a dead run is known by it
-                record_owner(dataset._shm_prefix_int)
+                record_owner(streaming_compat.registered_prefix(dataset))
     except BaseException as err:
-        _release_handles(opened)  # the prefix walk's, and what a failed construction made
+        # the prefix walk's handles, and what a failed construction made
+        streaming_compat.release_handles(opened)
         if not isinstance(err, Exception):
             raise
         if "Reused local directory" in str(err):
@@ -685,7 +496,7 @@ def build_loader(
         raise translated from err
     # The prefix walk's handles on the segments of every prefix registered already (other
     # loaders', other jobs'): streaming never closes them.
-    _release_handles(opened, keep=dataset)
+    streaming_compat.release_handles(opened, keep=dataset)
     dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
     dataset._gpn_cache = cache_dir
     try:
@@ -699,7 +510,7 @@ def build_loader(
             pin_memory=False,
         )
     except BaseException:
-        _release_shared_memory(dataset)
+        streaming_compat.release_shared_memory(dataset)
         raise
     return TokenLoader(
         loader, dataset, meta, split, batch_size, rank, world_size, cfg.remote, cache_dir
