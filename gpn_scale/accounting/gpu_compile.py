@@ -745,7 +745,7 @@ def narrow_offsets(launches: Iterable) -> list[str]:
 # per step, so a grid smaller than the GPU leaves bandwidth unused every step).
 STEP_PHASES = ("forward step", "reverse step")
 # A split step GEMM's grid fills at least this share of its waves' program slots (a last
-# wave of a few programs leaves most SMs idle while it streams; cuda.gemm_plan's split rule).
+# wave of a few programs leaves most SMs idle while it streams; gemm.gemm_plan's split rule).
 MIN_WAVE_FILL = 0.75
 # A sequential kernel hides its memory latency with a second resident program per SM, or with
 # this many bytes of asynchronous copies in flight per SM (a pipelined tl.dot's shared-memory
@@ -856,7 +856,7 @@ class Row:
                 out.append(self.occupancy_text())
         step_gemm = v.kernel == "linear_kernel" and v.phases <= set(STEP_PHASES)
         if self.case.shipped and step_gemm:
-            from gpn_scale.ops.gpn_step.cuda import wave_fill
+            from gpn_scale.ops.gpn_step.gemm import wave_fill
 
             fill = wave_fill(v.min_programs(), t.sm_count)
             split = v.constexprs.get("SPLITS", 1) > 1

@@ -126,7 +126,7 @@ class Accounting:
 
     def split_sums_per_step(self, phase: str) -> float:
         """Of `launches_per_step`, the split-K sums (one after each GEMM split over K to fill
-        the SMs: `ops/gpn_step/cuda.py`, `gemm_plan`)."""
+        the SMs: `ops/gpn_step/gemm.py`, `gemm_plan`)."""
         kind = "forward step" if phase == "sequential forward" else "reverse step"
 
         def count(ops: list[Op]) -> int:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from gpn_scale.accounting import gpu_compile as gc
 from gpn_scale.ops import launch
-from gpn_scale.ops.gpn_step.cuda import wave_fill
+from gpn_scale.ops.gpn_step.gemm import wave_fill
 from gpn_scale.ops.gpn_step.interface import LoopWeights, aligned_rows
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""`ops/gpn_step/cuda.gemm_plan`: how a few-row step GEMM is tiled and split over K on a GPU
+"""`ops/gpn_step/gemm.gemm_plan`: how a few-row step GEMM is tiled and split over K on a GPU
 of a given size (pure arithmetic; the compile gate checks the same grids compiled)."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpn_scale.ops.gpn_step import cuda
+from gpn_scale.ops.gpn_step import gemm, geometry
 
 
 @pytest.fixture
 def on_gpu_sizes(monkeypatch):
-    monkeypatch.setattr(cuda, "_interpreting", lambda t: False)
+    monkeypatch.setattr(geometry, "interpreting", lambda t: False)
 
 
 # (M, N, K, k1): the 130M step GEMMs (d = 2496, width 27,358, the down GEMM's read columns
@@ -35,17 +35,17 @@ def test_split_grids_fill_their_waves_and_never_straddle_the_read_columns(
     on_gpu_sizes, shape, sms, monkeypatch
 ):
     M, N, K, k1 = shape
-    monkeypatch.setattr(cuda, "_sm_count", lambda t: sms)
+    monkeypatch.setattr(geometry, "sm_count", lambda t: sms)
     t = torch.empty(0, device="meta")
-    plan = cuda.gemm_plan(M, N, K, t, k1)
+    plan = gemm.gemm_plan(M, N, K, t, k1)
     grid = plan.grid(M, N)
     programs = grid[0] * grid[1] * (grid[2] if len(grid) > 2 else 1)
     if plan.splits == 1:
         assert grid[0] * grid[1] >= sms or K <= plan.block_k
         return
-    assert plan.splits <= cuda.MAX_SPLITS + (1 if k1 else 0)
-    capped = plan.splits - plan.splits_k1 >= cuda.MAX_SPLITS  # too few tiles to fill a wave
-    assert capped or cuda.wave_fill(programs, sms) >= 0.75, (plan, programs)
+    assert plan.splits <= gemm.MAX_SPLITS + (1 if k1 else 0)
+    capped = plan.splits - plan.splits_k1 >= gemm.MAX_SPLITS  # too few tiles to fill a wave
+    assert capped or gemm.wave_fill(programs, sms) >= 0.75, (plan, programs)
     assert plan.k_per_split % plan.block_k == 0
     # The ranges cover [0, K) once; the first splits_k1 end at k1 or inside it.
     ranges = [
@@ -61,7 +61,7 @@ def test_split_grids_fill_their_waves_and_never_straddle_the_read_columns(
 def test_a_split_never_leaves_a_nearly_empty_second_wave(on_gpu_sizes, monkeypatch):
     """Rounding the split count up (the old rule) put 20 column tiles x 7 = 140 programs on
     132 SMs: 8 programs in a second wave. Now one wave of 120."""
-    monkeypatch.setattr(cuda, "_sm_count", lambda t: 132)
-    plan = cuda.gemm_plan(128, 2496, 27358, torch.empty(0, device="meta"))
+    monkeypatch.setattr(geometry, "sm_count", lambda t: 132)
+    plan = gemm.gemm_plan(128, 2496, 27358, torch.empty(0, device="meta"))
     assert (plan.block_n, plan.splits) == (128, 6)
-    assert cuda.wave_fill(20 * 7, 132) < 0.6 < cuda.wave_fill(20 * 6, 132) == 120 / 132
+    assert gemm.wave_fill(20 * 7, 132) < 0.6 < gemm.wave_fill(20 * 6, 132) == 120 / 132

@@ -263,9 +263,9 @@ def test_cuda_backend_at_the_gpus_block_sizes_equals_pytorch_steps_float64(monke
     fused input's 16-element padded rows. (Loops over several GPU-sized blocks would need
     d > 1024 and take the interpreter a quarter of an hour: the compile gate sees those
     sizes compiled, the other tests their loops at the interpreter's block sizes.)"""
-    from gpn_scale.ops.gpn_step import cuda
+    from gpn_scale.ops.gpn_step import geometry
 
-    monkeypatch.setattr(cuda, "_interpreting", lambda t: False)
+    monkeypatch.setattr(geometry, "interpreting", lambda t: False)
     cfg = tiny_config(  # two layers: the write's and a read-only layer's kernels
         n_layers=2, d_state=40, d_ffn=36, n_heads=3, d_key=16, d_value=40, chunk_size=20
     )

@@ -32,15 +32,12 @@ tensors at the real sizes to count launches, bytes and FLOPs per step.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
-import torch
 from torch import Tensor
 
-from gpn_scale.ops.execution import current
+from gpn_scale.ops.gpn_step import geometry
 from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.collectives import tp_sum_
+from gpn_scale.ops.gpn_step.gemm import SplitWorkspace, linear
 from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
@@ -55,263 +52,6 @@ from gpn_scale.ops.launch import launch as _launch
 from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_aten as _aten
 from gpn_scale.ops.launch import record_collective as _record_collective
-
-
-# --------------------------------------------------------------------------- blocks
-def _interpreting(t: Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
-def _p2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-# Programs per SM the GEMMs aim for: one wave on the GPU (H100/H200: 132 SMs; the dry runs of
-# the accounting and of accounting/gpu_compile assume it unless told otherwise). The interpreter
-# pretends to 16 so that the tests' tiny GEMMs take the split-K path too.
-DRY_RUN_SMS = 132
-INTERPRETER_SMS = 16
-MAX_SPLITS = 8
-
-
-@functools.cache
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(t: Tensor) -> int:
-    assumed = current().assumed_sms
-    if assumed is not None:
-        return assumed
-    if _interpreting(t):
-        return INTERPRETER_SMS
-    if t.is_cuda:
-        return _device_sms(t.device.index if t.device.index is not None else 0)
-    return DRY_RUN_SMS
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """How one few-row GEMM is launched: tiles, warps and the split-K ranges."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    warps: int
-    splits: int = 1
-    splits_k1: int = 0  # of the splits, those over [0, k1) (the read norm's columns)
-    k_per_split: int = 0
-
-    def grid(self, M: int, N: int) -> tuple[int, ...]:
-        g = (triton_cdiv(M, self.block_m), triton_cdiv(N, self.block_n))
-        return (*g, self.splits) if self.splits > 1 else g
-
-
-# bf16 weight panels 128 columns wide: each program keeps twice the weight bytes in flight
-# (2 x 16 KB with Triton's 3 stages: 4.3 MB over the SMs, the copy bandwidth x latency an
-# H200 needs), and half as many programs read the float32 A rows again (L2 -> SM bytes).
-GEMM_BLOCK_N = 128
-
-
-def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False) -> GemmPlan:
-    """Few-row GEMMs stream the weight once: a block of the batch's rows against
-    GEMM_BLOCK_N-column panels (32 x 32 tiles for float32/float64 operands, whose IEEE
-    products run on the FMA units: 64-wide tiles spilled there). Where that gives fewer
-    programs than the GPU has SMs (an output of width d: N / 128 = 20 programs at 130M), K
-    is split into ranges (at most MAX_SPLITS, each a multiple of BLOCK_K, never straddling
-    k1), as many as fit in one wave: rounding up instead left 1.06-1.5 programs per SM, a
-    second wave that a few SMs run alone (accounting/pricing.py's partial wave)."""
-    if _interpreting(t):
-        bm, bn, bk, warps = 16, 16, 16, 1
-    elif ieee:
-        bm, bn, bk, warps = min(64, max(16, _p2(M))), 32, 32, 4
-    else:
-        # 128 rows a program from B = 128: one row block streams each weight tile (two
-        # row blocks read it at the same time, so only half their tiles in flight are HBM
-        # bytes: accounting/pricing.py); 8 warps hold its 128-row accumulator and A tiles
-        bm = min(128 if M >= 128 else 64, max(16, _p2(M)))
-        bn, bk, warps = GEMM_BLOCK_N, 64, 8 if bm == 128 else 4
-    programs = triton_cdiv(M, bm) * triton_cdiv(N, bn)
-    sms = _sm_count(t)
-    if programs >= sms or K <= bk:
-        return GemmPlan(bm, bn, bk, warps)
-    splits, s1, per = _wave_splits(programs, sms, K, k1, bk)
-    if splits <= 1:
-        return GemmPlan(bm, bn, bk, warps)
-    return GemmPlan(bm, bn, bk, warps, splits, s1, per)
-
-
-def _precision(w: Tensor) -> str | None:
-    # float32 operands: IEEE products (Triton's default would be TF32, not what the state's
-    # float32 promises); bf16 operands: the tensor cores' own.
-    return "ieee" if w.dtype in (torch.float32, torch.float64) else None
-
-
-_UNUSED: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-
-def _unused_pointer(like: Tensor) -> Tensor:
-    """A small tensor for the pointer arguments a kernel variant never reads (of `like`'s
-    dtype, so that it makes no other specialisation; small, so that nothing mistakes its
-    extent for one the kernel indexes)."""
-    key = (like.device, like.dtype)
-    t = _UNUSED.get(key)
-    if t is None:
-        t = _UNUSED[key] = like.new_empty(16)
-    return t
-
-
-def _readable_columns(w: Tensor) -> int:
-    """Columns of the (K, N) weight a kernel may read: N rounded up to 16 where every row's
-    stride and the storage hold them (the padded loop weights: `LoopWeights.for_matmul`),
-    so that the weight tile's mask is a multiple of the vector width."""
-    K, N = w.shape
-    rounded = -(-N // 16) * 16
-    if w.stride(1) != 1 or w.stride(0) < rounded:
-        return N
-    end = w.storage_offset() + (K - 1) * w.stride(0) + rounded
-    storage = w.untyped_storage().nbytes() // w.element_size()
-    return rounded if end <= storage else N
-
-
-class SplitWorkspace:
-    """The split-K partials' buffer of one chunk: grown to the largest GEMM's need, reused by
-    every split GEMM of the chunk (they run one after another on one stream, each reduce
-    before the next GEMM writes)."""
-
-    def __init__(self, like: Tensor) -> None:
-        self.like = like
-        self.buffer: Tensor | None = None
-
-    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        if self.buffer is None or self.buffer.numel() < numel or self.buffer.dtype != dtype:
-            self.buffer = self.like.new_empty(numel, dtype=dtype)
-        return self.buffer[:numel]
-
-
-def linear(
-    a: Tensor,
-    w: Tensor,
-    out: Tensor,
-    phase: str,
-    name: str,
-    *,
-    bias: Tensor | None = None,
-    row_rms: bool = False,
-    eps: float = 0.0,
-    split: tuple[Tensor, int] | None = None,
-    ss_width: int | None = None,
-    epilogue: int = 0,
-    pg: Tensor | None = None,
-    res: Tensor | None = None,
-    fuse: Tensor | None = None,
-    out2: Tensor | None = None,
-    workspace: SplitWorkspace | None = None,
-) -> None:
-    """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`."""
-    M, K = a.shape
-    N = w.shape[1]
-    for t in (out, pg, res, fuse, out2):
-        assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
-    ss, k1 = split if split is not None else (None, 0)
-    assert not (row_rms and k1), "the read norm's split and a row RMS are not combined"
-    plan = gemm_plan(M, N, K, a, k1, ieee=_precision(w) == "ieee")
-    dummy = _unused_pointer(out)
-    epilogue_args = (
-        pg if pg is not None else dummy,
-        pg.stride(0) if pg is not None else 0,
-        res if res is not None else dummy,
-        res.stride(0) if res is not None else 0,
-        fuse if fuse is not None else dummy,
-        fuse.stride(0) if fuse is not None else 0,
-        out2 if out2 is not None else dummy,
-        out2.stride(0) if out2 is not None else 0,
-    )
-    norm_meta = dict(
-        N_SS=_p2(ss.shape[1]) if ss is not None else 1,
-        SS_COLS=ss.shape[1] if ss is not None else 1,
-        SPLIT_K1=k1,
-        SS_WIDTH=ss_width or k1 or 1,
-        ROW_RMS=row_rms,
-        HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue,
-        HAS_OUT2=out2 is not None,
-    )
-    epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2)
-    ws = ws_ss = dummy
-    if plan.splits > 1:
-        ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
-        ws, ws_ss = ws_all[: plan.splits * M * N], ws_all[plan.splits * M * N :]
-    _launch(
-        tk.linear_kernel,
-        plan.grid(M, N),
-        name,
-        phase,
-        _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes),
-        2 * M * N * K,
-        a,
-        a.stride(0),
-        a.stride(1),
-        w,
-        w.stride(0),
-        w.stride(1),
-        bias if bias is not None else dummy,
-        out,
-        out.stride(0),
-        ss if ss is not None else dummy,
-        ss.stride(0) if ss is not None else 0,
-        *epilogue_args,
-        ws,
-        ws_ss,
-        M,
-        N,
-        K,
-        _readable_columns(w),
-        eps,
-        **norm_meta,
-        PRECISION=_precision(w),
-        SPLITS=plan.splits,
-        SPLITS_K1=plan.splits_k1,
-        K_PER_SPLIT=plan.k_per_split,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k,
-        num_warps=plan.warps,
-    )
-    if plan.splits == 1:
-        return
-    # The sum reads a few hundred KB: narrower column blocks spread it over the SMs.
-    reduce_n = 16
-    _launch(
-        tk.linear_reduce_kernel,
-        (triton_cdiv(M, plan.block_m), triton_cdiv(N, reduce_n)),
-        f"{name} (split-K sum)",
-        phase,
-        _nbytes(ws) + epilogue_bytes,
-        plan.splits * M * N,
-        ws,
-        ws_ss,
-        ss if ss is not None else dummy,
-        ss.stride(0) if ss is not None else 0,
-        bias if bias is not None else dummy,
-        out,
-        out.stride(0),
-        *epilogue_args,
-        M,
-        N,
-        K,
-        eps,
-        **norm_meta,
-        SPLITS=plan.splits,
-        SPLITS_K1=plan.splits_k1,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=reduce_n,
-        num_warps=plan.warps,
-    )
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _layer_meta(plan: StepPlan, i: int) -> dict[str, int | bool]:
@@ -338,43 +78,24 @@ def _layer_meta(plan: StepPlan, i: int) -> dict[str, int | bool]:
 
 
 def _mem_blocks(plan: StepPlan, t: Tensor, C: int) -> dict[str, int]:
-    small = _interpreting(t)
+    small = geometry.interpreting(t)
     # tl.dot (the backward's block flush) needs every dimension >= 16 on a GPU.
     at_least = 1 if small else 16
     return dict(
-        BLOCK_DK=max(at_least, _p2(max(plan.dk, 1))),
-        BLOCK_C=max(at_least, _p2(C)),
-        BLOCK_F=min(_p2(plan.f), 16 if small else 512),
-        BLOCK_HV=min(_p2(max(plan.H * plan.dv, 1)), 16 if small else ROW_BLOCK),
+        BLOCK_DK=max(at_least, geometry.p2(max(plan.dk, 1))),
+        BLOCK_C=max(at_least, geometry.p2(C)),
+        BLOCK_F=min(geometry.p2(plan.f), 16 if small else 512),
+        BLOCK_HV=min(geometry.p2(max(plan.H * plan.dv, 1)), 16 if small else ROW_BLOCK),
     )
 
 
 def _ffn_programs(plan: StepPlan, block_f: int) -> int:
-    return triton_cdiv(plan.f, block_f)
+    return geometry.cdiv(plan.f, block_f)
 
 
 def _split(plan: StepPlan) -> bool:
     """Whether the step splits at the tp group's fixed points (`collectives.py`)."""
     return plan.tp_size > 1
-
-
-def wave_fill(programs: int, sms: int) -> float:
-    """The share of its waves' program slots a grid fills (one program per SM a wave)."""
-    return programs / (triton_cdiv(programs, sms) * sms)
-
-
-def _wave_splits(programs: int, sms: int, K: int, k1: int, bk: int) -> tuple[int, int, int]:
-    """(splits, of them over [0, k1), K per split) for a grid of `programs` column tiles:
-    of the ranges of K / n (n <= MAX_SPLITS, a multiple of bk, a range never straddling
-    k1: that boundary can add one), the grid that fills its waves best, more splits on a
-    tie."""
-    best: tuple[float, int, int, int] = (0.0, 1, 0, K)
-    for want in range(1, min(MAX_SPLITS, triton_cdiv(K, bk)) + 1):
-        per = triton_cdiv(triton_cdiv(K, want), bk) * bk
-        s1 = triton_cdiv(k1, per) if k1 else 0
-        splits = s1 + triton_cdiv(K - k1, per)
-        best = max(best, (wave_fill(programs * splits, sms), splits, s1, per))
-    return best[1], best[2], best[3]
 
 
 def _tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
@@ -469,7 +190,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     partial = (
         tp_flat[B * H :].view(B, 2 * d) if tp_flat is not None else new(B, d) if split else None
     )
-    BD = min(_p2(d), 16 if _interpreting(fuse) else 1024)
+    BD = min(geometry.p2(d), 16 if geometry.interpreting(fuse) else 1024)
     blocks = _mem_blocks(plan, fuse, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
     # GPN+M's memory buffers (None for GPN).
@@ -513,7 +234,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             kcur.stride(0),
             kcur.stride(1),
             DK=dk,
-            BLOCK_DK=_p2(dk),
+            BLOCK_DK=geometry.p2(dk),
         )
     else:
         M0 = K = U = G = kcur = gprev = ss = None
@@ -640,7 +361,7 @@ def _down_split(
         d,
         plan.eps,
         SS_WIDTH=hv * plan.tp_size if plan.memory else 1,
-        N_SS=_p2(ss.shape[1]) if ss is not None else 1,
+        N_SS=geometry.p2(ss.shape[1]) if ss is not None else 1,
         SS_COLS=ss.shape[1] if ss is not None else 1,
         NORM=plan.memory,
         BLOCK_D=BD,
@@ -689,7 +410,9 @@ def _memory_forward(
         ),
         tau,
         **_layer_meta(plan, i),
-        BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else MEMORY_FORWARD_BLOCK_DV),
+        BLOCK_DV=min(
+            geometry.p2(max(dv, 1)), 8 if geometry.interpreting(y) else MEMORY_FORWARD_BLOCK_DV
+        ),
         BLOCK_DK=blocks["BLOCK_DK"],
         BLOCK_C=blocks["BLOCK_C"],
         BLOCK_F=blocks["BLOCK_F"],
@@ -712,7 +435,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     ws = SplitWorkspace(dP)
     blocks = _mem_blocks(plan, dP, C)
     grid_mem = (B, (H if mem else 0) + _ffn_programs(plan, blocks["BLOCK_F"]))
-    BD = min(_p2(d), 16 if _interpreting(dP) else ROW_BLOCK)
+    BD = min(geometry.p2(d), 16 if geometry.interpreting(dP) else ROW_BLOCK)
     split = _split(plan)
     DNP = new(B, d) if split else None  # the sharded blocks' dY W^T before its sum
     # GPN+M: the read norm backward's (B, 2) row sums, once per row (and under tp summed over
@@ -1046,7 +769,9 @@ def _memory_backward(
         int(tau == C - 1),
         eps,
         **_layer_meta(plan, i),
-        BLOCK_DV=min(_p2(max(dv, 1)), 8 if _interpreting(y) else MEMORY_BACKWARD_BLOCK_DV),
+        BLOCK_DV=min(
+            geometry.p2(max(dv, 1)), 8 if geometry.interpreting(y) else MEMORY_BACKWARD_BLOCK_DV
+        ),
         **blocks,
         SUMS_GIVEN=sums is not None,
         NORM_WIDTH=H * dv * (plan.tp_size if sums is not None else 1),
@@ -1098,8 +823,8 @@ def _flush_block(
         DK=dk,
         DV=dv,
         WRITE=write,
-        BLOCK_DK=max(1 if _interpreting(dob) else 16, _p2(dk)),
-        BLOCK_DV=min(_p2(dv), 8 if _interpreting(dob) else FLUSH_BLOCK_DV),
+        BLOCK_DK=max(1 if geometry.interpreting(dob) else 16, geometry.p2(dk)),
+        BLOCK_DV=min(geometry.p2(dv), 8 if geometry.interpreting(dob) else FLUSH_BLOCK_DV),
         BLOCK_J=S,
         BLOCK_S=S,
         num_warps=FLUSH_WARPS,
@@ -1111,7 +836,7 @@ def _sweep_block(t: Tensor) -> int:
     """Steps per block of the reverse sweep's deferred pushes (`memory_backward_kernel`):
     16 on a GPU (tl.dot's smallest tile), 4 in the interpreter (the tests' chunks of 4-20
     steps then hold several blocks, partial ones included)."""
-    return 4 if _interpreting(t) else SWEEP_BLOCK
+    return 4 if geometry.interpreting(t) else SWEEP_BLOCK
 
 
 def _sweep_history_bytes(

@@ -1,0 +1,226 @@
+"""The CUDA step backend's few-row GEMMs: how each is planned (tiles, warps, K split into
+ranges that fill whole waves of the GPU) and launched (`triton_kernels.linear_kernel`, and
+`linear_reduce_kernel` to sum a split one's partial products in a fixed order).
+
+A step GEMM multiplies the batch's B rows by a weight it streams once per step, so its plan
+is about bytes in flight and SMs kept busy, not FLOPs (docs/perf.md, the accounting's
+`pricing.py`). `cuda.py` (the step host) calls `linear` for every GEMM of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gpn_scale.ops.gpn_step import geometry
+from gpn_scale.ops.gpn_step import triton_kernels as tk
+from gpn_scale.ops.launch import launch as _launch
+from gpn_scale.ops.launch import nbytes as _nbytes
+
+MAX_SPLITS = 8
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one few-row GEMM is launched: tiles, warps and the split-K ranges."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    splits: int = 1
+    splits_k1: int = 0  # of the splits, those over [0, k1) (the read norm's columns)
+    k_per_split: int = 0
+
+    def grid(self, M: int, N: int) -> tuple[int, ...]:
+        g = (geometry.cdiv(M, self.block_m), geometry.cdiv(N, self.block_n))
+        return (*g, self.splits) if self.splits > 1 else g
+
+
+# bf16 weight panels 128 columns wide: each program keeps twice the weight bytes in flight
+# (2 x 16 KB with Triton's 3 stages: 4.3 MB over the SMs, the copy bandwidth x latency an
+# H200 needs), and half as many programs read the float32 A rows again (L2 -> SM bytes).
+GEMM_BLOCK_N = 128
+
+
+def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False) -> GemmPlan:
+    """Few-row GEMMs stream the weight once: a block of the batch's rows against
+    GEMM_BLOCK_N-column panels (32 x 32 tiles for float32/float64 operands, whose IEEE
+    products run on the FMA units: 64-wide tiles spilled there). Where that gives fewer
+    programs than the GPU has SMs (an output of width d: N / 128 = 20 programs at 130M), K
+    is split into ranges (at most MAX_SPLITS, each a multiple of BLOCK_K, never straddling
+    k1), as many as fit in one wave: rounding up instead left 1.06-1.5 programs per SM, a
+    second wave that a few SMs run alone (accounting/pricing.py's partial wave)."""
+    if geometry.interpreting(t):
+        bm, bn, bk, warps = 16, 16, 16, 1
+    elif ieee:
+        bm, bn, bk, warps = min(64, max(16, geometry.p2(M))), 32, 32, 4
+    else:
+        # 128 rows a program from B = 128: one row block streams each weight tile (two
+        # row blocks read it at the same time, so only half their tiles in flight are HBM
+        # bytes: accounting/pricing.py); 8 warps hold its 128-row accumulator and A tiles
+        bm = min(128 if M >= 128 else 64, max(16, geometry.p2(M)))
+        bn, bk, warps = GEMM_BLOCK_N, 64, 8 if bm == 128 else 4
+    programs = geometry.cdiv(M, bm) * geometry.cdiv(N, bn)
+    sms = geometry.sm_count(t)
+    if programs >= sms or K <= bk:
+        return GemmPlan(bm, bn, bk, warps)
+    splits, s1, per = _wave_splits(programs, sms, K, k1, bk)
+    if splits <= 1:
+        return GemmPlan(bm, bn, bk, warps)
+    return GemmPlan(bm, bn, bk, warps, splits, s1, per)
+
+
+def precision(w: Tensor) -> str | None:
+    # float32 operands: IEEE products (Triton's default would be TF32, not what the state's
+    # float32 promises); bf16 operands: the tensor cores' own.
+    return "ieee" if w.dtype in (torch.float32, torch.float64) else None
+
+
+def readable_columns(w: Tensor) -> int:
+    """Columns of the (K, N) weight a kernel may read: N rounded up to 16 where every row's
+    stride and the storage hold them (the padded loop weights: `LoopWeights.for_matmul`),
+    so that the weight tile's mask is a multiple of the vector width."""
+    K, N = w.shape
+    rounded = -(-N // 16) * 16
+    if w.stride(1) != 1 or w.stride(0) < rounded:
+        return N
+    end = w.storage_offset() + (K - 1) * w.stride(0) + rounded
+    storage = w.untyped_storage().nbytes() // w.element_size()
+    return rounded if end <= storage else N
+
+
+class SplitWorkspace:
+    """The split-K partials' buffer of one chunk: grown to the largest GEMM's need, reused by
+    every split GEMM of the chunk (they run one after another on one stream, each reduce
+    before the next GEMM writes)."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like = like
+        self.buffer: Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if self.buffer is None or self.buffer.numel() < numel or self.buffer.dtype != dtype:
+            self.buffer = self.like.new_empty(numel, dtype=dtype)
+        return self.buffer[:numel]
+
+
+def linear(
+    a: Tensor,
+    w: Tensor,
+    out: Tensor,
+    phase: str,
+    name: str,
+    *,
+    bias: Tensor | None = None,
+    row_rms: bool = False,
+    eps: float = 0.0,
+    split: tuple[Tensor, int] | None = None,
+    ss_width: int | None = None,
+    epilogue: int = 0,
+    pg: Tensor | None = None,
+    res: Tensor | None = None,
+    fuse: Tensor | None = None,
+    out2: Tensor | None = None,
+    workspace: SplitWorkspace | None = None,
+) -> None:
+    """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`."""
+    M, K = a.shape
+    N = w.shape[1]
+    for t in (out, pg, res, fuse, out2):
+        assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
+    ss, k1 = split if split is not None else (None, 0)
+    assert not (row_rms and k1), "the read norm's split and a row RMS are not combined"
+    plan = gemm_plan(M, N, K, a, k1, ieee=precision(w) == "ieee")
+    dummy = geometry.unused_pointer(out)
+    # (tensor or the placeholder, its row stride or 0) for each epilogue operand
+    epilogue_args = tuple(
+        x for t in (pg, res, fuse, out2) for x in ((dummy, 0) if t is None else (t, t.stride(0)))
+    )
+    norm_meta = dict(
+        N_SS=geometry.p2(ss.shape[1]) if ss is not None else 1,
+        SS_COLS=ss.shape[1] if ss is not None else 1,
+        SPLIT_K1=k1,
+        SS_WIDTH=ss_width or k1 or 1,
+        ROW_RMS=row_rms,
+        HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue,
+        HAS_OUT2=out2 is not None,
+    )
+    epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2)
+    ws = ws_ss = dummy
+    if plan.splits > 1:
+        ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
+        ws, ws_ss = ws_all[: plan.splits * M * N], ws_all[plan.splits * M * N :]
+    # The kernels' pointer arguments: a tensor, or the placeholder and stride 0.
+    bias_, ss_, ss_stride = (
+        bias if bias is not None else dummy, ss if ss is not None else dummy,
+        ss.stride(0) if ss is not None else 0,
+    )  # fmt: skip
+    _launch(
+        tk.linear_kernel, plan.grid(M, N), name, phase,
+        _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes), 2 * M * N * K,
+        a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), bias_, out, out.stride(0),
+        ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
+        **norm_meta, PRECISION=precision(w), SPLITS=plan.splits, SPLITS_K1=plan.splits_k1,
+        K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, num_warps=plan.warps,
+    )  # fmt: skip
+    if plan.splits > 1:
+        sum_args = (
+            ws, ws_ss, ss_, ss_stride, bias_, out, out.stride(0), *epilogue_args, M, N, K, eps,
+        )  # fmt: skip
+        _sum_splits(plan, M, N, f"{name} (split-K sum)", phase, _nbytes(ws) + epilogue_bytes,
+                    sum_args, norm_meta)  # fmt: skip
+
+
+def _sum_splits(
+    plan: GemmPlan,
+    M: int,
+    N: int,
+    name: str,
+    phase: str,
+    nbytes: int,
+    args: tuple,
+    norm_meta: dict,
+) -> None:
+    """A split GEMM's partial products summed in a fixed order (deterministic), then its
+    scale and epilogue: `linear_reduce_kernel` with `args` as it takes them."""
+    # The sum reads a few hundred KB: narrower column blocks spread it over the SMs.
+    reduce_n = 16
+    _launch(
+        tk.linear_reduce_kernel,
+        (geometry.cdiv(M, plan.block_m), geometry.cdiv(N, reduce_n)),
+        name,
+        phase,
+        nbytes,
+        plan.splits * M * N,
+        *args,
+        **norm_meta,
+        SPLITS=plan.splits,
+        SPLITS_K1=plan.splits_k1,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=reduce_n,
+        num_warps=plan.warps,
+    )
+
+
+def wave_fill(programs: int, sms: int) -> float:
+    """The share of its waves' program slots a grid fills (one program per SM a wave)."""
+    return programs / (geometry.cdiv(programs, sms) * sms)
+
+
+def _wave_splits(programs: int, sms: int, K: int, k1: int, bk: int) -> tuple[int, int, int]:
+    """(splits, of them over [0, k1), K per split) for a grid of `programs` column tiles:
+    of the ranges of K / n (n <= MAX_SPLITS, a multiple of bk, a range never straddling
+    k1: that boundary can add one), the grid that fills its waves best, more splits on a
+    tie."""
+    best: tuple[float, int, int, int] = (0.0, 1, 0, K)
+    for want in range(1, min(MAX_SPLITS, geometry.cdiv(K, bk)) + 1):
+        per = geometry.cdiv(geometry.cdiv(K, want), bk) * bk
+        s1 = geometry.cdiv(k1, per) if k1 else 0
+        splits = s1 + geometry.cdiv(K - k1, per)
+        best = max(best, (wave_fill(programs * splits, sms), splits, s1, per))
+    return best[1], best[2], best[3]

@@ -1,0 +1,68 @@
+"""What the CUDA step backend's launch sizes depend on: the interpreter or a GPU, how many SMs
+it has (or a dry run's assumed number), powers of two, and a placeholder pointer.
+
+Tests monkeypatch `interpreting` and `sm_count` here to run the GPU's block sizes under
+Triton's interpreter; callers reach them as `geometry.interpreting(...)` so that they see it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from gpn_scale.ops.execution import current
+
+
+def interpreting(t: Tensor) -> bool:
+    """Whether `t`'s launches run in Triton's interpreter (CPU tensors: the tests)."""
+    return t.device.type == "cpu"
+
+
+def p2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Programs per SM the GEMMs aim for: one wave on the GPU (H100/H200: 132 SMs; the dry runs of
+# the accounting and of accounting/gpu_compile assume it unless told otherwise). The interpreter
+# pretends to 16 so that the tests' tiny GEMMs take the split-K path too.
+DRY_RUN_SMS = 132
+INTERPRETER_SMS = 16
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(t: Tensor) -> int:
+    """The SMs a launch on `t`'s device fills: the execution's assumed number (dry runs), the
+    interpreter's, the device's, or a dry run's default."""
+    assumed = current().assumed_sms
+    if assumed is not None:
+        return assumed
+    if interpreting(t):
+        return INTERPRETER_SMS
+    if t.is_cuda:
+        return _device_sms(t.device.index if t.device.index is not None else 0)
+    return DRY_RUN_SMS
+
+
+_UNUSED: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def unused_pointer(like: Tensor) -> Tensor:
+    """A small tensor for the pointer arguments a kernel variant never reads (of `like`'s
+    dtype, so that it makes no other specialisation; small, so that nothing mistakes its
+    extent for one the kernel indexes)."""
+    key = (like.device, like.dtype)
+    t = _UNUSED.get(key)
+    if t is None:
+        t = _UNUSED[key] = like.new_empty(16)
+    return t
