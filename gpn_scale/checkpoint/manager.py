@@ -129,18 +129,20 @@ class CheckpointManager:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    def _gather(self, obj: Any) -> list[Any]:
+    def _gather(self, obj: Any, group: Any = None) -> list[Any]:
+        """all_gather_object on `group` (None: the default group; a background save passes
+        its own, so it never meets the training's collectives on the same group)."""
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
-    def _broadcast(self, obj: Any) -> Any:
+    def _broadcast(self, obj: Any, group: Any = None) -> Any:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
     def _agree(self, error: str | None, what: str, damaged: bool = False) -> list[Any]:
@@ -395,15 +397,22 @@ class CheckpointManager:
         return entries
 
     def _commit(
-        self, step: int, name: str, stage: Path, kind: str, per_rank: Any, meta: dict[str, Any]
+        self,
+        step: int,
+        name: str,
+        stage: Path,
+        kind: str,
+        per_rank: Any,
+        meta: dict[str, Any],
+        group: Any = None,
     ) -> str:
-        """Collective tail of a save: gather file lists, rank 0 verifies + writes
-        manifest/latest."""
+        """Collective (on `group`) tail of a save: gather file lists, rank 0 verifies +
+        writes manifest/latest."""
         what = (
             f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous "
             "latest is unchanged"
         )
-        gathered = self._gather(per_rank)
+        gathered = self._gather(per_rank, group)
         for r, item in enumerate(gathered):
             if isinstance(item, str):
                 where = f" on rank {r}" if self.world_size > 1 else ""
@@ -417,7 +426,7 @@ class CheckpointManager:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - any surprise must still reach every rank
                 error = one_line(exc)
-        error = self._broadcast(error)
+        error = self._broadcast(error, group)
         shutil.rmtree(stage, ignore_errors=True)
         if error:
             raise CheckpointError(f"{what}: {error}")
@@ -498,9 +507,34 @@ class CheckpointManager:
         The checkpoint becomes `latest` only after every rank's files are uploaded and verified.
         Any failure raises a one-line CheckpointError on every rank and leaves `latest` unchanged.
         """
+        name, stage = self.begin_save(step, meta)
+        return self.write_and_commit(
+            step, name, stage, app_state, meta=meta, rank_state=rank_state, files=files
+        )
+
+    def begin_save(self, step: int, meta: dict[str, Any]) -> tuple[str, Path]:
+        """COLLECTIVE (default group). The start of a save: meta checked, this rank's
+        staging directory emptied, an older copy of the step removed; (name, staging dir)."""
+        return self._begin(step, meta)
+
+    def write_and_commit(
+        self,
+        step: int,
+        name: str,
+        stage: Path,
+        app_state: dict[str, Any],
+        *,
+        meta: dict[str, Any],
+        rank_state: dict[str, Any] | None = None,
+        files: dict[str, bytes] | None = None,
+        group: Any = None,
+    ) -> str:
+        """COLLECTIVE on `group` (None: the default group). The rest of `save` after
+        `begin_save`: DCP's shards and the rank file into `stage`, hashed and uploaded, then
+        the commit (manifest, then `latest`). A background save (async_save.py) runs this in
+        its thread on a process group of its own, from a staged copy of the state."""
         import torch.distributed.checkpoint as dcp
 
-        name, stage = self._begin(step, meta)
         err = None
         try:
             writer = dcp.FileSystemWriter(
@@ -508,7 +542,7 @@ class CheckpointManager:
             )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(app_state, storage_writer=writer)
+                dcp.save(app_state, storage_writer=writer, process_group=group)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
             full = self._disk_full(exc, stage)
             shutil.rmtree(stage, ignore_errors=True)
@@ -522,7 +556,7 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001
             err = self._disk_full(exc, stage) or f"cannot write rank_state ({one_line(exc, 160)})"
         per_rank = err if err else self._upload_stage(name, stage)
-        return self._commit(step, name, stage, "dcp", per_rank, meta)
+        return self._commit(step, name, stage, "dcp", per_rank, meta, group)
 
     def _disk_full(self, exc: BaseException, stage: Path) -> str:
         """The one line for a staged write that ran out of disk (ENOSPC, EDQUOT: also inside

@@ -136,6 +136,11 @@ class CheckpointSection:
     # false: the optimizer state too (a DCP checkpoint, not under DeepSpeed); schedule, step
     # and data position still start fresh.
     initial_load_model_only: bool = True
+    # off | async | async_with_pinned_mem (torchtitan's names): the state is copied to CPU
+    # (pinned memory with the latter, on a GPU) while training waits; the write, upload and
+    # commit run in the background while it goes on, one save in flight at a time
+    # (checkpoint/async_save.py). Not under DeepSpeed.
+    async_mode: str = "off"
 
 
 @dataclass
@@ -282,12 +287,14 @@ PATH_KEYS = (
     "profiling.folder",
 )
 
+ASYNC_MODES = ("off", "async", "async_with_pinned_mem")
 _ENUMS = {
     "train.device": ("auto", "cpu", "cuda"),
     "train.precision": ("auto", "fp32", "bf16"),
     "parallel.backend": ("auto", "none", "fsdp2", "deepspeed"),
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "logging.wandb.mode": ("online", "offline", "auto", "disabled"),
+    "checkpoint.async_mode": ASYNC_MODES,
 }
 # Keys whose value is a free mapping (validated elsewhere: model_overrides by GPNConfig).
 _FREE_MAPPINGS = {"model_overrides"}
@@ -554,6 +561,13 @@ def _check_parallel_and_analysis(cfg: TrainConfig) -> None:
             f"parallel.tp={cfg.parallel.tp}: tensor parallelism runs under "
             f"parallel.backend=fsdp2 (or auto), not {cfg.parallel.backend}; use fsdp2"
         )
+    if cfg.checkpoint.async_mode != "off" and cfg.parallel.backend == "deepspeed":
+        # DeepSpeed's engine.save_checkpoint writes its own files from its own buffers: no
+        # staged copy of them to write from a background thread while training goes on.
+        raise ConfigError(
+            f"checkpoint.async_mode={cfg.checkpoint.async_mode}: background saves are for "
+            "parallel.backend none / fsdp2 (DCP), not deepspeed; set checkpoint.async_mode=off"
+        )
     if cfg.compile.enable and cfg.parallel.backend == "deepspeed" and cfg.parallel.zero_stage == 3:
         # ZeRO-3 gathers each submodule's weights in forward hooks DeepSpeed marks
         # torch.compiler.disable: inside a compiled block they break the graph at every
@@ -624,6 +638,8 @@ def validate(cfg: TrainConfig) -> None:
     """Value checks the types cannot express (one line each)."""
     check_numbers(cfg)
     _check_cache_limit(cfg.data.cache_limit)
+    if cfg.checkpoint.async_mode == "False":  # YAML reads off (and false, no) as a boolean
+        cfg.checkpoint.async_mode = "off"
     for key, allowed in _ENUMS.items():
         value = cfg
         for part in key.split("."):

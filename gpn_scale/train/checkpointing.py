@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from gpn_scale.checkpoint.async_save import AsyncSaver
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import record_run_dir, resolve_recorded
@@ -58,6 +59,10 @@ class RunCheckpoints:
         self.files: dict[str, bytes] = {}  # carried in each step directory
         self.data_fingerprint: str | None = None
         self.remote: str | None = None
+        # checkpoint.async_mode: saves written, uploaded and committed in the background.
+        self.saver: AsyncSaver | None = None
+        if cfg.checkpoint.async_mode != "off" and not eval_only:
+            self.saver = AsyncSaver(mgr, cfg.checkpoint.async_mode, log)
 
     # ------------------------------------------------------------------ where to start
     def start_points(self, model_cfg: Any) -> tuple[str | None, Any]:
@@ -160,6 +165,21 @@ class RunCheckpoints:
         if self.topo.all_reduce_max(1.0 if error else 0.0) > 0:
             raise LeaseHeld(error or "another job holds this run's lease (see rank 0)")
 
+    def wait_saved(self) -> None:
+        """A background save in flight (checkpoint.async_mode), committed; its failure
+        raises here in one line. Nothing to do for synchronous saves."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def close(self) -> None:
+        """At exit: a background save in flight is waited for (its failure said in one
+        line: the run's own outcome stands), then the lease is released."""
+        if self.saver is not None:
+            failed = self.saver.close()
+            if failed:
+                self.log(f"checkpoint: {failed}")
+        self.release_lease()
+
     def release_lease(self) -> None:
         if self.lease is not None:
             self.lease.release()
@@ -198,7 +218,9 @@ class RunCheckpoints:
         self.topo.barrier()
 
     def write_done(self, done: dict[str, Any]) -> None:
-        """The DONE marker (rank 0): sweeps skip runs that have it."""
+        """The DONE marker (rank 0): sweeps skip runs that have it. Only once the last
+        checkpoint has committed (a background save is waited for)."""
+        self.wait_saved()
         if self.topo.is_main:
             self.mgr.storage.put_bytes(DONE_MARKER, json.dumps(done, indent=1).encode())
         self.topo.barrier()
@@ -261,8 +283,17 @@ class RunCheckpoints:
             "initial_load": self.initial_load_uri,
         }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
-        uri = backend.save(self.mgr, state.step, meta, rank_state, self.files)
-        self.log(f"step {state.step}: checkpoint {uri}")
+        if self.saver is None:
+            uri = backend.save(self.mgr, state.step, meta, rank_state, self.files)
+            self.log(f"step {state.step}: checkpoint {uri}")
+            return uri
+        # The backend hands its state dict to the saver's save (the manager's signature):
+        # staged to CPU now, written, uploaded and committed in the background.
+        uri = backend.save(self.saver, state.step, meta, rank_state, self.files)
+        self.log(
+            f"step {state.step}: checkpoint {uri} (writing in the background; training "
+            f"waited {self.saver.blocking_s:.3f}s)"
+        )
         return uri
 
     def restore(self, uri: str | None, backend: Backend, loader: Any, model_cfg: Any) -> TrainState:

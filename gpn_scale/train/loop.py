@@ -157,7 +157,7 @@ class Trainer:
 
             shutil.rmtree(self._eval_cache, ignore_errors=True)
         if self.ckpt is not None:
-            self.ckpt.release_lease()
+            self.ckpt.close()  # a background save in flight first, then the lease
         self._stops.uninstall()
         self._topo.destroy()
 
@@ -515,10 +515,10 @@ class Trainer:
         self._topo.barrier()
 
     def _preempted(self, s: TrainState) -> RunResult:
-        why = self._stops.why_preempted()
+        self._ckpt.wait_saved()  # a background save (checkpoint.async_mode) has committed
         self.log(
-            f"preempted ({why}) at step {s.step}: saved {s.last_ckpt}; exiting "
-            f"{EXIT_PREEMPTED}; continue with --resume auto"
+            f"preempted ({self._stops.why_preempted()}) at step {s.step}: saved "
+            f"{s.last_ckpt}; exiting {EXIT_PREEMPTED}; continue with --resume auto"
         )
         self._emit({"event": "preempted"}, s.step, s.tokens)
         self._requeue_and_agree()
