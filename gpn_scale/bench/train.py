@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from gpn_scale.io.run_folder import METRICS
+
 
 def _engine_tokens_per_s(
     model_cfg, batch: int, seq_len: int, steps: int, with_optim: bool, warmup: int = 2
@@ -80,7 +82,7 @@ def _trainer_tokens_per_s(
         ],
     )
     Trainer(cfg, log=lambda _msg: None).run()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
     rows = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
     # Means (not medians) so that the parts add up to the whole step.
     parts = {

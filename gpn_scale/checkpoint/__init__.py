@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING, Any
 
 from gpn_scale.checkpoint.errors import CheckpointDamaged, CheckpointError
 from gpn_scale.checkpoint.roots import open_storage
+from gpn_scale.io.run_folder import step_dir_name
 from gpn_scale.io.storage import LocalStorage, ObjectInfo, S3Storage, Storage
 
 if TYPE_CHECKING:
-    from gpn_scale.checkpoint.catalog import step_dir_name
     from gpn_scale.checkpoint.manager import CheckpointManager, LoadedCheckpoint
     from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 
@@ -69,7 +69,6 @@ if TYPE_CHECKING:
 _LAZY = {
     "CheckpointManager": "gpn_scale.checkpoint.manager",
     "LoadedCheckpoint": "gpn_scale.checkpoint.manager",
-    "step_dir_name": "gpn_scale.checkpoint.catalog",
     "capture_rng_state": "gpn_scale.checkpoint.rng",
     "restore_rng_state": "gpn_scale.checkpoint.rng",
 }

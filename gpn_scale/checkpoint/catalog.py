@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from gpn_scale.checkpoint.errors import one_line
+from gpn_scale.io import run_folder
+from gpn_scale.io.run_folder import LATEST, MANIFEST, STEP_DIR_RE
 from gpn_scale.io.storage import ObjectInfo, Storage
 
 FORMAT = "gpn_scale.checkpoint/1"
-MANIFEST = "manifest.json"
-LATEST = "latest"
-STEP_DIR_RE = re.compile(r"^step_(\d{9,})$")
-
-
-def step_dir_name(step: int) -> str:
-    """`step_000000200`: zero-padded so lexical and numeric order agree."""
-    return f"step_{int(step):09d}"
 
 
 def sha256_file(path: Path) -> str:
@@ -56,8 +49,8 @@ def check_step(
     # own step under the folder's name: steps skipped or repeated in silence.
     meta = manifest.get("meta")
     for what, said in (
-        ("manifest.json", manifest.get("step")),
-        ("manifest.json's meta", meta.get("step") if isinstance(meta, dict) else None),
+        (MANIFEST, manifest.get("step")),
+        (f"{MANIFEST}'s meta", meta.get("step") if isinstance(meta, dict) else None),
     ):
         if said is not None and _as_int(said) != step_of(name):
             return None, (
@@ -109,7 +102,11 @@ def _as_int(value: Any) -> int | None:
 
 
 def step_of(name: str) -> int:
-    return int(name[len("step_") :])
+    """The step of a step folder's name (one that STEP_DIR_RE matches)."""
+    step = run_folder.step_of(name)
+    if step is None:
+        raise ValueError(f"not a step folder name: {name!r}")
+    return step
 
 
 def step_dirs(storage: Storage) -> list[str]:

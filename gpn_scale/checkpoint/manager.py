@@ -40,14 +40,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gpn_scale.checkpoint.catalog import (
     FORMAT,
-    LATEST,
-    MANIFEST,
-    STEP_DIR_RE,
     check_step,
     find_latest,
     sha256_file,
-    step_dir_name,
     step_dirs,
+    step_of,
 )
 from gpn_scale.checkpoint.errors import CheckpointDamaged, CheckpointError, one_line
 from gpn_scale.checkpoint.roots import open_storage
@@ -57,6 +54,7 @@ from gpn_scale.checkpoint.safe_load import (
     safe_torch_load,
     safe_unpickle_metadata,
 )
+from gpn_scale.io.run_folder import LATEST, MANIFEST, STEP_DIR_RE, step_dir_name
 from gpn_scale.io.storage import LocalStorage, Storage
 
 T = TypeVar("T")
@@ -232,7 +230,7 @@ class CheckpointManager:
         out = []
         for name in step_dirs(self.storage):
             complete = check_step(self.storage, name)[0] is not None
-            out.append((int(name[len("step_") :]), self.storage.child_uri(name), complete))
+            out.append((step_of(name), self.storage.child_uri(name), complete))
         return out
 
     def delete_all(self) -> list[str]:
@@ -479,12 +477,12 @@ class CheckpointManager:
     def _retain(self, current: str) -> None:
         """Keep the newest `keep_last` complete checkpoints (always `current`); delete older ones
         and abandoned partial directories older than `current`. Newer directories are left alone."""
-        cur_step = int(current[len("step_") :])
+        cur_step = step_of(current)
         names = step_dirs(self.storage)  # newest first
         complete = [n for n in names if self.storage.get_bytes(f"{n}/{MANIFEST}") is not None]
         keep = set(complete[: self.keep_last]) | {current}
         for n in names:
-            if n in keep or int(n[len("step_") :]) >= cur_step:
+            if n in keep or step_of(n) >= cur_step:
                 continue
             # Manifest first: a half-deleted checkpoint must look incomplete, never complete.
             self.storage.delete_prefix(f"{n}/{MANIFEST}")

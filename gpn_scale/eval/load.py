@@ -26,7 +26,6 @@ Nothing here is collective: one process loads the full weights.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +36,9 @@ from torch import nn
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.eval.tokenizer import Tokenizer, from_identity, from_name
+from gpn_scale.io.run_folder import FINAL_WEIGHTS, RUN_CONFIG, step_of
 from gpn_scale.models.protocol import FamilySpec
 
-_STEP_RE = re.compile(r"^step_(\d{9,})$")
-FINAL_WEIGHTS = "model_final.pt"
-RUN_CONFIG = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"  # saved in every step directory (and export) when HF
 
 
@@ -101,7 +98,7 @@ def resolve(ref: str) -> tuple[str, str]:
         if _is_local_missing(ref):
             raise ConfigError(f"checkpoint {ref}: no such file; fix the path")
         return "final", ref
-    if _STEP_RE.match(ref.rsplit("/", 1)[-1]):
+    if step_of(ref) is not None:
         if _is_local_missing(ref):
             raise ConfigError(
                 f"checkpoint {ref}: no such step folder (it is missing); give an existing "
@@ -324,9 +321,7 @@ def load(
     from gpn_scale.checkpoint import CheckpointError, CheckpointManager
 
     dev = device if isinstance(device, torch.device) else pick_device(device)
-    explicit = str(ref).rstrip("/").endswith(".pt") or bool(
-        _STEP_RE.match(str(ref).rstrip("/").rsplit("/", 1)[-1])
-    )
+    explicit = str(ref).rstrip("/").endswith(".pt") or step_of(str(ref)) is not None
     for attempt in range(4):
         kind, uri = resolve(ref)
         try:

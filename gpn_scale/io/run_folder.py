@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,31 @@ from typing import Any
 # name, not a path, so never rebased (the train config's data.remote default).
 DEFAULT_CORPUS = "default"
 
-RUN_CONFIG = "config.yaml"
+# Every file name and marker of a run folder and of a checkpoint root is spelled here once
+# (tests/io/test_run_folder.py holds that no other module spells them).
+RUN_CONFIG = "config.yaml"  # the run's resolved config
+METRICS = "metrics.jsonl"  # the run's history: one JSON object per line
+LOSS_CURVE = "loss_curve.png"  # gpn-scale demo's plot
+FINAL_WEIGHTS = "model_final.pt"  # checkpoint.export_final: the final weights, one file
+# A checkpoint root: step folders (each complete once its manifest is written, last), the
+# pointer to the newest, and the marker a finished run leaves.
+MANIFEST = "manifest.json"
+LATEST = "latest"
+DONE = "DONE"
+STEP_DIR_RE = re.compile(r"^step_(\d{9,})$")
 HERE = "."  # config.yaml's run_dir: the folder holding it
+
+
+def step_dir_name(step: int) -> str:
+    """`step_000000200`: zero-padded so lexical and numeric order agree."""
+    return f"step_{int(step):09d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a step folder's name (or a path or URI ending in one) says; None for any
+    other name. The one parser of step folder names."""
+    match = STEP_DIR_RE.match(str(name).rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
 
 
 def _is_uri(path: str) -> bool:
@@ -164,9 +188,9 @@ def _recorded_config(root: Path) -> tuple[dict[str, Any] | None, str]:
     """(meta.config, its manifest) of the newest checkpoint under `root` that records one."""
     import json
 
-    steps = [p for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
-    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
-        manifest = step / "manifest.json"
+    steps = [p for p in root.glob("step_*") if step_of(p.name) is not None] if root.is_dir() else []
+    for step in sorted(steps, key=lambda p: step_of(p.name) or 0, reverse=True):
+        manifest = step / MANIFEST
         try:
             config = json.loads(manifest.read_bytes()).get("meta", {}).get("config")
         except (OSError, ValueError, AttributeError):

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any, TypeGuard, cast
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.io.run_folder import DONE, METRICS, step_dir_name
+from gpn_scale.io.run_folder import RUN_CONFIG as CONFIG
 from gpn_scale.scaling.fit import FitError, Observation
 
-DONE = "DONE"
-METRICS = "metrics.jsonl"
-CONFIG = "config.yaml"
 # The trainer's default checkpoint root inside a run dir (TrainConfig.resolved_checkpoint_root).
 CHECKPOINTS = "checkpoints"
 LOSS_KEY = "eval/loss"
@@ -278,7 +277,7 @@ def _lambada_of(root: str, done: dict[str, Any]) -> tuple[float | None, float | 
     if isinstance(done.get("checkpoint"), str):
         names.append(done["checkpoint"].rstrip("/").rpartition("/")[2] + ".lambada.json")
     if isinstance(done.get("step"), int) and not isinstance(done.get("step"), bool):
-        names.append(f"step_{done['step']:09d}.lambada.json")
+        names.append(f"{step_dir_name(done['step'])}.lambada.json")
     for name in dict.fromkeys(names):
         result = _json(_read(root, name), f"{root.rstrip('/')}/{name}")
         metrics = (result or {}).get("metrics")

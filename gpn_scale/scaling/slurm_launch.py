@@ -26,9 +26,8 @@ import json
 import time
 from pathlib import Path
 
+from gpn_scale.io.run_folder import DONE
 from gpn_scale.scaling.sweep import RunSpec, Sweep, SweepError, load_sweep
-
-DONE = "DONE"
 
 
 def is_done(run: RunSpec | TableRun) -> bool:

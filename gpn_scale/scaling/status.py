@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpn_scale.io.run_folder import DONE, LATEST, METRICS
 from gpn_scale.scaling.sweep import RunSpec, Sweep
 
 JOB_PREFIX = "gpn-"
@@ -54,7 +55,7 @@ def single_job_name(sweep_name: str, index: int) -> str:
 def _metrics(run_dir: str | None) -> list[dict]:
     from gpn_scale.train.metrics import read_jsonl
 
-    return read_jsonl(Path(run_dir) / "metrics.jsonl", live=True) if run_dir else []
+    return read_jsonl(Path(run_dir) / METRICS, live=True) if run_dir else []
 
 
 def _json_at(uri: str, key: str) -> dict | None:
@@ -110,7 +111,7 @@ def run_status(index: int, run: RunSpec, job: tuple[str, str] | None = None) -> 
             st.eval_loss = float(loss)
         if "train/loss" in r and isinstance(r.get("step"), int):
             st.step, st.tokens = r["step"], r.get("tokens", st.tokens)
-    done = _json_at(run.checkpoint_root, "DONE")
+    done = _json_at(run.checkpoint_root, DONE)
     if done is not None:
         st.state = "done"
         st.step = done.get("step", st.step)
@@ -120,7 +121,7 @@ def run_status(index: int, run: RunSpec, job: tuple[str, str] | None = None) -> 
             st.eval_loss = float(loss)
         return st
     if st.step is None:
-        latest = _json_at(run.checkpoint_root, "latest")
+        latest = _json_at(run.checkpoint_root, LATEST)
         if latest and isinstance(latest.get("step"), int):
             st.step = latest["step"]
             st.tokens = st.step * run.global_batch_size * run.seq_len

@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+from gpn_scale.io.run_folder import LOSS_CURVE, METRICS, RUN_CONFIG
+
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
     """Train loss per step (and held-out loss points) from metrics.jsonl into a PNG."""
@@ -65,7 +67,7 @@ def run_demo(
         ]
     cfg = load_train_config("demo", [*extra, *overrides])
     # A demo always starts fresh: drop the previous demo's outputs (the built corpus stays).
-    for stale in ("metrics.jsonl", "loss_curve.png", "config.yaml"):
+    for stale in (METRICS, LOSS_CURVE, RUN_CONFIG):
         (run_dir / stale).unlink(missing_ok=True)
     if cfg.checkpoint.root is None:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -73,10 +75,10 @@ def run_demo(
     result = Trainer(cfg, resume="none").run()
     if result.exit_code != 0:
         return result.exit_code
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     png = plot_loss_curve(
         metrics,
-        run_dir / "loss_curve.png",
+        run_dir / LOSS_CURVE,
         title=f"GPN+M demo ({cfg.model}, {result.step} steps on CPU)",
     )
     ev = result.final_eval
@@ -90,7 +92,7 @@ def run_demo(
     print(f"  checkpoint     {result.checkpoint}")
     print(f"  metrics        {metrics}")
     print(f"  loss curve     {png}")
-    print(f"  config         {run_dir / 'config.yaml'}")
+    print(f"  config         {run_dir / RUN_CONFIG}")
     print(
         f"  resume/extend  gpn-scale train demo run_dir={run_dir} schedule.total_steps=N "
         "--resume auto"

@@ -27,7 +27,13 @@ from gpn_scale.checkpoint.lease import LOST_ON_RANK_0, LeaseLost
 from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import detect
 from gpn_scale.core.hardware import device_peak_flops as peak_flops  # MFU's denominator
-from gpn_scale.io.run_folder import missing_tops, record_run_dir
+from gpn_scale.io.run_folder import (
+    FINAL_WEIGHTS,
+    METRICS,
+    RUN_CONFIG,
+    missing_tops,
+    record_run_dir,
+)
 from gpn_scale.parallel.backends import resolve_backend, setup_topology
 from gpn_scale.parallel.topology import Topology
 from gpn_scale.run.config import TrainConfig, batch_layout
@@ -297,9 +303,7 @@ class Trainer:
         # A fresh start (step 0) drops the history of an earlier attempt that left no
         # checkpoint, as a resume drops the steps after its checkpoint: one history per run.
         run_path = Path(self.run_dir)
-        self._new_files = [
-            p for p in (run_path / "config.yaml", run_path / "metrics.jsonl") if not p.exists()
-        ]
+        self._new_files = [p for p in (run_path / RUN_CONFIG, run_path / METRICS) if not p.exists()]
         if topo.is_main:
             from gpn_scale.train.sinks import open_sinks
 
@@ -462,7 +466,7 @@ class Trainer:
         if cfg.checkpoint.export_final:
             sd = c.backend.full_state_dict()
             if sd is not None:
-                torch.save(sd, Path(self.run_dir) / "model_final.pt")
+                torch.save(sd, Path(self.run_dir) / FINAL_WEIGHTS)
         ckpt = s.last_ckpt
         self._ckpt.write_done(
             {
@@ -482,7 +486,7 @@ class Trainer:
         self.log(
             f"done: step {s.step}, {s.tokens:,} tokens"
             + (f", held-out loss {ev['eval/loss']:.4f} (ppl {ev['eval/ppl']:.2f})" if ev else "")
-            + f"; checkpoint {ckpt}; metrics {Path(self.run_dir) / 'metrics.jsonl'}"
+            + f"; checkpoint {ckpt}; metrics {Path(self.run_dir) / METRICS}"
         )
         return RunResult(0, s.step, s.tokens, self.run_dir, ckpt, ev, s.skipped)
 

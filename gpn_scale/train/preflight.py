@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.io.run_folder import DONE
 from gpn_scale.run.config import TrainConfig
 from gpn_scale.run.model import model_config
 
@@ -261,7 +262,7 @@ def _data_line(remote: str, meta: Any) -> str:
 
 
 # The marker a finished run writes under its checkpoint root (its step and the run's end).
-DONE_MARKER = "DONE"
+DONE_MARKER = DONE
 
 
 def finished_at(done: dict | None, resume_uri: str | None, total_steps: int) -> int | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.io.run_folder import RUN_CONFIG
+from gpn_scale.io.run_folder import METRICS, RUN_CONFIG
 from gpn_scale.io.storage import LocalStorage
 from gpn_scale.run.config import TrainConfig, relocatable, to_yaml
 from gpn_scale.train.metrics import JsonlSink, WandbSink, scrub_secrets
@@ -34,7 +34,7 @@ def open_sinks(
     # inside the run folder relative to it, so a copied folder reads its own files.
     folder = LocalStorage(path, error=ConfigError, subject="run_dir")
     folder.put_bytes(RUN_CONFIG, to_yaml(relocatable(cfg)).encode())  # atomic, fsynced
-    history = JsonlSink(str(path / "metrics.jsonl"), resume_step=resume_step)
+    history = JsonlSink(str(path / METRICS), resume_step=resume_step)
     for note in history.notes:
         log(f"metrics: {note}")
     sinks: list[Any] = [history]
