@@ -91,13 +91,7 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
     p.add_argument(
         "--max-docs", type=int, default=None, help="stop after this many documents (default: all)"
     )
-    p.add_argument(
-        "--encoding-errors",
-        default="strict",
-        choices=("strict", "replace"),
-        help="text and JSONL inputs must be UTF-8: strict (default) refuses a byte that is "
-        "not, naming the file and its offset; replace reads such bytes as U+FFFD",
-    )
+    _add_encoding_errors(p)
     p.add_argument(
         "--scratch-dir",
         default=None,
@@ -185,13 +179,7 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="train on the first this many documents (default: all)",
     )
-    p.add_argument(
-        "--encoding-errors",
-        default="strict",
-        choices=("strict", "replace"),
-        help="text and JSONL inputs must be UTF-8: strict (default) refuses a byte that is "
-        "not, naming the file and its offset; replace reads such bytes as U+FFFD",
-    )
+    _add_encoding_errors(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_tokenizer)
 
@@ -403,3 +391,14 @@ def cmd_default_corpus(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _add_encoding_errors(p: argparse.ArgumentParser) -> None:
+    """--encoding-errors, for every command that reads text inputs (build, train-tokenizer)."""
+    p.add_argument(
+        "--encoding-errors",
+        default="strict",
+        choices=("strict", "replace"),
+        help="text and JSONL inputs must be UTF-8: strict (default) refuses a byte that is "
+        "not, naming the file and its offset; replace reads such bytes as U+FFFD",
+    )

@@ -98,7 +98,9 @@ def test_restore_auto_falls_back_past_a_checkpoint_damaged_at_load(tmp_path):
     os.utime(shard, ns=(mtime, mtime))  # only the full sha256 at load finds it
 
     logs: list[str] = []
-    cfg = SimpleNamespace(to_dict=dict, checkpoint=SimpleNamespace(initial_load=None))
+    cfg = SimpleNamespace(
+        to_dict=dict, checkpoint=SimpleNamespace(initial_load=None, async_mode="off")
+    )
     ckpt = RunCheckpoints(
         cfg, SimpleNamespace(), mgr, logs.append, backend_name="none",  # type: ignore[arg-type]
         run_dir=str(tmp_path), resume="auto", eval_only=False, fresh=False, take_over=False,
