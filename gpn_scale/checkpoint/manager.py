@@ -464,8 +464,19 @@ class CheckpointManager:
             "files": dict(sorted(files.items())),
             "meta": meta,
         }
+        # The manifest is the commit: from here the checkpoint is complete, and readers take the
+        # newest complete one even past a stale pointer (catalog.find_latest). A pointer that
+        # cannot be written is then said, not an unsaved checkpoint.
         self.storage.put_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-        self.storage.put_bytes(LATEST, json.dumps({"step": int(step), "name": name}).encode())
+        try:
+            self.storage.put_bytes(LATEST, json.dumps({"step": int(step), "name": name}).encode())
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; the pointer is a hint
+            warnings.warn(
+                f"checkpoint {name} is saved, but {LATEST} still names the one before "
+                f"({one_line(exc)}); a resume takes the newest complete checkpoint, and the next "
+                "save writes the pointer again",
+                stacklevel=3,
+            )
         try:
             self._retain(name)
         except Exception as exc:  # noqa: BLE001 - the checkpoint is safe; retention can catch up next save

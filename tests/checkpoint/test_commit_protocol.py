@@ -165,36 +165,22 @@ def test_a_failed_write_leaves_the_previous_checkpoint_the_newest(root, monkeypa
     _assert_saves_again(mgr, root / "run", monkeypatch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="manager.py: a failed `latest` write leaves a complete manifest behind; the error "
-    "says 'not saved; the previous latest is unchanged' but latest() takes the new step "
-    "(find_latest's stale-pointer rule)",
-)
-def test_a_failed_latest_write_leaves_the_previous_checkpoint_the_newest(root, monkeypatch):
-    mgr = CheckpointManager(str(root))
-    uri1 = _save(mgr, 1)
-    writes = Writes(mgr, monkeypatch)
-    writes.fail = lambda i, key: key == LATEST
-    with pytest.raises(CheckpointError) as err:
-        _save(mgr, 2)
-    _assert_one_line(err)
-    _assert_previous_is_newest(root, uri1)
-
-
-def test_a_failed_latest_write_raises_and_the_step_it_claims_is_whole(root, monkeypatch):
-    """What the code does today (see the xfail above): the save raises in one line, and
-    the checkpoint latest() then takes is complete and verified, never a partial one."""
+def test_a_failed_latest_write_still_commits_the_step_and_says_so(root, monkeypatch):
+    """The manifest is the commit: a `latest` that cannot be written after it leaves a
+    complete checkpoint that every reader takes (newest complete beats a stale pointer), so
+    the save says so in a warning rather than claiming the step was not saved."""
     mgr = CheckpointManager(str(root))
     _save(mgr, 1)
     writes = Writes(mgr, monkeypatch)
     writes.fail = lambda i, key: key == LATEST
-    with pytest.raises(CheckpointError) as err:
-        _save(mgr, 2)
-    _assert_one_line(err)
+    with pytest.warns(UserWarning, match=r"step_000000002 is saved, but latest still names"):
+        uri2 = _save(mgr, 2)
     assert json.loads((root / LATEST).read_bytes())["name"] == step_dir_name(1)
     newest = CheckpointManager(str(root)).latest()
-    assert newest is not None and CheckpointManager(str(root)).is_complete(newest)
+    assert newest == uri2 and CheckpointManager(str(root)).is_complete(newest)
+    writes.fail = lambda i, key: False
+    _save(mgr, 3)  # the next save writes the pointer again
+    assert json.loads((root / LATEST).read_bytes())["name"] == step_dir_name(3)
 
 
 def test_a_file_that_lands_short_is_caught_before_the_manifest(root, monkeypatch):
