@@ -134,6 +134,53 @@ def test_a_failed_background_upload_is_one_line_and_resume_takes_the_previous(
     assert _latest(run_dir) == "step_000000006"
 
 
+def test_a_preemption_during_a_background_save_waits_for_it_and_resumes_equal(
+    corpus, tmp_path, sync_losses, monkeypatch
+):
+    """SLURM's USR1 lands while step 2's files upload in the background (when that is, the
+    background thread decides: the main thread may have trained on). The run stops at the
+    step boundary after the signal (the last step logged then, or the one in progress),
+    saves there after step 2's save commits, and exits 75: the newest checkpoint is
+    complete and named by `latest`, nothing trained past it, and --resume auto gives the
+    uninterrupted run's per-step losses."""
+    import os
+    import signal
+
+    from gpn_scale.train.signals import EXIT_PREEMPTED
+
+    real_put = LocalStorage.put_file
+    logged: list[int] = [0]  # the last step the loop logged
+    sent_after: list[int] = []  # the last logged step when the signal was sent
+
+    def put_with_a_signal(self, path, key):  # type: ignore[no-untyped-def]
+        if key.startswith("step_000000002/") and not sent_after:
+            sent_after.append(logged[-1])
+            os.kill(os.getpid(), signal.SIGUSR1)  # delivered to the main thread
+        return real_put(self, path, key)
+
+    def log(line: str) -> None:
+        logged.extend(n for n in range(1, TOTAL + 1) if f" step {n}/{TOTAL} |" in line)
+
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalStorage, "put_file", put_with_a_signal)
+        result = _train(
+            corpus, run_dir, "checkpoint.async_mode=async", "train.log_every=1", log=log
+        )
+    assert sent_after and result.exit_code == EXIT_PREEMPTED
+    stopped = result.step
+    assert sent_after[0] >= 2 and stopped in (sent_after[0], sent_after[0] + 1), (
+        sent_after,
+        stopped,
+    )
+    assert sorted(train_losses(run_dir)) == list(range(1, stopped + 1))
+    assert _latest(run_dir) == f"step_{stopped:09d}"
+    for folder in (run_dir / "checkpoints").glob("step_*"):
+        assert (folder / "manifest.json").exists(), folder  # nothing left half-written
+    _train(corpus, run_dir, "checkpoint.async_mode=async", resume="auto")
+    assert train_losses(run_dir) == sync_losses
+
+
 _HELD_CHILD = """
 import sys, threading
 from gpn_scale.io.storage import LocalStorage
