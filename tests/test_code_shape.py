@@ -36,3 +36,13 @@ def test_the_counter_sees_a_long_function(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f():\n" + "    x = 1\n" * 90)
     assert _functions(src) == [(91, "m.py:1 f")]
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by basename (rootdir mode, no packages under tests/): a
+    second tests/<dir>/test_x.py is not collected, the run ends in one error."""
+    tests = Path(__file__).resolve().parent
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert not {n: p for n, p in names.items() if len(p) > 1}

@@ -2,7 +2,7 @@
 one process: the order the parallelism is applied in (tensor parallelism, then FSDP2 or
 DeepSpeed ZeRO, then the optimizer over the wrapped model, once), with the steps replaced
 by fakes that record their calls; and DeepSpeedBackend's step over a fake engine.
-(test_parallel_backends.py runs the real backends on several processes; slow.)"""
+(test_parallel_backends.py beside it runs the real backends on several processes; slow.)"""
 
 from __future__ import annotations
 
