@@ -956,17 +956,6 @@ def known_below_occupancy(rows: list[Row]) -> list[str]:
     return [f"{kernel} {target}: {text}" for (kernel, target), text in sorted(seen.items())]
 
 
-def facts_by_launch(rows: list[Row]) -> dict[tuple[str, str], Row]:
-    """(launch name, target) -> the row of the variant it ran (the largest grid's)."""
-    out: dict[tuple[str, str], Row] = {}
-    for r in rows:
-        for name in r.variant.names:
-            key = (name, r.target.name)
-            if key not in out or r.variant.programs() > out[key].variant.programs():
-                out[key] = r
-    return out
-
-
 # ------------------------------------------------------------------------------ command
 def _parse_cases(args: argparse.Namespace) -> list[Case]:
     if args.gate and not args.config:

@@ -57,10 +57,6 @@ class Topology:
         return self.mesh["tp"].size() if self._has_tp else 1
 
     @property
-    def tp_rank(self) -> int:
-        return self.mesh["tp"].get_local_rank() if self._has_tp else 0
-
-    @property
     def tp_mesh(self) -> Any:
         return self.mesh["tp"] if self._has_tp else None
 

@@ -59,10 +59,6 @@ class Form:
     def n_params(self) -> int:
         return 1 + 2 * len(self.variables)
 
-    @property
-    def param_names(self) -> tuple[str, ...]:
-        return ("E",) + self.coef_names + self.exp_names
-
     def formula(self) -> str:
         terms = " + ".join(
             f"{c}·{v}^-{e}" for c, v, e in zip(self.coef_names, self.variables, self.exp_names)

@@ -18,7 +18,6 @@ from gpn_scale.core.config import (  # noqa: F401  (re-exported: the model's own
     closest_key_hint,
     resolve_named_yaml,
 )
-from gpn_scale.models.registry import CONFIG_DIR
 from gpn_scale.models.registry import load_model_config as load_any_model_config
 from gpn_scale.ops.gpn_step.options import EngineOptions
 
@@ -169,7 +168,3 @@ def load_model_config(
     if not isinstance(cfg, GPNConfig):
         GPNConfig.from_dict({"family": spec.name})  # the one line naming the family
     return cfg
-
-
-def resolve_model_config_path(name_or_path: str | Path) -> Path:
-    return resolve_named_yaml(name_or_path, CONFIG_DIR, "model config")
