@@ -1,5 +1,7 @@
-"""The trainer stays readable: no function in gpn_scale/train over 80 lines, and the loop
-module (the recipe) within 600. A function that grows past that is split where it reads."""
+"""The code stays readable: no function over 80 lines and no module over 600, in the
+trainer strictly (the loop module is its recipe), over all of gpn_scale/ and data_tools/ with
+the Triton kernels allowed and a list of what is still to split, whose sizes may only shrink.
+A function that grows past that is split where it reads."""
 
 from __future__ import annotations
 
@@ -46,3 +48,87 @@ def test_test_files_have_unique_names():
     for path in tests.rglob("test_*.py"):
         names.setdefault(path.name, []).append(str(path.relative_to(tests)))
     assert not {n: p for n, p in names.items() if len(p) > 1}
+
+
+# ---------------------------------------------------------------- the whole package
+# The same rule over gpn_scale/ and data_tools/ (issue 35 item 6), with two lists:
+PACKAGE = [TRAIN.parents[1] / "gpn_scale", TRAIN.parents[1] / "data_tools"]
+MAX_FILE_LINES = 600
+# Allowed for good: a Triton kernel is one compiled program whose body is its data flow (its
+# helpers are @triton.jit functions already; the rest would be split only to be inlined back).
+KERNELS_MODULE = "gpn_scale/ops/gpn_step/triton_kernels.py"
+# Not yet split (issue 35 item 6): each at most its size when listed, so none grows; one that
+# shrinks under the limit must leave the list (the test says so).
+TO_SPLIT_FILES = {
+    "gpn_scale/accounting/gpu_compile.py": 1105,
+    "gpn_scale/accounting/round_trips.py": 608,
+    "gpn_scale/bench/gpu.py": 650,
+    "gpn_scale/checkpoint/manager.py": 925,
+    "gpn_scale/io/storage.py": 1089,
+    "gpn_scale/ops/gpn_step/cuda.py": 853,
+    "gpn_scale/run/config.py": 739,
+    "gpn_scale/scaling/fit.py": 754,
+    "gpn_scale/scaling/sweep.py": 823,
+    "gpn_scale/train/metrics.py": 639,
+}
+TO_SPLIT_FUNCTIONS = {
+    "data_tools/commands.py::_add_build": 92,
+    "data_tools/commands.py::add_data_commands": 107,
+    "gpn_scale/accounting/gpu_compile.py::main": 98,
+    "gpn_scale/accounting/gpu_report.py::report": 89,
+    "gpn_scale/bench/engine.py::_bare_matmul_loops": 110,
+    "gpn_scale/bench/engine.py::main": 112,
+    "gpn_scale/data/loader.py::build_loader": 113,
+    "gpn_scale/data/shm.py::clean_stale_streaming_shm": 82,
+    "gpn_scale/data/streaming_compat.py::_make_patched_dataset_class": 81,
+    "gpn_scale/eval/analysis/commands.py::_analyze": 92,
+    "gpn_scale/eval/analysis/report.py::markdown": 112,
+    "gpn_scale/eval/analysis/stream.py::analyze_states": 105,
+    "gpn_scale/eval/commands.py::_task_eval": 81,
+    "gpn_scale/models/gpn/engine.py::run_engine": 85,
+    "gpn_scale/ops/gpn_step/cuda.py::_memory_backward": 98,
+    "gpn_scale/ops/gpn_step/cuda.py::forward_chunk_eager": 143,
+    "gpn_scale/ops/gpn_step/cuda.py::reverse_sweep_eager": 126,
+    "gpn_scale/ops/gpn_step/reference.py::forward_chunk": 81,
+    "gpn_scale/ops/gpn_step/reference.py::reverse_sweep": 86,
+    "gpn_scale/scaling/collect.py::read_run": 94,
+    "gpn_scale/scaling/commands.py::_register_fit": 100,
+    "gpn_scale/scaling/commands.py::_register_sweep": 168,
+    "gpn_scale/scaling/commands.py::cmd_fit": 87,
+    "gpn_scale/scaling/report.py::build_markdown": 92,
+    "gpn_scale/scaling/sweep.py::_expand": 267,
+}
+
+
+def _package_sizes() -> tuple[dict[str, int], dict[str, int]]:
+    root = TRAIN.parents[1]
+    files, functions = {}, {}
+    for path in sorted(p for top in PACKAGE for p in top.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        files[rel] = len(path.read_text().splitlines())
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno:
+                key = f"{rel}::{node.name}"
+                functions[key] = max(functions.get(key, 0), node.end_lineno - node.lineno + 1)
+    return files, functions
+
+
+def test_the_package_keeps_its_shape_and_the_listed_exceptions_only_shrink():
+    files, functions = _package_sizes()
+    problems = []
+    for rel, n in files.items():
+        cap = TO_SPLIT_FILES.get(rel, MAX_FILE_LINES)
+        if rel != KERNELS_MODULE and n > cap:
+            problems.append(f"{rel}: {n} lines (at most {cap})")
+    for key, n in functions.items():
+        cap = TO_SPLIT_FUNCTIONS.get(key, MAX_FUNCTION_LINES)
+        if not key.startswith(KERNELS_MODULE) and n > cap:
+            problems.append(f"{key}: {n} lines (at most {cap}: split it where it reads)")
+    for listed, sizes, limit in (
+        (TO_SPLIT_FILES, files, MAX_FILE_LINES),
+        (TO_SPLIT_FUNCTIONS, functions, MAX_FUNCTION_LINES),
+    ):
+        for key in listed:
+            if sizes.get(key, 0) <= limit:
+                problems.append(f"{key} is within the rule now: remove it from the list")
+    assert not problems, problems
