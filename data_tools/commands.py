@@ -283,17 +283,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
         meta = build_from_tokens(read_megatron, args.out, spec, options, source)
     else:
-        from data_tools.sources import iter_documents
-
         source["field"] = args.field
-        docs = iter_documents(
-            files,
-            field=args.field,
-            hf_split=args.hf_split,
-            max_docs=args.max_docs,
-            encoding_errors=args.encoding_errors,
-        )
-        meta = build_dataset(docs, args.out, spec, options, source)
+        meta = build_dataset(_documents(files, args), args.out, spec, options, source)
     print(
         f"wrote {args.out}: train {meta.splits['train'].samples} windows "
         f"({meta.splits['train'].tokens:,} tokens), val {meta.splits['val'].samples} windows "
@@ -310,17 +301,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
-    from data_tools.sources import expand_inputs, iter_documents
+    from data_tools.sources import expand_inputs
     from data_tools.tokenizer import train_bpe
 
     files = expand_inputs(args.inputs, args.format)
-    docs = iter_documents(
-        files,
-        field=args.field,
-        hf_split=args.hf_split,
-        max_docs=args.max_docs,
-        encoding_errors=args.encoding_errors,
-    )
+    docs = _documents(files, args)
     spec = train_bpe(
         docs,
         args.out,
@@ -401,4 +386,17 @@ def _add_encoding_errors(p: argparse.ArgumentParser) -> None:
         choices=("strict", "replace"),
         help="text and JSONL inputs must be UTF-8: strict (default) refuses a byte that is "
         "not, naming the file and its offset; replace reads such bytes as U+FFFD",
+    )
+
+
+def _documents(files: list, args: argparse.Namespace) -> Any:
+    """The documents of `files` as build and train-tokenizer read them (their shared flags)."""
+    from data_tools.sources import iter_documents
+
+    return iter_documents(
+        files,
+        field=args.field,
+        hf_split=args.hf_split,
+        max_docs=args.max_docs,
+        encoding_errors=args.encoding_errors,
     )
