@@ -97,6 +97,20 @@ def test_a_failed_multipart_upload_is_aborted(s3_endpoint, tmp_path: Path, said)
     assert not storage.exists("big.bin")
 
 
+def test_the_retry_line_masks_credentials_in_the_error_it_repeats(monkeypatch) -> None:
+    """botocore's error text repeats the endpoint, which may carry a password."""
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://alice:s3cr3t@127.0.0.1:9")
+    lines: list[str] = []
+    RetryLog(clock=lambda: 0.0, say=lines.append).recovered(
+        "read",
+        "s3://b/k",
+        2,
+        "Could not connect to the endpoint URL: http://alice:s3cr3t@127.0.0.1:9/b/k",
+    )
+    assert len(lines) == 1 and "alice:***@127.0.0.1:9" in lines[0]
+    assert "s3cr3t" not in lines[0], lines[0]
+
+
 def test_the_retry_line_is_said_at_most_once_a_minute_with_the_count() -> None:
     now = [0.0]
     lines: list[str] = []
