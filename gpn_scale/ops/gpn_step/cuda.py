@@ -118,7 +118,6 @@ MEMORY_BACKWARD_WARPS = 4
 MEMORY_BACKWARD_MAXNREG = 255
 MEMORY_FORWARD_BLOCK_DV = 32
 MEMORY_FORWARD_WARPS = 4
-MEMORY_FORWARD_MAXNREG: int | None = None
 FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8
 FLUSH_MAXNREG = 255
@@ -417,7 +416,6 @@ def _memory_forward(
         BLOCK_C=blocks["BLOCK_C"],
         BLOCK_F=blocks["BLOCK_F"],
         num_warps=MEMORY_FORWARD_WARPS,
-        maxnreg=MEMORY_FORWARD_MAXNREG,
     )
 
 
@@ -712,20 +710,19 @@ def _memory_backward(
     dummy = dy
     if mem:
         rq, drq = acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
-        o, ro, stride_o = acts.o[i][tau], acts.ro[i][tau], acts.o[i].stride(1)
+        ro, stride_o = acts.ro[i][tau], acts.ro[i].stride(1)
         reads = [acts.q[i], rq, drq, acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, M0]
-        nbytes = _nbytes(y, dy, DH, o, ro, M0) + _sweep_history_bytes(
+        nbytes = _nbytes(y, dy, DH, ro, M0, sums) + _sweep_history_bytes(
             B, H, dk, dv, tau, C, _sweep_block(dy), write, y.element_size()
         )
         flops = B * H * ((4 if write else 2) * dk * dv + 12 * (tau + 1) * (dk + dv))
     else:
-        o = ro = None
+        ro = None
         stride_o = 0
         reads = [None] * 10
         nbytes, flops = _nbytes(y, dy, DH), 0
     # (B, H, n) per-step tensors pass 2 strides, (B, H, C, n) chunk tensors 3 (last stride 1).
     mem_args = (
-        o if o is not None else dummy,
         ro if ro is not None else dummy,
         stride_o,
         *_pointers(reads, [3, 2, 2, 3, 3, 3, 3, 3, 3, 3], dummy),
@@ -772,9 +769,10 @@ def _memory_backward(
         BLOCK_DV=min(
             geometry.p2(max(dv, 1)), 8 if geometry.interpreting(y) else MEMORY_BACKWARD_BLOCK_DV
         ),
-        **blocks,
-        SUMS_GIVEN=sums is not None,
-        NORM_WIDTH=H * dv * (plan.tp_size if sums is not None else 1),
+        BLOCK_DK=blocks["BLOCK_DK"],
+        BLOCK_C=blocks["BLOCK_C"],
+        BLOCK_F=blocks["BLOCK_F"],
+        NORM_WIDTH=H * dv * plan.tp_size,
         BLOCK_S=_sweep_block(y),
         num_warps=MEMORY_BACKWARD_WARPS,
         # ptxas otherwise caps the layers above 0 (no write) at 128 registers and spills

@@ -478,7 +478,7 @@ def read_norm_sums_kernel(
     BLOCK_HV: tl.constexpr,
 ):
     """The read norm backward's row sums over this rank's columns, grid (B,): summed over
-    the tp group, then `memory_backward_kernel` reads them (SUMS_GIVEN)."""
+    the tp group, then `memory_backward_kernel` reads them."""
     b = tl.program_id(0)
     acc_t = SUMS.dtype.element_ty
     sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
@@ -761,9 +761,8 @@ def memory_backward_kernel(
     DY_PREV,  # WRITE: the gradient row of the step before (its key columns)
     DH,
     stride_dh: tl.int64,  # (B, H*DV + F) gradient of the down-projection's input
-    O_READ,
     RO,
-    stride_o: tl.int64,  # (B, H*DV) the read output and its RMSNorm
+    stride_o: tl.int64,  # (B, H*DV) the read output's RMSNorm
     QA,
     s_qb: tl.int64,
     s_qh,
@@ -824,7 +823,7 @@ def memory_backward_kernel(
     DA_ROWS,  # (B, H) dA accumulated per row
     DKPRE0,  # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
     A,
-    SUMS,  # SUMS_GIVEN: (B, 2) the read norm's row sums, summed over the tp group
+    SUMS,  # (B, 2) the read norm's row sums (`read_norm_sums_kernel`; under tp, the group's)
     DOB,  # (B, H, BLOCK_S, DV) the block's do (the read's output gradient), by step
     DPB,  # WRITE: (B, H, BLOCK_S, DV) the block's dpred (the write's prediction gradient)
     tau,
@@ -848,8 +847,6 @@ def memory_backward_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_F: tl.constexpr,
-    BLOCK_HV: tl.constexpr,
-    SUMS_GIVEN: tl.constexpr,
     NORM_WIDTH: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -881,24 +878,10 @@ def memory_backward_kernel(
         tl.store(dy_row + COL_FFN + F + rf, dh * _silu(fa), mask=f_ok)
     elif MEMORY:
         acc_t = DY.dtype.element_ty
-        # The read's RMSNorm spans all heads: its row dot over H*DV values, read again here
-        # by every head's program (a few KB) instead of a second launch; under tensor
-        # parallelism the group's sums, over NORM_WIDTH = tp * HV values, are given.
-        if SUMS_GIVEN:
-            sx = tl.load(SUMS + b * 2)
-            sdn = tl.load(SUMS + b * 2 + 1)
-        else:
-            sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
-            sdn = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
-            for c0 in range(0, HV, BLOCK_HV):
-                rj = c0 + tl.arange(0, BLOCK_HV)
-                j_ok = rj < HV
-                x = tl.load(O_READ + b * stride_o + rj, mask=j_ok, other=0.0)
-                sx += tl.sum(x * x, axis=0)
-                dn = tl.load(DH + b * stride_dh + rj, mask=j_ok, other=0.0) * _silu(
-                    tl.load(y_row + COL_RGATE + rj, mask=j_ok, other=0.0)
-                )
-                sdn += tl.sum(dn * tl.load(RO + b * stride_o + rj, mask=j_ok, other=0.0), axis=0)
+        # The read's RMSNorm spans all heads: its row sums over the NORM_WIDTH = tp * HV
+        # values, summed once per row before this launch (`read_norm_sums_kernel`).
+        sx = tl.load(SUMS + b * 2)
+        sdn = tl.load(SUMS + b * 2 + 1)
         r = 1.0 / tl.sqrt(sx / NORM_WIDTH + eps)
         mean_dn = sdn / NORM_WIDTH
         rk = tl.arange(0, BLOCK_DK)
