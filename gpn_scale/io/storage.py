@@ -228,12 +228,10 @@ class RetryLog:
             self._retries = self._requests = 0
             self._last = now
         self.say(  # botocore's detail may repeat an endpoint that carries credentials
-            redact_urls(
-                f"S3 retrying: {count} retr{'y' if count == 1 else 'ies'} of {requests} "
-                f"request{'s' if requests != 1 else ''}{since} at {_where()} (latest: {what} "
-                f"{url}: {detail}); the run goes on, slower while S3 answers so "
-                "(GPN_S3_RETRIES bounds the attempts per request)"
-            )
+            f"S3 retrying: {count} retr{'y' if count == 1 else 'ies'} of {requests} "
+            f"request{'s' if requests != 1 else ''}{since} at {_where()} (latest: {what} {url}: "
+            f"{redact_urls(detail)}); the run goes on, slower while S3 answers so "
+            "(GPN_S3_RETRIES bounds the attempts per request)"
         )
 
 
