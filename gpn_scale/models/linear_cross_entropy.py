@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
+from gpn_scale.ops.cross_entropy import select as select_softmax_xent
 
 
 def cross_entropy_block(
@@ -65,25 +65,11 @@ def cross_entropy_block(
         dh = (gm @ Em).to(acc)
         dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)
         dh = dh.to(mm)
-    elif use_triton(logits):  # one kernel, the block read twice (ops/cross_entropy.py)
-        total += softmax_xent_(logits, tgt, need_grad).sum()
-        if not need_grad:
+    else:  # the op's backend: one Triton kernel on CUDA, the PyTorch form elsewhere
+        block, gm = select_softmax_xent(logits)(logits, tgt, need_grad, acc)
+        total += block
+        if gm is None:
             return None
-        gm = logits  # softmax - onehot, in mm
-        dh = gm @ Em
-    else:
-        logits = logits.to(acc)
-        picked = logits.gather(1, tgt[:, None])
-        top = logits.amax(dim=-1, keepdim=True)
-        # In place, so that one (rows x V) block serves logits, exp and the gradient.
-        probs = logits.sub_(top).exp_()
-        denom = probs.sum(dim=-1, keepdim=True)
-        total += (top + denom.log() - picked).sum()
-        if not need_grad:
-            return None
-        grad = probs.div_(denom)  # softmax - onehot
-        grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
-        gm = grad.to(mm)
         dh = gm @ Em
     assert dE is not None, "need_grad without a dE accumulator"
     dE += (gm.t() @ h).to(acc)

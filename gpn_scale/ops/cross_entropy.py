@@ -12,6 +12,8 @@ stays the reference (and the path on CPU and in float64).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -21,45 +23,87 @@ from gpn_scale.ops.launch import is_dry, launch, nbytes
 
 ENV_VAR = "GPN_SCALE_CROSS_ENTROPY"
 
+# (logits (rows, V) in the matmul dtype, targets (rows,), need_grad, acc) -> (the rows'
+# summed loss in acc, softmax - onehot in the logits' dtype or None). Either form may
+# overwrite `logits`: the caller's block is scratch.
+SoftmaxXent = Callable[[Tensor, Tensor, bool, torch.dtype], tuple[Tensor, Tensor | None]]
+
 
 class CrossEntropyBackendError(RuntimeError):
     """A cross-entropy backend was asked for that cannot serve these logits."""
 
 
-def _triton_unavailable() -> str | None:
-    return import_error("triton")
+def torch_softmax_xent(
+    logits: Tensor, targets: Tensor, need_grad: bool, acc: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """The PyTorch form, the reference: softmax and sums in `acc`, one block reused in place
+    for logits, exp and the gradient."""
+    mm = logits.dtype
+    logits = logits.to(acc)
+    picked = logits.gather(1, targets[:, None])
+    top = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(top).exp_()
+    denom = probs.sum(dim=-1, keepdim=True)
+    total = (top + denom.log() - picked).sum()
+    if not need_grad:
+        return total, None
+    grad = probs.div_(denom)  # softmax - onehot
+    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0
+    return total, grad.to(mm)
+
+
+def triton_softmax_xent(
+    logits: Tensor, targets: Tensor, need_grad: bool, acc: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """The kernel: float32 sums from the same rounded logits; the gradient over `logits`."""
+    total = softmax_xent_(logits, targets, need_grad).sum()
+    return total, (logits if need_grad else None)
+
+
+def _triton_missing() -> str | None:
+    why = import_error("triton")
+    return None if why is None else f"the cross-entropy kernel needs Triton ({why})"
 
 
 BACKENDS = OpRegistry("cross entropy", ENV_VAR, ENV_VAR, CrossEntropyBackendError)
-BACKENDS.register(OpBackend("torch", (ANY_DEVICE,), 0, description="PyTorch ops: the reference"))
 BACKENDS.register(
-    OpBackend("triton", ("cuda",), 10, _triton_unavailable, description="one fused kernel")
+    OpBackend(
+        "torch",
+        (ANY_DEVICE,),
+        0,
+        description="PyTorch ops: the reference",
+        build=lambda request: torch_softmax_xent,
+    )
+)
+BACKENDS.register(
+    OpBackend(
+        "triton",
+        ("cuda",),
+        10,
+        _triton_missing,
+        description="one fused kernel",
+        build=lambda request: triton_softmax_xent,
+    )
 )
 
 
-def use_triton(logits: Tensor) -> bool:
-    """The kernel serves float32/bf16/fp16 logits on CUDA (on meta tensors only while the
-    launch accounting runs dry; on any device with `execution(triton_anywhere=True)`);
-    float64 and CPU keep the PyTorch form. GPN_SCALE_CROSS_ENTROPY=torch keeps it everywhere
-    (bisecting)."""
+def select(logits: Tensor) -> SoftmaxXent:
+    """The form for a block of `logits`: the kernel on CUDA (float32/bf16/fp16), the PyTorch
+    form on CPU and in float64 (the kernel computes in float32). Under
+    `execution(triton_anywhere=True)` (the interpreter in tests) and in the dry launch
+    accounting on meta tensors the logits are served as CUDA's would be.
+    GPN_SCALE_CROSS_ENTROPY=torch keeps the PyTorch form everywhere (bisecting)."""
     if logits.dtype == torch.float64:
-        return False
-    choice = BACKENDS.requested()
-    if choice == "torch":
-        return False
+        return torch_softmax_xent
     device = logits.device.type
     if current().triton_anywhere or (device == "meta" and is_dry()):
-        return _triton_unavailable() is None
-    if choice == "triton":
-        why = _triton_unavailable() or (
-            None if device == "cuda" else f"the kernel serves CUDA tensors, not {device}"
-        )
-        if why is not None:
-            raise CrossEntropyBackendError(
-                f"{ENV_VAR}=triton cannot run here ({why}); unset it or set it to torch"
-            )
-        return True
-    return BACKENDS.auto(device).name == "triton"
+        device = "cuda"
+    return BACKENDS.select("auto", device)
+
+
+def use_triton(logits: Tensor) -> bool:
+    """Whether the kernel serves this block (`select`'s choice, for reports and tests)."""
+    return select(logits) is triton_softmax_xent
 
 
 def softmax_xent_(

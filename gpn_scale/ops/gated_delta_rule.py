@@ -24,8 +24,6 @@ a state carried by one is read by another.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Protocol
 
 import torch
@@ -170,44 +168,48 @@ def fla_import_error() -> str | None:
     return import_error("fla.ops.gated_delta_rule", (Exception,))
 
 
+def _fla_missing() -> str | None:
+    why = fla_import_error()
+    if why is None:
+        return None
+    return f"flash-linear-attention does not import ({why}); install the 'fla' extra"
+
+
 BACKENDS = OpRegistry("gated delta rule", ENV_VAR, "backend", GatedDeltaRuleError)
-BACKENDS.register(OpBackend("chunk", (ANY_DEVICE,), 10, description="ours, chunkwise (torch)"))
 BACKENDS.register(
-    OpBackend("recurrent", (ANY_DEVICE,), 0, description="ours, step by step: the spec")
+    OpBackend(
+        "chunk",
+        (ANY_DEVICE,),
+        10,
+        description="our chunkwise op (torch)",
+        build=lambda request: _TorchRule("chunk"),
+    )
 )
 BACKENDS.register(
-    OpBackend("fla", ("cuda",), 20, fla_import_error, description="fla's Triton kernels")
+    OpBackend(
+        "recurrent",
+        (ANY_DEVICE,),
+        0,
+        description="our step-by-step op: the spec",
+        build=lambda request: _TorchRule("recurrent"),
+    )
 )
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+BACKENDS.register(
+    OpBackend(
+        "fla",
+        ("cuda",),
+        20,
+        _fla_missing,
+        description="fla's Triton kernels",
+        build=lambda request: _FlaRule(),
+        wrong_device_hint="run on a CUDA machine with the 'fla' extra",
+    )
+)
 
 
 def select(config_choice: str, device: torch.device) -> GatedDeltaRule:
-    """The backend for tensors on `device` (see the module docstring)."""
-    choice = requested(config_choice)
-    if choice == "auto":
-        preferred = BACKENDS.preferred(device.type)
-        why = preferred.unavailable()
-        if why is not None:
-            _warn_once(
-                f"flash-linear-attention does not import ({why}); Gated DeltaNet runs our "
-                "chunkwise op on CUDA (same results, slower); install the 'fla' extra for its "
-                "kernels"
-            )
-        choice = BACKENDS.auto(device.type).name
-    if choice == "fla":
-        why = fla_import_error()
-        if why is not None or device.type != "cuda":
-            reason = why or f"its Triton kernels serve CUDA tensors, not {device.type}"
-            raise GatedDeltaRuleError(
-                f"gated delta rule backend 'fla' cannot run here ({reason}); install the "
-                f"'fla' extra on a CUDA machine, or use backend auto or chunk"
-            )
-        return _FlaRule()
-    return _TorchRule(choice)
+    """The backend for tensors on `device` (the registry's rule; see the module docstring)."""
+    return BACKENDS.select(config_choice, device.type)
 
 
 def gated_delta_rule(

@@ -376,7 +376,10 @@ def test_spec_config_errors_and_backend_choice(monkeypatch) -> None:
         GatedDeltaNetConfig(**TINY, memory_cells=5)
     cpu = torch.device("cpu")
     assert gdr.select("auto", cpu).name == "chunk"
-    with pytest.raises(gdr.GatedDeltaRuleError, match=r"backend 'fla' cannot run here"):
+    with pytest.raises(
+        gdr.GatedDeltaRuleError,
+        match=r"^backend='fla': gated delta rule backend 'fla' serves CUDA tensors, not cpu",
+    ):
         gdr.select("fla", cpu)
     monkeypatch.setenv(gdr.ENV_VAR, "recurrent")
     assert gdr.select("chunk", cpu).name == "recurrent"

@@ -9,8 +9,33 @@ import torch
 import torch.nn.functional as F
 
 from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
-from gpn_scale.ops.cross_entropy import softmax_xent_, use_triton
+from gpn_scale.ops.backends import Request
+from gpn_scale.ops.cross_entropy import BACKENDS, softmax_xent_, use_triton
 from gpn_scale.ops.execution import execution
+
+# Every registered form in float32; the reference also in float64 (`select` keeps float64
+# logits off the kernel, which computes in float32).
+FORMS = [(b.name, torch.float32) for b in BACKENDS.backends] + [("torch", torch.float64)]
+
+
+@pytest.mark.parametrize("backend,acc", FORMS)
+def test_every_backend_equals_torch_functional(backend, acc):
+    """Each registered form, as the decode calls it: the block's summed loss and
+    softmax - onehot in the logits' dtype."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 19, generator=g, dtype=acc) * 3
+    targets = torch.randint(0, 19, (6,), generator=g)
+    want = F.cross_entropy(logits, targets, reduction="sum")
+    want_grad = torch.softmax(logits, -1) - F.one_hot(targets, 19).to(acc)
+    form = BACKENDS.get(backend).implementation(Request("cuda"))
+    with execution(triton_anywhere=True):
+        total, grad = form(logits.clone(), targets, True, acc)
+        only, none = form(logits.clone(), targets, False, acc)
+    tol = 1e-12 if backend == "torch" and acc == torch.float64 else 1e-5
+    torch.testing.assert_close(total, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(only, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad, want_grad, rtol=tol, atol=tol)
+    assert none is None and grad.dtype == acc
 
 
 @pytest.mark.parametrize("V", [7, 16, 50])

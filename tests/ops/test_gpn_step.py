@@ -15,7 +15,7 @@ import torch
 
 from gpn_scale.models.gpn import GPNState
 from gpn_scale.ops.execution import execution
-from gpn_scale.ops.gpn_step import graphs
+from gpn_scale.ops.gpn_step import graphs, registry
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
 
@@ -37,7 +37,9 @@ CASES = gpn_cases(
 # same kernels again) runs on the cases that exercise its shape keys (several chunks, a
 # partial last chunk, several layers, no memory).
 GRAPH_CASES = ("2-layer", "chunk-not-dividing", "gpn-no-memory", "tbptt")
-BACKENDS = ("cpu", "cuda", "cuda-graphs")
+# Every registered backend but the reference itself (a new one is tested once registered),
+# and the CUDA backend once more through its graphs.
+BACKENDS = (*(b.name for b in registry.BACKENDS.backends if b.name != "reference"), "cuda-graphs")
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from gpn_scale.ops.gpn_step import chunk, registry, step_kernels
+from gpn_scale.ops import backends
+from gpn_scale.ops.gpn_step import chunk, step_kernels
 from gpn_scale.ops.gpn_step.cpu import CpuBackend
 from gpn_scale.ops.gpn_step.registry import StepBackendError, kernels_for, select_backend
 from gpn_scale.ops.gpn_step.step_kernels import ENV_VAR, StepKernelError
@@ -94,7 +95,7 @@ def test_cuda_backend_without_triton_warns_and_falls_back(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_triton)
     monkeypatch.delenv(ENV_VAR, raising=False)
-    registry.warn_once.cache_clear()
+    backends.warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match="needs Triton.*using the PyTorch steps"):
         assert select_backend("auto", torch.device("cuda")).name == "reference"
     with pytest.raises(StepBackendError, match="needs Triton"):
@@ -144,12 +145,12 @@ def test_build_failure_required_is_one_line_error_naming_compiler_error(monkeypa
 def test_build_failure_in_auto_mode_warns_and_falls_back(monkeypatch):
     monkeypatch.setattr(step_kernels, "_load", _failed_build)
     monkeypatch.setenv(ENV_VAR, "auto")
-    step_kernels.warn_once.cache_clear()
+    backends.warn_once.cache_clear()
     with pytest.warns(RuntimeWarning, match="could not be built.*using the PyTorch steps"):
         assert kernels_for(torch.device("cpu")) is None
     model = perturbed_model(tiny_config(), torch.float32)
     with pytest.warns(RuntimeWarning):  # the engine still trains, on the PyTorch steps
-        step_kernels.warn_once.cache_clear()
+        backends.warn_once.cache_clear()
         loss = model(torch.randint(0, 37, (2, 9))).loss
     loss.backward()
     assert torch.isfinite(loss)

@@ -160,7 +160,7 @@ def test_step_backends_under_tp_cuda_runs_cpu_is_refused(monkeypatch):
     assert "\n" not in str(refused.value) and "tp=4" in str(refused.value)
     # CUDA: the Triton kernels split at them (on a faked CUDA device; here asked for, and
     # on CPU tensors under the interpreter as the engine tests run them).
-    monkeypatch.setattr(registry, "_cuda_backend", lambda required: "cuda backend")
+    monkeypatch.setattr(registry, "_cuda_backend_instance", lambda: "cuda backend")
     assert select_backend("auto", torch.device("cuda"), tp_size=2) == "cuda backend"
     assert select_backend("cuda", torch.device("cuda"), tp_size=8) == "cuda backend"
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -85,8 +85,8 @@ def test_gdn_backend_that_cannot_run_is_refused_before_the_run_folder(
     gdn = ["model=gated_deltanet_tiny"]
     assert main(train_args(corpus, run, *gdn, "model_overrides.backend=fla")) == 2
     line = _error(capsys)
-    assert line.startswith("gpn-scale: error: model_overrides.backend=fla: gated delta rule")
-    assert "cannot run here" in line and "use backend auto or chunk" in line
+    assert line.startswith("gpn-scale: error: model_overrides.backend='fla': gated delta rule")
+    assert "serves CUDA tensors, not cpu" in line and "use auto, chunk or recurrent" in line
     assert not run.exists()
     monkeypatch.setenv("GPN_SCALE_GDN_BACKEND", "bogus")
     assert main(train_args(corpus, run, *gdn)) == 2

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpn_scale.ops.backends import warn_once
 from gpn_scale.ops.execution import current
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
@@ -43,7 +44,6 @@ from gpn_scale.ops.gpn_step.interface import (
     ReverseSweepResult,
     StepPlan,
 )
-from gpn_scale.ops.gpn_step.step_kernels import warn_once
 from gpn_scale.ops.launch import is_dry
 
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]

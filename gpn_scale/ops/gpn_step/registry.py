@@ -25,11 +25,10 @@ from types import ModuleType
 
 import torch
 
-from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, Request
 from gpn_scale.ops.gpn_step import step_kernels
 from gpn_scale.ops.gpn_step.interface import StepBackend
 from gpn_scale.ops.gpn_step.reference import ReferenceBackend
-from gpn_scale.ops.gpn_step.step_kernels import warn_once
 from gpn_scale.ops.launch import is_dry
 
 ENV_VAR = step_kernels.ENV_VAR
@@ -39,97 +38,15 @@ class StepBackendError(step_kernels.StepKernelError):
     """A step backend was asked for that cannot serve these tensors."""
 
 
-def _cpu_kernels_unavailable() -> str | None:
-    return None if step_kernels.load(required=False) is not None else "they do not build here"
-
-
-BACKENDS = OpRegistry("GPN step", ENV_VAR, "engine.step_backend", StepBackendError)
-BACKENDS.register(
-    OpBackend("reference", (ANY_DEVICE,), 0, aliases=("python",), description="the PyTorch steps")
-)
-BACKENDS.register(
-    OpBackend(
-        "cpu",
-        ("cpu",),
-        20,
-        _cpu_kernels_unavailable,
-        aliases=("cpp",),
-        description="the fused C++ kernels (csrc/step_kernels.cpp)",
-    )
-)
-BACKENDS.register(
-    OpBackend(
-        "cuda",
-        ("cuda",),
-        20,
-        lambda: import_error("triton"),
-        aliases=("triton",),
-        description="the Triton kernels, chunks as CUDA graphs",
-    )
-)
-
-
-def requested(config_choice: str = "auto") -> str:
-    """The backend asked for: the environment override if set, else the config's choice."""
-    return BACKENDS.requested(config_choice)
-
-
 def interpreting() -> bool:
     """Triton kernels run on CPU tensors in the interpreter (tests only)."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def select_backend(config_choice: str, device: torch.device, tp_size: int = 1) -> StepBackend:
-    """The backend for tensors on `device` (see the module docstring). Under tensor
-    parallelism (tp_size > 1) every backend splits the step at the group's fixed points
-    (`collectives.py`): the PyTorch steps and the CUDA backend do; the fused C++ kernels
-    do not, so on CPU `auto` picks the PyTorch steps and asking for `cpu` is refused."""
-    choice = requested(config_choice)
-    if choice == "auto":
-        if tp_size > 1 and device.type == "cpu":
-            return ReferenceBackend()
-        # The device's own kernels; when they cannot run here the backend below warns once
-        # and the PyTorch steps (which run everywhere) serve instead.
-        choice = BACKENDS.preferred(device.type).name
-        required = False
-    else:
-        required = True
-    if choice == "reference":
-        return ReferenceBackend()
-    if choice == "cpu":
-        if tp_size > 1:
-            raise StepBackendError(
-                f"step backend 'cpu' does not run under tensor parallelism (tp={tp_size}): "
-                "the fused C++ kernels do not split at the tp group's collectives; use "
-                "step_backend auto or reference (the PyTorch steps) on CPU, or cuda on GPUs"
-            )
-        if device.type != "cpu":
-            raise StepBackendError(
-                f"step backend 'cpu' (the fused C++ kernels) serves CPU "
-                f"tensors, not {device.type}; use auto or cuda"
-            )
-        return _cpu_backend(required=required) or ReferenceBackend()
-    if device.type != "cuda" and not interpreting() and not _dry_run():
-        raise StepBackendError(
-            f"step backend 'cuda' serves CUDA tensors, not {device.type} "
-            "(set TRITON_INTERPRET=1 to run its kernels on CPU tensors, "
-            "slowly, as the tests do); use auto or cpu"
-        )
-    return _cuda_backend(required=required) or ReferenceBackend()
-
-
-def _dry_run() -> bool:
-    """The launch accounting runs the CUDA backend's code on meta tensors, launching nothing."""
-    return is_dry()
-
-
-def _cpu_backend(required: bool) -> StepBackend | None:
-    module = step_kernels.load(required)
-    if module is None:
-        return None
+def _cpu_backend(request: Request) -> StepBackend:
     from gpn_scale.ops.gpn_step.cpu import CpuBackend
 
-    return CpuBackend(module)
+    return CpuBackend(step_kernels.load())
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,19 +57,71 @@ def _cuda_backend_instance() -> StepBackend:
     return CudaBackend()
 
 
-def _cuda_backend(required: bool) -> StepBackend | None:
+def _triton_missing() -> str | None:
+    # Not cached: a plain import of a loaded module is a dict lookup, and tests hide Triton.
     try:
         import triton  # noqa: F401
-    except ImportError as exc:  # no triton in this environment
-        message = (
-            f"the CUDA step backend needs Triton ({exc}); install triton (it ships "
-            f"with torch's CUDA wheels) or set {ENV_VAR}=reference"
+    except ImportError as exc:
+        return (
+            f"the CUDA step backend needs Triton ({exc}); install triton (it ships with "
+            f"torch's CUDA wheels) or set {ENV_VAR}=reference"
         )
-        if required:
-            raise StepBackendError(message) from None
-        warn_once(message + " (using the PyTorch steps: same results, many more launches)")
-        return None
-    return _cuda_backend_instance()
+    return None
+
+
+BACKENDS = OpRegistry("GPN step", ENV_VAR, "engine.step_backend", StepBackendError)
+BACKENDS.register(
+    OpBackend(
+        "reference",
+        (ANY_DEVICE,),
+        0,
+        aliases=("python",),
+        description="the PyTorch steps",
+        build=lambda request: ReferenceBackend(),
+    )
+)
+BACKENDS.register(
+    OpBackend(
+        "cpu",
+        ("cpu",),
+        20,
+        step_kernels.build_error,
+        aliases=("cpp",),
+        description="the fused C++ kernels (csrc/step_kernels.cpp)",
+        build=_cpu_backend,
+        splits_tp=False,
+        tp_refusal="the fused C++ kernels do not split at the tp group's collectives",
+    )
+)
+BACKENDS.register(
+    OpBackend(
+        "cuda",
+        ("cuda",),
+        20,
+        _triton_missing,
+        aliases=("triton",),
+        description="the Triton kernels, chunks as CUDA graphs",
+        build=lambda request: _cuda_backend_instance(),
+        # The interpreter runs them on CPU tensors (tests); the launch accounting on meta.
+        also_serves=lambda device_type: interpreting() or is_dry(),
+        wrong_device_hint="set TRITON_INTERPRET=1 to run its kernels on CPU tensors (slowly, "
+        "as the tests do)",
+    )
+)
+
+
+def requested(config_choice: str = "auto") -> str:
+    """The backend asked for: the environment override if set, else the config's choice."""
+    return BACKENDS.requested(config_choice)
+
+
+def select_backend(config_choice: str, device: torch.device, tp_size: int = 1) -> StepBackend:
+    """The backend for tensors on `device` in a tp group of `tp_size` (the registry's rule;
+    see the module docstring). Under tensor parallelism every backend must split the step at
+    the group's fixed points (`collectives.py`): the PyTorch steps and the CUDA backend do,
+    the fused C++ kernels do not, so on CPU `auto` picks the PyTorch steps and asking for
+    `cpu` is refused."""
+    return BACKENDS.select(config_choice, device.type, tp_size)
 
 
 def cuda_graphs_status() -> dict[str, object]:

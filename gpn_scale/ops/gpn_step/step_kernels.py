@@ -20,7 +20,6 @@ import functools
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -180,19 +179,25 @@ def _notice_first_build(cpp_extension: ModuleType, name: str) -> None:
         )
 
 
-def load(required: bool) -> ModuleType | None:
-    """The compiled kernels (or the benchmark override), or None after one warning when they
-    cannot be built; `required`: raise StepKernelError instead."""
+def build_error() -> str | None:
+    """Why the kernels cannot be used here, with the fix (the registry's probe), or None."""
     module = _load()
-    if isinstance(module, Exception):
-        message = (
-            f"the fused CPU step kernels could not be built ({_first_error(module)}); "
-            f"install g++ and ninja, or set {ENV_VAR}=reference to use the PyTorch steps"
-        )
-        if required:
-            raise StepKernelError(message)
-        warn_once(message + " (using the PyTorch steps: same results, slower)")
+    if not isinstance(module, Exception):
         return None
+    return (
+        f"the fused CPU step kernels could not be built ({_first_error(module)}); "
+        f"install g++ and ninja, or set {ENV_VAR}=reference to use the PyTorch steps"
+    )
+
+
+def load() -> ModuleType:
+    """The compiled kernels (or the benchmark override); StepKernelError when they cannot be
+    built (the registry asks `build_error` first and falls back under `auto`)."""
+    why = build_error()
+    if why is not None:
+        raise StepKernelError(why)
+    module = _load()
+    assert not isinstance(module, Exception)
     override = current().step_kernels
     return module if override is None else override
 
@@ -206,9 +211,3 @@ def _first_error(exc: Exception) -> str:
             if "error:" in line:
                 return line.strip()
     return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
-
-
-@functools.cache
-def warn_once(message: str) -> None:
-    """One RuntimeWarning per distinct message (the step backends' fallbacks)."""
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
