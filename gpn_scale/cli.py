@@ -15,7 +15,7 @@ from gpn_scale.core.config import ConfigError
 
 # Order = order in `--help`.
 COMMAND_MODULES = (
-    "gpn_scale.models.gpn.commands",  # info
+    "gpn_scale.models.commands",  # info
     "data_tools.commands",  # data …
     "gpn_scale.train.commands",  # train, demo, eval
     "gpn_scale.eval.analysis.commands",  # analyze

@@ -20,8 +20,6 @@ TOKENIZER_FILE = "tokenizer.json"
 ORIGINAL_TOKENIZER_FILE = "gpn_scale_tokenizer.json"  # --format hf: the training tokenizer
 FORMATS = ("safetensors", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Families with a Hugging Face architecture of the same network (name mapping module).
-HF_FAMILIES = {"transformer_pp": "gpn_scale.models.transformer_pp.hf"}
 START_TOKEN = "<|gpn_start|>"
 
 
@@ -63,12 +61,16 @@ def read_export_weights(path: str | Path, spec: Any, cfg: Any) -> dict[str, torc
 
 
 def hf_module(family: str, what: str) -> Any:
-    import importlib
+    """The family's Hugging Face adapter (`FamilySpec.hf_adapter`), or one line naming the
+    families that have one."""
+    from gpn_scale.models.registry import families_where, get_family
 
-    if family not in HF_FAMILIES:
+    adapter = get_family(family).hf_adapter
+    if adapter is None:
+        takers = [s.name for s in families_where(lambda s: s.hf_adapter is not None)]
         raise ConfigError(
             f"{what}: the {family} family has no Hugging Face architecture of the same "
-            f"network (only {', '.join(HF_FAMILIES)} maps onto LlamaForCausalLM); export it "
+            f"network (only {', '.join(takers)} maps onto LlamaForCausalLM); export it "
             "with --format safetensors"
         )
-    return importlib.import_module(HF_FAMILIES[family])
+    return adapter()

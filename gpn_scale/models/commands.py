@@ -1,8 +1,13 @@
-"""`gpn-scale info`: what a model config costs before anything runs."""
+"""`gpn-scale info`: what a model config costs before anything runs, for every registered
+family: the family's own rows (`FamilySpec.info`), else what every spec can say."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpn_scale.models.protocol import FamilySpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,44 +24,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from gpn_scale.models.gpn.config import ConfigError
-    from gpn_scale.models.gpn.counts import (
-        count_parameters,
-        estimate_training_memory,
-        flops_per_token,
-        forward_flops_per_token,
-        non_embedding_parameters,
-    )
-    from gpn_scale.models.registry import load_model_config as load_any
+    from gpn_scale.core.config import ConfigError
+    from gpn_scale.models.registry import load_model_config
 
     if args.batch_size < 1 or args.seq_len < 1:
         raise ConfigError("--batch-size and --seq-len must be >= 1")
     model, overrides = _model_of_training_config(args.config)
-    spec, cfg = load_any(model, overrides or None)
-    if spec.name != "gpn":
-        return _print_rows(_family_rows(spec, cfg, args))
-    mem = estimate_training_memory(cfg, args.batch_size, args.seq_len)
-    gib = 1024**3
-    rows = [
-        ("model", f"{cfg.name or args.config} ({cfg.family}, {cfg.n_layers} layer(s))"),
-        (
-            "shape",
-            f"V={cfg.vocab_size} d={cfg.d_state} e={cfg.d_emb} f={cfg.d_ffn}"
-            + (f" H={cfg.n_heads} dk={cfg.d_key} dv={cfg.d_value}" if cfg.memory else ""),
-        ),
-        ("parameters", f"{count_parameters(cfg):,}"),
-        ("non-embedding parameters", f"{non_embedding_parameters(cfg):,}"),
-        ("memory cells", f"{cfg.cells:,}"),
-        ("forward FLOPs/token", f"{forward_flops_per_token(cfg):.4g}"),
-        ("training FLOPs/token", f"{flops_per_token(cfg, args.seq_len):.4g}"),
-        (
-            f"training memory (B={args.batch_size}, T={args.seq_len}, fp32 + AdamW)",
-            f"{mem.total_bytes / gib:.2f} GiB = weights {mem.parameters_bytes / gib:.2f} "
-            "+ grads/AdamW "
-            f"{mem.training_state_bytes / gib:.2f} + activations {mem.activations_bytes / gib:.2f}",
-        ),
-    ]
-    return _print_rows(rows)
+    spec, cfg = load_model_config(model, overrides or None)
+    name = cfg.name or args.config
+    if spec.info is not None:
+        return _print_rows(spec.info(cfg, name, args.batch_size, args.seq_len))
+    return _print_rows(info_rows(spec, cfg, name, args.seq_len))
 
 
 def _model_of_training_config(name: str) -> tuple[str, dict]:
@@ -86,17 +64,14 @@ def _model_of_training_config(name: str) -> tuple[str, dict]:
     return model, overrides
 
 
-def _family_rows(spec, cfg, args: argparse.Namespace) -> list[tuple[str, str]]:
-    """What any registered family's spec can say (models/protocol.py FamilySpec)."""
+def info_rows(spec: FamilySpec, cfg: Any, name: str, seq_len: int) -> list[tuple[str, str]]:
+    """What any registered family's spec can say (a spec without its own `info`)."""
     shape = {k: v for k, v in spec.compat_keys(cfg).items() if k != "family"}
     return [
-        ("model", f"{cfg.name or args.config} ({spec.name}, {cfg.n_layers} layer(s))"),
+        ("model", f"{name} ({spec.name}, {cfg.n_layers} layer(s))"),
         ("shape", " ".join(f"{k}={v}" for k, v in shape.items())),
         ("parameters", f"{spec.count_parameters(cfg):,}"),
-        (
-            f"training FLOPs/token (T={args.seq_len})",
-            f"{spec.flops_per_token(cfg, args.seq_len):.4g}",
-        ),
+        (f"training FLOPs/token (T={seq_len})", f"{spec.flops_per_token(cfg, seq_len):.4g}"),
         ("state", "recurrent (fixed size)" if spec.recurrent else "grows with the context"),
     ]
 

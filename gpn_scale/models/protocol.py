@@ -81,6 +81,29 @@ class FamilySpec:
     - `compile_fullgraph`: whether each block compiles as one graph (torch.compile's
       fullgraph=True, an error on any graph break) or may break around what dynamo cannot
       trace.
+    - `not_compiled`: why a family with no `compile_blocks` is not compiled, the end of the
+      one line that refuses `compile.enable` ("model=... is family X, <not_compiled>").
+
+    What the rest of the package asks a family instead of comparing its name
+    (docs/families.md, "Adding a family"):
+
+    - `title`: its name in prose ("GPN", "Transformer++"), in the lines that name the
+      families taking an option; empty = `name`.
+    - `run_options`: the family-specific training options it accepts, each a function
+      `(config, the run's value) -> config`: "tbptt" (`train.tbptt`, an int) and "engine"
+      (the run's `engine:` section, the keys it sets). Any other family refuses the option in
+      one line naming the families that take it (gpn_scale/run/model.py).
+    - `hf_adapter`: loads the module that maps the family onto a Hugging Face architecture
+      (`llama_config`, `to_llama`, `from_llama`, `start_token_id`: `gpn-scale export --format
+      hf`); None = the family exports as safetensors only, and `--format hf` is one line.
+    - `info`: the rows `gpn-scale info` prints, `(cfg, name, batch_size, seq_len) -> [(key,
+      value)]`; None = the rows every spec can give (gpn_scale/models/commands.py).
+    - `depth_is_variant`: a config's depth (n_layers > 1) is part of its family label, a
+      curve of its own in sweeps and fits ("gpn+m-2l"; gpn_scale/scaling/families.py).
+    - `launch_accounting`: gpn_scale/accounting models this family's training step, so a
+      sweep's `hardware.mfu: predicted` prices it.
+    - `state_analyses`: `gpn-scale analyze` and the trainer's live analyses read its state
+      (GPN's reference step path, single recurrent state and memory heads).
     """
 
     name: str
@@ -96,4 +119,16 @@ class FamilySpec:
     check_device: Callable[[Any, str], None] = field(default=lambda cfg, device_type: None)
     compile_blocks: Callable[[nn.Module], list[nn.Module]] | None = None
     compile_fullgraph: bool = True
+    not_compiled: str = "which declares no blocks to compile"
     description: str = ""
+    title: str = ""
+    run_options: Mapping[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
+    hf_adapter: Callable[[], Any] | None = None
+    info: Callable[[Any, str, int, int], list[tuple[str, str]]] | None = None
+    depth_is_variant: bool = False
+    launch_accounting: bool = False
+    state_analyses: bool = False
+
+    @property
+    def display_name(self) -> str:
+        return self.title or self.name

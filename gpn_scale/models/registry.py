@@ -7,8 +7,9 @@ need. A YAML without `family:` is GPN / GPN+M (every config written before the r
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,24 @@ from gpn_scale.models.protocol import FamilySpec
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 DEFAULT_FAMILY = "gpn"
 
-# name -> module exposing `SPEC: FamilySpec`
+# name -> the module exposing its `SPEC: FamilySpec`: one line per family, models/<name>/spec.py
 _FAMILY_MODULES: dict[str, str] = {
-    "gpn": "gpn_scale.models.gpn.family",
-    "transformer_pp": "gpn_scale.models.transformer_pp",
-    "gated_deltanet": "gpn_scale.models.gated_deltanet",
+    "gpn": "gpn_scale.models.gpn.spec",
+    "transformer_pp": "gpn_scale.models.transformer_pp.spec",
+    "gated_deltanet": "gpn_scale.models.gated_deltanet.spec",
 }
+# Families registered at run time (a family outside the package, a test's): name -> spec.
+_REGISTERED: dict[str, FamilySpec] = {}
 
 
 def family_names() -> tuple[str, ...]:
-    return tuple(_FAMILY_MODULES)
+    return (*_FAMILY_MODULES, *_REGISTERED)
 
 
 def get_family(name: str) -> FamilySpec:
     """The spec of a registered family; an unknown name is one ConfigError line."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     if name not in _FAMILY_MODULES:
         raise ConfigError(
             f"model.family: unknown family {name!r}{closest_key_hint(name, family_names())}; "
@@ -46,6 +51,43 @@ def get_family(name: str) -> FamilySpec:
     spec = importlib.import_module(_FAMILY_MODULES[name]).SPEC
     assert isinstance(spec, FamilySpec) and spec.name == name, _FAMILY_MODULES[name]
     return spec
+
+
+def families_where(has: Callable[[FamilySpec], object]) -> list[FamilySpec]:
+    """The registered families whose spec satisfies `has`, in registration order (what the
+    line refusing an option names, instead of a family named in the caller)."""
+    return [spec for spec in map(get_family, family_names()) if has(spec)]
+
+
+def titles_where(has: Callable[[FamilySpec], object]) -> str:
+    """Their titles, "GPN / Transformer++"."""
+    return " / ".join(spec.display_name for spec in families_where(has))
+
+
+def register(spec: FamilySpec) -> None:
+    """Make `spec` a family of this process (configs name it with `family: <spec.name>`),
+    for a family that lives outside gpn_scale/models; a shipped family adds its line to
+    `_FAMILY_MODULES` instead. A name already taken is refused."""
+    if not isinstance(spec, FamilySpec):
+        raise TypeError(f"register: expected a FamilySpec, got {type(spec).__name__}")
+    if spec.name in family_names():
+        raise ValueError(f"register: family {spec.name!r} is already registered")
+    _REGISTERED[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    """Forget a family `register` added (a shipped family stays)."""
+    _REGISTERED.pop(name, None)
+
+
+@contextlib.contextmanager
+def registered(spec: FamilySpec) -> Iterator[FamilySpec]:
+    """`spec` registered for the duration of the block, removed again on the way out."""
+    register(spec)
+    try:
+        yield spec
+    finally:
+        unregister(spec.name)
 
 
 def split_family(values: Mapping[str, Any]) -> tuple[FamilySpec, dict[str, Any]]:

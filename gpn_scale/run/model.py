@@ -1,7 +1,7 @@
 """The model a run trains: its `model` config with `model_overrides`, `train.tbptt` and the
-`engine:` section applied, each error named by the run's own key (`model_overrides.d_state`,
-`engine.chunk_size`). Read by the trainer's preflight and by evaluation (a run folder's
-`model_final.pt`)."""
+`engine:` section applied (the last two through the family's `run_options`), each error named
+by the run's own key (`model_overrides.d_state`, `engine.chunk_size`). Read by the trainer's
+preflight and by evaluation (a run folder's `model_final.pt`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 def model_config(cfg: TrainConfig) -> Any:
     """The run's model config (any registered family, models/registry.py): `cfg.model` +
     `model_overrides` (+ `train.tbptt` when set, which the schema already checked, and the
-    `engine:` options it sets); an invalid
-    value fails naming the key it came from, and a GPN-only training option another family
-    cannot honour fails naming that option."""
+    `engine:` options it sets, each through the family's `run_options`); an invalid value
+    fails naming the key it came from, and a family-specific training option another family
+    cannot honour fails naming that option and the families that take it."""
     from gpn_scale.models.registry import load_model_config
 
     overrides = dict(cfg.model_overrides)
@@ -37,13 +37,11 @@ def model_config(cfg: TrainConfig) -> Any:
             ) from None
         raise
     if cfg.train.tbptt is not None:
-        if spec.name != "gpn":
-            raise ConfigError(
-                f"train.tbptt: truncated BPTT is a GPN option; model={cfg.model} is family "
-                f"{spec.name}, which has no recurrence to truncate; remove train.tbptt"
-            )
-        model_cfg = model_cfg.replace(tbptt=cfg.train.tbptt)
-    model_cfg = _with_engine(cfg, spec.name, model_cfg)
+        model_cfg = _run_option(cfg, spec, model_cfg, "tbptt", cfg.train.tbptt, "train.tbptt")
+    given = cfg.engine.given()
+    if given:
+        key = f"engine.{next(iter(given))}"
+        model_cfg = _run_option(cfg, spec, model_cfg, "engine", given, key)
     check_compile(cfg, spec)
     if cfg.train.stateful_windows and not spec.recurrent:
         raise ConfigError(
@@ -54,35 +52,48 @@ def model_config(cfg: TrainConfig) -> Any:
     return model_cfg
 
 
-def _with_engine(cfg: TrainConfig, family: str, model_cfg: Any) -> Any:
-    """The model config with the run's `engine:` options over the model file's."""
-    given = cfg.engine.given()
-    if not given:
-        return model_cfg
-    key = f"engine.{next(iter(given))}"
-    if family != "gpn":
-        raise ConfigError(
-            f"{key}: the engine options are GPN's; model={cfg.model} is family {family}; "
-            "remove the engine section"
-        )
-    from gpn_scale.ops.gpn_step.options import EngineOptions
+# The family-specific run options (FamilySpec.run_options): what the line refusing one says
+# before and after "model=... is family X" ({takers}: the families that take it).
+_REFUSALS = {
+    "tbptt": (
+        "truncated BPTT is a {takers} option",
+        ", which has no recurrence to truncate; remove train.tbptt",
+    ),
+    "engine": ("the engine options are {takers}'s", "; remove the engine section"),
+}
 
-    options = EngineOptions.from_dict({**model_cfg.engine.to_dict(), **given}, prefix="engine.")
-    return model_cfg.replace(engine=options)
+
+def _run_option(
+    cfg: TrainConfig, spec: FamilySpec, model_cfg: Any, option: str, value: Any, key: str
+) -> Any:
+    """The model config with a family-specific run option applied (`spec.run_options`), or
+    one line naming `key` and the families that take it when this family does not."""
+    from gpn_scale.models.registry import titles_where
+
+    apply = spec.run_options.get(option)
+    if apply is not None:
+        return apply(model_cfg, value)
+    what, tail = _REFUSALS[option]
+    raise ConfigError(
+        f"{key}: {what.format(takers=titles_where(lambda s: option in s.run_options))}; "
+        f"model={cfg.model} is family "
+        f"{spec.name}{tail}"
+    )
 
 
 def check_compile(cfg: TrainConfig, spec: FamilySpec) -> None:
     """`compile.enable=true` for a family that declares no blocks to compile (GPN / GPN+M)
-    is refused in one line naming the families that take it. Refused rather than accepted
-    and ignored: a sweep sets the key per model entry (`overrides: [compile.enable=true]`
-    on the baselines' entries), so a mixed sweep never has to give it to GPN."""
+    is refused in one line: the family's reason (`spec.not_compiled`) and the families that
+    take it. Refused rather than accepted and ignored: a sweep sets the key per model entry
+    (`overrides: [compile.enable=true]` on the baselines' entries), so a mixed sweep never
+    has to give it to GPN."""
     if not cfg.compile.enable or spec.compile_blocks is not None:
         return
-    from gpn_scale.models.registry import family_names, get_family
+    from gpn_scale.models.registry import families_where
 
-    takers = [n for n in family_names() if get_family(n).compile_blocks is not None]
+    takers = [s.name for s in families_where(lambda s: s.compile_blocks is not None)]
     raise ConfigError(
-        f"compile.enable: model={cfg.model} is family {spec.name}, whose sequence engine runs "
-        f"its own kernels and is not compiled; compile.enable is for {', '.join(takers)}; "
+        f"compile.enable: model={cfg.model} is family {spec.name}, {spec.not_compiled}; "
+        f"compile.enable is for {', '.join(takers)}; "
         "set compile.enable=false (in a sweep, set it on those families' entries only)"
     )

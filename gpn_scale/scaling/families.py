@@ -7,7 +7,7 @@ defines them (docs/scaling.md, "Family labels"):
     base  = the config's variant label when its class has one (a string attribute `family`:
             GPN's "gpn+m" with the memory, "gpn" without), else the registry name
             ("transformer_pp", "gated_deltanet")
-    depth = "-<n>l" when the family's depth is a variant (registry names in DEPTH_IS_VARIANT)
+    depth = "-<n>l" when the family's depth is a variant (its FamilySpec's depth_is_variant)
             and the config has n_layers = n > 1, else ""
 
 So a sweep over the paper's comparison has five labels: "gpn+m", "gpn+m-2l", "gpn",
@@ -29,9 +29,6 @@ from typing import Any
 
 from gpn_scale.models.registry import family_of, load_model_config
 
-# Registry names whose configs' depth (n_layers) is a variant a sweep compares.
-DEPTH_IS_VARIANT = frozenset({"gpn"})
-
 
 def family_label(cfg: Any) -> str:
     """The label fits and sweeps use for a validated model config (rule: module docstring)."""
@@ -39,7 +36,7 @@ def family_label(cfg: Any) -> str:
     variant = getattr(cfg, "family", None)
     base = variant if isinstance(variant, str) and variant else spec.name
     layers = getattr(cfg, "n_layers", None)
-    if spec.name in DEPTH_IS_VARIANT and isinstance(layers, int) and layers > 1:
+    if spec.depth_is_variant and isinstance(layers, int) and layers > 1:
         base += f"-{layers}l"
     return base
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError, closest_key_hint, read_yaml, resolve_named_yaml
+from gpn_scale.models.registry import family_of, get_family, titles_where
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_DIR = REPO_ROOT / "configs" / "sweeps"
@@ -552,11 +553,11 @@ def _expand(raw: dict[str, Any], path: Path, *, allow_few_seeds: bool, price: bo
         params, per_token = facts.params, facts.flops_per_token
         run_mfu = mfu
         if predicted_gpu is not None:
-            if facts.registry_name != "gpn":
+            if not family_of(facts.config).launch_accounting:
                 raise SweepError(
-                    f"hardware.mfu: 'predicted' is GPN's launch accounting only, but "
-                    f"{where} ({config}) is family {facts.registry_name}; give a measured "
-                    "fraction (hardware.mfu: 0.4)"
+                    f"hardware.mfu: 'predicted' is {titles_where(lambda s: s.launch_accounting)}"
+                    f"'s launch accounting only, but {where} ({config}) is family "
+                    f"{facts.registry_name}; give a measured fraction (hardware.mfu: 0.4)"
                 )
             run_mfu = (
                 _predicted_mfu(
@@ -787,7 +788,6 @@ def validate_with_trainer(sweep: Sweep) -> None:
     schema, so a bad key or value fails at plan time, naming the run; and `compile.enable`
     against the run's family (GPN refuses it: a mixed sweep sets it on the baselines'
     entries, `overrides: [compile.enable=true]`)."""
-    from gpn_scale.models.registry import get_family
     from gpn_scale.run.config import load_train_config
     from gpn_scale.run.model import check_compile
 
@@ -812,8 +812,6 @@ def _check_tp_override(where: str, cfg: Any, overrides: list[str]) -> None:
             raise SweepError(f"{where}.overrides: '{o}': tp must be an integer") from None
         if tp < 1:
             raise SweepError(f"{where}.overrides: '{o}': tp must be >= 1")
-        from gpn_scale.models.registry import family_of
-
         spec = family_of(cfg)
         if tp > 1 and spec.apply_tp is None:
             raise SweepError(f"{where}.overrides: '{o}': family {spec.name} has no tp plan")

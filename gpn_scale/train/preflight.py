@@ -23,13 +23,14 @@ def check_tensor_parallel(model_cfg: Any, tp: int) -> None:
     check names the field)."""
     if tp == 1:
         return
-    from gpn_scale.models.registry import family_of
+    from gpn_scale.models.registry import families_where, family_of
 
     spec = family_of(model_cfg)
     if spec.apply_tp is None:
+        takers = ", ".join(s.name for s in families_where(lambda s: s.apply_tp is not None))
         raise ConfigError(
             f"parallel.tp={tp}: the trainer has no tensor-parallel plan for model family "
-            f"{spec.name} (GPN / GPN+M only); use parallel.tp=1"
+            f"{spec.name} (only {takers}); use parallel.tp=1"
         )
     spec.check_tp(model_cfg, tp)
 

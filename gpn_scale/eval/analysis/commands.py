@@ -162,7 +162,7 @@ def _analyze(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     loaded = load(args.checkpoint, device=device, with_tokenizer=False)
-    if loaded.spec.name != "gpn":
+    if not loaded.spec.state_analyses:
         return _fail(
             f"{args.checkpoint} is a {loaded.spec.name} checkpoint; the state analyses read "
             "GPN / GPN+M's single recurrent state and memory heads (use `gpn-scale eval` for it)"

@@ -46,13 +46,16 @@ def head_key(prefix: str, h: int, n_heads: int) -> str:
 
 @torch.no_grad()
 def live_metrics(model: nn.Module, tokens: Tensor, settings: Any) -> dict[str, float]:
-    """{metric: value} for one training step's batch; {} for a model that is not GPN."""
-    from gpn_scale.models.gpn.gpn import GPN
+    """{metric: value} for one training step's batch; {} for a model whose family has no
+    state analyses (`FamilySpec.state_analyses`: GPN / GPN+M's reference step path)."""
+    from gpn_scale.models.registry import family_of
+
+    config = getattr(model, "config", None)
+    if config is None or not family_of(config).state_analyses:
+        return {}
     from gpn_scale.models.gpn.reference import reference_forward
 
-    if not isinstance(model, GPN):
-        return {}
-    cfg = model.config
+    cfg = config
     x = tokens[: settings.rows, : settings.tokens]
     cov = CovarianceAccumulator(cfg.d_state, x.device)
     log_alpha: list[Tensor] = []

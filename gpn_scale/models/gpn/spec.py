@@ -1,4 +1,5 @@
-"""GPN / GPN+M as a registered family (gpn_scale/models/registry.py)."""
+"""GPN / GPN+M as a registered family (gpn_scale/models/registry.py): what the trainer, eval,
+`gpn-scale info`, sweeps and fits ask of it instead of its name."""
 
 from __future__ import annotations
 
@@ -60,6 +61,52 @@ def _check_tp(cfg: GPNConfig, tp: int) -> None:
     check_tp(cfg, tp)
 
 
+def _with_tbptt(cfg: GPNConfig, tbptt: int) -> GPNConfig:
+    """`train.tbptt` over the model file's (the run's schema checked it is >= 0)."""
+    return cfg.replace(tbptt=tbptt)
+
+
+def _with_engine(cfg: GPNConfig, given: dict[str, Any]) -> GPNConfig:
+    """The run's `engine:` options over the model file's, an error named engine.<key>."""
+    from gpn_scale.ops.gpn_step.options import EngineOptions
+
+    options = EngineOptions.from_dict({**cfg.engine.to_dict(), **given}, prefix="engine.")
+    return cfg.replace(engine=options)
+
+
+def _info(cfg: GPNConfig, name: str, batch_size: int, seq_len: int) -> list[tuple[str, str]]:
+    """`gpn-scale info`: the counts, memory cells and a training-memory estimate."""
+    from gpn_scale.models.gpn.counts import (
+        count_parameters,
+        estimate_training_memory,
+        flops_per_token,
+        forward_flops_per_token,
+        non_embedding_parameters,
+    )
+
+    mem = estimate_training_memory(cfg, batch_size, seq_len)
+    gib = 1024**3
+    return [
+        ("model", f"{name} ({cfg.family}, {cfg.n_layers} layer(s))"),
+        (
+            "shape",
+            f"V={cfg.vocab_size} d={cfg.d_state} e={cfg.d_emb} f={cfg.d_ffn}"
+            + (f" H={cfg.n_heads} dk={cfg.d_key} dv={cfg.d_value}" if cfg.memory else ""),
+        ),
+        ("parameters", f"{count_parameters(cfg):,}"),
+        ("non-embedding parameters", f"{non_embedding_parameters(cfg):,}"),
+        ("memory cells", f"{cfg.cells:,}"),
+        ("forward FLOPs/token", f"{forward_flops_per_token(cfg):.4g}"),
+        ("training FLOPs/token", f"{flops_per_token(cfg, seq_len):.4g}"),
+        (
+            f"training memory (B={batch_size}, T={seq_len}, fp32 + AdamW)",
+            f"{mem.total_bytes / gib:.2f} GiB = weights {mem.parameters_bytes / gib:.2f} "
+            "+ grads/AdamW "
+            f"{mem.training_state_bytes / gib:.2f} + activations {mem.activations_bytes / gib:.2f}",
+        ),
+    ]
+
+
 SPEC = FamilySpec(
     name=GPNConfig.family_name,
     config_from_dict=GPNConfig.from_dict,
@@ -78,5 +125,16 @@ SPEC = FamilySpec(
     # repeated block module for torch.compile to trace; compile.enable=true is refused
     # for this family in one line (gpn_scale/run/model.py, docs/families.md says why).
     compile_blocks=None,
+    not_compiled="whose sequence engine runs its own kernels and is not compiled",
     description="GPN / GPN+M: one wide recurrent state, one FFN, one shared gated-delta memory",
+    title="GPN",
+    # train.tbptt truncates its recurrence; the run's engine: section says how the engine
+    # runs the sequence (ops/gpn_step/options.py), never what it computes.
+    run_options={"tbptt": _with_tbptt, "engine": _with_engine},
+    hf_adapter=None,  # no Hugging Face architecture runs GPN: --format safetensors only
+    info=_info,
+    # The paper's claim is about a 1-layer predictor: 2-layer GPN+M is a curve of its own.
+    depth_is_variant=True,
+    launch_accounting=True,  # gpn_scale/accounting dry-runs its engine's CUDA step
+    state_analyses=True,  # gpn-scale analyze, analysis.every_steps (eval/analysis/)
 )
