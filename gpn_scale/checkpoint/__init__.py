@@ -60,7 +60,8 @@ from gpn_scale.io.run_folder import step_dir_name
 from gpn_scale.io.storage import LocalStorage, ObjectInfo, S3Storage, Storage
 
 if TYPE_CHECKING:
-    from gpn_scale.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+    from gpn_scale.checkpoint.loading import LoadedCheckpoint
+    from gpn_scale.checkpoint.manager import CheckpointManager
     from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 
 # The names that need torch load on first use, so that the torch-free parts of the package
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 # on a login or batch node) import in a tenth of a second rather than torch's ~3 s.
 _LAZY = {
     "CheckpointManager": "gpn_scale.checkpoint.manager",
-    "LoadedCheckpoint": "gpn_scale.checkpoint.manager",
+    "LoadedCheckpoint": "gpn_scale.checkpoint.loading",
     "capture_rng_state": "gpn_scale.checkpoint.rng",
     "restore_rng_state": "gpn_scale.checkpoint.rng",
 }

@@ -16,28 +16,27 @@ Commit protocol of `save` (all ranks call it):
  3. rank 0 lists the uploaded files, checks every size, and only then writes manifest.json;
  4. rank 0 replaces the `latest` pointer, then applies keep-last-K retention.
 A checkpoint without a manifest, or whose files do not match it, is never returned by latest().
+
+Beside it: staging.py (where the ranks stage), writers.py (DCP, DeepSpeed and rank files into
+the staging directory), loading.py (verified copy, then DCP or DeepSpeed reads), retention.py
+(keep-last-K, pure), collective.py (the ranks' exchanges) and safe_load.py.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import shutil
-import socket
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gpn_scale.checkpoint import collective, writers
 from gpn_scale.checkpoint.catalog import (
     FORMAT,
     check_step,
@@ -47,34 +46,14 @@ from gpn_scale.checkpoint.catalog import (
     step_of,
 )
 from gpn_scale.checkpoint.errors import CheckpointDamaged, CheckpointError, one_line
+from gpn_scale.checkpoint.loading import LoadedCheckpoint, load_dcp, load_deepspeed
+from gpn_scale.checkpoint.retention import to_delete
 from gpn_scale.checkpoint.roots import open_storage
-from gpn_scale.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    safe_torch_load,
-    safe_unpickle_metadata,
-)
+from gpn_scale.checkpoint.staging import Staging
 from gpn_scale.io.run_folder import LATEST, MANIFEST, STEP_DIR_RE, step_dir_name
 from gpn_scale.io.storage import LocalStorage, Storage
 
 T = TypeVar("T")
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
-@dataclass
-class LoadedCheckpoint:
-    """What `load`/`load_deepspeed` hand back besides the state loaded in place."""
-
-    meta: dict[str, Any]
-    rank_state: dict[str, Any] | None  # None when the saved world size differs from the current one
-    step: int
-    uri: str
-    world_size: int = 1  # world size at save time
-    kind: str = "dcp"  # "dcp" or "deepspeed"
-    extra: dict[str, Any] = field(default_factory=dict)  # deepspeed: {"client_state": ...}
 
 
 class CheckpointManager:
@@ -105,88 +84,25 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.skipped: list[tuple[str, str]] = []  # set by latest(): newer, incomplete ones
         self.note = ""  # set by latest(): a stale `latest` pointer passed over, said in a line
-        self._staging_given = staging_dir is not None
-        if staging_dir is not None:
-            self._staging_root = Path(staging_dir).expanduser().absolute()
-        elif isinstance(self.storage, LocalStorage):
-            self._staging_root = self.storage.root / ".staging"
-        else:
-            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.storage.uri.removeprefix("s3://"))
-            base = os.environ.get("GPN_CKPT_STAGING") or os.path.join(
-                tempfile.gettempdir(), "gpn_scale_ckpt_staging"
-            )
-            self._staging_root = Path(base) / safe
+        self._staging = Staging(self.storage, staging_dir)
 
-    # -- distributed helpers ------------------------------------------------------------------
+    # -- ranks and staging -------------------------------------------------------------------
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return collective.rank()
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-    def _gather(self, obj: Any, group: Any = None) -> list[Any]:
-        """all_gather_object on `group` (None: the default group; a background save passes
-        its own, so it never meets the training's collectives on the same group)."""
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    def _broadcast(self, obj: Any, group: Any = None) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    def _agree(self, error: str | None, what: str, damaged: bool = False) -> list[Any]:
-        """Collective: raise the first rank's error on every rank (so no rank is left waiting);
-        as CheckpointDamaged when that rank found the checkpoint's files `damaged`."""
-        errors = self._gather((error, damaged))
-        for r, (err, bad) in enumerate(errors):
-            if err:
-                where = f" on rank {r}" if self.world_size > 1 else ""
-                if bad:
-                    raise CheckpointDamaged(f"{what}{where}: {err}", reason=err)
-                raise CheckpointError(f"{what}{where}: {err}")
-        return [err for err, _ in errors]
+        return collective.world_size()
 
     @property
     def staging_root(self) -> Path:
         """Where the ranks stage their files (a local directory; see the class docstring)."""
-        return self._staging_root
+        return self._staging.root
 
     def _stage(self) -> Path:
-        return self._staging_root / f"rank_{self.rank:05d}"
-
-    def _staging_fix(self) -> str:
-        """The setting a user changes for a writable staging directory: the trainer's key or
-        variable, not this class's argument (which only a library caller passes)."""
-        if self._staging_given:
-            return "pass a writable staging_dir"
-        if isinstance(self.storage, LocalStorage):  # <root>/.staging: the root itself
-            return (
-                "make checkpoint.root writable, or set checkpoint.root=DIR to a writable "
-                "directory (its .staging holds each save)"
-            )
-        return "set GPN_CKPT_STAGING to a writable local directory"
-
-    def _download_dir(self) -> Path:
-        """A new directory of its own for one load's downloads (removed after the load): two
-        readers of one S3 checkpoint on a machine (evals, a resume) share the staging root,
-        but never their files, so neither deletes them under the other. Those of processes
-        gone from this host (a load that failed) are removed here."""
-        stage, prefix = self._stage(), f"load-{socket.gethostname()}-"
-        stage.mkdir(parents=True, exist_ok=True)
-        for old in stage.glob(f"{prefix}*"):
-            pid = old.name[len(prefix) :].split("-")[0]
-            if pid.isdigit() and not _process_alive(int(pid)):
-                shutil.rmtree(old, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=stage))
+        return self._staging.rank_dir(self.rank)
 
     # -- locating -----------------------------------------------------------------------------
 
@@ -238,8 +154,7 @@ class CheckpointManager:
         names deleted. Not collective: call it on rank 0 (the trainer's --fresh)."""
         names = step_dirs(self.storage)
         for name in names:
-            self.storage.delete_prefix(f"{name}/{MANIFEST}")
-            self.storage.delete_prefix(f"{name}/")
+            self._delete_step(name)
         self.storage.delete(LATEST)
         return names
 
@@ -334,7 +249,7 @@ class CheckpointManager:
         except OSError as exc:
             raise CheckpointError(
                 f"checkpoint staging directory {stage} is not writable ({one_line(exc, 120)}); "
-                f"{self._staging_fix()}"
+                f"{self._staging.fix()}"
             ) from exc
 
     # -- saving -------------------------------------------------------------------------------
@@ -365,9 +280,9 @@ class CheckpointManager:
         except OSError as exc:
             err = (
                 f"cannot prepare staging directory {stage} ({one_line(exc, 160)}); "
-                f"{self._staging_fix()}"
+                f"{self._staging.fix()}"
             )
-        self._agree(err, f"checkpoint {name} not saved")
+        collective.agree(err, f"checkpoint {name} not saved")
         return name, stage
 
     def _upload_stage(self, name: str, stage: Path) -> str | dict[str, dict[str, Any]]:
@@ -410,7 +325,7 @@ class CheckpointManager:
             f"checkpoint {name} not saved ({self.storage.child_uri(name)}); the previous "
             "latest is unchanged"
         )
-        gathered = self._gather(per_rank, group)
+        gathered = collective.gather(per_rank, group)
         for r, item in enumerate(gathered):
             if isinstance(item, str):
                 where = f" on rank {r}" if self.world_size > 1 else ""
@@ -424,7 +339,7 @@ class CheckpointManager:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - any surprise must still reach every rank
                 error = one_line(exc)
-        error = self._broadcast(error, group)
+        error = collective.broadcast(error, group)
         shutil.rmtree(stage, ignore_errors=True)
         if error:
             raise CheckpointError(f"{what}: {error}")
@@ -488,16 +403,15 @@ class CheckpointManager:
     def _retain(self, current: str) -> None:
         """Keep the newest `keep_last` complete checkpoints (always `current`); delete older ones
         and abandoned partial directories older than `current`. Newer directories are left alone."""
-        cur_step = step_of(current)
         names = step_dirs(self.storage)  # newest first
         complete = [n for n in names if self.storage.get_bytes(f"{n}/{MANIFEST}") is not None]
-        keep = set(complete[: self.keep_last]) | {current}
-        for n in names:
-            if n in keep or step_of(n) >= cur_step:
-                continue
-            # Manifest first: a half-deleted checkpoint must look incomplete, never complete.
-            self.storage.delete_prefix(f"{n}/{MANIFEST}")
-            self.storage.delete_prefix(f"{n}/")
+        for n in to_delete(names, complete, current, self.keep_last):
+            self._delete_step(n)
+
+    def _delete_step(self, name: str) -> None:
+        # Manifest first: a half-deleted checkpoint must look incomplete, never complete.
+        self.storage.delete_prefix(f"{name}/{MANIFEST}")
+        self.storage.delete_prefix(f"{name}/")
 
     def save(
         self,
@@ -542,52 +456,27 @@ class CheckpointManager:
         `begin_save`: DCP's shards and the rank file into `stage`, hashed and uploaded, then
         the commit (manifest, then `latest`). A background save (async_save.py) runs this in
         its thread on a process group of its own, from a staged copy of the state."""
-        import torch.distributed.checkpoint as dcp
-
         err = None
         try:
-            writer = dcp.FileSystemWriter(
-                str(stage), single_file_per_rank=True, sync_files=True, thread_count=1
-            )
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(app_state, storage_writer=writer, process_group=group)
+            writers.write_dcp(app_state, stage, group)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank
-            full = self._disk_full(exc, stage)
+            full = self._staging.disk_full(exc, stage)
             shutil.rmtree(stage, ignore_errors=True)
             raise CheckpointError(
                 f"checkpoint {name} not saved: {full or f'DCP save failed ({one_line(exc)})'}"
             ) from exc
         try:
-            if rank_state is not None:
-                _save_rank_state(rank_state, stage / _rank_file(self.rank))
-            self._stage_files(stage, files)
+            writers.write_rank_files(stage, self.rank, rank_state, files)
         except Exception as exc:  # noqa: BLE001
-            err = self._disk_full(exc, stage) or f"cannot write rank_state ({one_line(exc, 160)})"
+            err = self._cannot_write(exc, stage)
         per_rank = err if err else self._upload_stage(name, stage)
         return self._commit(step, name, stage, "dcp", per_rank, meta, group)
 
-    def _disk_full(self, exc: BaseException, stage: Path) -> str:
-        """The one line for a staged write that ran out of disk (ENOSPC, EDQUOT: also inside
-        DCP's per-rank failures, or torch's "unexpected pos" of a short write), else ''."""
-        if not _out_of_space(exc, stage):
-            return ""
-        if isinstance(self.storage, LocalStorage):
-            fix = "set checkpoint.root to a disk with room (its .staging holds each save)"
-        else:
-            fix = "set GPN_CKPT_STAGING to a local disk with room"
-        return (
-            f"no space left on device writing the checkpoint into the staging directory "
-            f"{self._staging_root}; free space there (old checkpoints, caches) or {fix}"
+    def _cannot_write(self, exc: BaseException, stage: Path) -> str:
+        """The one line of a rank file (or an extra file) that could not be staged."""
+        return self._staging.disk_full(exc, stage) or (
+            f"cannot write rank_state ({one_line(exc, 160)})"
         )
-
-    def _stage_files(self, stage: Path, files: dict[str, bytes] | None) -> None:
-        if self.rank != 0 or not files:
-            return
-        for rel, content in files.items():
-            if "/" in rel or rel.startswith(".") or _rank_file(0)[:5] in rel:
-                raise CheckpointError(f"extra checkpoint file {rel!r}: give a plain file name")
-            (stage / rel).write_bytes(content)
 
     def save_deepspeed(
         self,
@@ -601,325 +490,32 @@ class CheckpointManager:
         """COLLECTIVE. engine.save_checkpoint into this rank's staging dir, then
         upload/manifest/latest (`files`: as in `save`)."""
         name, stage = self._begin(step, meta)
-        err = None
         try:
-            # Each rank saves into its own staging root, so the files it staged are exactly the
-            # files it wrote (no guessing from DeepSpeed's file names).
-            ok = engine.save_checkpoint(
-                str(stage.parent), tag=name, client_state={}, save_latest=False
-            )
-            if ok is False:
-                err = "engine.save_checkpoint returned False"
+            err = writers.write_deepspeed(engine, stage, name)
         except Exception as exc:  # noqa: BLE001
-            err = self._disk_full(exc, stage) or (
+            err = self._staging.disk_full(exc, stage) or (
                 f"DeepSpeed save_checkpoint failed ({one_line(exc, 200)})"
             )
         try:
-            if not err and rank_state is not None:
-                _save_rank_state(rank_state, stage / _rank_file(self.rank))
             if not err:
-                self._stage_files(stage, files)
+                writers.write_rank_files(stage, self.rank, rank_state, files)
         except Exception as exc:  # noqa: BLE001
-            err = self._disk_full(exc, stage) or f"cannot write rank_state ({one_line(exc, 160)})"
+            err = self._cannot_write(exc, stage)
         per_rank = err if err else self._upload_stage(name, stage)
         return self._commit(step, name, stage, "deepspeed", per_rank, meta)
 
-    # -- loading ------------------------------------------------------------------------------
-
-    def _materialise(self, uri: str, kind: str) -> tuple[dict[str, Any], Storage, str, Path, bool]:
-        """Collective: verified manifest + a local directory holding the checkpoint's files.
-
-        Returns (manifest, storage, name, local_dir, downloaded). Every file is hashed once:
-        local roots split the hashing across ranks; S3 downloads are hashed by the downloader.
-        Damage (check_step's reasons, a sha256 mismatch) raises CheckpointDamaged on every rank.
-        """
-        storage, name = self._locate(uri)
-        err, damaged = None, False
-        manifest: dict[str, Any] | None = None
-        local = storage.local_dir(name)
-        downloaded = local is None
-        try:
-            manifest, reason = check_step(storage, name)
-            if manifest is None:
-                err, damaged = reason, True
-            elif manifest.get("kind") != kind:
-                err = (
-                    f"it is a {manifest.get('kind')} checkpoint; load it with the matching "
-                    "load method"
-                )
-            else:
-                local, err = self._verified_files(storage, name, manifest["files"], local)
-                damaged = err is not None
-        except CheckpointError as exc:
-            err = str(exc)
-        except Exception as exc:  # noqa: BLE001 - must reach the gather, or the other ranks hang
-            err = one_line(exc, 200)
-        full_uri = storage.child_uri(name)
-        results = self._gather((err, damaged, full_uri))
-        if downloaded and local is not None and any(e for e, _, _ in results):
-            shutil.rmtree(local.parent, ignore_errors=True)  # this load's own download folder
-        for r, (rank_err, bad, _) in enumerate(results):
-            if rank_err:
-                where = f" (rank {r})" if self.world_size > 1 else ""
-                if bad:
-                    raise CheckpointDamaged(
-                        f"cannot load {full_uri}{where}: {rank_err}; pick a complete checkpoint "
-                        "or use --resume auto",
-                        reason=rank_err,
-                    )
-                raise CheckpointError(f"cannot load {full_uri}{where}: {rank_err}")
-        uris = sorted({u for _, _, u in results})
-        if len(uris) > 1:
-            raise CheckpointError(
-                f"ranks asked to load different checkpoints ({', '.join(uris)}); resolve the "
-                "URI once "
-                "(e.g. on rank 0) and pass the same one to every rank"
-            )
-        assert manifest is not None and local is not None
-        return manifest, storage, name, local, downloaded
-
-    def _verified_files(
-        self, storage: Storage, name: str, files: dict[str, Any], local: Path | None
-    ) -> tuple[Path, str | None]:
-        """(the local directory holding the checkpoint's files, the first damage found or
-        None): an S3 checkpoint's files downloaded (kept when already there and matching) and
-        hashed; a local root's files hashed where they are, split across the ranks."""
-        if local is None:
-            local = self._download_dir() / name
-            for rel, entry in files.items():
-                dest = local / rel
-                if not (
-                    dest.exists()
-                    and dest.stat().st_size == entry["size"]
-                    and sha256_file(dest) == entry["sha256"]
-                ):
-                    storage.get_file(f"{name}/{rel}", dest)
-                    if sha256_file(dest) != entry["sha256"]:
-                        return local, f"downloaded {rel} does not match its sha256 in the manifest"
-            return local, None
-        for i, (rel, entry) in enumerate(sorted(files.items())):
-            if i % self.world_size == self.rank and sha256_file(local / rel) != entry["sha256"]:
-                return local, f"file {rel} does not match its sha256 in the manifest"
-        return local, None
-
-    def _loaded(
-        self, manifest: dict[str, Any], local: Path, uri: str, kind: str
-    ) -> LoadedCheckpoint:
-        """Collective: this rank's rank_state (when the world size matches) + the rest."""
-        saved_world = int(manifest.get("world_size", 1))
-        rank_state, err, damaged = None, None, False
-        try:
-            if saved_world == self.world_size and _rank_file(self.rank) in manifest["files"]:
-                rank_state = safe_torch_load(local / _rank_file(self.rank))
-        except CheckpointError as exc:
-            err, damaged = str(exc), isinstance(exc, CheckpointDamaged)
-        self._agree(err, f"cannot load {uri}", damaged)
-        return LoadedCheckpoint(
-            meta=manifest.get("meta", {}),
-            rank_state=rank_state,
-            step=int(manifest["step"]),
-            uri=uri,
-            world_size=saved_world,
-            kind=kind,
-        )
+    # -- loading (loading.py) -----------------------------------------------------------------
 
     def load(self, uri: str, app_state: dict[str, Any]) -> LoadedCheckpoint:
         """COLLECTIVE when distributed. dcp.load into `app_state` in place (tensors and python
         values; the caller then applies it, e.g. with set_state_dict). Works on a different world
         size (DCP reshards); rank_state is then None."""
-        import torch.distributed.checkpoint as dcp
-
-        manifest, storage, name, local, downloaded = self._materialise(uri, "dcp")
-        full_uri = storage.child_uri(name)
-        try:
-            # Vet DCP's pickled metadata ourselves first: DCP would hide our refusal inside its
-            # own AssertionError text.
-            metadata = safe_unpickle_metadata(
-                (local / ".metadata").read_bytes(), str(local / ".metadata")
-            )
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot load {full_uri}: cannot read .metadata ({one_line(exc, 160)})"
-            ) from exc
-        # A tensor whose saved shape differs from the live one (another parameter layout or
-        # model version) makes DCP fail deep inside a collective with a multi-line trace.
-        mismatch = _first_shape_mismatch(app_state, metadata)
-        if mismatch is not None:
-            key, saved, live = mismatch
-            raise CheckpointError(
-                f"cannot load {full_uri}: {key} is {saved} in the checkpoint but {live} here "
-                "(written by another version or layout of the model); resume it with the code "
-                "that wrote it, or start a fresh checkpoint.root"
-            )
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(
-                    app_state,
-                    storage_reader=SafeFileSystemReader(str(local)),
-                    planner=SafeLoadPlanner(),
-                )
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001
-            cause = _find_checkpoint_error(exc)
-            if cause is not None:
-                raise _rewrapped(cause, f"cannot load {full_uri}") from exc
-            raise CheckpointError(
-                f"cannot load {full_uri}: DCP load failed ({one_line(exc)}); does the "
-                "model/optimizer match the checkpoint?"
-            ) from exc
-        try:
-            return self._loaded(manifest, local, full_uri, "dcp")
-        finally:
-            if downloaded:
-                shutil.rmtree(local.parent, ignore_errors=True)
+        storage, name = self._locate(uri)
+        return load_dcp(storage, name, app_state, self._staging)
 
     def load_deepspeed(self, uri: str, engine: Any) -> LoadedCheckpoint:
         """COLLECTIVE. engine.load_checkpoint from the verified files (same world size only:
         DeepSpeed ZeRO shards cannot be re-split without converting to its universal format).
         Every file DeepSpeed reads is loaded with weights_only=True."""
-        manifest, storage, name, local, downloaded = self._materialise(uri, "deepspeed")
-        full_uri = storage.child_uri(name)
-        if int(manifest.get("world_size", 1)) != self.world_size:
-            raise CheckpointError(
-                f"cannot load {full_uri}: DeepSpeed checkpoint saved on "
-                f"{manifest.get('world_size')} ranks, now "
-                f"{self.world_size}; resume on the same number of ranks or convert it with "
-                "ds_to_universal"
-            )
-        ckpt_engine = engine.checkpoint_engine
-        original = ckpt_engine.load
-        ckpt_engine.load = lambda path, map_location=None, **_: _deepspeed_safe_load(path)
-        try:
-            load_path, client_state = engine.load_checkpoint(
-                str(local.parent),
-                tag=name,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=True,
-            )
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            cause = _find_checkpoint_error(exc)
-            if cause is not None:
-                raise _rewrapped(cause, f"cannot load {full_uri}") from exc
-            why = f"DeepSpeed load_checkpoint failed ({one_line(exc)})"
-            raise CheckpointError(f"cannot load {full_uri}: {why}") from exc
-        finally:
-            ckpt_engine.load = original
-        if load_path is None:
-            raise CheckpointError(
-                f"cannot load {full_uri}: DeepSpeed found no checkpoint in {local}"
-            )
-        try:
-            loaded = self._loaded(manifest, local, full_uri, "deepspeed")
-            loaded.extra["client_state"] = client_state
-            return loaded
-        finally:
-            if downloaded:
-                shutil.rmtree(local.parent, ignore_errors=True)
-
-
-def _save_rank_state(state: dict[str, Any], path: Path) -> None:
-    """torch.save through a Python file: a full disk is then an OSError (ENOSPC), not the
-    "unexpected pos 10048 vs 9936" of torch's own file writer."""
-    with open(path, "wb") as f:
-        torch.save(state, f)
-
-
-_SHORT_WRITE = ("unexpected pos", "file write failed", "no space left on device")
-
-
-def _out_of_space(exc: BaseException, stage: Path) -> bool:
-    """Whether `exc` (its chain, DCP's per-rank failures) is a write that found no room."""
-    stack: list[Any] = [exc]
-    seen, short_write = 0, False
-    while stack and seen < 50:
-        e = stack.pop()
-        seen += 1
-        if isinstance(e, tuple):  # DCP keeps (exception, traceback) pairs
-            stack.extend(x for x in e if isinstance(x, BaseException))
-            continue
-        if not isinstance(e, BaseException):
-            continue
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        short_write = short_write or any(w in str(e).lower() for w in _SHORT_WRITE)
-        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack.extend(failures.values())
-    if not short_write:
-        return False
-    # torch's own writer lost the errno: ask the disk whether a small write still fits.
-    try:
-        free = shutil.disk_usage(stage if stage.exists() else stage.parent).free
-    except OSError:
-        return False
-    return free < 16 * 1024 * 1024
-
-
-def _find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
-    """DCP wraps per-rank failures (CheckpointException); dig out our own refusal."""
-    stack: list[Any] = [exc]
-    seen = 0
-    while stack and seen < 50:
-        e = stack.pop()
-        seen += 1
-        if isinstance(e, CheckpointError):
-            return e
-        if isinstance(e, BaseException):
-            stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-            failures = getattr(e, "failures", None)
-            if isinstance(failures, dict):
-                stack.extend(failures.values())
-        elif isinstance(e, tuple):  # DCP keeps (exception, traceback) pairs
-            stack.extend(x for x in e if isinstance(x, BaseException))
-    return None
-
-
-def _rewrapped(cause: CheckpointError, what: str) -> CheckpointError:
-    """`cause` under `what: `, still CheckpointDamaged when it was (a refused pickle)."""
-    if isinstance(cause, CheckpointDamaged):
-        return CheckpointDamaged(f"{what}: {cause}", reason=cause.reason)
-    return CheckpointError(f"{what}: {cause}")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
-
-
-def _deepspeed_safe_load(path: str) -> Any:
-    from gpn_scale.checkpoint.safe_load import deepspeed_safe_globals
-
-    return safe_torch_load(Path(path), extra_safe_globals=deepspeed_safe_globals())
-
-
-def _first_shape_mismatch(
-    app_state: dict[str, Any], metadata: Any
-) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
-    """(key, saved shape, live shape) of the first tensor of `app_state` (nested dicts, keys
-    joined with "." as DCP flattens them; a DTensor by its global shape) whose shape the
-    checkpoint records differently; None when all agree or the key is not in the checkpoint."""
-    saved = getattr(metadata, "state_dict_metadata", {}) or {}
-
-    def walk(prefix: str, value: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                found = walk(f"{prefix}.{k}" if prefix else str(k), v)
-                if found is not None:
-                    return found
-        elif isinstance(value, torch.Tensor):
-            size = getattr(saved.get(prefix), "size", None)
-            if size is not None and tuple(size) != tuple(value.shape):
-                return prefix, tuple(size), tuple(value.shape)
-        return None
-
-    return walk("", app_state)
+        storage, name = self._locate(uri)
+        return load_deepspeed(storage, name, engine, self._staging)

@@ -199,3 +199,8 @@ def deepspeed_safe_globals() -> list[Any]:
         except (ImportError, AttributeError):  # another DeepSpeed version: that type cannot occur
             continue
     return out
+
+
+def deepspeed_safe_load(path: str) -> Any:
+    """A DeepSpeed checkpoint file, weights_only (its checkpoint engine's `load`)."""
+    return safe_torch_load(Path(path), extra_safe_globals=deepspeed_safe_globals())

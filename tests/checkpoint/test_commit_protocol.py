@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 from ckpt_helpers import app_state, trained
 
-from gpn_scale.checkpoint import CheckpointError, CheckpointManager, step_dir_name
-from gpn_scale.checkpoint import manager as manager_mod
+from gpn_scale.checkpoint import CheckpointError, CheckpointManager, step_dir_name, writers
 from gpn_scale.checkpoint.catalog import LATEST, MANIFEST
 
 FILES = {"tokenizer.json": b'{"kind": "bytes"}'}  # a small file rank 0 adds (as the trainer)
@@ -224,7 +223,7 @@ def test_a_failed_rank_file_uploads_nothing(root, monkeypatch):
     def broken(state: Any, path: Path) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(manager_mod, "_save_rank_state", broken)
+    monkeypatch.setattr(writers, "save_rank_state", broken)
     with pytest.raises(CheckpointError, match="cannot write rank_state") as err:
         _save(mgr, 2)
     _assert_one_line(err)

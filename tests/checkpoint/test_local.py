@@ -360,16 +360,16 @@ def test_bad_arguments() -> None:
 
 def test_deepspeed_files_load_weights_only(tmp_path: Path) -> None:
     """DeepSpeed's files go through the same weights_only loader (plus DeepSpeed's data classes)."""
-    from gpn_scale.checkpoint.manager import _deepspeed_safe_load
+    from gpn_scale.checkpoint.safe_load import deepspeed_safe_load
 
     ok = tmp_path / "ok.pt"
     torch.save({"optimizer_state_dict": {"step": torch.tensor(3.0)}, "ds_version": "0.19.8"}, ok)
-    assert _deepspeed_safe_load(str(ok))["ds_version"] == "0.19.8"
+    assert deepspeed_safe_load(str(ok))["ds_version"] == "0.19.8"
     bad = tmp_path / "bad.pt"
     marker = tmp_path / "pwned"
     torch.save({"optimizer_state_dict": Evil(str(marker))}, bad)
     with pytest.raises(CheckpointError, match=r"refusing to load .*bad.pt.*weights_only=True"):
-        _deepspeed_safe_load(str(bad))
+        deepspeed_safe_load(str(bad))
     assert not marker.exists()
 
 

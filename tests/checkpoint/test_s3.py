@@ -90,14 +90,14 @@ def test_two_readers_on_one_machine_never_share_a_download(
     second, which then failed with a misleading message. Each load has a folder of its own:
     here the second reader loads and finishes while the first is between its download and
     its read, and both get the checkpoint's exact state."""
-    import gpn_scale.checkpoint.manager as manager_module
+    import gpn_scale.checkpoint.loading as loading_module
 
     root = f"{s3_bucket}/two-readers"
     uri, (model, opt) = _save(CheckpointManager(root, staging_dir=str(tmp_path / "w"), **FAST), 1)
     stage = tmp_path / "one-machine"
     first = CheckpointManager(root, staging_dir=str(stage), **FAST)
     second = CheckpointManager(root, staging_dir=str(stage), **FAST)
-    read_metadata = manager_module.safe_unpickle_metadata
+    read_metadata = loading_module.safe_unpickle_metadata
     seconds: list[tuple] = []
 
     def second_reader_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -108,7 +108,7 @@ def test_two_readers_on_one_machine_never_share_a_download(
             apply(*seconds[0], app)
         return read_metadata(*args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "safe_unpickle_metadata", second_reader_meanwhile)
+    monkeypatch.setattr(loading_module, "safe_unpickle_metadata", second_reader_meanwhile)
     model1, opt1 = fresh()
     app1 = app_state(model1, opt1)
     first.load(uri, app1)
