@@ -63,7 +63,6 @@ TO_SPLIT_FILES = {
     "gpn_scale/accounting/gpu_compile.py": 1105,
     "gpn_scale/accounting/round_trips.py": 608,
     "gpn_scale/bench/gpu.py": 650,
-    "gpn_scale/io/storage.py": 1089,
     "gpn_scale/ops/gpn_step/cuda.py": 853,
     "gpn_scale/run/config.py": 739,
     "gpn_scale/scaling/fit.py": 754,

@@ -7,7 +7,7 @@ it imports nothing else of gpn_scale (each caller passes its own error type).
     store = open_storage("s3://bucket/prefix")      # or a directory
     store.put_bytes("a/b.json", b"{}"); store.get_bytes("a/b.json"); store.list("a/")
 
-See gpn_scale/io/storage.py for the environment it reads.
+See gpn_scale/io/storage/__init__.py for the environment it reads.
 """
 
 from gpn_scale.io.storage import (

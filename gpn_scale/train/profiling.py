@@ -1,6 +1,6 @@
 """Scheduled profiling (`profiling.*`, torchtitan's profiling section): torch.profiler
 windows over the training steps, one Chrome trace per rank and window, and CUDA memory
-snapshots, written to a local folder or an S3 prefix through io/storage.py.
+snapshots, written to a local folder or an S3 prefix through io/storage/.
 
 The schedule counts steps as the run does (1-based, across resumes). A window ends at every
 multiple of `every`; its last `active` steps are recorded, after `warmup` steps that run the

@@ -264,7 +264,7 @@ def test_wrong_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
         sleeps: list[float] = []
-        monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleeps.append)
+        monkeypatch.setattr("gpn_scale.io.storage.s3_retry.time.sleep", sleeps.append)
         msg = _one_line_error(
             CheckpointManager(
                 "s3://somebucket/x", staging_dir=str(tmp_path / "s"), s3_retries=5, s3_backoff_s=1.0
@@ -318,7 +318,7 @@ def test_transient_errors_are_retried_with_backoff(
     attempts: list[int] = []
     sleeps: list[float] = []
     # The backoff is checked on the delays asked for, not on wall time (load makes that noisy).
-    monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleeps.append)
+    monkeypatch.setattr("gpn_scale.io.storage.s3_retry.time.sleep", sleeps.append)
 
     def flaky() -> str:
         attempts.append(len(attempts))

@@ -16,7 +16,7 @@ from data_helpers import build_counter_dataset, one_line, row_keys
 from gpn_scale.data import DataConfig, DataError, build_loader
 from gpn_scale.data.storage import split_s3
 from gpn_scale.io import storage as io_storage
-from gpn_scale.io.storage import RetryLog
+from gpn_scale.io.storage import RetryLog, s3_retry
 from gpn_scale.testing.s3 import S3Faults, slow_down
 
 
@@ -28,7 +28,7 @@ def test_shard_downloads_follow_gpn_s3_retries(s3_endpoint, s3_bucket, tmp_path,
     monkeypatch.setenv("GPN_S3_RETRIES", "10")
     monkeypatch.setenv("GPN_S3_BACKOFF_S", "0")
     lines: list[str] = []
-    monkeypatch.setattr(io_storage, "RETRY_LOG", RetryLog(clock=lambda: 0.0, say=lines.append))
+    monkeypatch.setattr(s3_retry, "RETRY_LOG", RetryLog(clock=lambda: 0.0, say=lines.append))
     per_key: Counter[str] = Counter()
 
     def first_five_of_each_shard(n: int, params: dict) -> bool:

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpn_scale.io import storage as io_storage
-from gpn_scale.io.storage import RetryLog, RetryPolicy, S3Storage, StorageError, call
+from gpn_scale.io.storage import RetryLog, RetryPolicy, S3Storage, StorageError, call, s3_retry
 from gpn_scale.testing.s3 import S3Faults, checksum_mismatch, connection_reset, slow_down
 
 
@@ -26,7 +25,7 @@ def _storage(s3_endpoint, **options) -> S3Storage:
 def said(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The retry log's lines, with a clock that stands still (one line, however many)."""
     lines: list[str] = []
-    monkeypatch.setattr(io_storage, "RETRY_LOG", RetryLog(clock=lambda: 0.0, say=lines.append))
+    monkeypatch.setattr(s3_retry, "RETRY_LOG", RetryLog(clock=lambda: 0.0, say=lines.append))
     return lines
 
 
@@ -128,7 +127,7 @@ def test_the_retry_line_is_said_at_most_once_a_minute_with_the_count() -> None:
 
         return fn
 
-    import gpn_scale.io.storage as mod
+    import gpn_scale.io.storage.s3_retry as mod
 
     old, mod.RETRY_LOG = mod.RETRY_LOG, log
     try:

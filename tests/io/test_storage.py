@@ -108,7 +108,7 @@ def test_a_dead_endpoint_is_retried_and_reported_alike(
         else:
             real_sleep(seconds)
 
-    monkeypatch.setattr("gpn_scale.io.storage.time.sleep", sleep)
+    monkeypatch.setattr("gpn_scale.io.storage.s3_retry.time.sleep", sleep)
 
     with pytest.raises(DataError) as data_err:
         read_metadata("s3://bkt/ds")
