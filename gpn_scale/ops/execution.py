@@ -46,6 +46,9 @@ class Execution:
     keep_args: bool = False
     # Time per engine phase is accumulated here (ops/gpn_step/phases.py).
     phases: Any | None = None
+    # "deferred": the backward's side work (ops/gpn_step/overlap.py) runs as late as its
+    # results are waited for, on any device (tests of the overlapped order on CPU).
+    side_work: str | None = None
 
 
 _CURRENT = Execution()

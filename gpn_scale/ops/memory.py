@@ -121,12 +121,17 @@ def chunk_errors(
     return U, G
 
 
-def chunk_read(q: Tensor, k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:
-    """o_t = M_t^T q_t for every step of the chunk (the read sees step t's write)."""
+def chunk_read(
+    q: Tensor, k: Tensor, U: Tensor, G: Tensor, M0: Tensor, qM0: Tensor | None = None
+) -> Tensor:
+    """o_t = M_t^T q_t for every step of the chunk (the read sees step t's write). `qM0`:
+    q @ M0 when the caller has it already (the engine's recompute keeps it for the sweep)."""
     C = k.shape[2]
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device))
     decay_out = _masked_exp(G[..., :, None] - G[..., None, :], incl)
-    return G.exp()[..., None] * (q @ M0) + ((q @ k.transpose(-1, -2)) * decay_out) @ U
+    if qM0 is None:
+        qM0 = q @ M0
+    return G.exp()[..., None] * qM0 + ((q @ k.transpose(-1, -2)) * decay_out) @ U
 
 
 def chunk_advance(k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:

@@ -94,12 +94,12 @@ class ParallelSection:
 @dataclass
 class EngineSection:
     # How the GPN engine runs a sequence, never what it computes (ops/gpn_step/options.py);
-    # None keeps the model config's value (the model YAMLs set each size's chunk_size). A
-    # checkpoint resumes under other values. GPN / GPN+M only.
+    # None keeps the model config's value. A checkpoint resumes under other values. GPN only.
     chunk_size: int | None = None  # steps per chunk (memory chunkwise form, BPTT recompute)
     loss_chunk_tokens: int | None = None  # decode + cross entropy over this many positions
     step_backend: str | None = None  # auto | reference | cpu | cuda (GPN_SCALE_STEP_KERNELS wins)
     cuda_graphs: bool | None = None  # CUDA backend: capture each chunk as CUDA graphs
+    overlap_backward: bool | None = None  # CUDA: chunk-wide backward work on a second stream
 
     def given(self) -> dict[str, Any]:
         """The options this run sets (the rest stay the model config's)."""

@@ -46,6 +46,7 @@ from gpn_scale.ops.gpn_step.interface import (
     StepPlan,
     SweepAdjoints,
 )
+from gpn_scale.ops.gpn_step.overlap import Future, side_work
 from gpn_scale.ops.gpn_step.phases import phase as _phase
 from gpn_scale.ops.gpn_step.registry import select_backend
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
@@ -109,8 +110,9 @@ def _recompute_chunk(
         hidden = F.silu(a) * b
         if mem:
             q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
-            rq = _step_major(q @ M)
-            o = chunk_read(q, K, U, G, M).permute(2, 0, 1, 3).reshape(C, B, H * dv)
+            qM = q @ M  # once: the read below and the sweep (as rq) both need it
+            rq = _step_major(qM)
+            o = chunk_read(q, K, U, G, M, qM).permute(2, 0, 1, 3).reshape(C, B, H * dv)
             ro = rms_wide(o, eps, plan)
             hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
             q_s.append(q)
@@ -198,19 +200,18 @@ def _chunk_backward(
     ds_end: Tensor | None,
     ds_prev_end: Tensor | None,
     dM_end: Tensor | None,
-    grads: _Grads,
     d_fuse: Tensor,
     backend: StepBackend,
     workspace: _Workspace,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One chunk's backward: the hand-written reverse sweep over its steps, then the weight
-    gradients.
+) -> tuple[tuple[Tensor, Tensor, Tensor | None], SweepAdjoints, Tensor | None]:
+    """One chunk's backward: the hand-written reverse sweep over its steps, then the
+    gradients of the chunk's start carry (s, s_prev, M0).
 
     The per-step work is the inherent input-gradient matmuls (dy @ W^T, few rows) and cheap
     elementwise/memory terms (the step backend's `reverse_sweep`); the activations come from
-    `_recompute_chunk`, and every weight
-    gradient (and dM0) is formed at the end as one matmul over all steps of the chunk.
-    Returns the gradients of the chunk's start carry (s, s_prev, M0).
+    `_recompute_chunk`. Returns the start carry's gradients, the adjoints and dk_pre0, from
+    which `_chunk_weight_gradients` forms every weight gradient as one matmul over the chunk
+    (beside the next chunk's sweep, overlap.py).
     """
     # Pushing the end memory's gradient onto the chunk's k, u and G is chunk-wide GEMM work
     # (like the recompute), timed apart from the sequential sweep that follows it.
@@ -221,9 +222,11 @@ def _chunk_backward(
         result = backend.reverse_sweep(
             plan, Wt, ReverseSweep(acts, M0, dP, ds_end, ds_prev_end, adjoints)
         )
-        dg, dk_pre0 = result.ds_start, result.dk_pre0
-    with _phase("weight gradients", device):
-        return _chunk_weight_gradients(plan, Wt, acts, dg, adjoints, dk_pre0, dM0, grads)
+    with _phase("memory carry backward", device):
+        carry = _start_carry_gradients(
+            plan, Wt, acts, result.ds_start, adjoints, result.dk_pre0, dM0
+        )
+    return carry, adjoints, result.dk_pre0
 
 
 def _sweep_adjoints(
@@ -276,7 +279,7 @@ def _sweep_adjoints(
     return SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
 
 
-def _chunk_weight_gradients(
+def _start_carry_gradients(
     plan: StepPlan,
     Wt: LoopWeights,
     acts: ChunkActs,
@@ -284,10 +287,29 @@ def _chunk_weight_gradients(
     adj: SweepAdjoints,
     dk_pre0: Tensor | None,
     dM0: Tensor | None,
-    grads: _Grads,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The gradients of the chunk's start carry (s, s_prev, M0): what the previous chunk's
+    sweep waits for (the weight gradients are not)."""
+    if not plan.memory:
+        return dg, torch.zeros_like(dg), None
+    m, madj = acts.memory(), adj.memory()
+    assert dk_pre0 is not None and dM0 is not None  # GPN+M
+    # The chunk's first key came from s_prev. The keys are all sharded under tensor
+    # parallelism: their input gradient is summed.
+    k_cols = plan.H * plan.dk
+    dn_sprev = tp_sum_(_mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan)
+    dsprev_start = _rms_back(m.n_sprev, m.s_prev, dn_sprev, plan.eps)
+    dM0 = dM0 + m.k.mT @ madj.dRk
+    for i in range(plan.n_layers):
+        dM0 = dM0 + m.q[i].mT @ adj.dRq[i]
+    return dg, dsprev_start, dM0
+
+
+def _chunk_weight_gradients(
+    plan: StepPlan, acts: ChunkActs, adj: SweepAdjoints, dk_pre0: Tensor | None, grads: _Grads
+) -> None:
     """Every weight gradient of the chunk as one matmul over its C*B rows (never a rank-B
-    update per step), and the gradients of the chunk's start carry (s, s_prev, M0)."""
+    update per step), added to `grads` in a fixed order (the same with overlap or without)."""
     C, B, _ = acts.p.shape
     L = plan.n_layers
     rows = lambda t: t.reshape(C * B, -1)  # noqa: E731
@@ -303,21 +325,13 @@ def _chunk_weight_gradients(
     accumulate_mm(grads.w_fg, rows(acts.n_p).t(), rows(adj.dYfg), mm)
     grads.b_fg += rows(adj.dYfg).sum(0)
     if not plan.memory:
-        return dg, torch.zeros_like(dg), None
-    m, madj = acts.memory(), adj.memory()
-    assert dk_pre0 is not None and dM0 is not None and grads.A is not None  # GPN+M
-    # The chunk's first key came from s_prev.
-    k_cols = plan.H * plan.dk
-    accumulate_mm(grads.w_in[0][:, :k_cols], m.n_sprev.t(), dk_pre0, mm)
+        return
+    assert dk_pre0 is not None and grads.A is not None and acts.n_sprev is not None
+    assert adj.dA is not None
+    k_cols = plan.H * plan.dk  # the chunk's first key came from s_prev
+    accumulate_mm(grads.w_in[0][:, :k_cols], acts.n_sprev.t(), dk_pre0, mm)
     grads.b_in[0][:k_cols] += dk_pre0.sum(0)
-    # The keys are all sharded under tensor parallelism: their input gradient is summed.
-    dn_sprev = tp_sum_(_mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan)
-    dsprev_start = _rms_back(m.n_sprev, m.s_prev, dn_sprev, plan.eps)
-    grads.A += madj.dA
-    dM0 = dM0 + m.k.mT @ madj.dRk
-    for i in range(L):
-        dM0 = dM0 + m.q[i].mT @ adj.dRq[i]
-    return dg, dsprev_start, dM0
+    grads.A += adj.dA
 
 
 class _Workspace:
@@ -384,6 +398,76 @@ def _forward_chunks(
     carries.append((s, s_prev, M))
 
 
+def _backward_chunks(
+    ctx,
+    plan: StepPlan,
+    Wt: LoopWeights,
+    Wrec: LoopWeights,
+    S: Tensor,
+    dP: Tensor,
+    d_carry: tuple[Tensor | None, Tensor | None, Tensor | None],
+    grads: _Grads,
+    d_fuse: Tensor,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The chunks in reverse, to the gradients of the window's start carry.
+
+    The chunk-wide work runs as side work (overlap.py): the next chunk's recompute beside this
+    chunk's sweep, this chunk's weight gradients beside the next one's. The adjoints alternate
+    between two buffer sets, so the sweep of chunk k-1 never writes what the weight gradients
+    of chunk k still read; a set is reused once its weight gradients are done."""
+    device = dP.device
+    side = side_work(device, plan.options.overlap_backward)
+    longest = max(end - start for start, end in plan.spans)
+    workspaces = (_Workspace(longest, device), _Workspace(longest, device))
+    reading: list[Future[None] | None] = [None, None]  # the weight gradients on each set
+
+    def recompute(idx: int) -> ChunkActs:
+        start, end = plan.spans[idx]
+        _, s_prev, M = ctx.carries[idx]
+        with _phase("parallel recompute", device):
+            return _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M)
+
+    last = len(plan.spans) - 1
+    recomputed = side.submit(lambda: recompute(last), after=side.mark())
+    for idx in range(last, -1, -1):
+        start, end = plan.spans[idx]
+        if end in plan.cuts:  # truncated BPTT: nothing flows back across this point
+            d_carry = (None, None, None)
+        acts = side.get(recomputed, ChunkActs.tensors)
+        if idx > 0:
+            recomputed = side.submit(lambda idx=idx: recompute(idx - 1))
+        buffers = idx % 2
+        if reading[buffers] is not None:
+            side.get(reading[buffers])
+        d_carry, adj, dk_pre0 = _chunk_backward(
+            plan,
+            Wt,
+            acts,
+            ctx.carries[idx][2],
+            dP[:, start:end],
+            *d_carry,
+            d_fuse[:, start:end],
+            ctx.backend,
+            workspaces[buffers],
+        )
+        reading[buffers] = side.submit(
+            lambda acts=acts, adj=adj, dk_pre0=dk_pre0: _weight_gradients(
+                plan, acts, adj, dk_pre0, grads
+            ),
+            after=side.mark(),
+            reads=[t for t in (dk_pre0, adj.dA) if t is not None],
+        )
+    side.join()
+    return d_carry
+
+
+def _weight_gradients(
+    plan: StepPlan, acts: ChunkActs, adj: SweepAdjoints, dk_pre0: Tensor | None, grads: _Grads
+) -> None:
+    with _phase("weight gradients", acts.p.device):
+        _chunk_weight_gradients(plan, acts, adj, dk_pre0, grads)
+
+
 class _SequenceFunction(torch.autograd.Function):
     """fuse (B, T, d), initial carry, loop weights -> P (B, T, d), final carry."""
 
@@ -436,26 +520,7 @@ class _SequenceFunction(torch.autograd.Function):
             ds_prev,
             dM if plan.memory else None,
         )
-        workspace = _Workspace(max(end - start for start, end in plan.spans), device)
-        for idx in range(len(plan.spans) - 1, -1, -1):
-            start, end = plan.spans[idx]
-            if end in plan.cuts:  # truncated BPTT: nothing flows back across this point
-                d_carry = (None, None, None)
-            _, s_prev, M = ctx.carries[idx]
-            with _phase("parallel recompute", device):
-                acts = _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M)
-            d_carry = _chunk_backward(
-                plan,
-                Wt,
-                acts,
-                M,
-                dP[:, start:end],
-                *d_carry,
-                grads,
-                d_fuse[:, start:end],
-                ctx.backend,
-                workspace,
-            )
+        d_carry = _backward_chunks(ctx, plan, Wt, Wrec, S, dP, d_carry, grads, d_fuse)
         weight_grads = [g.to(w.dtype) for g, w in zip(grads.flat(), flat)]
         ds0, ds_prev0, dM0 = d_carry
         return (

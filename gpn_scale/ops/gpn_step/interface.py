@@ -17,6 +17,7 @@ them (`InCols` in ops/gpn_step/csrc/step_kernels.cpp), and the op-level tests ho
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -251,6 +252,16 @@ class ChunkActs:
     G: Tensor | None = None
     pred: Tensor | None = None  # M_{t-1}^T k_t
     rk: Tensor | None = None  # M0^T k_t
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor held (the overlapped backward hands them from stream to stream)."""
+        found: list[Tensor] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            found.extend(
+                t for t in (value if isinstance(value, list) else [value]) if t is not None
+            )
+        return found
 
     def memory(self) -> MemoryActs:
         """The memory activations, none of them None: GPN+M only (under `plan.memory`)."""

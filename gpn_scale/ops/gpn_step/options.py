@@ -37,6 +37,10 @@ class EngineOptions:
     step_backend: str = "auto"
     # CUDA backend: capture each chunk's steps and reverse sweep as CUDA graphs.
     cuda_graphs: bool = True
+    # CUDA: the backward's chunk-wide work (the next chunk's recompute, the last one's weight
+    # gradients) on a second stream beside the reverse sweep (overlap.py). Bit-identical;
+    # holds one more chunk's activations.
+    overlap_backward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "loss_chunk_tokens"):
@@ -50,8 +54,9 @@ class EngineOptions:
                 f"step_backend: expected {', '.join(STEP_BACKENDS[:-1])} or "
                 f"{STEP_BACKENDS[-1]}, got {self.step_backend!r}"
             )
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "overlap_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
