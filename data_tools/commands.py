@@ -28,6 +28,14 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
             "(credentials from boto3, endpoint from S3_ENDPOINT_URL)."
         ),
     )
+    _add_build_sources(p)
+    _add_build_windows(p)
+    _add_build_run(p)
+    p.set_defaults(func=cmd_build)
+
+
+def _add_build_sources(p: argparse.ArgumentParser) -> None:
+    """`build`'s inputs, their format and where the dataset goes."""
     p.add_argument(
         "inputs",
         nargs="+",
@@ -61,6 +69,10 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
     p.add_argument(
         "--hf-split", default="train", help="split of a Hugging Face dataset (default: train)"
     )
+
+
+def _add_build_windows(p: argparse.ArgumentParser) -> None:
+    """`build`'s tokens and windows: tokenizer, end-of-document, window length, val split."""
     p.add_argument(
         "--tokenizer",
         default="byte",
@@ -86,6 +98,10 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
         default=None,
         help="hold out exactly this many windows (overrides --val-fraction)",
     )
+
+
+def _add_build_run(p: argparse.ArgumentParser) -> None:
+    """How `build` runs: processes, shard size, limits, scratch space, overwrite, progress."""
     p.add_argument("--workers", type=int, default=1, help="tokeniser processes (default 1)")
     p.add_argument("--shard-size", default="64mb", help="raw bytes per shard (default 64mb)")
     p.add_argument(
@@ -105,7 +121,6 @@ def _add_build(sub: Any, name: str, help_text: str) -> None:
     p.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bars (none off a terminal either)"
     )
-    p.set_defaults(func=cmd_build)
 
 
 def register(subparsers: Any) -> None:
@@ -124,7 +139,13 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
     _add_build(sub, "build", "tokenise text and write a train/val MDS dataset")
     _add_build(sub, "tokenize", "same as `build`")
+    _add_train_tokenizer(sub)
+    _add_inspect(sub)
+    _add_verify(sub)
+    _add_default_corpus(sub)
 
+
+def _add_train_tokenizer(sub: Any) -> None:
     p = sub.add_parser(
         "train-tokenizer",
         help="train a byte-level BPE tokenizer on a corpus",
@@ -183,6 +204,8 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_tokenizer)
 
+
+def _add_inspect(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
         help="print a dataset's metadata",
@@ -193,6 +216,8 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_verify(sub: Any) -> None:
     p = sub.add_parser(
         "verify",
         help="re-hash every shard; report bad ones by name",
@@ -204,6 +229,8 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_default_corpus(sub: Any) -> None:
     p = sub.add_parser(
         "default-corpus",
         help="build the embedded default dataset (no internet needed)",

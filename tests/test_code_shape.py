@@ -70,8 +70,6 @@ TO_SPLIT_FILES = {
     "gpn_scale/train/metrics.py": 639,
 }
 TO_SPLIT_FUNCTIONS = {
-    "data_tools/commands.py::_add_build": 92,
-    "data_tools/commands.py::add_data_commands": 107,
     "gpn_scale/accounting/gpu_compile.py::main": 98,
     "gpn_scale/accounting/gpu_report.py::report": 89,
     "gpn_scale/bench/engine.py::_bare_matmul_loops": 110,
@@ -90,9 +88,6 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/ops/gpn_step/reference.py::forward_chunk": 81,
     "gpn_scale/ops/gpn_step/reference.py::reverse_sweep": 86,
     "gpn_scale/scaling/collect.py::read_run": 94,
-    "gpn_scale/scaling/commands.py::_register_fit": 100,
-    "gpn_scale/scaling/commands.py::_register_sweep": 168,
-    "gpn_scale/scaling/commands.py::cmd_fit": 87,
     "gpn_scale/scaling/report.py::build_markdown": 92,
     "gpn_scale/scaling/sweep.py::_expand": 267,
 }

@@ -2,6 +2,7 @@
 
 `sweep` takes sub-commands: `plan`; `submit` and `status` (submitit, gpn_scale.scaling.submit
 and .status); `pending` and `run-argv`, the helpers of slurm/sweep.sh and slurm/train.sbatch.
+`fit` is registered from fit_commands.py.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import json
 import os
 import re
 import sys
-from typing import Any
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.scaling.fit_commands import register_fit
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     _register_sweep(subparsers)
-    _register_fit(subparsers)
+    register_fit(subparsers)
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -33,6 +34,15 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     )
     sweep.set_defaults(func=lambda args: (sweep.print_help(), 0)[1])
     sub = sweep.add_subparsers(dest="sweep_command", metavar="SUBCOMMAND")
+    _add_plan(sub)
+    _add_pending(sub)
+    _add_snapshot(sub)
+    _add_run_argv(sub)
+    _add_submit(sub)
+    _add_status(sub)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="validate a sweep file and print its expanded runs",
@@ -51,6 +61,8 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.set_defaults(func=cmd_sweep_plan)
 
+
+def _add_pending(sub: argparse._SubParsersAction) -> None:
     pend = sub.add_parser(
         "pending",
         help="indices of the runs without a DONE marker (for slurm/sweep.sh)",
@@ -72,6 +84,8 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     )
     pend.set_defaults(func=cmd_sweep_pending)
 
+
+def _add_snapshot(sub: argparse._SubParsersAction) -> None:
     snap = sub.add_parser(
         "snapshot",
         help="freeze every run's train argv into a JSON table (slurm/sweep.sh)",
@@ -82,6 +96,8 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     snap.add_argument("out", metavar="OUT", help="the table to write (.json)")
     snap.set_defaults(func=cmd_sweep_snapshot)
 
+
+def _add_run_argv(sub: argparse._SubParsersAction) -> None:
     argv = sub.add_parser(
         "run-argv",
         help="the `gpn-scale train` arguments of run INDEX (for slurm/train.sbatch)",
@@ -98,6 +114,8 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
     )
     argv.set_defaults(func=cmd_sweep_run_argv)
 
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
     submit = sub.add_parser(
         "submit",
         help="submit the unfinished runs through submitit (SLURM or local)",
@@ -112,6 +130,20 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
         help="auto: slurm when sbatch is on PATH, else local [auto]",
     )
     submit.add_argument("--folder", help="submitit logs/pickles [<run_root>/submitit]")
+    _add_slurm_options(submit)
+    submit.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        metavar="INDEX",
+        help="only these run indices (if unfinished)",
+    )
+    submit.add_argument("--wait", action="store_true", help="wait for the jobs and report")
+    submit.set_defaults(func=cmd_sweep_submit)
+
+
+def _add_slurm_options(submit: argparse.ArgumentParser) -> None:
+    """`sweep submit`'s job resources, each defaulting to slurm/sweep.sh's variable."""
     submit.add_argument(
         "-p",
         "--partition",
@@ -172,16 +204,9 @@ def _register_sweep(subparsers: argparse._SubParsersAction) -> None:
         default=300,
         help="seconds before the time limit to save and requeue [300]",
     )
-    submit.add_argument(
-        "--only",
-        type=int,
-        nargs="+",
-        metavar="INDEX",
-        help="only these run indices (if unfinished)",
-    )
-    submit.add_argument("--wait", action="store_true", help="wait for the jobs and report")
-    submit.set_defaults(func=cmd_sweep_submit)
 
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser(
         "status",
         help="table of every run: state, step, tokens, last eval loss, restarts",
@@ -359,225 +384,4 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- fit
-
-
-def _register_fit(subparsers: argparse._SubParsersAction) -> None:
-    fit = subparsers.add_parser(
-        "fit",
-        help="fit scaling laws (L(N), L(C), L(N,D)) with seed-bootstrap CIs",
-        description="Collect the runs' final held-out losses, aggregate seeds, fit "
-        "L(N)=E+A·N^-alpha and L(C) per family (and L(N,D)=E+A/N^alpha+B/D^beta "
-        "where tokens per parameter vary) with the Epoch AI protocol, and write "
-        "report.md, fit.json and PNG plots. A law the data cannot determine is "
-        "skipped with a note. Exit codes: 0 written, 2 bad input or nothing "
-        "fittable (one line on stderr).",
-    )
-    fit.add_argument(
-        "roots",
-        nargs="*",
-        metavar="RUNS",
-        help="run directories or roots holding them (local or s3://)",
-    )
-    fit.add_argument(
-        "--sweep",
-        action="append",
-        default=[],
-        metavar="SWEEP",
-        help="take the runs of this sweep file (repeatable)",
-    )
-    fit.add_argument(
-        "--table",
-        action="append",
-        default=[],
-        metavar="CSV",
-        help="external results, CSV/JSONL with family,N,D,loss[,C,seed,run] "
-        "(e.g. Transformer++ / Gated DeltaNet baselines; repeatable)",
-    )
-    fit.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read finished W&B runs")
-    fit.add_argument("--wandb-group", metavar="GROUP", help="only this W&B group")
-    fit.add_argument(
-        "--out",
-        default="scaling_fit",
-        help="output directory [scaling_fit]; one that holds a fit is refused unless --overwrite",
-    )
-    fit.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the fit already in --out (its report.md, fit.json and plots)",
-    )
-    fit.add_argument(
-        "--laws",
-        nargs="+",
-        default=["L(N)", "L(C)", "L(N,D)"],
-        help="laws to fit [L(N) L(C) L(N,D)]",
-    )
-    fit.add_argument("--families", nargs="+", help="only these families (labels)")
-    fit.add_argument(
-        "--reference",
-        metavar="FAMILY",
-        help="the family the others' gaps are measured against [gpn+m when it has runs, "
-        "else the first family in sorted order]",
-    )
-    fit.add_argument(
-        "--at-N",
-        dest="at_N",
-        type=float,
-        action="append",
-        default=[],
-        metavar="N",
-        help="also evaluate the gaps at this parameter count (an extrapolation target; repeatable)",
-    )
-    fit.add_argument(
-        "--at-C",
-        dest="at_C",
-        type=float,
-        action="append",
-        default=[],
-        metavar="C",
-        help="also evaluate the gaps at this training compute in FLOPs (a target; repeatable)",
-    )
-    fit.add_argument(
-        "--resamples", type=int, default=1000, help="bootstrap resamples, >= 1000 [1000]"
-    )
-    fit.add_argument(
-        "--max-starts",
-        type=int,
-        default=None,
-        metavar="K",
-        help="run L-BFGS from only the K grid points with the lowest initial loss: quicker, "
-        "and it may miss the best optimum (a smoke test, a first look) [the protocol's: "
-        "all 150 of L(N) and L(C), the best 200 of L(N,D)'s 4500]",
-    )
-    fit.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed [0]")
-    fit.add_argument("--ci", type=float, default=0.95, help="interval level [0.95]")
-    fit.add_argument(
-        "--allow-missing",
-        action="store_true",
-        help="fit even if some runs of a sweep have no final loss yet",
-    )
-    fit.add_argument(
-        "--allow-unfinished",
-        action="store_true",
-        help="use the last eval/loss of runs without a DONE marker",
-    )
-    fit.set_defaults(func=cmd_fit)
-
-
-def cmd_fit(args: argparse.Namespace) -> int:
-    from gpn_scale.scaling import collect as C
-    from gpn_scale.scaling.fit import DEFAULT_MAX_STARTS, FitError, aggregate, fit_observations
-    from gpn_scale.scaling.gaps import MEASURES, compare, format_point, format_value
-    from gpn_scale.scaling.report import write_outputs
-    from gpn_scale.scaling.sweep import load_sweep
-
-    if not (args.roots or args.sweep or args.table or args.wandb):
-        raise FitError("nothing to fit: give run roots, --sweep, --table or --wandb")
-    if not 0 < args.ci < 1:
-        raise FitError(f"--ci: a level in (0, 1), got {args.ci}")
-    if args.max_starts is not None and args.max_starts < 1:
-        raise FitError(f"--max-starts: at least 1 start, got {args.max_starts}")
-    check_fit_out(args.out, args.overwrite)  # before collecting: nothing found is lost
-    parts = []
-    for s in args.sweep:
-        parts.append(
-            C.collect_sweep(
-                load_sweep(s, allow_few_seeds=True, price=False),
-                allow_unfinished=args.allow_unfinished,
-            )
-        )
-    if args.roots:
-        parts.append(C.collect_roots(args.roots, allow_unfinished=args.allow_unfinished))
-    for t in args.table:
-        parts.append(C.read_table(t))
-    if args.wandb:
-        parts.append(C.collect_wandb(args.wandb, group=args.wandb_group))
-    collection = C.merge(parts)
-    missing = collection.missing
-    if missing and not args.allow_missing:
-        first = missing[0]
-        raise FitError(
-            f"{len(missing)} of {len(collection.records)} runs have no final loss "
-            f"(first: {first.name}: {first.detail}); wait for them or pass "
-            "--allow-missing"
-        )
-    fits, notes = fit_observations(
-        collection.observations(),
-        laws=args.laws,
-        families=args.families,
-        resamples=args.resamples,
-        seed=args.seed,
-        ci_level=args.ci,
-        max_starts=DEFAULT_MAX_STARTS if args.max_starts is None else args.max_starts,
-    )
-    cells = [
-        c
-        for c in aggregate(collection.observations())
-        if not args.families or c.family in args.families
-    ]
-    comparison = compare(
-        fits, cells, reference=args.reference, at_N=args.at_N, at_C=args.at_C, seed=args.seed
-    )
-    settings: dict[str, Any] = {"resamples": args.resamples, "seed": args.seed, "ci_level": args.ci}
-    if args.families:
-        settings["families"] = list(args.families)
-    if args.max_starts is not None:
-        settings["max_starts"] = args.max_starts
-    if comparison is not None:
-        settings["reference"] = comparison.reference
-    if args.overwrite:
-        remove_fit_outputs(args.out)  # the old fit goes only once the new one exists
-    paths = write_outputs(args.out, fits, notes, collection, settings, comparison)
-    for f in fits:
-        ci = f.ci
-        vals = ", ".join(
-            f"{k}={v:.4g}" + ("" if f.interpolates else f" [{ci[k][0]:.4g}, {ci[k][1]:.4g}]")
-            for k, v in f.params.items()
-        )
-        how = " = parameters: interpolates, no interval" if f.interpolates else ""
-        print(f"{f.family:>16} {f.form.key:<7} ({f.n_points} points{how}): {vals}")
-    if comparison is not None:
-        for g in comparison.gaps:
-            print(
-                f"{g.family:>16} vs {g.reference}: {MEASURES[g.measure][1]} at "
-                f"{format_point(g)}: {format_value(g)}"
-            )
-    for n in notes + (comparison.notes if comparison is not None else []):
-        print(f"note: {n}")
-    if missing:
-        print(f"note: {len(missing)} runs missing (see report)", file=sys.stderr)
-    print(
-        f"wrote {paths['report']}, {paths['json']} and "
-        f"{len([p for k, p in paths.items() if p.suffix == '.png'])} plots in {args.out}"
-    )
-    return 0
-
-
-def check_fit_out(out: str, overwrite: bool) -> None:
-    """`fit --out`: a directory this command can write (gpn_scale/io/outputs.py), holding no
-    earlier fit unless `overwrite` (one line, exit 2, before any run is read)."""
-    from gpn_scale.io.outputs import check_out_dir
-    from gpn_scale.scaling.fit import FitError
-    from gpn_scale.scaling.report import fit_output_files
-
-    if not check_out_dir(out, "--out", error=FitError) or overwrite:
-        return
-    found = fit_output_files(out)
-    if found:
-        raise FitError(
-            f"--out {out} already holds a fit ({', '.join(p.name for p in found[:3])}"
-            f"{', ...' if len(found) > 3 else ''}); pass --overwrite to replace it or choose "
-            "another --out"
-        )
-
-
-def remove_fit_outputs(out: str) -> None:
-    """Delete the files an earlier fit wrote in `out` (a plot of a family no longer fitted
-    would otherwise stay beside the new report)."""
-    from gpn_scale.scaling.report import fit_output_files
-
-    for path in fit_output_files(out):
-        path.unlink(missing_ok=True)
-
-
-__all__ = ["register", "cmd_fit", "cmd_sweep_plan", "ConfigError"]
+__all__ = ["register", "cmd_sweep_plan", "ConfigError"]
