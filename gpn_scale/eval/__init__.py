@@ -1,1 +1,3 @@
-"""Evaluation: held-out loss / perplexity over fixed windows (heldout.py)."""
+"""Evaluation of a trained model: loading it from any source (load.py), LAMBADA, lm-eval,
+generation, export; analysis/ (the paper's state analyses). The held-out loss is the
+trainer's (train/heldout.py)."""

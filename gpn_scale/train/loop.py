@@ -567,7 +567,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _evaluate(self, c: Components, s: TrainState) -> dict[str, float]:
-        from gpn_scale.eval.heldout import heldout_loss
+        from gpn_scale.train.heldout import heldout_loss
 
         c.val_loader.load_state_dict(c.val_start)
         if self.cfg.debug.eval_sleep:
