@@ -1,6 +1,7 @@
 """The import graph of gpn_scale: no cycles, and dependencies that point down the layers
-(core <- io <- data / checkpoint; core <- ops <- models <- accounting / parallel / run;
-run <- eval <- train).
+(core <- io <- data / checkpoint; core <- ops <- models <- accounting / parallel;
+data / checkpoint / models <- run <- eval, train), and the trainer imports nothing from
+evaluation (checkpoint sources are run/sources.py's, below both).
 
 Every import counts, the lazy ones inside functions included (they are how a cycle hides:
 the program runs, but neither module can be read or moved without the other); imports under
@@ -27,10 +28,10 @@ ALLOWED = {
     # testing: the compile gate's "testing_tiny" cases are the tests' tiny GPN config
     "accounting": {"core", "ops", "models", "testing"},
     "parallel": {"core", "optim", "ops", "models"},
-    # a run's config and the model it trains: read by the trainer, evaluation and sweeps alike
-    "run": {"core", "io", "ops", "models"},
-    # evaluation reads runs and checkpoints; the trainer uses it (held-out loss, analyses,
-    # warm-start sources), never the other way
+    # a run's config, the model it trains and its checkpoint sources (a reference, its
+    # weights, its tokenizer): read by the trainer, evaluation and sweeps alike
+    "run": {"core", "io", "data", "checkpoint", "ops", "models"},
+    # evaluation reads runs and checkpoints through run/; never the trainer
     "eval": {"core", "io", "data", "checkpoint", "ops", "models", "run"},
 }
 
@@ -162,3 +163,56 @@ def test_imports_point_down_the_layers_and_nothing_imports_the_cli():
                 continue
             upward.add((module, target))
     assert not upward, f"imports against the layers: {sorted(upward)}"
+
+
+# What the trainer still imports from evaluation (issue 35): the `gpn-scale eval` command's
+# --task side and its --device check, and the live state analyses (eval/analysis/live.py,
+# over the offline analyses' accumulators). Each may only go: a new one fails, and one no
+# longer there must leave the list.
+TRAIN_FROM_EVAL_LEFT = {
+    ("gpn_scale.train.commands", "gpn_scale.eval.commands"),
+    ("gpn_scale.train.commands", "gpn_scale.eval.load"),
+    ("gpn_scale.train.loop", "gpn_scale.eval.analysis.live"),
+}
+
+
+def _every_import(path: Path, module: str) -> set[str]:
+    """Every gpn_scale module name `path` imports, type-only and lazy imports included
+    (relative ones resolved against `module`)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("gpn_scale.")}
+
+
+def test_the_trainer_imports_nothing_from_evaluation():
+    modules, found = _modules(), set()
+    for module, path in modules.items():
+        if _package(module) != "train":
+            continue
+        for name in _every_import(path, module):
+            if _package(name) == "eval":
+                found.add((module, name if name in modules else name.rsplit(".", 1)[0]))
+    new = sorted(found - TRAIN_FROM_EVAL_LEFT)
+    assert not new, f"gpn_scale.train imports gpn_scale.eval (use gpn_scale.run): {new}"
+    gone = sorted(TRAIN_FROM_EVAL_LEFT - found)
+    assert not gone, f"no longer imported: remove from TRAIN_FROM_EVAL_LEFT: {gone}"
+
+
+def test_the_trainer_check_sees_a_type_only_and_a_relative_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from gpn_scale.eval.load import LoadedModel\n"
+        "def f():\n    from ..eval import export\n"
+    )
+    found = _every_import(src, "gpn_scale.train.m")
+    assert {"gpn_scale.eval.load.LoadedModel", "gpn_scale.eval.export"} <= found

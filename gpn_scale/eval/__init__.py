@@ -1,3 +1,3 @@
-"""Evaluation of a trained model: loading it from any source (load.py), LAMBADA, lm-eval,
+"""Evaluation of a trained model: loading it for inference (load.py), LAMBADA, lm-eval,
 generation, export; analysis/ (the paper's state analyses). The held-out loss is the
 trainer's (train/heldout.py)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError, closest_key_hint
+from gpn_scale.run.sources import resolve
 
 TASKS = ("lambada",)
 DEFAULT_BATCH = 16
@@ -99,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The flags every checkpoint-reading command shares (eval/load.py)."""
+    """The flags every checkpoint-reading command shares (eval/load.py, run/sources.py)."""
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument(
         "--tokenizer",
@@ -231,7 +232,7 @@ def cmd_task_eval(args: argparse.Namespace) -> int:
 
 
 def _task_eval(args: argparse.Namespace) -> int:
-    from gpn_scale.eval.load import describe_loaded, load, pick_device, resolve
+    from gpn_scale.eval.load import describe_loaded, load, pick_device
 
     if args.overrides:
         raise ConfigError(

@@ -1,8 +1,8 @@
 """`gpn-scale export STEP_OR_RUN --out DIR`: any checkpoint as weights others can load.
 
-Source: anything eval/load.py reads (a step directory local or s3:// of any dp/tp layout,
-DCP reassembling the shards on one process; a checkpoint root or run folder: its newest
-checkpoint; a model_final.pt; another export). Two layouts:
+Source: any checkpoint reference (run/sources.py: a step directory local or s3:// of any
+dp/tp layout, DCP reassembling the shards on one process; a checkpoint root or run folder:
+its newest checkpoint; a model_final.pt; another export). Two layouts:
 
   --format safetensors (default, every family)
       model.safetensors   the model's state dict (our parameter names), float32 by default
@@ -36,18 +36,19 @@ from typing import Any
 import torch
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.eval.export_format import (
+from gpn_scale.data.tokenizer import TOKENIZER_FILE
+from gpn_scale.run.export_format import (
     CONFIG_FILE,
-    DTYPES,
     EXPORT_FORMAT,
     FORMATS,
     HF_KEY,
     ORIGINAL_TOKENIZER_FILE,
     START_TOKEN,
-    TOKENIZER_FILE,
     WEIGHTS_FILE,
     hf_module,
 )
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_out_dir(out: str, overwrite: bool) -> None:
@@ -86,11 +87,10 @@ class ExportResult:
 
 def peek_family(ref: str) -> str:
     """The family a reference holds, from its manifest / config (no tensors read)."""
-    from gpn_scale.eval.load import read_source, resolve
     from gpn_scale.models.registry import DEFAULT_FAMILY
+    from gpn_scale.run.sources import open_source
 
-    kind, uri = resolve(ref)
-    saved = read_source(kind, uri).meta.get("model_config") or {}
+    saved = open_source(ref).meta.get("model_config") or {}
     return str(saved.get("family", DEFAULT_FAMILY)) if isinstance(saved, dict) else DEFAULT_FAMILY
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.data.tokenizer import Tokenizer
 from gpn_scale.eval.scoring import score_continuations
-from gpn_scale.eval.tokenizer import Tokenizer
 
 HF_DEFAULT_SPLIT = "test"
 

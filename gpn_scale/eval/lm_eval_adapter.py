@@ -3,7 +3,7 @@
     lm_eval run --model gpn_scale --model_args checkpoint=runs/x,device=cpu --tasks lambada_openai
     gpn-scale eval runs/x --lm-eval lambada_openai,hellaswag
 
-model_args: checkpoint (a step dir, checkpoint root, run dir or model_final.pt: eval/load.py),
+model_args: checkpoint (a step dir, checkpoint root, run dir or model_final.pt: run/sources.py),
 config (a model config name / YAML instead of the saved one), tokenizer ("byte" or a
 tokenizer.json instead of the training data's), device, batch_size, max_gen_toks.
 
@@ -32,9 +32,9 @@ import lm_eval.models  # noqa: F401 - the harness registers its own models only 
 from lm_eval.api.model import LM  # registry is empty: let it do so before ours lands in it
 from lm_eval.api.registry import register_model
 
+from gpn_scale.data.tokenizer import Tokenizer
 from gpn_scale.eval.generate import Sampling, generate
 from gpn_scale.eval.scoring import rolling_logprob, score_continuations
-from gpn_scale.eval.tokenizer import Tokenizer
 
 MODEL_NAME = "gpn_scale"
 DEFAULT_BATCH = 16

@@ -33,6 +33,10 @@ RUN_CONFIG = "config.yaml"  # the run's resolved config
 METRICS = "metrics.jsonl"  # the run's history: one JSON object per line
 LOSS_CURVE = "loss_curve.png"  # gpn-scale demo's plot
 FINAL_WEIGHTS = "model_final.pt"  # checkpoint.export_final: the final weights, one file
+CHECKPOINTS = "checkpoints"  # the default checkpoint root, inside the run folder
+# The embedded default corpus, built under the run folder: data/default_corpus_T<seq_len>.
+CORPUS_DIR = "data"
+DEFAULT_CORPUS_PREFIX = "default_corpus_T"
 # A checkpoint root: step folders (each complete once its manifest is written, last), the
 # pointer to the newest, and the marker a finished run leaves.
 MANIFEST = "manifest.json"
@@ -40,6 +44,16 @@ LATEST = "latest"
 DONE = "DONE"
 STEP_DIR_RE = re.compile(r"^step_(\d{9,})$")
 HERE = "."  # config.yaml's run_dir: the folder holding it
+
+
+def default_corpus_dir(run_dir: str | Path, seq_len: Any) -> Path:
+    """Where a run builds the embedded default corpus of windows of `seq_len` tokens."""
+    return Path(run_dir) / CORPUS_DIR / f"{DEFAULT_CORPUS_PREFIX}{seq_len}"
+
+
+def is_default_corpus(path: str) -> bool:
+    """Whether `path` names a folder `default_corpus_dir` gives (of any run, any length)."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1].startswith(DEFAULT_CORPUS_PREFIX)
 
 
 def step_dir_name(step: int) -> str:
@@ -127,7 +141,7 @@ def rebase_run_config(raw: dict[str, Any], folder: str) -> dict[str, Any]:
     if recorded is None:  # the default runs/<run_name> of the launch directory
         recorded = str(Path("runs") / str(raw.get("run_name") or "run"))
     if _get(raw, ("checkpoint", "root")) is None:  # the default layout
-        _set(out, ("checkpoint", "root"), str(Path(folder) / "checkpoints"))
+        _set(out, ("checkpoint", "root"), str(Path(folder) / CHECKPOINTS))
     for keys in _PATH_KEYS:
         value = _get(raw, keys)
         if not isinstance(value, str) or _is_uri(value) or value == DEFAULT_CORPUS:
@@ -166,10 +180,10 @@ def read_run_config(folder: str | Path) -> dict[str, Any]:
         raw, why = None, str(err)
     if isinstance(raw, dict) and raw:
         return rebase_run_config(raw, str(folder))
-    recorded, manifest = _recorded_config(Path(folder) / "checkpoints")
+    recorded, manifest = _recorded_config(Path(folder) / CHECKPOINTS)
     if recorded is None:
         raise ConfigError(
-            f"{why}, and no checkpoint in {Path(folder) / 'checkpoints'} records the run's "
+            f"{why}, and no checkpoint in {Path(folder) / CHECKPOINTS} records the run's "
             "config; restore config.yaml (e.g. from a copy of the run), or give the training "
             "config in its place (gpn-scale eval CONFIG run_dir=... checkpoint.root=...)"
         )

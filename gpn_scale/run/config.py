@@ -254,7 +254,7 @@ class TrainConfig:
 
     @property
     def resolved_checkpoint_root(self) -> str:
-        return self.checkpoint.root or str(Path(self.resolved_run_dir) / "checkpoints")
+        return self.checkpoint.root or str(Path(self.resolved_run_dir) / run_folder.CHECKPOINTS)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

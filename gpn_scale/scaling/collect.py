@@ -28,12 +28,10 @@ from pathlib import Path
 from typing import Any, TypeGuard, cast
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.io.run_folder import DONE, METRICS, step_dir_name
+from gpn_scale.io.run_folder import CHECKPOINTS, DONE, METRICS, step_dir_name
 from gpn_scale.io.run_folder import RUN_CONFIG as CONFIG
 from gpn_scale.scaling.fit import FitError, Observation
 
-# The trainer's default checkpoint root inside a run dir (TrainConfig.resolved_checkpoint_root).
-CHECKPOINTS = "checkpoints"
 LOSS_KEY = "eval/loss"
 
 

@@ -5,7 +5,6 @@ identity it records."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +13,18 @@ from torch import nn
 from gpn_scale.checkpoint.async_save import AsyncSaver
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 from gpn_scale.core.config import ConfigError
-from gpn_scale.io.run_folder import record_run_dir, resolve_recorded
+from gpn_scale.io.run_folder import FINAL_WEIGHTS, record_run_dir, resolve_recorded
 from gpn_scale.parallel.backends import Backend
 from gpn_scale.parallel.topology import Topology
 from gpn_scale.run.config import TrainConfig, relocatable
+from gpn_scale.run.sources import (
+    describe_tokenizer,
+    open_source,
+    read_weights,
+    root_of,
+    same_tokenizer,
+    tokenizer_record,
+)
 from gpn_scale.train.preflight import (
     DONE_MARKER,
     check_model_compatible,
@@ -228,15 +235,13 @@ class RunCheckpoints:
     # ------------------------------------------------------------------ the data's identity
     def record_data(self, tokenizer: dict[str, Any], fingerprint: str | None, remote: str) -> None:
         """Saved with every checkpoint: eval and generation find the tokenizer without the
-        training data (eval/load.py)."""
+        training data (run/sources.py)."""
         self.tokenizer_identity, self.files = tokenizer_record(tokenizer)
         self.data_fingerprint, self.remote = fingerprint, remote
 
     def check_same_data(self, meta: dict, uri: str) -> None:
         """A checkpoint read with data tokenized otherwise is refused (its ids would mean
         other text); held-out eval on another dataset of the same tokenizer says so."""
-        from gpn_scale.eval.load import describe_tokenizer, same_tokenizer
-
         recorded, ours = meta.get("tokenizer"), self.tokenizer_identity
         if isinstance(recorded, dict) and ours and not same_tokenizer(recorded, ours):
             raise ConfigError(
@@ -360,14 +365,12 @@ class RunCheckpoints:
     def _initial_load_source(self, model_cfg: Any) -> Any:
         """The checkpoint `checkpoint.initial_load` names, checked against this run's model
         (family and shape) from its manifest or config, before any tensor is read."""
-        from gpn_scale.eval.load import read_source, resolve
-
         ref = str(self.cfg.checkpoint.initial_load)
         try:
-            kind, uri = resolve(ref)
-            source = read_source(kind, uri)
+            source = open_source(ref)
         except ConfigError as err:
             raise ConfigError(f"checkpoint.initial_load: {err}") from None
+        kind, uri = source.kind, source.uri
         saved = source.meta.get("model_config")
         if not isinstance(saved, dict):
             raise ConfigError(
@@ -393,29 +396,17 @@ class RunCheckpoints:
     ) -> None:
         """Collective for a DCP source: every rank reads the full weights (DCP reassembles
         any dp/tp layout) into the unsharded model, which the backend then shards."""
-        from gpn_scale.checkpoint import CheckpointError, CheckpointManager
+        from gpn_scale.checkpoint import CheckpointError
 
-        if source.kind == "dcp":
-            state = model.state_dict()
-            try:
-                CheckpointManager(source.uri.rstrip("/").rsplit("/", 1)[0]).load(
-                    source.uri, {"model": state}
-                )
-            except CheckpointError as err:
-                if "it is a deepspeed checkpoint" in str(err):
-                    raise ConfigError(
-                        f"checkpoint.initial_load {source.uri} is a DeepSpeed checkpoint; give "
-                        "its run's model_final.pt (checkpoint.export_final) or a DCP checkpoint"
-                    ) from None
-                raise
-        elif source.kind == "export":
-            from gpn_scale.eval.export_format import read_export_weights
-
-            state = read_export_weights(source.uri, spec, model_cfg)
-        else:
-            from gpn_scale.eval.load import _weights_from_final
-
-            state = _weights_from_final(source.uri)
+        try:
+            state = read_weights(source, model, spec, model_cfg)
+        except CheckpointError as err:
+            if "it is a deepspeed checkpoint" in str(err):
+                raise ConfigError(
+                    f"checkpoint.initial_load {source.uri} is a DeepSpeed checkpoint; give "
+                    f"its run's {FINAL_WEIGHTS} (checkpoint.export_final) or a DCP checkpoint"
+                ) from None
+            raise
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as err:
@@ -431,7 +422,7 @@ class RunCheckpoints:
         if not model_only:
             from gpn_scale.checkpoint import CheckpointManager
 
-            backend.load(CheckpointManager(source.uri.rstrip("/").rsplit("/", 1)[0]), source.uri)
+            backend.load(CheckpointManager(root_of(source.uri)), source.uri)
         what = "weights" + ("" if model_only else " and optimizer")
         fresh = (
             "fresh optimizer, schedule and data position"
@@ -462,25 +453,3 @@ def changed_settings(saved: dict | None, current: dict) -> list[str]:
             if old.get(key) != new.get(key):
                 out.append(f"{section}.{key} {old.get(key)!r} -> {new.get(key)!r}")
     return out
-
-
-def tokenizer_record(identity: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """(the tokenizer identity every checkpoint records, the files it carries): a Hugging
-    Face tokenizer's tokenizer.json travels in each step directory (checked against the
-    dataset's sha256), so eval, generation and export need neither the training data nor
-    the file at its recorded path (a relative one is made absolute while it resolves)."""
-    identity = dict(identity)
-    if identity.get("kind") != "huggingface":
-        return identity, {}
-    name = str(identity.get("name") or "")
-    if name and not os.path.isabs(name) and os.path.exists(os.path.expanduser(name)):
-        identity["name"] = os.path.abspath(os.path.expanduser(name))
-    from gpn_scale.eval.tokenizer import from_identity
-
-    try:
-        text = from_identity(identity, where="the training data's tokenizer").serialized()
-    except ConfigError:  # not at hand here: the identity alone (the data is tokenized)
-        return identity, {}
-    from gpn_scale.eval.load import TOKENIZER_FILE
-
-    return identity, ({TOKENIZER_FILE: text.encode()} if text else {})

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from gpn_scale.io.run_folder import LOSS_CURVE, METRICS, RUN_CONFIG
+from gpn_scale.io.run_folder import CHECKPOINTS, LOSS_CURVE, METRICS, RUN_CONFIG
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
@@ -70,7 +70,7 @@ def run_demo(
     for stale in (METRICS, LOSS_CURVE, RUN_CONFIG):
         (run_dir / stale).unlink(missing_ok=True)
     if cfg.checkpoint.root is None:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
     result = Trainer(cfg, resume="none").run()
     if result.exit_code != 0:

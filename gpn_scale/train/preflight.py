@@ -8,11 +8,10 @@ Nothing in this module creates a file or a directory.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.io.run_folder import DONE
+from gpn_scale.io.run_folder import DONE, default_corpus_dir
 from gpn_scale.run.config import TrainConfig
 from gpn_scale.run.model import model_config
 
@@ -240,11 +239,12 @@ def _dry_run_checkpoints(cfg: TrainConfig, ckpt_root: str) -> tuple[Any, str]:
 
 def _dry_run_data(cfg: TrainConfig, run_dir: str, model_cfg: Any, micro: int, world: int) -> str:
     """What the run would read (the default corpus is checked once it is built)."""
+    from gpn_scale.data import METADATA_FILE
     from gpn_scale.run.config import DEFAULT_CORPUS
 
     if cfg.data.remote == DEFAULT_CORPUS:
-        built = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
-        if (built / "gpn_dataset.json").is_file():
+        built = default_corpus_dir(run_dir, cfg.data.seq_len)
+        if (built / METADATA_FILE).is_file():
             meta = check_data(cfg, str(built), model_cfg.vocab_size, micro, world)
             return _data_line(str(built), meta)
         return f"the embedded default corpus, built on first use under {built}"

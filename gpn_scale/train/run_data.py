@@ -5,13 +5,12 @@ ranks under tensor parallelism)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.io.run_folder import DEFAULT_CORPUS
+from gpn_scale.io.run_folder import DEFAULT_CORPUS, default_corpus_dir
 from gpn_scale.parallel.topology import Topology
 from gpn_scale.run.config import TrainConfig
 
@@ -21,7 +20,7 @@ def data_remote(cfg: TrainConfig, run_dir: str, topo: Topology) -> str:
     (the others wait)."""
     if cfg.data.remote != DEFAULT_CORPUS:
         return cfg.data.remote
-    out = Path(run_dir) / "data" / f"default_corpus_T{cfg.data.seq_len}"
+    out = default_corpus_dir(run_dir, cfg.data.seq_len)
     if topo.is_main:
         from data_tools.default_corpus import build_default_dataset
 

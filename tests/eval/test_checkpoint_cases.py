@@ -23,8 +23,8 @@ from run_helpers import REPO, copy_run, env, snapshot
 
 from gpn_scale.cli import main
 from gpn_scale.data.metadata import DatasetMetadata, SplitInfo, write_metadata
+from gpn_scale.data.tokenizer import ByteTokenizer
 from gpn_scale.eval.generate import Sampling, generate
-from gpn_scale.eval.tokenizer import ByteTokenizer
 from gpn_scale.testing.models import perturbed_model, tiny_config
 
 
@@ -204,7 +204,7 @@ def test_a_hugging_face_tokenizer_travels_with_the_checkpoint(tmp_path: Path) ->
     from data_tools.tokenizer import resolve_tokenizer
     from gpn_scale.checkpoint import CheckpointManager
     from gpn_scale.eval.load import load
-    from gpn_scale.train.checkpointing import tokenizer_record
+    from gpn_scale.run.sources import tokenizer_record
 
     path = _hf_tokenizer_file(tmp_path / "tok.json")
     identity, files = tokenizer_record(resolve_tokenizer(str(path), "<eod>").identity())

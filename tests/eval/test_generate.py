@@ -7,8 +7,8 @@ import torch
 from fake_lm import bigram
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.data.tokenizer import ByteTokenizer
 from gpn_scale.eval.generate import Sampling, filter_logits, generate
-from gpn_scale.eval.tokenizer import ByteTokenizer
 
 PROMPTS = [list(b"the "), list(b"a longer prompt "), list(b"x"), list(b"the ")]
 

@@ -11,9 +11,9 @@ import torch
 from fake_lm import V, bigram
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.data.tokenizer import ByteTokenizer
 from gpn_scale.eval.lambada import encode_example, evaluate_lambada, read_texts
 from gpn_scale.eval.scoring import score_continuations
-from gpn_scale.eval.tokenizer import ByteTokenizer
 
 
 def _lp(logit: float, others: int = V - 1) -> float:

@@ -13,8 +13,8 @@ from fake_lm import V, bigram
 
 lm_eval = pytest.importorskip("lm_eval")
 
+from gpn_scale.data.tokenizer import ByteTokenizer  # noqa: E402
 from gpn_scale.eval.lm_eval_adapter import GPNScaleLM  # noqa: E402
-from gpn_scale.eval.tokenizer import ByteTokenizer  # noqa: E402
 
 
 def alphabet_model():

@@ -20,6 +20,8 @@ LAYOUT = {
     run_folder.MANIFEST,
     run_folder.LATEST,
     run_folder.DONE,
+    run_folder.CHECKPOINTS,
+    run_folder.DEFAULT_CORPUS_PREFIX,
 }
 STEP_PREFIX = "step_"
 

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpn_scale.data.tokenizer import TOKENIZER_FILE
 from gpn_scale.io.outputs import check_out_dir
+from gpn_scale.run.sources import describe_tokenizer, same_tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -122,7 +124,7 @@ def _token_names(tokenizer: dict[str, Any], ids: list[int]) -> list[str] | None:
         name = str(tokenizer.get("name"))
         path = Path(name).expanduser()
         if path.is_dir():
-            path = path / "tokenizer.json"
+            path = path / TOKENIZER_FILE
         tok = Tokenizer.from_file(str(path)) if path.is_file() else Tokenizer.from_pretrained(name)
         return [tok.id_to_token(i) or f"<{i}>" for i in ids]
     except Exception:  # noqa: BLE001 - offline or moved: the ids still stand
@@ -151,7 +153,7 @@ def _analyze(args: argparse.Namespace) -> int:
     from gpn_scale.data import read_metadata
     from gpn_scale.data.metadata import check_compatible
     from gpn_scale.eval.analysis.report import write_report
-    from gpn_scale.eval.load import describe_loaded, describe_tokenizer, load, same_tokenizer
+    from gpn_scale.eval.load import describe_loaded, load
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is visible; use --device cpu")

@@ -1,4 +1,5 @@
-"""The tokenizer a checkpoint was trained with, rebuilt from its dataset's identity.
+"""The tokenizer a dataset was built with (and so a checkpoint trained with), rebuilt from
+its identity.
 
 `gpn-data build` records the tokenizer in the dataset metadata (kind, name, sha256, eod id;
 data_tools/tokenizer.py). Eval must encode text exactly as the training data was encoded, so a
@@ -16,6 +17,9 @@ from typing import Any
 
 from gpn_scale.core.config import ConfigError
 
+# A Hugging Face tokenizer's file: its name in a directory, in each step folder that carries
+# it (run/sources.py) and in an export.
+TOKENIZER_FILE = "tokenizer.json"
 BYTE_EOD_ID = 256
 BYTE_VOCAB_SIZE = 257
 
@@ -89,7 +93,7 @@ def _load_hf(name: str, what: str) -> Any:
 
     path = Path(name).expanduser()
     if path.is_dir():
-        path = path / "tokenizer.json"
+        path = path / TOKENIZER_FILE
     if path.is_file():
         try:
             return HF.from_file(str(path))

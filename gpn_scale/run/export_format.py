@@ -1,25 +1,24 @@
-"""The folder `gpn-scale export` writes, as the loaders read it (eval/load.py, the trainer's
-warm start): file names, the config entry, the weights. Apart from export.py (which writes
-it and reads checkpoints through eval/load.py) so the loaders need not import the writer."""
+"""The folder `gpn-scale export` writes, as checkpoint sources read it (run/sources.py: the
+trainer's warm start, eval, generation, export): file names, the config entry, the weights.
+Apart from eval/export.py, the writer, so that the readers need not import it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gpn_scale.core.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 EXPORT_FORMAT = "gpn_scale.export/1"
 HF_KEY = "gpn_scale"  # our entry in a Hugging Face config.json
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
 ORIGINAL_TOKENIZER_FILE = "gpn_scale_tokenizer.json"  # --format hf: the training tokenizer
 FORMATS = ("safetensors", "hf")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 START_TOKEN = "<|gpn_start|>"
 
 
