@@ -75,8 +75,6 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/bench/engine.py::_bare_matmul_loops": 110,
     "gpn_scale/bench/engine.py::main": 112,
     "gpn_scale/data/loader.py::build_loader": 113,
-    "gpn_scale/data/shm.py::clean_stale_streaming_shm": 82,
-    "gpn_scale/data/streaming_compat.py::_make_patched_dataset_class": 81,
     "gpn_scale/eval/analysis/commands.py::_analyze": 92,
     "gpn_scale/eval/analysis/report.py::markdown": 112,
     "gpn_scale/eval/analysis/stream.py::analyze_states": 105,

@@ -265,14 +265,8 @@ def clean_stale_streaming_shm(
     removed: list[str] = []
     stale_prefixes: set[str] = set()
     ours = {os.path.abspath(p) for p in our_locals or []}
-    alive: dict[str, bool | None] = {}
-    dead: set[str] = set()  # prefixes whose recorded owner is gone
-    for entry in SHM_DIR.iterdir():
-        if entry.name.startswith(OWNER_RECORD):
-            prefix = entry.name[len(OWNER_RECORD) :]
-            alive[prefix] = _owner_alive(prefix)
-            if alive[prefix] is False:
-                dead.add(prefix)
+    alive = _owners()
+    dead = {prefix for prefix, live in alive.items() if live is False}  # recorded owner gone
     for entry in sorted(SHM_DIR.iterdir()):
         match = _SEGMENT.match(entry.name)
         if not match:
@@ -300,29 +294,53 @@ def clean_stale_streaming_shm(
             stale_prefixes.add(match.group(1))
         except (FileNotFoundError, PermissionError):
             continue
-    # Filelocks of stale prefixes; and lock files whose prefix has no segment at all
-    # (a job killed after its segments were cleaned) — both only cost prefix numbers, but
-    # they accumulate forever.
-    lock_dir = Path(tmp_dir or tempfile.gettempdir())
-    live_segments = {m.group(1) for e in SHM_DIR.iterdir() if (m := _SEGMENT.match(e.name))}
-    if lock_dir.is_dir():
-        for entry in lock_dir.iterdir():
-            if not entry.name.endswith("_filelock"):
-                continue
-            prefix = entry.name[:6]
-            if not prefix.isdigit() or alive.get(prefix) is True:
-                continue
-            if prefix not in dead and (prefix in in_use or prefix in live_segments):
-                continue
-            try:
-                if prefix not in dead and now - entry.stat().st_mtime < min_age_s:
-                    continue
-                entry.unlink()
-                removed.append(str(entry))
-            except (FileNotFoundError, PermissionError):
-                continue
+    removed += _remove_stale_locks(tmp_dir, alive, dead, in_use, now, min_age_s)
     for prefix in dead:  # after the segments and locks it vouched for
         with contextlib.suppress(OSError):
             (SHM_DIR / f"{OWNER_RECORD}{prefix}").unlink()
             removed.append(f"{OWNER_RECORD}{prefix}")
+    return removed
+
+
+def _owners() -> dict[str, bool | None]:
+    """{prefix: whether the process its owner record names is alive (None: unknown)}."""
+    alive: dict[str, bool | None] = {}
+    for entry in SHM_DIR.iterdir():
+        if entry.name.startswith(OWNER_RECORD):
+            prefix = entry.name[len(OWNER_RECORD) :]
+            alive[prefix] = _owner_alive(prefix)
+    return alive
+
+
+def _remove_stale_locks(
+    tmp_dir: str | None,
+    alive: dict[str, bool | None],
+    dead: set[str],
+    in_use: set[str],
+    now: float,
+    min_age_s: float,
+) -> list[str]:
+    """Filelocks of stale prefixes; and lock files whose prefix has no segment at all (a job
+    killed after its segments were cleaned) — both only cost prefix numbers, but they
+    accumulate forever. Returns the paths removed."""
+    removed: list[str] = []
+    lock_dir = Path(tmp_dir or tempfile.gettempdir())
+    live_segments = {m.group(1) for e in SHM_DIR.iterdir() if (m := _SEGMENT.match(e.name))}
+    if not lock_dir.is_dir():
+        return removed
+    for entry in lock_dir.iterdir():
+        if not entry.name.endswith("_filelock"):
+            continue
+        prefix = entry.name[:6]
+        if not prefix.isdigit() or alive.get(prefix) is True:
+            continue
+        if prefix not in dead and (prefix in in_use or prefix in live_segments):
+            continue
+        try:
+            if prefix not in dead and now - entry.stat().st_mtime < min_age_s:
+                continue
+            entry.unlink()
+            removed.append(str(entry))
+        except (FileNotFoundError, PermissionError):
+            continue
     return removed

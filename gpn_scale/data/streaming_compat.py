@@ -285,7 +285,6 @@ _DATASET_CLASS: type | None = None
 def _make_patched_dataset_class() -> type:
     import_streaming()
     from streaming import StreamingDataset
-    from streaming.base.dataset import _ShardState
 
     class PatchedStreamingDataset(StreamingDataset):
         """StreamingDataset that remembers failures of its download threads (whose exceptions
@@ -308,17 +307,7 @@ def _make_patched_dataset_class() -> type:
             try:
                 return super().prepare_shard(shard_id, blocking)
             except BaseException:
-                # streaming leaves a shard whose download failed in state PREPARING, and
-                # every other worker/rank of the node then waits for it forever (a hang,
-                # not an error). Their wait loops end only on LOCAL, so mark it LOCAL: a
-                # reader then finds the file missing and takes streaming's own recovery
-                # path (re-download + hash check), which fails again in *its* main thread
-                # and reports the error (or succeeds, if the failure was transient).
-                try:
-                    if self._shard_states[shard_id] == _ShardState.PREPARING:
-                        self._shard_states[shard_id] = _ShardState.LOCAL
-                except Exception:  # noqa: BLE001 - best effort; the original error matters
-                    pass
+                _unblock_waiters(self, shard_id)
                 raise
 
         # streaming's download threads report their exit (it.on_exit()) only when they end
@@ -363,6 +352,22 @@ def _make_patched_dataset_class() -> type:
                     release_handles(opened)
 
     return PatchedStreamingDataset
+
+
+def _unblock_waiters(dataset: Any, shard_id: int) -> None:
+    """After a failed `prepare_shard`: streaming leaves a shard whose download failed in state
+    PREPARING, and every other worker/rank of the node then waits for it forever (a hang, not
+    an error). Their wait loops end only on LOCAL, so mark it LOCAL: a reader then finds the
+    file missing and takes streaming's own recovery path (re-download + hash check), which
+    fails again in *its* main thread and reports the error (or succeeds, if the failure was
+    transient)."""
+    try:
+        from streaming.base.dataset import _ShardState
+
+        if dataset._shard_states[shard_id] == _ShardState.PREPARING:
+            dataset._shard_states[shard_id] = _ShardState.LOCAL
+    except Exception:  # noqa: BLE001 - best effort; the original error matters
+        pass
 
 
 def patched_dataset_class() -> type:
