@@ -86,7 +86,6 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/ops/gpn_step/reference.py::forward_chunk": 81,
     "gpn_scale/ops/gpn_step/reference.py::reverse_sweep": 86,
     "gpn_scale/scaling/collect.py::read_run": 94,
-    "gpn_scale/scaling/report.py::build_markdown": 92,
     "gpn_scale/scaling/sweep.py::_expand": 267,
 }
 

@@ -77,7 +77,31 @@ def build_markdown(
 ) -> str:
     lvl = fits[0].ci_level if fits else 0.95
     lines = ["# Scaling-law fits", ""]
-    lines += [
+    lines += _protocol_lines(cells, collection, settings, lvl)
+    for law in ("L(N)", "L(C)", "L(N,D)"):
+        lf = [f for f in fits if f.form.key == law]
+        if lf:
+            lines += _law_lines(law, lf)
+    if comparison is not None:
+        lines += gap_lines(comparison)
+    if paper is not None:
+        lines += paper_lines(paper, float(settings.get("ci_level", lvl)))
+    lines += _data_lines(cells)
+    if notes or collection.missing:
+        lines += ["## Notes", ""]
+        lines += [f"- {n}" for n in notes]
+        lines += [f"- missing: {r.name} ({r.location}): {r.detail}" for r in collection.missing]
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _protocol_lines(
+    cells: Sequence[Cell], collection: Collection, settings: dict[str, Any], lvl: float
+) -> list[str]:
+    """The report's opening: where the runs came from, and the fitting protocol."""
+    return [
         f"Sources: {', '.join(collection.sources)}. {len(collection.usable)} runs with a "
         f"final held-out loss in {len(cells)} (family, N, D) cells"
         + (
@@ -86,8 +110,6 @@ def build_markdown(
             else "."
         ),
         "",
-    ]
-    lines += [
         "Protocol: log-space parameters, log L_pred = logsumexp of the log-terms, "
         f"Huber (δ = {HUBER_DELTA:g}) on log-loss residuals, L-BFGS-B from a grid of "
         "initialisations (best kept"
@@ -101,43 +123,45 @@ def build_markdown(
         f"{lvl:.0%} percentile intervals.",
         "",
     ]
-    for law in ("L(N)", "L(C)", "L(N,D)"):
-        lf = [f for f in fits if f.form.key == law]
-        if not lf:
-            continue
-        lines += [f"## {lf[0].form.formula()}", ""]
-        names = list(lf[0].params)
-        lines.append("| family | points | " + " | ".join(names) + " | RMS log-residual |")
-        lines.append("|---" * (len(names) + 3) + "|")
-        for f in lf:
-            ci = f.ci
-            vals = [
-                _g(v) if f.interpolates else f"{_g(v)} [{_g(ci[k][0])}, {_g(ci[k][1])}]"
-                for k, v in f.params.items()
-            ]
-            rms = math.sqrt(float((f.residuals() ** 2).mean()))
-            points = f"{f.n_points} (interpolates)" if f.interpolates else f"{f.n_points}"
-            lines.append(f"| {f.family} | {points} | " + " | ".join(vals) + f" | {rms:.2g} |")
-        lines.append("")
-        if law == "L(N,D)":
-            lines += [
-                "a_opt = β/(α+β) and b_opt = α/(α+β): compute-optimal N ∝ C^a_opt, D ∝ C^b_opt.",
-                "",
-            ]
-        for f in lf:
-            for n in f.notes:
-                lines.append(f"- {f.family}: {n}")
-            if f.n_failed:
-                lines.append(
-                    f"- {f.family}: {f.n_failed} of {f.n_resamples} resamples failed "
-                    "to fit and were dropped"
-                )
-        lines.append("")
-    if comparison is not None:
-        lines += gap_lines(comparison)
-    if paper is not None:
-        lines += paper_lines(paper, float(settings.get("ci_level", lvl)))
-    lines += [
+
+
+def _law_lines(law: str, lf: Sequence[FitResult]) -> list[str]:
+    """One law's section: its formula, a row per family (parameters with their intervals,
+    RMS log-residual) and the families' notes."""
+    lines = [f"## {lf[0].form.formula()}", ""]
+    names = list(lf[0].params)
+    lines.append("| family | points | " + " | ".join(names) + " | RMS log-residual |")
+    lines.append("|---" * (len(names) + 3) + "|")
+    for f in lf:
+        ci = f.ci
+        vals = [
+            _g(v) if f.interpolates else f"{_g(v)} [{_g(ci[k][0])}, {_g(ci[k][1])}]"
+            for k, v in f.params.items()
+        ]
+        rms = math.sqrt(float((f.residuals() ** 2).mean()))
+        points = f"{f.n_points} (interpolates)" if f.interpolates else f"{f.n_points}"
+        lines.append(f"| {f.family} | {points} | " + " | ".join(vals) + f" | {rms:.2g} |")
+    lines.append("")
+    if law == "L(N,D)":
+        lines += [
+            "a_opt = β/(α+β) and b_opt = α/(α+β): compute-optimal N ∝ C^a_opt, D ∝ C^b_opt.",
+            "",
+        ]
+    for f in lf:
+        for n in f.notes:
+            lines.append(f"- {f.family}: {n}")
+        if f.n_failed:
+            lines.append(
+                f"- {f.family}: {f.n_failed} of {f.n_resamples} resamples failed "
+                "to fit and were dropped"
+            )
+    lines.append("")
+    return lines
+
+
+def _data_lines(cells: Sequence[Cell]) -> list[str]:
+    """The seed-aggregated cells the laws were fitted to, as a table."""
+    lines = [
         "## Data (seed-aggregated)",
         "",
         "| family | N | D | C | loss mean | loss std | seeds |",
@@ -149,14 +173,7 @@ def build_markdown(
             f"{'—' if c.n < 2 else f'{c.std:.4f}'} | {c.n} |"
         )
     lines.append("")
-    if notes or collection.missing:
-        lines += ["## Notes", ""]
-        lines += [f"- {n}" for n in notes]
-        lines += [f"- missing: {r.name} ({r.location}): {r.detail}" for r in collection.missing]
-        lines.append("")
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def gap_lines(comparison: Comparison) -> list[str]:
