@@ -74,7 +74,6 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/accounting/gpu_report.py::report": 89,
     "gpn_scale/bench/engine.py::_bare_matmul_loops": 110,
     "gpn_scale/bench/engine.py::main": 112,
-    "gpn_scale/data/loader.py::build_loader": 113,
     "gpn_scale/eval/analysis/commands.py::_analyze": 92,
     "gpn_scale/eval/analysis/report.py::markdown": 112,
     "gpn_scale/eval/analysis/stream.py::analyze_states": 105,

@@ -425,11 +425,47 @@ def build_loader(
         check_worker_socket_path()
     meta = read_metadata(cfg.remote)
     check_compatible(meta, vocab_size=vocab_size, seq_len=seq_len)
+    _check_split(cfg.remote, meta, split)
+
+    _ensure_world_env(rank, world_size)
+    local_leader = int(os.environ["LOCAL_RANK"]) == 0
+    cache_dir = _prepare_cache(cfg, split, world_size, local_leader)
+
+    # `import streaming` without transformers (streaming_import.py), checked once per process
+    # against the private names the patches use (streaming_compat.py)
+    streaming_compat.import_streaming()
+    from streaming import StreamingDataLoader
+
+    streaming_compat.install_s3_downloader()  # shards through gpn_scale.io (s3_download.py)
+    do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
+    dataset = _open_dataset(cfg, split, cache_dir, batch_size, do_shuffle, local_leader)
+    dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
+    dataset._gpn_cache = cache_dir
+    try:
+        loader = StreamingDataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=cfg.num_workers,
+            collate_fn=collate_tokens,
+            drop_last=cfg.drop_last,
+            persistent_workers=False,
+            pin_memory=False,
+        )
+    except BaseException:
+        streaming_compat.release_shared_memory(dataset)
+        raise
+    return TokenLoader(
+        loader, dataset, meta, split, batch_size, rank, world_size, cfg.remote, cache_dir
+    )
+
+
+def _check_split(remote: str, meta: DatasetMetadata, split: str) -> None:
+    """`split` is in the dataset, its index is there, and it holds samples (else DataError)."""
     if split not in meta.splits:
         raise DataError(
-            f"{cfg.remote}: no split {split!r} (has {sorted(meta.splits)}); use one of those"
+            f"{remote}: no split {split!r} (has {sorted(meta.splits)}); use one of those"
         )
-    location = Location(cfg.remote)
+    location = Location(remote)
     if not location.exists(f"{split}/index.json"):
         raise DataError(
             f"{location.url(split + '/index.json')}: missing index; the split "
@@ -437,11 +473,14 @@ def build_loader(
         )
     if meta.splits[split].samples == 0:
         raise DataError(
-            f"{cfg.remote}: split {split!r} is empty; build with more text or a smaller --seq-len"
+            f"{remote}: split {split!r} is empty; build with more text or a smaller --seq-len"
         )
 
-    _ensure_world_env(rank, world_size)
-    local_leader = int(os.environ["LOCAL_RANK"]) == 0
+
+def _prepare_cache(cfg: DataConfig, split: str, world_size: int, local_leader: bool) -> str:
+    """The local cache directory (cfg.local_cache, else one of this run's own, removed at
+    exit): the node's leader makes it and cleans stale shared memory, while the other ranks
+    wait at a barrier (nobody registers segments while the leader cleans)."""
     if cfg.local_cache:
         cache_dir, owned = os.path.abspath(cfg.local_cache), False
     else:
@@ -453,14 +492,19 @@ def build_loader(
             atexit.register(shutil.rmtree, cache_dir, True)
     if _dist_ready():
         torch.distributed.barrier()  # nobody registers segments while the leader cleans
+    return cache_dir
 
-    # `import streaming` without transformers (streaming_import.py), checked once per process
-    # against the private names the patches use (streaming_compat.py)
-    streaming_compat.import_streaming()
-    from streaming import StreamingDataLoader
 
-    streaming_compat.install_s3_downloader()  # shards through gpn_scale.io (s3_download.py)
-    do_shuffle = (cfg.shuffle and split == "train") if shuffle is None else shuffle
+def _open_dataset(
+    cfg: DataConfig,
+    split: str,
+    cache_dir: str,
+    batch_size: int,
+    do_shuffle: bool,
+    local_leader: bool,
+) -> Any:
+    """The streaming dataset of `split`, its prefix registered under the node's lock (the
+    leader records itself as the prefix's owner); streaming's errors said in one line."""
     dataset_cls = _token_dataset_class()
     opened: list[Any] = []
     try:
@@ -497,21 +541,4 @@ def build_loader(
     # The prefix walk's handles on the segments of every prefix registered already (other
     # loaders', other jobs'): streaming never closes them.
     streaming_compat.release_handles(opened, keep=dataset)
-    dataset._gpn_remote, dataset._gpn_split = cfg.remote, split
-    dataset._gpn_cache = cache_dir
-    try:
-        loader = StreamingDataLoader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=cfg.num_workers,
-            collate_fn=collate_tokens,
-            drop_last=cfg.drop_last,
-            persistent_workers=False,
-            pin_memory=False,
-        )
-    except BaseException:
-        streaming_compat.release_shared_memory(dataset)
-        raise
-    return TokenLoader(
-        loader, dataset, meta, split, batch_size, rank, world_size, cfg.remote, cache_dir
-    )
+    return dataset
