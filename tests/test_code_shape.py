@@ -71,7 +71,6 @@ TO_SPLIT_FILES = {
 }
 TO_SPLIT_FUNCTIONS = {
     "gpn_scale/accounting/gpu_compile.py::main": 98,
-    "gpn_scale/accounting/gpu_report.py::report": 89,
     "gpn_scale/bench/engine.py::_bare_matmul_loops": 110,
     "gpn_scale/bench/engine.py::main": 112,
     "gpn_scale/eval/analysis/commands.py::_analyze": 92,

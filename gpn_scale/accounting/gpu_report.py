@@ -20,6 +20,7 @@ from gpn_scale.accounting import ceilings, device_runs, pricing, recorded
 from gpn_scale.accounting.step_model import (
     GPUS,
     SEQUENTIAL,
+    SIDE_WORK,
     Accounting,
     Baseline,
     account,
@@ -129,7 +130,17 @@ def report(
                 f"| {GPUS[key].name} | {best:,.0f} | {comp:,.0f} ({baseline.mfu(key, True):.1%}) "
                 f"| {eager:,.0f} ({baseline.mfu(key, False):.1%}) | {best / comp:.2f} |"
             )
-    lines += ["", "Ceilings priced with (accounting/ceilings.py):"]
+    lines += _basis_lines(acc, cfg, gpus)
+    return "\n".join(lines) + "\n"
+
+
+def _basis_lines(acc: Accounting, cfg: GPNConfig, gpus: list[str]) -> list[str]:
+    """The side work hidden, the ceilings and the kernel facts the prediction stands on."""
+    lines = [
+        *_side_work_lines(acc, cfg, gpus[-1]),
+        "",
+        "Ceilings priced with (accounting/ceilings.py):",
+    ]
     for key in gpus:
         lines += [f"- {GPUS[key].name}: {d}" for d in ceilings.describe(GPUS[key])]
     lines += [
@@ -139,7 +150,18 @@ def report(
         f"{pricing.HOST_LAUNCH_S * 1e6:.0f} us host time per eager ATen launch, the host's "
         f"measured Triton binding + {pricing.LAUNCHER_S * 1e6:.0f} us per eager Triton launch.",
     ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _side_work_lines(acc: Accounting, cfg: GPNConfig, gpu: str) -> list[str]:
+    p = predict(acc, gpu, graphs=True, cfg=cfg)
+    side = sum(p.per_phase_seconds.get(ph, 0.0) for ph in SIDE_WORK)
+    return [
+        "",
+        f"Backward side work beside the reverse sweep (engine.overlap_backward, predicted): "
+        f"{p.overlapped_seconds:.3f} s of {side:.3f} s hidden on the {p.gpu.name} (graphs "
+        "on); the phases above list it whole.",
+    ]
 
 
 def prediction_json(acc: Accounting, cfg: GPNConfig, gpu: str, baseline: Baseline | None) -> dict:

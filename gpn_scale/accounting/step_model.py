@@ -36,6 +36,7 @@ FLOPs run at peak.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -258,6 +259,9 @@ class Prediction:
     mfu: float
     per_phase_seconds: dict[str, float]
     per_role_seconds: dict[str, float] = field(default_factory=dict)  # launch role -> s/step
+    # Of the per-phase seconds, those the backward's side work spends beside the reverse
+    # sweep (engine.overlap_backward), not added to `seconds`.
+    overlapped_seconds: float = 0.0
 
 
 def role(op_name: str) -> str:
@@ -275,10 +279,13 @@ def predict(
     gpu: Ceilings | str,
     graphs: bool = True,
     cfg: GPNConfig | None = None,
+    overlap: bool | None = None,
 ) -> Prediction:
     """The step's predicted time on `gpu` (its ceilings; see `pricing.py`), per phase and per
     launch role, beside the floor and the MFU (model FLOPs of `cfg`)."""
     c = gpu_ceilings(gpu)
+    if overlap is None:  # the engine option of the config (default on)
+        overlap = cfg.engine.overlap_backward if cfg is not None else True
 
     def op_time(op: Op) -> float:
         graphed = graphs and op.triton and op.phase in SEQUENTIAL and not op.collective
@@ -293,7 +300,8 @@ def predict(
         r: acc.at_seq_len(lambda ops, r=r: sum(op_time(op) for op in ops if role(op.name) == r))
         for r in roles
     }
-    seconds = sum(per_phase.values())
+    hidden = overlapped(acc, c, per_phase, op_time) if overlap else 0.0
+    seconds = sum(per_phase.values()) - hidden
     B, T = acc.batch, acc.seq_len
     step_stream = (acc.loop_weight_bytes + B * acc.m0_bytes) / c.copy_bytes_per_s
     step_flops = 2 * B * acc.loop_params / c.matmul_flops_per_s
@@ -312,7 +320,37 @@ def predict(
         model_flops * tokens_per_s / c.datasheet_bf16_flops_per_s,
         per_phase,
         per_role,
+        hidden,
     )
+
+
+# The backward's side work (ops/gpn_step/overlap.py): beside the reverse sweep on a second
+# stream, except the first chunk's recompute and the last one's weight gradients.
+SIDE_WORK = ("parallel recompute", "weight gradients")
+
+
+def overlapped(acc: Accounting, c: Ceilings, per_phase: dict[str, float], op_time) -> float:
+    """Seconds of side work hidden behind the reverse sweep. Its GEMMs are taken to run only
+    on SMs no program of the sweep's current launch holds (a sweep program keeps most of an
+    SM's registers: memory backward at 2 programs per SM uses all of them), and in the gaps
+    between the sweep's launches; what does not fit there is added to the step. Predicted,
+    not yet measured: the device check times the first config with overlap off beside it."""
+
+    def spare(ops: list[Op]) -> float:
+        total = 0.0
+        for op in ops:
+            if op.phase != "sequential backward":
+                continue
+            free = 0.0
+            if op.cost is not None and op.cost.blocks_per_sm:
+                busy = min(c.sm_count, math.ceil(op.cost.programs / op.cost.blocks_per_sm))
+                free = 1 - busy / c.sm_count
+            total += GRAPH_GAP_S + max(0.0, op_time(op) - GRAPH_GAP_S) * free
+        return total
+
+    chunks = max(1, math.ceil(acc.seq_len / acc.chunk))
+    side = sum(per_phase.get(ph, 0.0) for ph in SIDE_WORK) * (chunks - 1) / chunks
+    return min(side, acc.at_seq_len(spare))
 
 
 @dataclass

@@ -382,6 +382,11 @@ def _parser() -> argparse.ArgumentParser:
         help="skip the ledger, phases, Nsight Compute and the trace (a throughput-only rerun)",
     )
     parser.add_argument("--no-ceilings", action="store_true", help="skip the ceilings")
+    parser.add_argument(
+        "--no-overlap-ab",
+        action="store_true",
+        help="skip the first config with engine.overlap_backward=false (at the last ledger batch)",
+    )
     return parser
 
 
@@ -421,11 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.config.split(",")
     configs = [load_model_config(name) for name in names]
-    candidates = [throughput.gpn_candidate(cfg, args.seq_len) for cfg in configs]
-    if not args.no_transformer:
-        candidates.append(throughput.transformer_candidate(configs[0], args.seq_len))
-        if device.type == "cuda":  # inductor on a CPU is the tests' business (tests/train)
-            candidates.append(throughput.transformer_candidate(configs[0], args.seq_len, True))
+    candidates, only_at = throughput.candidates(
+        configs,
+        args.seq_len,
+        transformer=not args.no_transformer,
+        compiled=device.type == "cuda",  # inductor on a CPU is the tests' business (tests/train)
+        overlap_ab_batch=None if args.no_overlap_ab else ledger_batches[-1],
+    )
     results = Results(out, _meta(args, device, candidates, t0))
     results.save()
     print(f"device check on {results.meta['device_name']} (torch {torch.__version__})", flush=True)
@@ -449,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         share = now + (deadline - now) / (len(candidates) - i)
         throughput.sweep(
             cand,
-            throughput.batch_sizes(args.batches, args.min_batch, args.max_batch),
+            only_at.get(cand.name)
+            or throughput.batch_sizes(args.batches, args.min_batch, args.max_batch),
             args.seq_len,
             device,
             args.steps,
@@ -635,15 +643,7 @@ def _facts_by_name(facts: dict, config: str, batch: int) -> dict:
 
 
 def _summarise(results: Results, candidates: list) -> None:
-    runs = results.runs
-    configs = {c.name: c.config or c.name for c in candidates}
-    eager = throughput.ratios(runs, candidates)
-    compiled = throughput.ratios(runs, candidates, compiled=True)
-    first = next((c.name for c in candidates if c.family != "transformer++"), None)
-    headline = compiled.get(first, {}).get("ratio") if first else None
-    results.summary = device_runs.summary(runs, configs, headline)
-    results.summary["ratio_to_transformer_pp"] = eager
-    results.summary["ratio_to_compiled_transformer_pp"] = compiled
+    results.summary = throughput.summary(results.runs, candidates)
 
 
 if __name__ == "__main__":

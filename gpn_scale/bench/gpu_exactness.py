@@ -49,6 +49,26 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
             name += ", CUDA graphs " + ("on" if graphs else "off")
         yield guarded(name, _engine_against_reference, device, tokens, dtype, graphs, name)
     yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
+    yield guarded(OVERLAP_CHECK, _overlap_bit_identical, device, tokens)
+
+
+OVERLAP_CHECK = "overlapped backward == plain, bit for bit"
+
+
+def _overlap_bit_identical(device: torch.device, tokens: torch.Tensor) -> dict:
+    """The backward's side stream (`engine.overlap_backward`, ops/gpn_step/overlap.py) gives
+    the plain order's loss and gradients exactly, over several chunks (the CPU tests hold the
+    order; this holds the streams, events and record_stream on the device)."""
+    results = []
+    for overlap in (False, True):
+        cfg = TINY.replace(chunk_size=4, overlap_backward=overlap)
+        model = perturbed_model(cfg, torch.float32).to(device)
+        out = model(tokens)
+        results.append([out.loss, *torch.autograd.grad(out.loss, list(model.parameters()))])
+    differing = sum(not torch.equal(a, b) for a, b in zip(*results))
+    return dict(
+        check=OVERLAP_CHECK, tensors=len(results[0]), differing=differing, ok=differing == 0
+    )
 
 
 def _engine_against_reference(

@@ -6,6 +6,7 @@ anchor users would otherwise train."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 import traceback
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpn_scale.accounting import device_runs
 from gpn_scale.bench.gpu_exactness import error_line
 from gpn_scale.core.hardware import device_peak_flops
 from gpn_scale.models.gpn import GPN, GPNConfig
@@ -161,6 +163,34 @@ def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
         seq_len,
         config=cfg.name or "gpn",
     )
+
+
+def candidates(
+    configs: list[GPNConfig],
+    seq_len: int,
+    transformer: bool,
+    compiled: bool,
+    overlap_ab_batch: int | None,
+) -> tuple[list[Candidate], dict[str, list[int]]]:
+    """The device check's models in order (each GPN config; the first again with the
+    backward's side stream off, at `overlap_ab_batch` only; the Transformer++ of the first
+    config's size, eager and `compiled`), and the batches of those measured at a few only."""
+    found = [gpn_candidate(cfg, seq_len) for cfg in configs]
+    only_at: dict[str, list[int]] = {}
+    if overlap_ab_batch is not None:  # engine.overlap_backward A/B (issue 34 item 4)
+        plain = gpn_candidate(configs[0].replace(overlap_backward=False), seq_len)
+        plain = dataclasses.replace(
+            plain,
+            name=f"{plain.name} (overlap off)",
+            config=f"{plain.config} engine.overlap_backward=false",
+        )
+        found.insert(1, plain)
+        only_at[plain.name] = [overlap_ab_batch]
+    if transformer:
+        found.append(transformer_candidate(configs[0], seq_len))
+        if compiled:
+            found.append(transformer_candidate(configs[0], seq_len, True))
+    return found, only_at
 
 
 def transformer_candidate(like: GPNConfig, seq_len: int, compiled: bool = False) -> Candidate:
@@ -391,4 +421,18 @@ def ratios(runs: list[dict], candidates: list[Candidate], compiled: bool = False
                 transformer_tokens_per_s=t["tokens_per_s"],
                 transformer="compiled" if compiled else "eager",
             )
+    return out
+
+
+def summary(runs: list[dict], candidates: list[Candidate]) -> dict[str, Any]:
+    """results.json's summary: each model's rows, the ratios to the eager and the compiled
+    Transformer++, and the headline (the first GPN against the compiled one)."""
+    configs = {c.name: c.config or c.name for c in candidates}
+    eager = ratios(runs, candidates)
+    compiled = ratios(runs, candidates, compiled=True)
+    first = next((c.name for c in candidates if c.family != "transformer++"), None)
+    headline = compiled.get(first, {}).get("ratio") if first else None
+    out = device_runs.summary(runs, configs, headline)
+    out["ratio_to_transformer_pp"] = eager
+    out["ratio_to_compiled_transformer_pp"] = compiled
     return out

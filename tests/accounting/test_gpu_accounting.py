@@ -93,6 +93,29 @@ def test_prediction_on_the_paper_model_has_floor_below_it_and_graphs_help_small_
     assert before.launches_per_step("sequential forward") > 8 * 4
 
 
+def test_backward_side_work_hides_only_where_the_sweep_leaves_sms_free():
+    """engine.overlap_backward: the recompute and weight gradients are hidden up to the SM
+    time the reverse sweep's launches leave free (and its gaps), never beyond the side work
+    itself; with the option off nothing is hidden."""
+    cfg = load_model_config("gpn_m_130m")
+    h200 = gpu_model.GPUS["h200"]
+    for batch in (1, 64):
+        acc = gpu_model.account(cfg, batch=batch, seq_len=256)
+        on = gpu_model.predict(acc, h200, graphs=True, cfg=cfg)
+        off = gpu_model.predict(acc, h200, graphs=True, cfg=cfg, overlap=False)
+        side = sum(on.per_phase_seconds[ph] for ph in gpu_model.SIDE_WORK)
+        assert off.overlapped_seconds == 0 and off.per_phase_seconds == on.per_phase_seconds
+        assert 0 < on.overlapped_seconds <= side
+        assert on.seconds == pytest.approx(off.seconds - on.overlapped_seconds)
+    # One sequence fills few SMs: nearly all the side work (but the first chunk's recompute
+    # and the last one's weight gradients) hides.
+    small = gpu_model.account(cfg, batch=1, seq_len=256)
+    p = gpu_model.predict(small, h200, graphs=True, cfg=cfg)
+    chunks = 256 // cfg.engine.chunk_size
+    side = sum(p.per_phase_seconds[ph] for ph in gpu_model.SIDE_WORK)
+    assert p.overlapped_seconds == pytest.approx(side * (chunks - 1) / chunks)
+
+
 def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
     assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "8"]) == 0
     out = capsys.readouterr().out

@@ -36,7 +36,7 @@ SMOKE = [
 ]
 # The tests of the throughput's bookkeeping leave the decision data out (the first test runs
 # it all).
-FAST = [*SMOKE, "--no-ledger", "--no-ceilings"]
+FAST = [*SMOKE, "--no-ledger", "--no-ceilings", "--no-overlap-ab"]
 
 
 def test_device_check_runs_and_records(tmp_path):
@@ -76,8 +76,15 @@ def test_device_check_runs_and_records(tmp_path):
     assert (out / result["trace"]["trace"]).stat().st_size > 0
     runs = result["runs"]
     tpp = [r["model"] for r in runs if r["family"] == "transformer++"]
-    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + ["tiny_2l"] * 2 + tpp[:1] * 2
-    assert [r["batch"] for r in runs] == [2, 4] * 3  # increasing order
+    # the first config again with the backward's side stream off, at the last ledger batch
+    plain = f"{cfg.name} (overlap off)"
+    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [plain] + ["tiny_2l"] * 2 + tpp[
+        :1
+    ] * 2
+    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 4, 2, 4]  # increasing order
+    assert result["summary"][plain]["config"] == "tiny_c4 engine.overlap_backward=false"
+    (side,) = [c for c in checks if c["check"].startswith("overlapped backward")]
+    assert side["ok"] and side["differing"] == 0 and side["tensors"] > 10
     for r in runs:
         assert r["tokens_per_s"] > 0 and r["mfu"] is None  # no peak on a CPU
         assert r["peak_allocated_gb"] is None and r["peak_reserved_gb"] is None
@@ -210,6 +217,7 @@ def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch
             "auto",
             "--no-ledger",
             "--no-ceilings",
+            "--no-overlap-ab",
             "--out",
             str(tmp_path),
         ]
