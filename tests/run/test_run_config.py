@@ -1,16 +1,13 @@
-"""Config schema, optimizer groups, LR schedule, environment detection (fast, in-process)."""
+"""The run config (gpn_scale/run/config.py): its schema, keys, values and overrides (fast,
+in-process)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.core.env import _first_host, detect
-from gpn_scale.models.gpn import GPN, load_model_config
-from gpn_scale.optim import build_adamw, decays, lr_at
+from gpn_scale.models.gpn import load_model_config
 from gpn_scale.run.config import all_keys, batch_layout, load_train_config
 
 
@@ -105,66 +102,6 @@ def test_batch_layout():
     assert batch_layout(cfg, 2) == (2, 4)
     with pytest.raises(ConfigError, match="not divisible by the world size 3"):
         batch_layout(cfg, 3)
-
-
-def test_lr_schedule_warmup_cosine_floor():
-    lrs = [lr_at(s, 1.0, 10, 110, 0.1) for s in range(110)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))  # linear warmup
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # monotone cosine decay
-    assert lrs[-1] == pytest.approx(0.1)  # floor at the last step
-    assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
-
-
-def test_weight_decay_only_on_matrices():
-    model = GPN(load_model_config("tiny"))
-    opt = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)
-    by_id = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
-    names = dict(model.named_parameters())
-    assert len(by_id) == len(names)
-    for name, p in names.items():
-        wd = by_id[id(p)]
-        if p.ndim < 2 or name.endswith(("A_log", "dt_bias")):
-            assert wd == 0.0, name
-        else:
-            assert wd == 0.1, name
-    assert any(n.endswith("A_log") for n in names) and any(n.endswith("dt_bias") for n in names)
-    assert not decays("write.A_log", torch.zeros(2, 2))
-
-
-def test_env_detection():
-    assert detect({}).world_size == 1
-    tr = detect(
-        {
-            "RANK": "3",
-            "WORLD_SIZE": "8",
-            "LOCAL_RANK": "1",
-            "MASTER_ADDR": "h1",
-            "MASTER_PORT": "1234",
-        }
-    )
-    assert (tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port, tr.source) == (
-        3,
-        8,
-        1,
-        "h1",
-        1234,
-        "torchrun",
-    )
-    sl = detect(
-        {
-            "SLURM_PROCID": "5",
-            "SLURM_NTASKS": "16",
-            "SLURM_LOCALID": "1",
-            "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NODELIST": "gpu[07-08,11],cpu1",
-            "SLURM_TASKS_PER_NODE": "8(x2)",
-        }
-    )
-    assert (sl.rank, sl.world_size, sl.local_rank, sl.source) == (5, 16, 1, "slurm")
-    assert sl.local_world_size == 8
-    assert sl.master_addr in ("gpu07",) and sl.master_port == 20000 + 4242
-    assert _first_host("node[3-5]") == "node3" and _first_host("a1,b2") == "a1"
 
 
 def test_cli_options_anywhere_among_overrides():
