@@ -3,7 +3,7 @@
 The mesh has named dimensions: ("dp",) without tensor parallelism, ("dp", "tp") with it
 (`parallel.tp` > 1; tp innermost, so a tp group is tp consecutive ranks: one node's GPUs).
 FSDP2 shards / DeepSpeed ZeRO partitions across "dp"; the tp ranks of one group train on the
-same batch and hold their shares of the model (`parallel/tp.py`). Without tp the loaders read
+same batch and hold their shares of the model (the family's `apply_tp`). Without tp the loaders read
 by `dp_rank` / `dp_size`; under tp each rank reads 1/tp of its group's batch by its global rank
 and the group gathers the pieces (`parallel.tp.TPGroupBatches`), so no two ranks read a row
 twice.

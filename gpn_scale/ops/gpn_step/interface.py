@@ -1,8 +1,9 @@
 """The seam between the sequence engine and the backends that run its time steps.
 
-The engine (`gpn_scale.models.gpn.engine`) owns everything chunk-wide: the plan, folding the
-module's parameters into the loop's fused matrices, the parallel recompute, the weight
-gradients and the autograd function. A step backend owns the two sequential parts:
+The model's engine (`gpn_scale.models.gpn.engine`) makes the plan and folds the module's
+parameters into the loop's fused matrices; the sequence op (`chunk.py`) owns everything
+chunk-wide: the parallel recompute, the weight gradients (beside the sweep, `overlap.py`) and
+the autograd function. A step backend owns the two sequential parts:
 
 - `forward_chunk`: the C steps of one chunk, no autograd (fills P, and S when asked);
 - `reverse_sweep`: one chunk's hand-written reverse sweep, adding into the adjoint buffers.
