@@ -66,7 +66,6 @@ TO_SPLIT_FILES = {
     "gpn_scale/ops/gpn_step/cuda.py": 853,
     "gpn_scale/run/config.py": 739,
     "gpn_scale/scaling/fit.py": 754,
-    "gpn_scale/scaling/sweep.py": 823,
     "gpn_scale/train/metrics.py": 639,
 }
 TO_SPLIT_FUNCTIONS = {
@@ -84,7 +83,6 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/ops/gpn_step/reference.py::forward_chunk": 81,
     "gpn_scale/ops/gpn_step/reference.py::reverse_sweep": 86,
     "gpn_scale/scaling/collect.py::read_run": 94,
-    "gpn_scale/scaling/sweep.py::_expand": 267,
 }
 
 
