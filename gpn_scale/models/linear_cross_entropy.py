@@ -66,10 +66,11 @@ def cross_entropy_block(
         dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)
         dh = dh.to(mm)
     else:  # the op's backend: one Triton kernel on CUDA, the PyTorch form elsewhere
-        block, gm = select_softmax_xent(logits)(logits, tgt, need_grad, acc)
+        block, grad = select_softmax_xent(logits)(logits, tgt, need_grad, acc)
         total += block
-        if gm is None:
+        if grad is None:
             return None
+        gm = grad
         dh = gm @ Em
     assert dE is not None, "need_grad without a dE accumulator"
     dE += (gm.t() @ h).to(acc)

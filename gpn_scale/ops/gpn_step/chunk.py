@@ -23,6 +23,7 @@ Held equal to autograd through the step-by-step reference model by the tests
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import cast
 
@@ -435,10 +436,11 @@ def _backward_chunks(
             d_carry = (None, None, None)
         acts = side.get(recomputed, ChunkActs.tensors)
         if idx > 0:
-            recomputed = side.submit(lambda idx=idx: recompute(idx - 1))
+            recomputed = side.submit(functools.partial(recompute, idx - 1))
         buffers = idx % 2
-        if reading[buffers] is not None:
-            side.get(reading[buffers])
+        pending = reading[buffers]
+        if pending is not None:
+            side.get(pending)
         d_carry, adj, dk_pre0 = _chunk_backward(
             plan,
             Wt,
@@ -451,9 +453,7 @@ def _backward_chunks(
             workspaces[buffers],
         )
         reading[buffers] = side.submit(
-            lambda acts=acts, adj=adj, dk_pre0=dk_pre0: _weight_gradients(
-                plan, acts, adj, dk_pre0, grads
-            ),
+            functools.partial(_weight_gradients, plan, acts, adj, dk_pre0, grads),
             after=side.mark(),
             reads=[t for t in (dk_pre0, adj.dA) if t is not None],
         )
