@@ -17,7 +17,7 @@ from gpn_scale.core.config import ConfigError
 COMMAND_MODULES = (
     "gpn_scale.models.commands",  # info
     "data_tools.commands",  # data …
-    "gpn_scale.train.commands",  # train, demo, eval
+    "gpn_scale.app.commands",  # train, demo, eval (the trainer and evaluation both)
     "gpn_scale.eval.analysis.commands",  # analyze
     "gpn_scale.eval.commands",  # generate (eval's --task / --lm-eval side)
     "gpn_scale.scaling.commands",  # sweep …, fit

@@ -64,6 +64,7 @@ def _engine_tokens_per_s(
 def _trainer_tokens_per_s(
     config: str, steps: int, run_dir: Path, warmup: int = 2, extra: list[str] | None = None
 ) -> tuple[float, dict[str, float]]:
+    from gpn_scale.app.assemble import step_callbacks
     from gpn_scale.run.config import load_train_config
     from gpn_scale.train.loop import Trainer
 
@@ -81,7 +82,7 @@ def _trainer_tokens_per_s(
             *(extra or []),
         ],
     )
-    Trainer(cfg, log=lambda _msg: None).run()
+    Trainer(cfg, log=lambda _msg: None, callbacks=step_callbacks(cfg)).run()
     rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
     rows = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
     # Means (not medians) so that the parts add up to the whole step.

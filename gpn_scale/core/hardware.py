@@ -7,14 +7,21 @@ a substring match gave H100 PCIe and NVL the SXM figure and "NVIDIA L40" the L4'
 An unknown device gives None (MFU is then not reported) and one line on stderr, once.
 
 Figures: vendor datasheets, dense (no 2:4 sparsity) BF16 tensor-core FLOP/s per GPU.
-Pure: no torch import except in `device_peak_flops`, so sweep planning can use the table.
+Also the device a `--device` flag names (`pick_device`: the checkpoint-reading commands).
+Pure: no torch import except in `device_peak_flops` and `pick_device`, so sweep planning can
+use the table.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpn_scale.core.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # key -> dense bf16 FLOP/s. A key is the model word, plus the form factor for models whose
 # variants differ (SXM is the default form factor of those).
@@ -88,3 +95,18 @@ def device_peak_flops(device: Any) -> float | None:
     if device.type != "cuda":
         return None
     return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """The torch.device a `--device` flag names (auto, cpu, cuda or cuda:N): one-line
+    ConfigError for a device that is not there or not a device."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None

@@ -1,5 +1,6 @@
 """`gpn-scale generate` and the task side of `gpn-scale eval CHECKPOINT --task / --lm-eval`
-(the held-out side of `eval` stays in train/commands.py, which hands over to `cmd_task_eval`).
+(`eval` is registered by app/commands.py, whose held-out side is the trainer's; it hands
+--task / --lm-eval over to `cmd_task_eval`).
 
 Exit codes: 0 done; 2 bad input (one line on stderr naming the flag or file and the fix).
 A result file is never replaced unless --overwrite says so.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.core.config import ConfigError, closest_key_hint
+from gpn_scale.core.hardware import pick_device  # torch-free at import
 from gpn_scale.run.sources import resolve
 
 TASKS = ("lambada",)
@@ -118,7 +120,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_task_flags(p: argparse.ArgumentParser) -> None:
-    """`gpn-scale eval CHECKPOINT --task ... | --lm-eval ...` (registered by train/commands)."""
+    """`gpn-scale eval CHECKPOINT --task ... | --lm-eval ...` (registered by app/commands)."""
     p.add_argument(
         "--task", default=None, help=f"a built-in task on CHECKPOINT: {', '.join(TASKS)}"
     )
@@ -232,7 +234,7 @@ def cmd_task_eval(args: argparse.Namespace) -> int:
 
 
 def _task_eval(args: argparse.Namespace) -> int:
-    from gpn_scale.eval.load import describe_loaded, load, pick_device
+    from gpn_scale.eval.load import describe_loaded, load
 
     if args.overrides:
         raise ConfigError(
@@ -481,7 +483,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from gpn_scale.eval.generate import GenerationInterrupted, Sampling, generate
-    from gpn_scale.eval.load import describe_loaded, load, pick_device
+    from gpn_scale.eval.load import describe_loaded, load
 
     prompts = list(args.prompt)
     if args.prompt_file:

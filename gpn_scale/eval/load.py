@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gpn_scale.core.config import ConfigError
+from gpn_scale.core.hardware import pick_device
 from gpn_scale.data.tokenizer import Tokenizer
 from gpn_scale.io.run_folder import FINAL_WEIGHTS, RUN_CONFIG
 from gpn_scale.models.protocol import FamilySpec
@@ -60,17 +61,6 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return str(getattr(self.config, "name", "") or self.spec.name)
-
-
-def pick_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
 
 
 def _check_family(source: Source, spec: FamilySpec, cfg: Any, flag: str) -> None:

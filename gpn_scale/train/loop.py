@@ -4,8 +4,8 @@
              root and where to start (checkpointing.py) -> data (run_data.py) -> model ->
              backend: TP, then FSDP2 or DeepSpeed, and the optimizer -> restore -> sinks
     step:    lr(step) -> train_step (step.py): accumulate micro-batches, global loss, clip,
-             skip if non-finite else update -> after the step: metrics, [profile
-             (profiling.py)], [eval], [checkpoint], [preemption: save, exit 75]
+             skip if non-finite else update -> after the step: metrics (the step callbacks'
+             too: callbacks.py), [profile], [eval], [checkpoint], [preemption: save, exit 75]
     finish:  eval -> final checkpoint -> DONE marker
 
 Everything that depends on the backend is behind `parallel.backends.Backend`; the loop
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from gpn_scale.parallel.backends import resolve_backend, setup_topology
 from gpn_scale.parallel.topology import Topology
 from gpn_scale.run.config import TrainConfig, batch_layout
 from gpn_scale.train.build import build_model, training_flops_per_token
+from gpn_scale.train.callbacks import StepCallback
 from gpn_scale.train.checkpointing import RunCheckpoints
 from gpn_scale.train.determinism import set_determinism
 from gpn_scale.train.preflight import last_ckpt_step
@@ -59,7 +60,8 @@ from gpn_scale.train.step import StepResult, train_step
 class Trainer:
     """resume: 'auto' | 'none' | a checkpoint URI. 'none' refuses a checkpoint root that
     already holds checkpoints or DONE unless fresh=True, which deletes them (and the run's
-    metrics history) once the setup has succeeded, then starts at step 0."""
+    metrics history) once the setup has succeeded, then starts at step 0. callbacks: run
+    after every step, their metrics logged (callbacks.py; the live analyses are one)."""
 
     def __init__(
         self,
@@ -69,12 +71,14 @@ class Trainer:
         eval_only: bool = False,
         fresh: bool = False,
         take_over: bool = False,
+        callbacks: Sequence[StepCallback] = (),
     ) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gpn-scale eval`: restore, evaluate, write nothing
         self.resume = resume
         self.fresh = fresh
         self.take_over = take_over  # replace another job's live lease on the run
+        self.callbacks = tuple(callbacks)
         self.run_dir = cfg.resolved_run_dir
         self._log = log or (lambda msg: print(msg, flush=True))
         self._log_is_print = log is None
@@ -408,12 +412,10 @@ class Trainer:
                 s.step,
                 s.tokens,
             )
-        if cfg.analysis.every_steps and s.step % cfg.analysis.every_steps == 0:
-            from gpn_scale.eval.analysis.live import live_metrics
-
-            live = live_metrics(c.backend.model, r.last_batch, cfg.analysis)  # {}: not GPN
-            if live:
-                self._emit(live, s.step, s.tokens)
+        for callback in self.callbacks:
+            metrics = callback.after_step(c.backend.model, r.last_batch, s.step)
+            if metrics:
+                self._emit(metrics, s.step, s.tokens)
         if self._pbar is not None:
             self._pbar.update(1)
             self._pbar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", refresh=False)

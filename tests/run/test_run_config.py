@@ -129,7 +129,7 @@ def test_train_config_positional_is_optional_for_override_only_runs():
     """Sweep runs without a base config call `gpn-scale train key=value ...`."""
     import argparse
 
-    from gpn_scale.train.commands import _config_and_overrides
+    from gpn_scale.app.commands import _config_and_overrides
 
     only = argparse.Namespace(config="model=tiny", overrides=["seed=3"])
     assert _config_and_overrides(only) == (None, ["model=tiny", "seed=3"])

@@ -5,6 +5,8 @@ step path without gradients; from it: the per-head memory half-lives (from the s
 log decay, and from A_log / dt_bias alone), the stable rank of the slice's states and the
 mean direction's norm relative to |p|. Cost: rows x tokens reference steps, nothing kept.
 Collective under FSDP2 / ZeRO-3 (the weights are gathered on every rank for the slice).
+`LiveAnalyses` is the trainer's step callback (gpn_scale/train/callbacks.py) that runs them;
+gpn_scale/app/assemble.py attaches it to the runs the commands build.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from gpn_scale.eval.analysis.geometry import CovarianceAccumulator, stable_rank
 from gpn_scale.eval.analysis.memory import half_life, param_decay
+
+if TYPE_CHECKING:
+    from gpn_scale.run.config import AnalysisSection
 
 
 @contextlib.contextmanager
@@ -38,6 +43,20 @@ def _full_weights(model: nn.Module) -> Iterator[None]:
             yield
     else:
         yield
+
+
+class LiveAnalyses:
+    """The step callback (train/callbacks.py's StepCallback) of `analysis.every_steps`: the
+    live metrics every `settings.every_steps` steps (analysis.rows / analysis.tokens)."""
+
+    def __init__(self, settings: AnalysisSection) -> None:
+        self.settings = settings
+
+    def after_step(self, model: nn.Module, batch: Tensor, step: int) -> dict[str, float]:
+        every = self.settings.every_steps
+        if not every or step % every:
+            return {}
+        return live_metrics(model, batch, self.settings)  # {}: not GPN
 
 
 def head_key(prefix: str, h: int, n_heads: int) -> str:

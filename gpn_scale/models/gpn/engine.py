@@ -29,15 +29,17 @@ and every elementwise recurrence op stay in float32.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from gpn_scale.models.gpn.config import GPNConfig
 from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
+from gpn_scale.models.gpn.modules import Gate, MemoryWrite, PredictorLayer
 from gpn_scale.models.gpn.state import GPNOutput, GPNState
 from gpn_scale.models.gpn.vocab_parallel import embed, gather_vocab
 from gpn_scale.ops.execution import current
@@ -47,8 +49,34 @@ from gpn_scale.ops.gpn_step.functional import rms as _rms
 from gpn_scale.ops.gpn_step.interface import ColumnLayout, LoopWeights, StepPlan
 from gpn_scale.ops.gpn_step.phases import phase
 
-if TYPE_CHECKING:  # the model calls the engine; the engine reads its parameters
-    from gpn_scale.models.gpn.gpn import GPN
+
+class EngineModel(Protocol):
+    """What the engine reads of the model that calls it (gpn.py's GPN, which imports the
+    engine; the engine imports only this description of it): the config, the parameters by
+    their submodules (modules.py's blocks), and the carry's dtype and initial value."""
+
+    @property
+    def config(self) -> GPNConfig: ...
+    @property
+    def embedding(self) -> nn.Embedding: ...
+    @property
+    def fuse_norm_weight(self) -> Tensor: ...
+    @property
+    def fuse(self) -> nn.Linear: ...
+    @property
+    def fuse_gate(self) -> Gate: ...
+    @property
+    def write(self) -> MemoryWrite | None: ...
+    @property
+    def predictor_layers(self) -> Iterable[PredictorLayer]: ...
+    @property
+    def decode_norm_weight(self) -> Tensor: ...
+    @property
+    def decode(self) -> nn.Linear: ...
+    def state_dtype(self) -> torch.dtype: ...
+    def initial_state(
+        self, batch_size: int, device: torch.device | str | None = None
+    ) -> GPNState: ...
 
 
 # ----------------------------------------------------------------------------- plan
@@ -67,7 +95,7 @@ def local(p: Tensor) -> Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def tp_group_of(model: GPN) -> tuple[object | None, int]:
+def tp_group_of(model: EngineModel) -> tuple[object | None, int]:
     """(process group, size) of the tp mesh the parameters live on; (None, 1) without TP.
 
     The model holds no process group: `parallel.tp` makes every parameter a DTensor on the
@@ -78,7 +106,7 @@ def tp_group_of(model: GPN) -> tuple[object | None, int]:
     return None, 1
 
 
-def fold_loop_weights(model: GPN, tp_group: object | None = None) -> LoopWeights:
+def fold_loop_weights(model: EngineModel, tp_group: object | None = None) -> LoopWeights:
     """Build the loop's fused matrices from the module's parameters (differentiable).
 
     Under tensor parallelism each block is this rank's share (its heads, its FFN columns of
@@ -163,7 +191,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtyp
 
 
 def run_engine(
-    model: GPN,
+    model: EngineModel,
     tokens: Tensor,
     state: GPNState | None,
     *,

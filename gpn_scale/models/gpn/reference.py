@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.models.gpn.gpn import GPN, Gate, GPNOutput, GPNState, MemoryRead, SwiGLU
+from gpn_scale.models.gpn.gpn import GPN, GPNOutput, GPNState
+from gpn_scale.models.gpn.modules import Gate, MemoryRead, SwiGLU
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
-"""`gpn-scale train | demo | eval`: argument parsing only; the work is in loop.py (the
-Trainer) and demo.py.
+"""`gpn-scale train | demo | eval`: argument parsing only; the work is in train/loop.py (the
+Trainer, built with assemble.py's step callbacks), demo.py and, for `eval --task / --lm-eval`,
+eval/commands.py.
 
 Heavy imports (torch, deepspeed, streaming) happen inside the handlers so `--help` is fast.
 Exit codes: 0 done; 2 bad config / checkpoint / credentials / data (one line on stderr,
@@ -299,10 +300,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             print(dry_run(cfg, resume))
             return 0
+        from gpn_scale.app.assemble import step_callbacks
         from gpn_scale.train.loop import Trainer
 
         result = Trainer(
-            cfg, resume=resume, fresh=args.fresh, take_over=getattr(args, "take_over", False)
+            cfg,
+            resume=resume,
+            fresh=args.fresh,
+            take_over=getattr(args, "take_over", False),
+            callbacks=step_callbacks(cfg),
         ).run()
     except errors as err:
         return _fail(err)
@@ -345,7 +351,7 @@ def _latest_step(cfg) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     errors = _errors()
     try:
-        from gpn_scale.train.demo import run_demo
+        from gpn_scale.app.demo import run_demo
 
         return run_demo(args.out, steps=args.steps, overrides=args.overrides)
     except errors as err:
@@ -393,7 +399,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _check_heldout_flags(args)
         cfg = load_train_config(args.config, args.overrides)
         if args.device != "auto":  # the held-out eval runs where --device says, or refuses
-            from gpn_scale.eval.load import pick_device
+            from gpn_scale.core.hardware import pick_device
 
             pick_device(args.device)
             cfg.train.device = args.device

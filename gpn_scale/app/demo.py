@@ -48,6 +48,7 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
 def run_demo(
     out: str = "runs/demo", steps: int | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> int:
+    from gpn_scale.app.assemble import step_callbacks
     from gpn_scale.core.config import ConfigError
     from gpn_scale.run.config import load_train_config
     from gpn_scale.train.loop import Trainer
@@ -72,7 +73,7 @@ def run_demo(
     if cfg.checkpoint.root is None:
         shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
-    result = Trainer(cfg, resume="none").run()
+    result = Trainer(cfg, resume="none", callbacks=step_callbacks(cfg)).run()
     if result.exit_code != 0:
         return result.exit_code
     metrics = run_dir / METRICS
