@@ -90,7 +90,7 @@ def input_column_blocks(cfg: GPNConfig, layer: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------- weights
 def local(p: Tensor) -> Tensor:
     """This rank's share of a parameter: the local tensor of a DTensor (tensor parallelism
-    applied by `gpn_scale.parallel.tp`; differentiable, its gradient returns as a DTensor of
+    applied by `models/gpn/parallelize.py`; differentiable, its gradient returns as a DTensor of
     the same placement), the tensor itself otherwise."""
     return p.to_local() if isinstance(p, DTensor) else p
 
@@ -98,8 +98,9 @@ def local(p: Tensor) -> Tensor:
 def tp_group_of(model: EngineModel) -> tuple[object | None, int]:
     """(process group, size) of the tp mesh the parameters live on; (None, 1) without TP.
 
-    The model holds no process group: `parallel.tp` makes every parameter a DTensor on the
-    1-D tp mesh (FSDP2's unsharded parameters in the forward are DTensors on it too)."""
+    The model holds no process group: its tp plan (`parallelize.py`) makes every parameter a
+    DTensor on the 1-D tp mesh (FSDP2's unsharded parameters in the forward are DTensors on it
+    too)."""
     p = model.fuse.weight
     if isinstance(p, DTensor) and p.device_mesh.size() > 1:
         return p.device_mesh.get_group(), p.device_mesh.size()

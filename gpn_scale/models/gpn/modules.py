@@ -43,7 +43,7 @@ class HalvesLinear(nn.Module):
     """The bias-free W_1 of a SwiGLU in block layout: `weight` is (2, f, d), the [a | b]
     halves as a leading axis (row block 0 gives a, block 1 gives b; `flat()` is the usual
     (2f, d) nn.Linear weight, a view). Stored so, tensor parallelism shards the f axis of
-    both halves alike (`gpn_scale.parallel.tp`); a flat (2f, d) shard would give one rank
+    both halves alike (`models/gpn/parallelize.py`); a flat (2f, d) shard would give one rank
     all of `a`. Same values as nn.Linear(d, 2f) under the same seed (same numel and order);
     a (2f, d) tensor from an older checkpoint loads into it."""
 
