@@ -26,7 +26,7 @@ import torch
 
 
 def _state(name: str) -> tuple[dict, int]:
-    """The app_state the trainer's PlainBackend saves, and the parameter count."""
+    """The app_state the trainer's PlainTrainModule saves, and the parameter count."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from gpn_scale.models.registry import family_of, load_model_config

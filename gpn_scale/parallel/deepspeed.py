@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO (stages 1-3) as a backend: our config mapped onto a DeepSpeed config.
+"""DeepSpeed ZeRO (stages 1-3) as a sharding strategy: our config mapped onto a DeepSpeed config.
 
 What maps where:
   train.global_batch_size / micro batch / accumulation -> train_batch_size,
@@ -9,11 +9,11 @@ What maps where:
       accumulates gradients in bf16 and switches off the loop's autocast inside its
       forward. With torch_autocast the parameters, gradients (grad_accum_dtype fp32) and
       their reduction stay fp32 (no module is "lower-precision safe", so no bf16 comm), which
-      is the FSDP2 backend's recipe: both backends train the same model.
+      is FSDP2's recipe: both strategies train the same model.
   parallel.zero_stage -> zero_optimization.stage
 The optimizer is OUR AdamW (same parameter groups, `optim.build_adamw`), handed to
 DeepSpeed as a client optimizer, and the learning rate is set on its param groups by the
-loop each step, exactly as for the other backends. DeepSpeed's ZeRO optimizer checks the
+loop each step, exactly as for the other strategies. DeepSpeed's ZeRO optimizer checks the
 gradients for inf/NaN and skips the step by itself; the loop reads that back.
 
 ZeRO-3 gathers a module's partitioned parameters in that module's forward pre-hook. The

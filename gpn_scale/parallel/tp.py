@@ -2,8 +2,8 @@
 
 The model side is the family's: `FamilySpec.apply_tp(model, tp_mesh)` shards the built model
 in place (GPN: its parameter placements, gpn_scale/models/gpn/parallelize.py; the baselines:
-torch's parallelize_module styles), called by `parallel.backends.build_backend` first, before
-FSDP2 over "dp" of the same parent mesh (torchtitan's order).
+torch's parallelize_module styles), called by `parallel.train_module.build_train_module` first,
+before FSDP2 over "dp" of the same parent mesh (torchtitan's order).
 """
 
 from __future__ import annotations

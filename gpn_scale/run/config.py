@@ -81,7 +81,7 @@ class TrainSection:
 
 @dataclass
 class ParallelSection:
-    backend: str = "auto"  # auto | none | fsdp2 | deepspeed
+    backend: str = "auto"  # the sharding strategy: auto | none | fsdp2 | deepspeed
     zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2, 3)
     # ZeRO-3: parameters smaller than this stay whole on every rank (DeepSpeed default 1e5);
     # 0 partitions every parameter (tests use it so that tiny models are really sharded).

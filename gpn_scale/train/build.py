@@ -1,5 +1,5 @@
 """The model a run trains, built from its config: the family's module on the device, the
-warm-start weights, then the parallelism and the optimizer (parallel/backends.py)."""
+warm-start weights, then the parallelism and the optimizer (parallel/train_module.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gpn_scale import optim as optim_lib
-from gpn_scale.parallel.backends import Backend, ParallelPlan, build_backend
 from gpn_scale.parallel.topology import Topology
+from gpn_scale.parallel.train_module import ParallelPlan, TrainModule, build_train_module
 from gpn_scale.run.config import TrainConfig
 from gpn_scale.train.checkpointing import RunCheckpoints
 from gpn_scale.train.determinism import seed_everything
@@ -22,10 +22,10 @@ def training_flops_per_token(model_cfg: Any, seq_len: int) -> float:
 
 
 def parallel_plan(
-    cfg: TrainConfig, backend: str, micro: int, accum: int, bf16: bool
+    cfg: TrainConfig, strategy: str, micro: int, accum: int, bf16: bool
 ) -> ParallelPlan:
     return ParallelPlan(
-        backend=backend,
+        strategy=strategy,
         micro_batch=micro,
         accum=accum,
         global_batch=cfg.train.global_batch_size,
@@ -43,15 +43,16 @@ def build_model(
     cfg: TrainConfig,
     model_cfg: Any,
     topo: Topology,
-    backend_name: str,
+    strategy: str,
     bf16: bool,
     micro: int,
     accum: int,
     warm: Any,
     ckpt: RunCheckpoints,
     log: Callable[[str], None],
-) -> tuple[Backend, int]:
-    """(the backend over the built, parallelized model and its optimizer, the model's size)."""
+) -> tuple[TrainModule, int]:
+    """(the train module: the built model under its sharding strategy with its optimizer;
+    the model's size)."""
     from gpn_scale.models.registry import family_of
 
     # Same seed on every rank: identical initial weights before any sharding.
@@ -63,9 +64,9 @@ def build_model(
     n_params = sum(p.numel() for p in model.parameters())
     o = cfg.optim
     fused = o.fused and topo.device.type == "cuda"
-    backend = build_backend(
+    train_module = build_train_module(
         model,
-        parallel_plan(cfg, backend_name, micro, accum, bf16),
+        parallel_plan(cfg, strategy, micro, accum, bf16),
         topo,
         make_optimizer=lambda m: optim_lib.build_adamw(
             m, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, fused=fused
@@ -77,7 +78,7 @@ def build_model(
         compile_fullgraph=spec.compile_fullgraph,
         log=log,
     )
-    backend.train(True)
+    train_module.train(True)
     if warm is not None:
-        ckpt.load_initial_optimizer(backend, warm)
-    return backend, n_params
+        ckpt.load_initial_optimizer(train_module, warm)
+    return train_module, n_params

@@ -14,8 +14,8 @@ from gpn_scale.checkpoint.async_save import AsyncSaver
 from gpn_scale.checkpoint.rng import capture_rng_state, restore_rng_state
 from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import FINAL_WEIGHTS, record_run_dir, resolve_recorded
-from gpn_scale.parallel.backends import Backend
 from gpn_scale.parallel.topology import Topology
+from gpn_scale.parallel.train_module import TrainModule
 from gpn_scale.run.config import TrainConfig, relocatable
 from gpn_scale.run.sources import (
     describe_tokenizer,
@@ -48,7 +48,7 @@ class RunCheckpoints:
         mgr: Any,
         log: Callable[[str], None],
         *,
-        backend_name: str,
+        strategy: str,
         run_dir: str,
         resume: str,
         eval_only: bool,
@@ -58,7 +58,7 @@ class RunCheckpoints:
         self.cfg, self.topo, self.mgr, self.log = cfg, topo, mgr, log
         self.run_dir, self.resume, self.eval_only = run_dir, resume, eval_only
         self.fresh, self.take_over = fresh, take_over
-        self.backend_name = backend_name  # resolved: none | fsdp2 | deepspeed
+        self.strategy = strategy  # resolved: none | fsdp2 | deepspeed
         self.lease: Any = None
         self.initial_load_uri: str | None = None  # the weights step 0 started from
         # The data's identity, recorded with every checkpoint (set by record_data).
@@ -258,8 +258,10 @@ class RunCheckpoints:
             )
 
     # ------------------------------------------------------------------ save / restore
-    def save(self, backend: Backend, state: TrainState, loader: Any, model_cfg: Any) -> str:
-        finite = 0.0 if backend.weights_finite() else 1.0
+    def save(
+        self, train_module: TrainModule, state: TrainState, loader: Any, model_cfg: Any
+    ) -> str:
+        finite = 0.0 if train_module.weights_finite() else 1.0
         lost = self.lease_lost(now=True)  # one writer per run: read the lease before writing
         flag = self.topo.all_reduce_max(2.0 if lost else finite)
         if flag >= 2:
@@ -278,7 +280,7 @@ class RunCheckpoints:
             "loader": loader.state_dict(),
             "wandb_run_id": state.wandb_id,
             "world_size": self.topo.world_size,
-            "backend": self.backend_name,
+            "backend": self.strategy,
             "model_config": model_cfg.to_dict(),
             "config": relocatable(self.cfg).to_dict(),
             # The run folder relative to the checkpoint root (or absolute): eval finds the
@@ -289,19 +291,21 @@ class RunCheckpoints:
         }
         rank_state = {"rng": capture_rng_state(), "loader": loader.state_dict()}
         if self.saver is None:
-            uri = backend.save(self.mgr, state.step, meta, rank_state, self.files)
+            uri = train_module.save(self.mgr, state.step, meta, rank_state, self.files)
             self.log(f"step {state.step}: checkpoint {uri}")
             return uri
-        # The backend hands its state dict to the saver's save (the manager's signature):
+        # The train module hands its state dict to the saver's save (the manager's signature):
         # staged to CPU now, written, uploaded and committed in the background.
-        uri = backend.save(self.saver, state.step, meta, rank_state, self.files)
+        uri = train_module.save(self.saver, state.step, meta, rank_state, self.files)
         self.log(
             f"step {state.step}: checkpoint {uri} (writing in the background; training "
             f"waited {self.saver.blocking_s:.3f}s)"
         )
         return uri
 
-    def restore(self, uri: str | None, backend: Backend, loader: Any, model_cfg: Any) -> TrainState:
+    def restore(
+        self, uri: str | None, train_module: TrainModule, loader: Any, model_cfg: Any
+    ) -> TrainState:
         """The position of `uri` (None: a fresh start), its weights and optimizer loaded;
         `eval --checkpoint auto` takes the newest complete checkpoint at this moment."""
         if self.resume == "auto" and uri is None and not self.eval_only:
@@ -309,18 +313,20 @@ class RunCheckpoints:
         if uri is None:
             return TrainState()
         if self.eval_only and self.resume == "auto":
-            return self._restore_newest(uri, backend, loader, model_cfg)
+            return self._restore_newest(uri, train_module, loader, model_cfg)
         if self.resume == "auto":  # a damaged checkpoint falls back to the one before it
             return self.mgr.load_newest(
-                uri, lambda u: self._restore(u, backend, loader, model_cfg), self.log
+                uri, lambda u: self._restore(u, train_module, loader, model_cfg), self.log
             )
-        return self._restore(uri, backend, loader, model_cfg)
+        return self._restore(uri, train_module, loader, model_cfg)
 
-    def _restore(self, uri: str, backend: Backend, loader: Any, model_cfg: Any) -> TrainState:
+    def _restore(
+        self, uri: str, train_module: TrainModule, loader: Any, model_cfg: Any
+    ) -> TrainState:
         # Check the model shape from the manifest before DCP tries (and fails less clearly).
         # From the manifest wherever it is (an explicit --resume URI may be another run's).
         check_model_compatible(self.mgr.read_meta(uri).get("model_config"), model_cfg, uri)
-        ck = backend.load(self.mgr, uri)
+        ck = train_module.load(self.mgr, uri)
         meta = ck.meta
         check_model_compatible(meta.get("model_config"), model_cfg, uri)
         rank_state = ck.rank_state
@@ -344,7 +350,7 @@ class RunCheckpoints:
         )
 
     def _restore_newest(
-        self, uri: str, backend: Backend, loader: Any, model_cfg: Any
+        self, uri: str, train_module: TrainModule, loader: Any, model_cfg: Any
     ) -> TrainState:
         """`eval --checkpoint auto` beside a live run: the newest complete checkpoint now
         (the run may have saved since the start), loaded whole before anything uses it; if
@@ -354,7 +360,7 @@ class RunCheckpoints:
         for attempt in range(4):
             uri = self.mgr.latest() or uri
             try:
-                return self._restore(uri, backend, loader, model_cfg)
+                return self._restore(uri, train_module, loader, model_cfg)
             except CheckpointError:
                 if attempt == 3 or self.mgr.is_complete(uri):
                     raise
@@ -379,14 +385,14 @@ class RunCheckpoints:
                 f"model={self.cfg.model}; give a step directory or an export"
             )
         check_model_compatible(saved, model_cfg, uri, use="checkpoint.initial_load")
-        backend_name = self.backend_name
+        strategy = self.strategy
         if not self.cfg.checkpoint.initial_load_model_only and (
-            kind != "dcp" or backend_name == "deepspeed"
+            kind != "dcp" or strategy == "deepspeed"
         ):
             raise ConfigError(
                 f"checkpoint.initial_load_model_only=false: the optimizer state is read from a "
                 f"DCP step directory under parallel.backend none / fsdp2 ({uri} is a {kind} "
-                f"checkpoint, backend {backend_name}); set initial_load_model_only=true"
+                f"checkpoint, backend {strategy}); set initial_load_model_only=true"
             )
         self.initial_load_uri = uri
         return source
@@ -395,7 +401,7 @@ class RunCheckpoints:
         self, model: nn.Module, source: Any, spec: Any, model_cfg: Any
     ) -> None:
         """Collective for a DCP source: every rank reads the full weights (DCP reassembles
-        any dp/tp layout) into the unsharded model, which the backend then shards."""
+        any dp/tp layout) into the unsharded model, which the train module then shards."""
         from gpn_scale.checkpoint import CheckpointError
 
         try:
@@ -415,14 +421,14 @@ class RunCheckpoints:
                 f"{self.cfg.model} ({str(err).strip().splitlines()[0][:160]})"
             ) from None
 
-    def load_initial_optimizer(self, backend: Backend, source: Any) -> None:
+    def load_initial_optimizer(self, train_module: TrainModule, source: Any) -> None:
         """initial_load_model_only=false: weights and optimizer from the DCP step directory
         (after the sharding), then the line that says what step 0 starts from."""
         model_only = self.cfg.checkpoint.initial_load_model_only
         if not model_only:
             from gpn_scale.checkpoint import CheckpointManager
 
-            backend.load(CheckpointManager(root_of(source.uri)), source.uri)
+            train_module.load(CheckpointManager(root_of(source.uri)), source.uri)
         what = "weights" + ("" if model_only else " and optimizer")
         fresh = (
             "fresh optimizer, schedule and data position"

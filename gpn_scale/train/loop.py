@@ -1,15 +1,15 @@
 """The training loop. Read `Trainer.run` and `Trainer._run` top to bottom: they are the recipe.
 
-    setup:   topology (parallel/backends.py) -> determinism/seed -> model config -> checkpoint
+    setup:   topology (parallel/train_module.py) -> determinism/seed -> model config -> checkpoint
              root and where to start (checkpointing.py) -> data (run_data.py) -> model ->
-             backend: TP, then FSDP2 or DeepSpeed, and the optimizer -> restore -> sinks
+             train module: TP, then FSDP2 or DeepSpeed, and the optimizer -> restore -> sinks
     step:    lr(step) -> train_step (step.py): accumulate micro-batches, global loss, clip,
              skip if non-finite else update -> after the step: metrics (the step callbacks'
              too: callbacks.py), [profile], [eval], [checkpoint], [preemption: save, exit 75]
     finish:  eval -> final checkpoint -> DONE marker
 
-Everything that depends on the backend is behind `parallel.backends.Backend`; the loop
-never asks which one it has.
+Everything that depends on the sharding strategy is behind `parallel.train_module.TrainModule`;
+the loop never asks which one it has.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from gpn_scale.io.run_folder import (
     missing_tops,
     record_run_dir,
 )
-from gpn_scale.parallel.backends import resolve_backend, setup_topology
 from gpn_scale.parallel.topology import Topology
+from gpn_scale.parallel.train_module import resolve_strategy, setup_topology
 from gpn_scale.run.config import TrainConfig, batch_layout
 from gpn_scale.train.build import build_model, training_flops_per_token
 from gpn_scale.train.callbacks import StepCallback
@@ -84,7 +84,7 @@ class Trainer:
         self._log_is_print = log is None
         # Set by the setup (run); the finally of run() cleans up whichever exist.
         self.topo: Topology | None = None
-        self.backend_name = ""  # resolved: none | fsdp2 | deepspeed
+        self.strategy = ""  # resolved: none | fsdp2 | deepspeed
         self.bf16 = False
         self.ckpt: RunCheckpoints | None = None
         self._pbar: Any = None
@@ -132,8 +132,8 @@ class Trainer:
         self._stops = StopConditions(p.enabled, p.end_margin_s, p.requeue)
         try:
             env = detect()
-            self.backend_name = resolve_backend(cfg.parallel.backend, env.distributed)
-            self.topo = setup_topology(env, self.backend_name, cfg.train.device, cfg.parallel.tp)
+            self.strategy = resolve_strategy(cfg.parallel.backend, env.distributed)
+            self.topo = setup_topology(env, self.strategy, cfg.train.device, cfg.parallel.tp)
         except BaseException:
             self._stops.uninstall()
             raise
@@ -223,7 +223,7 @@ class Trainer:
             self._new_dirs += missing_tops([mgr.staging_root])
             mgr.preflight()
         self.ckpt = ckpt = RunCheckpoints(
-            cfg, topo, mgr, self.log, backend_name=self.backend_name, run_dir=self.run_dir,
+            cfg, topo, mgr, self.log, strategy=self.strategy, run_dir=self.run_dir,
             resume=self.resume, eval_only=self.eval_only, fresh=self.fresh,
             take_over=self.take_over,
         )  # fmt: skip
@@ -237,12 +237,12 @@ class Trainer:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         topo.barrier()
         train_loader, val_loader, val_start = self._setup_data(model_cfg, micro, resume_uri, warm)
-        backend, n_params = build_model(
-            cfg, model_cfg, topo, self.backend_name, self.bf16, micro, accum, warm, ckpt, self.log
+        train_module, n_params = build_model(
+            cfg, model_cfg, topo, self.strategy, self.bf16, micro, accum, warm, ckpt, self.log
         )
-        state = ckpt.restore(resume_uri, backend, train_loader, model_cfg)
+        state = ckpt.restore(resume_uri, train_module, train_loader, model_cfg)
         c = Components(
-            mgr, backend, model_cfg, train_loader, val_loader, val_start,
+            mgr, train_module, model_cfg, train_loader, val_loader, val_start,
             micro, accum, n_params, training_flops_per_token(model_cfg, cfg.data.seq_len),
         )  # fmt: skip
         return c, state
@@ -319,7 +319,7 @@ class Trainer:
         self._stops.training_started()
         self.log(
             f"train: {c.model_cfg.name or cfg.model} ({c.n_params:,} params), backend "
-            f"{self.backend_name}, world {topo.world_size}, micro {c.micro} x accum {c.accum}, "
+            f"{self.strategy}, world {topo.world_size}, micro {c.micro} x accum {c.accum}, "
             f"{'bf16' if self.bf16 else 'fp32'} on {topo.device.type}; steps {state.step}->"
             f"{cfg.schedule.total_steps}; run dir {self.run_dir}; checkpoints "
             f"{cfg.resolved_checkpoint_root}"
@@ -345,7 +345,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 lr = optim_lib.lr_at(s.step, o.lr, sched.warmup_steps, total, sched.min_lr_ratio)
                 r = train_step(
-                    c.backend, batches, lr=lr, accum=c.accum, grad_clip=o.grad_clip,
+                    c.train_module, batches, lr=lr, accum=c.accum, grad_clip=o.grad_clip,
                     device=device, mean_over_ranks=topo.all_reduce_mean, autocast=self._autocast,
                     carry=s.carry, stateful=cfg.train.stateful_windows,
                     poison=cfg.debug.poisons(s.step),
@@ -407,13 +407,13 @@ class Trainer:
                     "skipped_steps": s.skipped,
                     "step_skipped": not r.applied,
                     # CPU only: without a device sync GPU times would lie
-                    **(r.breakdown(dt, c.backend.last_optim_s) if cpu else {}),
+                    **(r.breakdown(dt, c.train_module.last_optim_s) if cpu else {}),
                 },
                 s.step,
                 s.tokens,
             )
         for callback in self.callbacks:
-            metrics = callback.after_step(c.backend.model, r.last_batch, s.step)
+            metrics = callback.after_step(c.train_module.model, r.last_batch, s.step)
             if metrics:
                 self._emit(metrics, s.step, s.tokens)
         if self._pbar is not None:
@@ -466,7 +466,7 @@ class Trainer:
         if cfg.checkpoint.save_final or late_stop:
             self._save(c, s)
         if cfg.checkpoint.export_final:
-            sd = c.backend.full_state_dict()
+            sd = c.train_module.full_state_dict()
             if sd is not None:
                 torch.save(sd, Path(self.run_dir) / FINAL_WEIGHTS)
         ckpt = s.last_ckpt
@@ -498,7 +498,7 @@ class Trainer:
         if last_ckpt_step(s.last_ckpt) == s.step:
             return
         sync_sinks(self._sinks)  # the history up to this step is on disk before the checkpoint
-        s.last_ckpt = self._ckpt.save(c.backend, s, c.train_loader, c.model_cfg)
+        s.last_ckpt = self._ckpt.save(c.train_module, s, c.train_loader, c.model_cfg)
         self._emit({"event": "checkpoint", "checkpoint": s.last_ckpt}, s.step, s.tokens)
         sync_sinks(self._sinks)
 
@@ -574,10 +574,10 @@ class Trainer:
         c.val_loader.load_state_dict(c.val_start)
         if self.cfg.debug.eval_sleep:
             time.sleep(self.cfg.debug.eval_sleep)
-        c.backend.train(False)
+        c.train_module.train(False)
         try:
             result = heldout_loss(
-                c.backend.eval_forward,
+                c.train_module.eval_forward,
                 c.val_loader,
                 self.cfg.eval.batches,
                 self._topo.device,
@@ -585,7 +585,7 @@ class Trainer:
                 self._topo.sum_over_data_parallel,
             )
         finally:
-            c.backend.train(True)
+            c.train_module.train(True)
         self._emit(result, s.step, s.tokens)
         if self._pbar is not None:
             self._pbar.write(

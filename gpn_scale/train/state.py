@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch's import, which the launch checks (train.sbatch) do without
-    from gpn_scale.parallel.backends import Backend
+    from gpn_scale.parallel.train_module import TrainModule
 
 
 class TrainingError(RuntimeError):
@@ -44,7 +44,7 @@ class Components:
     """What the setup built: the loop reads these and never rebuilds them."""
 
     mgr: Any  # checkpoint.CheckpointManager of the run's checkpoint root
-    backend: Backend
+    train_module: TrainModule
     model_cfg: Any  # the family's model config
     train_loader: Any
     val_loader: Any

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpn_scale.parallel.backends import Backend
+from gpn_scale.parallel.train_module import TrainModule
 
 
 @dataclass
@@ -38,7 +38,7 @@ class StepResult:
 
 
 def train_step(
-    backend: Backend,
+    train_module: TrainModule,
     batches: Iterator[torch.Tensor],
     *,
     lr: float,
@@ -52,7 +52,7 @@ def train_step(
     poison: bool = False,
 ) -> StepResult:
     """`poison` multiplies the loss by NaN (debug.inject_nan_*: the skip path's test)."""
-    backend.before_step(lr)
+    train_module.before_step(lr)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     data_s = 0.0
     for i in range(accum):
@@ -60,14 +60,14 @@ def train_step(
         tokens = next(batches).to(device, non_blocking=True)
         data_s += time.perf_counter() - t0
         with autocast():
-            loss, new_carry = backend.forward_loss(tokens, carry, want_state=stateful)
+            loss, new_carry = train_module.forward_loss(tokens, carry, want_state=stateful)
         if poison:
             loss = loss * float("nan")
-        backend.backward(loss, accum, last_micro=i == accum - 1)
+        train_module.backward(loss, accum, last_micro=i == accum - 1)
         loss_sum += loss.detach().float()  # stays on the device: one sync per step
         if stateful and new_carry is not None:
             carry = new_carry.detach()
     loss_val = float(mean_over_ranks(loss_sum / accum))
     t0 = time.perf_counter()
-    grad_norm, applied = backend.clip_and_step(grad_clip, lr, math.isfinite(loss_val))
+    grad_norm, applied = train_module.clip_and_step(grad_clip, lr, math.isfinite(loss_val))
     return StepResult(loss_val, grad_norm, applied, tokens, carry, data_s, time.perf_counter() - t0)

@@ -18,8 +18,7 @@ from train_helpers import child_env, grad_norms, run_train, train_losses
 from gpn_scale.cli import main
 from gpn_scale.core.config import ConfigError
 from gpn_scale.models.registry import get_family, load_model_config
-from gpn_scale.parallel import backends
-from gpn_scale.parallel.backends import ParallelPlan, build_backend
+from gpn_scale.parallel.train_module import FSDP2TrainModule, ParallelPlan, build_train_module
 from gpn_scale.run.config import load_train_config
 from gpn_scale.run.model import model_config
 
@@ -30,11 +29,11 @@ BASELINES = ["transformer_pp_tiny", "gated_deltanet_tiny"]
 # same losses, computed another way" (test_checkpoint_from_main's other engine options);
 # a wrong graph (a dropped carry, a wrong decay) moves the first step's loss by far more.
 LOSS_RTOL = 1e-5
-ONE_PROCESS: Any = SimpleNamespace(tp_size=1)  # the Topology fields build_backend reads
+ONE_PROCESS: Any = SimpleNamespace(tp_size=1)  # the Topology fields build_train_module reads
 
 
-def _plan(backend: str = "none", compile: bool = True) -> ParallelPlan:
-    return ParallelPlan(backend, 1, 1, 1, grad_clip=1.0, bf16=False, compile=compile)
+def _plan(strategy: str = "none", compile: bool = True) -> ParallelPlan:
+    return ParallelPlan(strategy, 1, 1, 1, grad_clip=1.0, bf16=False, compile=compile)
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -47,7 +46,7 @@ def test_the_compile_step_compiles_exactly_the_blocks_in_place(name):
     model = spec.build(cfg)
     keys = list(model.state_dict())
     lines: list[str] = []
-    build_backend(
+    build_train_module(
         model,
         _plan(),
         ONE_PROCESS,
@@ -69,7 +68,7 @@ def test_the_compile_step_compiles_exactly_the_blocks_in_place(name):
     # Gated DeltaNet's blocks may break the graph: fla's CUDA op is torch.compiler.disable'd.
     assert spec.compile_fullgraph is name.startswith("transformer")
     untouched = spec.build(cfg)
-    build_backend(untouched, _plan(compile=False), ONE_PROCESS, make_optimizer=_sgd)
+    build_train_module(untouched, _plan(compile=False), ONE_PROCESS, make_optimizer=_sgd)
     assert not [m for m in untouched.modules() if getattr(m, "_compiled_call_impl", None)]
 
 
@@ -82,7 +81,7 @@ def test_compile_comes_after_tp_and_before_fsdp2(monkeypatch):
     monkeypatch.setattr(compile_mod, "apply_compile", lambda *a, **k: calls.append("compile"))
     monkeypatch.setattr(fsdp, "apply_fsdp2", lambda *a, **k: calls.append("fsdp2"))
     model = nn.Linear(2, 2)
-    backend = build_backend(
+    train_module = build_train_module(
         model,
         _plan("fsdp2"),
         SimpleNamespace(tp_size=2, tp_mesh="tp", dp_mesh="dp"),
@@ -91,7 +90,7 @@ def test_compile_comes_after_tp_and_before_fsdp2(monkeypatch):
         compile_blocks=[model],
     )
     assert calls == ["tp on tp", "compile", "fsdp2"]
-    assert isinstance(backend, backends.FSDP2Backend)
+    assert isinstance(train_module, FSDP2TrainModule)
 
 
 def test_gpn_refuses_compile_enable_in_one_line(tmp_path, capsys):
@@ -117,7 +116,7 @@ def test_gpn_refuses_compile_enable_in_one_line(tmp_path, capsys):
             ["compile.enable=true", "parallel.backend=deepspeed", "parallel.zero_stage=3"],
         )
     with pytest.raises(ConfigError, match="this model declares no blocks to compile"):
-        build_backend(nn.Linear(2, 2), _plan(), ONE_PROCESS, make_optimizer=_sgd)
+        build_train_module(nn.Linear(2, 2), _plan(), ONE_PROCESS, make_optimizer=_sgd)
 
 
 # Gated DeltaNet at chunk_size 32: two chunks of the 64-token windows, so the memory carried

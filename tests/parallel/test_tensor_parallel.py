@@ -6,7 +6,7 @@
   PyTorch steps and with the CUDA backend (its Triton kernels in Triton's interpreter).
 - The trainer at tp = 2 and at dp = 2 x tp = 2 (4 processes) gives the single process's
   losses and gradient norms at every step and its final weights (fp32, the tolerances of
-  test_parallel_backends.py); a 2-layer model with truncated BPTT and the state carried
+  test_parallel_strategies.py); a 2-layer model with truncated BPTT and the state carried
   from batch to batch too.
 - Bad configs fail in one line naming the field.
 """

@@ -1,8 +1,9 @@
 """`build_model` (gpn_scale/train/build.py): the order a run's model is built in, with the
 family and the parallelism replaced by fakes that record their calls: the seed, the
 family's module on the device, a warm start's weights before any sharding, then
-`build_backend` (TP, then FSDP2 / ZeRO, then the optimizer: tests/parallel/test_backends.py)
-with the run's optimizer, train mode, and a warm start's optimizer state after the sharding."""
+`build_train_module` (TP, then FSDP2 / ZeRO, then the optimizer:
+tests/parallel/test_train_module.py) with the run's optimizer, train mode, and a warm start's
+optimizer state after the sharding."""
 
 from __future__ import annotations
 
@@ -35,23 +36,23 @@ class Recorded:
         )
         monkeypatch.setattr(registry, "family_of", lambda cfg: spec)
         monkeypatch.setattr(build, "seed_everything", lambda seed: self.log.append(("seed", seed)))
-        monkeypatch.setattr(build, "build_backend", self._build_backend)
+        monkeypatch.setattr(build, "build_train_module", self._build_train_module)
 
     def _note(self, what: str, value: Any) -> Any:
         self.log.append(what)
         return value
 
-    def _build_backend(self, model: nn.Module, plan: Any, topo: Any, **kw: Any) -> Any:
+    def _build_train_module(self, model: nn.Module, plan: Any, topo: Any, **kw: Any) -> Any:
         self.plan = plan
         self.optimizer = kw["make_optimizer"](model)
         assert kw["fsdp_units"] == ["units"] and kw["apply_tp"] == "the family's tp plan"
-        self.log.append("build_backend")
+        self.log.append("build_train_module")
         return SimpleNamespace(train=lambda mode: self.log.append(("train", mode)))
 
     def checkpoints(self) -> Any:
         return SimpleNamespace(
             load_initial_weights=lambda model, warm, spec, cfg: self.log.append("warm weights"),
-            load_initial_optimizer=lambda backend, warm: self.log.append("warm optimizer"),
+            load_initial_optimizer=lambda train_module, warm: self.log.append("warm optimizer"),
         )
 
 
@@ -65,18 +66,18 @@ def _build(rec: Recorded, warm: Any, *overrides: str) -> tuple[Any, int]:
 def test_a_fresh_model_seed_build_parallelize_train(monkeypatch):
     rec = Recorded(monkeypatch)
     _, n_params = _build(rec, None)
-    assert rec.log == [("seed", 11), "spec.build", "build_backend", ("train", True)]
+    assert rec.log == [("seed", 11), "spec.build", "build_train_module", ("train", True)]
     assert n_params == 4 * 3 + 3
     assert isinstance(rec.optimizer, torch.optim.AdamW)
     assert rec.optimizer.param_groups[0]["lr"] == 0.004
-    assert (rec.plan.backend, rec.plan.micro_batch, rec.plan.accum) == ("fsdp2", 2, 3)
+    assert (rec.plan.strategy, rec.plan.micro_batch, rec.plan.accum) == ("fsdp2", 2, 3)
 
 
 def test_warm_weights_load_before_the_sharding_and_the_optimizer_after(monkeypatch):
     rec = Recorded(monkeypatch)
     _build(rec, "warm source")  # initial_load_model_only: true (the default)
     assert rec.log == [
-        ("seed", 11), "spec.build", "warm weights", "build_backend", ("train", True),
+        ("seed", 11), "spec.build", "warm weights", "build_train_module", ("train", True),
         "warm optimizer",  # says what step 0 starts from
     ]  # fmt: skip
 
@@ -85,5 +86,5 @@ def test_a_warm_optimizer_loads_weights_and_state_after_the_sharding(monkeypatch
     rec = Recorded(monkeypatch)
     _build(rec, "warm source", "checkpoint.initial_load_model_only=false")
     assert rec.log == [
-        ("seed", 11), "spec.build", "build_backend", ("train", True), "warm optimizer",
+        ("seed", 11), "spec.build", "build_train_module", ("train", True), "warm optimizer",
     ]  # fmt: skip

@@ -16,7 +16,7 @@ from torch import nn
 
 from gpn_scale.checkpoint import CheckpointError, CheckpointManager
 from gpn_scale.checkpoint.lease import LeaseLost
-from gpn_scale.parallel.backends import PlainBackend
+from gpn_scale.parallel.train_module import PlainTrainModule
 from gpn_scale.run.config import load_train_config
 from gpn_scale.train.checkpointing import RunCheckpoints
 from gpn_scale.train.state import TrainingError, TrainState
@@ -28,7 +28,7 @@ NO_FAMILY: Any = SimpleNamespace(to_dict=dict)
 LOADER: Any = SimpleNamespace(state_dict=lambda: {"position": 3})
 
 
-class Backend(PlainBackend):
+class CountingModule(PlainTrainModule):
     def __init__(self) -> None:
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
@@ -45,36 +45,36 @@ def ckpt(tmp_path: Path) -> RunCheckpoints:
     cfg = load_train_config("ci_tiny", [f"run_dir={tmp_path / 'run'}"])
     mgr = CheckpointManager(str(tmp_path / "run" / "checkpoints"))
     return RunCheckpoints(
-        cfg, ONE_RANK, mgr, lambda line: None, backend_name="none",
+        cfg, ONE_RANK, mgr, lambda line: None, strategy="none",
         run_dir=str(tmp_path / "run"), resume="none", eval_only=False, fresh=False,
         take_over=False,
     )  # fmt: skip
 
 
 def test_weights_that_are_not_finite_are_never_saved(ckpt):
-    backend = Backend()
-    first = ckpt.save(backend, TrainState(step=2), LOADER, NO_FAMILY)
+    train_module = CountingModule()
+    first = ckpt.save(train_module, TrainState(step=2), LOADER, NO_FAMILY)
     with torch.no_grad():
-        backend.model.weight[0, 0] = float("inf")
+        train_module.model.weight[0, 0] = float("inf")
     with pytest.raises(TrainingError, match=r"^refusing to checkpoint at step 4: the weights are"):
-        ckpt.save(backend, TrainState(step=4), LOADER, NO_FAMILY)
-    assert backend.saves == 1  # the backend was never asked
+        ckpt.save(train_module, TrainState(step=4), LOADER, NO_FAMILY)
+    assert train_module.saves == 1  # the train module was never asked
     assert ckpt.mgr.latest() == first
     assert [s for s, _, _ in ckpt.mgr.list_checkpoints()] == [2]
 
 
 def test_a_lease_taken_over_writes_nothing(ckpt):
-    backend = Backend()
+    train_module = CountingModule()
     ckpt.lease = SimpleNamespace(check=lambda: "job 42 took this run over", lost=None)
     with pytest.raises(LeaseLost, match="job 42 took this run over"):
-        ckpt.save(backend, TrainState(step=2), LOADER, NO_FAMILY)
-    assert backend.saves == 0 and ckpt.mgr.list_checkpoints() == []
+        ckpt.save(train_module, TrainState(step=2), LOADER, NO_FAMILY)
+    assert train_module.saves == 0 and ckpt.mgr.list_checkpoints() == []
     ckpt.lease = None
 
 
 def test_a_failed_commit_raises_and_keeps_the_previous_checkpoint(ckpt, monkeypatch):
-    backend = Backend()
-    first = ckpt.save(backend, TrainState(step=2), LOADER, NO_FAMILY)
+    train_module = CountingModule()
+    first = ckpt.save(train_module, TrainState(step=2), LOADER, NO_FAMILY)
     storage = ckpt.mgr.storage
     real = storage.put_bytes
 
@@ -85,6 +85,6 @@ def test_a_failed_commit_raises_and_keeps_the_previous_checkpoint(ckpt, monkeypa
 
     monkeypatch.setattr(storage, "put_bytes", no_manifest)
     with pytest.raises(CheckpointError, match=r"step_000000004 not saved .*injected") as err:
-        ckpt.save(backend, TrainState(step=4), LOADER, NO_FAMILY)
+        ckpt.save(train_module, TrainState(step=4), LOADER, NO_FAMILY)
     assert "\n" not in str(err.value)
     assert CheckpointManager(ckpt.mgr.root).latest() == first

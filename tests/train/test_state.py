@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gpn_scale.checkpoint import CheckpointManager
-from gpn_scale.parallel.backends import PlainBackend
+from gpn_scale.parallel.train_module import PlainTrainModule
 from gpn_scale.run.config import load_train_config
 from gpn_scale.train.checkpointing import RunCheckpoints
 from gpn_scale.train.state import TrainState
@@ -47,16 +47,16 @@ def _checkpoints(tmp_path: Path, resume: str) -> RunCheckpoints:
     cfg = load_train_config("ci_tiny", [f"run_dir={tmp_path / 'run'}"])
     mgr = CheckpointManager(str(tmp_path / "run" / "checkpoints"))
     return RunCheckpoints(
-        cfg, ONE_RANK, mgr, lambda line: None, backend_name="none",
+        cfg, ONE_RANK, mgr, lambda line: None, strategy="none",
         run_dir=str(tmp_path / "run"), resume=resume, eval_only=False, fresh=False,
         take_over=False,
     )  # fmt: skip
 
 
-def _backend(seed: int) -> PlainBackend:
+def _train_module(seed: int) -> PlainTrainModule:
     torch.manual_seed(seed)
     model = nn.Linear(3, 2)
-    return PlainBackend(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return PlainTrainModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_a_checkpoint_keeps_the_position_and_the_loop_counters_start_over(tmp_path):
@@ -65,7 +65,7 @@ def test_a_checkpoint_keeps_the_position_and_the_loop_counters_start_over(tmp_pa
         step=7, tokens=7 * 512, skipped=2, wandb_id="w-123", last_ckpt=None, in_a_row=1,
         carry=torch.ones(2), final_eval={"eval/loss": 3.0},
     )  # fmt: skip
-    source = _backend(seed=0)
+    source = _train_module(seed=0)
     uri = ckpt.save(source, saved, Loader(position=40), NO_FAMILY)
     assert uri.endswith("step_000000007")
     meta = ckpt.mgr.read_meta(uri)
@@ -73,7 +73,7 @@ def test_a_checkpoint_keeps_the_position_and_the_loop_counters_start_over(tmp_pa
         7, 3584, 2, "w-123",
     )  # fmt: skip
 
-    target, loader = _backend(seed=1), Loader(position=0)
+    target, loader = _train_module(seed=1), Loader(position=0)
     restored = _checkpoints(tmp_path, resume=uri).restore(uri, target, loader, NO_FAMILY)
     assert restored == TrainState(step=7, tokens=3584, skipped=2, wandb_id="w-123", last_ckpt=uri)
     assert restored.in_a_row == 0 and restored.carry is None and restored.final_eval == {}
@@ -84,4 +84,4 @@ def test_a_checkpoint_keeps_the_position_and_the_loop_counters_start_over(tmp_pa
 
 def test_no_checkpoint_to_resume_is_a_fresh_state(tmp_path):
     ckpt = _checkpoints(tmp_path, resume="auto")
-    assert ckpt.restore(None, _backend(0), Loader(0), NO_FAMILY) == TrainState()
+    assert ckpt.restore(None, _train_module(0), Loader(0), NO_FAMILY) == TrainState()

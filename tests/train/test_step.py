@@ -1,8 +1,8 @@
-"""`train_step` (gpn_scale/train/step.py) against a fake `Backend` and the real `PlainBackend`
-over a one-parameter model: the order of the backend's calls, gradient accumulation over
-the micro-batches (the same update as one full batch), the non-finite skip (a poisoned loss,
-another rank's NaN, a NaN gradient), clipping, the carried recurrent state and autocast.
-No trainer, no process group: milliseconds each."""
+"""`train_step` (gpn_scale/train/step.py) against a fake `TrainModule` and the real
+`PlainTrainModule` over a one-parameter model: the order of the train module's calls, gradient
+accumulation over the micro-batches (the same update as one full batch), the non-finite skip (a
+poisoned loss, another rank's NaN, a NaN gradient), clipping, the carried recurrent state and
+autocast. No trainer, no process group: milliseconds each."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpn_scale.parallel.backends import FSDP2Backend, PlainBackend
+from gpn_scale.parallel.train_module import FSDP2TrainModule, PlainTrainModule
 from gpn_scale.train.step import StepResult, train_step
 
 CPU = torch.device("cpu")
@@ -50,11 +50,11 @@ def _batches(n: int, rows: int = 2, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(rows, 3, generator=g) for _ in range(n)]
 
 
-def _plain(model: nn.Module, lr: float = 0.1) -> PlainBackend:
-    return PlainBackend(model, torch.optim.SGD(model.parameters(), lr=lr))
+def _plain(model: nn.Module, lr: float = 0.1) -> PlainTrainModule:
+    return PlainTrainModule(model, torch.optim.SGD(model.parameters(), lr=lr))
 
 
-def _step(backend: Any, batches: Iterator[torch.Tensor], **kw: Any) -> StepResult:
+def _step(train_module: Any, batches: Iterator[torch.Tensor], **kw: Any) -> StepResult:
     args: dict[str, Any] = {
         "lr": 0.1,
         "accum": 1,
@@ -64,12 +64,12 @@ def _step(backend: Any, batches: Iterator[torch.Tensor], **kw: Any) -> StepResul
         "autocast": _no_autocast,
     }
     args.update(kw)
-    return train_step(backend, batches, **args)
+    return train_step(train_module, batches, **args)
 
 
 # --------------------------------------------------------------------------- the protocol
 class Recorder:
-    """A Backend that records each call; its loss for micro-batch i is batch.sum()."""
+    """A TrainModule that records each call; its loss for micro-batch i is batch.sum()."""
 
     name = "fake"
     last_optim_s = 0.0
@@ -141,7 +141,7 @@ def test_the_loss_is_agreed_over_ranks_once_and_that_value_decides():
     assert not r.applied
 
 
-def test_poison_makes_the_loss_nan_and_the_backend_is_told_to_skip():
+def test_poison_makes_the_loss_nan_and_the_train_module_is_told_to_skip():
     events: list[Any] = []
     r = _step(Recorder(events), iter(_batches(2)), accum=2, poison=True)
     assert [e[3] for e in events if e[0] == "clip_and_step"] == [False]
@@ -169,12 +169,12 @@ def test_autocast_wraps_each_forward_and_never_the_backward():
 
 def test_stateful_windows_carry_the_detached_state_from_micro_batch_to_micro_batch():
     events: list[Any] = []
-    backend = Recorder(events)
+    train_module = Recorder(events)
     batches = [torch.full((2,), float(i)) for i in (1, 2, 3)]
-    r = _step(backend, iter(batches), accum=3, carry="c0", stateful=True)
-    assert backend.carries[0] == "c0"
-    assert torch.equal(backend.carries[1], batches[0]) and torch.equal(
-        backend.carries[2], batches[1]
+    r = _step(train_module, iter(batches), accum=3, carry="c0", stateful=True)
+    assert train_module.carries[0] == "c0"
+    assert torch.equal(train_module.carries[1], batches[0]) and torch.equal(
+        train_module.carries[2], batches[1]
     )
     assert all(e[2] is True for e in events if e[0] == "forward")  # want_state
     assert torch.equal(r.carry, batches[2])
@@ -195,7 +195,7 @@ def test_timings_are_split_into_data_and_update():
     )
 
 
-# --------------------------------------------------------------------------- PlainBackend
+# ----------------------------------------------------------------------- PlainTrainModule
 def _reference_update(full: torch.Tensor, lr: float, clip: float) -> tuple[torch.Tensor, float]:
     """One SGD step of Quadratic on the whole batch: (the new weights, the pre-clip norm)."""
     ref = Quadratic()
@@ -233,13 +233,13 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_untouched(why):
     model = Quadratic(nan_grad=why == "NaN gradient")
     before = model.w.detach().clone()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    backend = PlainBackend(model, opt)
+    train_module = PlainTrainModule(model, opt)
     kw: dict[str, Any] = {"accum": 2}
     if why == "poisoned loss":
         kw["poison"] = True
     if why == "NaN on another rank":
         kw["mean_over_ranks"] = lambda t: t + float("nan")
-    r = _step(backend, iter(_batches(2)), **kw)
+    r = _step(train_module, iter(_batches(2)), **kw)
     assert not r.applied
     assert torch.equal(model.w.detach(), before)
     assert opt.state_dict()["state"] == {}  # Adam never stepped: no moments, no step count
@@ -248,7 +248,7 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_untouched(why):
         assert r.loss == r.loss and r.grad_norm != r.grad_norm  # a finite loss, a NaN norm
     # The next, finite step trains from the untouched weights.
     model.nan_grad = False
-    assert _step(backend, iter(_batches(1)), lr=0.1).applied
+    assert _step(train_module, iter(_batches(1)), lr=0.1).applied
     assert not torch.equal(model.w.detach(), before)
 
 
@@ -256,6 +256,6 @@ def test_fsdp2_syncs_gradients_only_on_the_last_micro_batch():
     syncs: list[bool] = []
     model = Quadratic()
     model.set_requires_gradient_sync = syncs.append  # type: ignore[attr-defined]
-    backend = FSDP2Backend(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    _step(backend, iter(_batches(3)), accum=3)
+    train_module = FSDP2TrainModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _step(train_module, iter(_batches(3)), accum=3)
     assert syncs == [False, False, True]

@@ -1,7 +1,7 @@
 """The trainer takes any registered family (models/registry.py): Transformer++ trains through
 the real `python -m gpn_scale train`, a checkpoint of one family is refused by another in
 one line, and GPN-only options are refused by name. (FSDP2 on 2 ranks and kill -9 +
---resume auto per family: tests/parallel/test_parallel_backends.py and
+--resume auto per family: tests/parallel/test_parallel_strategies.py and
 tests/train/test_train_resume.py, parametrised over families.)"""
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def _checkpoints(cfg, run_dir: Path) -> RunCheckpoints:  # type: ignore[no-untyp
     topo = SimpleNamespace(is_main=True, all_reduce_max=lambda value: value)
     mgr = CheckpointManager(cfg.resolved_checkpoint_root)
     return RunCheckpoints(
-        cfg, topo, mgr, print, backend_name="none", run_dir=str(run_dir), resume="auto",
+        cfg, topo, mgr, print, strategy="none", run_dir=str(run_dir), resume="auto",
         eval_only=False, fresh=False, take_over=False,
     )  # fmt: skip
 

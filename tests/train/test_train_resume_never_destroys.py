@@ -55,8 +55,8 @@ class _Loader:
         self.state = state
 
 
-class _Backend:
-    """The plain backend's load (parallel/backends.py), for a small Linear + AdamW."""
+class _TrainModule:
+    """The plain train module's load (parallel/train_module.py), for a small Linear + AdamW."""
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -85,11 +85,11 @@ def test_restore_auto_falls_back_past_a_checkpoint_damaged_at_load(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "ck"), keep_last=5)
     saved = {}
     for step in (2, 4):
-        backend = _Backend(seed=step)
-        saved[step] = {k: v.clone() for k, v in backend.model.state_dict().items()}
+        train_module = _TrainModule(seed=step)
+        saved[step] = {k: v.clone() for k, v in train_module.model.state_dict().items()}
         rank_state = {"rng": capture_rng_state(), "loader": {"at": step}}
         meta = {"step": step, "tokens": 8 * step, "loader": {"at": step}}
-        mgr.save(step, backend.app_state(), meta=meta, rank_state=rank_state)
+        mgr.save(step, train_module.app_state(), meta=meta, rank_state=rank_state)
     shard = tmp_path / "ck" / "step_000000004" / "__0_0.distcp"
     mtime = shard.stat().st_mtime_ns
     data = bytearray(shard.read_bytes())
@@ -102,15 +102,15 @@ def test_restore_auto_falls_back_past_a_checkpoint_damaged_at_load(tmp_path):
         to_dict=dict, checkpoint=SimpleNamespace(initial_load=None, async_mode="off")
     )
     ckpt = RunCheckpoints(
-        cfg, SimpleNamespace(), mgr, logs.append, backend_name="none",  # type: ignore[arg-type]
+        cfg, SimpleNamespace(), mgr, logs.append, strategy="none",  # type: ignore[arg-type]
         run_dir=str(tmp_path), resume="auto", eval_only=False, fresh=False, take_over=False,
     )  # fmt: skip
     uri, _ = ckpt.start_points(model_cfg=None)
     assert uri == str(tmp_path / "ck" / "step_000000004")
-    backend, loader = _Backend(seed=99), _Loader()
-    state = ckpt.restore(uri, backend, loader, model_cfg=None)  # type: ignore[arg-type]
+    train_module, loader = _TrainModule(seed=99), _Loader()
+    state = ckpt.restore(uri, train_module, loader, model_cfg=None)  # type: ignore[arg-type]
     assert state.step == 2 and state.tokens == 16 and loader.state == {"at": 2}
-    for key, value in backend.model.state_dict().items():
+    for key, value in train_module.model.state_dict().items():
         assert torch.equal(value, saved[2][key]), key
     fallback = [line for line in logs if "falling back" in line]
     assert fallback == [

@@ -1,8 +1,9 @@
-"""`build_backend` and the backends of gpn_scale/parallel/backends.py, at the seams and in
-one process: the order the parallelism is applied in (tensor parallelism, then FSDP2 or
-DeepSpeed ZeRO, then the optimizer over the wrapped model, once), with the steps replaced
-by fakes that record their calls; and DeepSpeedBackend's step over a fake engine.
-(test_parallel_backends.py beside it runs the real backends on several processes; slow.)"""
+"""`build_train_module` and the train modules of gpn_scale/parallel/train_module.py, at the
+seams and in one process: the order the parallelism is applied in (tensor parallelism, then
+FSDP2 or DeepSpeed ZeRO, then the optimizer over the wrapped model, once), with the steps
+replaced by fakes that record their calls; and DeepSpeedTrainModule's step over a fake
+engine. (test_parallel_strategies.py beside it runs the real strategies on several
+processes; slow.)"""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ import torch
 from torch import nn
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.parallel import backends, fsdp
 from gpn_scale.parallel import deepspeed as ds
-from gpn_scale.parallel.backends import ParallelPlan, build_backend
+from gpn_scale.parallel import fsdp
+from gpn_scale.parallel.train_module import (
+    DeepSpeedTrainModule,
+    FSDP2TrainModule,
+    ParallelPlan,
+    PlainTrainModule,
+    build_train_module,
+    resolve_strategy,
+)
 from gpn_scale.train.step import train_step
 
 
-def _plan(backend: str, **kw: Any) -> ParallelPlan:
-    return ParallelPlan(backend, micro_batch=2, accum=3, global_batch=12, grad_clip=1.0,
+def _plan(strategy: str, **kw: Any) -> ParallelPlan:
+    return ParallelPlan(strategy, micro_batch=2, accum=3, global_batch=12, grad_clip=1.0,
                         bf16=False, **kw)  # fmt: skip
 
 
@@ -67,7 +75,7 @@ class Calls:
 def test_fsdp2_comes_after_tp_and_the_optimizer_after_fsdp2(monkeypatch):
     calls, model = Calls(monkeypatch), nn.Linear(2, 2)
     plan = _plan("fsdp2", reduce_dtype="bf16", reshard_after_forward=False)
-    backend = build_backend(
+    train_module = build_train_module(
         model, plan, _topo(2), make_optimizer=calls.make_optimizer, apply_tp=calls.tp
     )
     assert calls.log == [
@@ -75,14 +83,14 @@ def test_fsdp2_comes_after_tp_and_the_optimizer_after_fsdp2(monkeypatch):
         ("fsdp2", model, "dp-mesh", "bf16", False),  # the plan's options reach fully_shard
         ("optimizer", model),  # over the sharded parameters, built once
     ]
-    assert isinstance(backend, backends.FSDP2Backend)
-    assert backend.model is model and backend.optimizer is calls.optimizers[0]
+    assert isinstance(train_module, FSDP2TrainModule)
+    assert train_module.model is model and train_module.optimizer is calls.optimizers[0]
 
 
 def test_deepspeed_wraps_after_tp_with_the_one_optimizer_built_for_it(monkeypatch):
     calls, model = Calls(monkeypatch), nn.Linear(2, 2)
     plan = _plan("deepspeed", zero_stage=2)
-    backend = build_backend(
+    train_module = build_train_module(
         model, plan, _topo(2), make_optimizer=calls.make_optimizer, apply_tp=calls.tp
     )
     opt = calls.optimizers[0]
@@ -96,8 +104,8 @@ def test_deepspeed_wraps_after_tp_with_the_one_optimizer_built_for_it(monkeypatc
         "global_batch": 12, "micro_batch": 2, "accum": 3, "grad_clip": 1.0,
         "zero_stage": 2, "bf16": False, "persistence_threshold": None,
     }  # fmt: skip
-    assert isinstance(backend, backends.DeepSpeedBackend)
-    assert backend.optimizer == "zero-opt" and backend.model is model
+    assert isinstance(train_module, DeepSpeedTrainModule)
+    assert train_module.optimizer == "zero-opt" and train_module.model is model
 
 
 def test_zero3_says_how_many_parameters_it_partitioned(monkeypatch):
@@ -105,7 +113,7 @@ def test_zero3_says_how_many_parameters_it_partitioned(monkeypatch):
     model.weight.ds_tensor, model.weight.ds_numel = torch.zeros(2), 4  # type: ignore[attr-defined]
     model.bias.ds_tensor, model.bias.ds_numel = torch.zeros(2), 2  # type: ignore[attr-defined]
     lines: list[str] = []
-    build_backend(
+    build_train_module(
         model, _plan("deepspeed", zero_stage=3), _topo(1),
         make_optimizer=calls.make_optimizer, log=lines.append,
     )  # fmt: skip
@@ -114,35 +122,37 @@ def test_zero3_says_how_many_parameters_it_partitioned(monkeypatch):
 
 def test_one_process_builds_the_optimizer_once_and_no_parallelism(monkeypatch):
     calls, model = Calls(monkeypatch), nn.Linear(2, 2)
-    backend = build_backend(
+    train_module = build_train_module(
         model, _plan("none"), _topo(1), make_optimizer=calls.make_optimizer, apply_tp=calls.tp
     )
     assert calls.log == [("optimizer", model)]  # tp 1: the tp plan is not applied
-    assert type(backend) is backends.PlainBackend and backend.optimizer is calls.optimizers[0]
+    assert type(train_module) is PlainTrainModule and train_module.optimizer is calls.optimizers[0]
 
 
-def test_tp_without_a_plan_and_an_unknown_backend_fail_before_any_optimizer(monkeypatch):
+def test_tp_without_a_plan_and_an_unknown_strategy_fail_before_any_optimizer(monkeypatch):
     calls = Calls(monkeypatch)
     with pytest.raises(ConfigError, match=r"^parallel.tp: 2: this model has no tp plan; use tp 1"):
-        build_backend(
+        build_train_module(
             nn.Linear(2, 2), _plan("fsdp2"), _topo(2), make_optimizer=calls.make_optimizer
         )
     with pytest.raises(ConfigError, match=r"parallel.backend: 'ddp' is not one of none, fsdp2"):
-        build_backend(nn.Linear(2, 2), _plan("ddp"), _topo(1), make_optimizer=calls.make_optimizer)
+        build_train_module(
+            nn.Linear(2, 2), _plan("ddp"), _topo(1), make_optimizer=calls.make_optimizer
+        )
     assert calls.log == []
 
 
-def test_resolve_backend():
-    assert backends.resolve_backend("auto", distributed=False) == "none"
-    assert backends.resolve_backend("auto", distributed=True) == "fsdp2"
-    assert backends.resolve_backend("deepspeed", distributed=False) == "deepspeed"
+def test_resolve_strategy():
+    assert resolve_strategy("auto", distributed=False) == "none"
+    assert resolve_strategy("auto", distributed=True) == "fsdp2"
+    assert resolve_strategy("deepspeed", distributed=False) == "deepspeed"
     with pytest.raises(ConfigError, match="none cannot run on several processes"):
-        backends.resolve_backend("none", distributed=True)
+        resolve_strategy("none", distributed=True)
 
 
-# --------------------------------------------------------------------------- DeepSpeedBackend
+# ---------------------------------------------------------------------- DeepSpeedTrainModule
 class FakeEngine:
-    """What DeepSpeedBackend asks of a DeepSpeed engine: it divides, clips and steps itself."""
+    """What DeepSpeedTrainModule asks of a DeepSpeed engine: it divides, clips and steps itself."""
 
     def __init__(self, events: list[Any], optimizer: Any, norm: float | None = 0.5) -> None:
         self.events, self.optimizer, self.norm = events, optimizer, norm
@@ -162,9 +172,9 @@ class FakeEngine:
 
 
 def _ds_step(engine: FakeEngine, lr: float = 0.25) -> Any:
-    backend = backends.DeepSpeedBackend(engine, engine.optimizer)
+    train_module = DeepSpeedTrainModule(engine, engine.optimizer)
     return train_step(
-        backend, iter([torch.ones(2), torch.full((2,), 3.0)]), lr=lr, accum=2, grad_clip=1.0,
+        train_module, iter([torch.ones(2), torch.full((2,), 3.0)]), lr=lr, accum=2, grad_clip=1.0,
         device=torch.device("cpu"), mean_over_ranks=lambda t: t,
         autocast=contextlib.nullcontext,
     )  # fmt: skip

@@ -1,11 +1,14 @@
-"""The parallelism backends the trainer drives: none (one process), FSDP2 and DeepSpeed ZeRO.
+"""The train module the trainer drives: the model under its sharding strategy, with its
+optimizer. The strategies (`parallel.backend` in the config): none (one process), FSDP2 and
+DeepSpeed ZeRO.
 
-`setup_topology` starts the process group a backend needs; `build_backend` applies the
+`setup_topology` starts the process group a strategy needs; `build_train_module` applies the
 parallelism to a built model in torchtitan's fixed order (tensor parallelism, activation
 checkpointing (none yet), torch.compile of each block (`compile.enable`, parallel/compile.py),
 then FSDP2 over the data-parallel mesh of the same parent mesh, or DeepSpeed ZeRO), builds
-the optimizer once, and returns one `Backend`. Everything that differs between the backends
-is behind that protocol: the training loop never asks which one it has.
+the optimizer once, and returns one `TrainModule` (OLMo-core's name for it: forward and loss,
+backward, clip and step, state dicts). Everything that differs between the strategies is
+behind that protocol: the training loop never asks which one it has.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import DistEnv, export_for_torch
 from gpn_scale.parallel.topology import Topology, free_port, init_topology, pick_device
 
-BACKENDS = ("none", "fsdp2", "deepspeed")
+STRATEGIES = ("none", "fsdp2", "deepspeed")
 
 
-class Backend(Protocol):
-    """What the training loop needs from a parallelism backend."""
+class TrainModule(Protocol):
+    """What the training loop needs from the model under its sharding strategy."""
 
     name: str
     model: nn.Module  # the (sharded) module; its forward is GPN's or a baseline's
@@ -67,9 +70,9 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """How to run one model: the backend and what it needs to know of the batch."""
+    """How to run one model: the sharding strategy and what it needs to know of the batch."""
 
-    backend: str  # none | fsdp2 | deepspeed (resolved: not "auto")
+    strategy: str  # none | fsdp2 | deepspeed (resolved: not "auto")
     micro_batch: int  # per data-parallel rank
     accum: int  # micro-batches per optimizer step
     global_batch: int
@@ -83,29 +86,30 @@ class ParallelPlan:
 
 
 # --------------------------------------------------------------------------- topology
-def resolve_backend(requested: str, distributed: bool) -> str:
-    """parallel.backend: "auto" is fsdp2 under a launcher, none in one process."""
-    backend = requested
-    if backend == "auto":
-        backend = "fsdp2" if distributed else "none"
-    if backend == "none" and distributed:
+def resolve_strategy(requested: str, distributed: bool) -> str:
+    """The sharding strategy of parallel.backend: "auto" is fsdp2 under a launcher, none in
+    one process."""
+    strategy = requested
+    if strategy == "auto":
+        strategy = "fsdp2" if distributed else "none"
+    if strategy == "none" and distributed:
         raise ConfigError(
             "parallel.backend: none cannot run on several processes; use fsdp2 or deepspeed"
         )
-    return backend
+    return strategy
 
 
-def setup_topology(env: DistEnv, backend: str, device: str, tp: int) -> Topology:
-    """The process group and device mesh `backend` runs on (`resolve_backend`'s result)."""
+def setup_topology(env: DistEnv, strategy: str, device: str, tp: int) -> Topology:
+    """The process group and device mesh `strategy` runs on (`resolve_strategy`'s result)."""
     if (
-        backend in ("fsdp2", "deepspeed")
+        strategy in ("fsdp2", "deepspeed")
         and not env.distributed
         and "MASTER_PORT" not in os.environ
     ):
         env = dataclasses.replace(env, master_port=free_port())  # a 1-rank group's rendezvous
     # fully_shard needs a process group (without one it dies asking for RANK): one process
     # runs FSDP2 as a 1-rank group, so its checkpoints are those of any other world size.
-    fsdp2_alone = backend == "fsdp2" and not env.distributed
+    fsdp2_alone = strategy == "fsdp2" and not env.distributed
     if fsdp2_alone:
         print(
             "parallel.backend=fsdp2 in one process: running FSDP2 as a 1-rank group "
@@ -113,7 +117,7 @@ def setup_topology(env: DistEnv, backend: str, device: str, tp: int) -> Topology
             file=sys.stderr,
             flush=True,
         )
-    if backend == "deepspeed":  # DeepSpeed wants its process group even for one process
+    if strategy == "deepspeed":  # DeepSpeed wants its process group even for one process
         from gpn_scale.parallel import deepspeed as ds
 
         export_for_torch(env)
@@ -124,7 +128,7 @@ def setup_topology(env: DistEnv, backend: str, device: str, tp: int) -> Topology
 
 
 # --------------------------------------------------------------------------- build
-def build_backend(
+def build_train_module(
     model: nn.Module,
     plan: ParallelPlan,
     topo: Topology,
@@ -135,7 +139,7 @@ def build_backend(
     compile_blocks: Sequence[nn.Module] = (),
     compile_fullgraph: bool = True,
     log: Callable[[str], None] = print,
-) -> Backend:
+) -> TrainModule:
     """Parallelize `model` (TP, then compile, then FSDP2 or DeepSpeed) and build its
     optimizer, once. `compile_blocks` / `compile_fullgraph`: the family's (FamilySpec), read
     when `plan.compile`."""
@@ -147,9 +151,9 @@ def build_backend(
         from gpn_scale.parallel.compile import apply_compile
 
         apply_compile(compile_blocks, compile_fullgraph, log)
-    if plan.backend == "deepspeed":
-        return _deepspeed_backend(model, plan, make_optimizer, log)
-    if plan.backend == "fsdp2":
+    if plan.strategy == "deepspeed":
+        return _deepspeed_train_module(model, plan, make_optimizer, log)
+    if plan.strategy == "fsdp2":
         from gpn_scale.parallel.fsdp import apply_fsdp2
 
         # Compute dtype comes from autocast (bf16 on GPU), not from FSDP's param_dtype:
@@ -163,18 +167,20 @@ def build_backend(
             reduce_dtype=plan.reduce_dtype,
             reshard_after_forward=plan.reshard_after_forward,
         )
-        return FSDP2Backend(model, make_optimizer(model))
-    if plan.backend != "none":
-        raise ConfigError(f"parallel.backend: {plan.backend!r} is not one of {', '.join(BACKENDS)}")
-    return PlainBackend(model, make_optimizer(model))
+        return FSDP2TrainModule(model, make_optimizer(model))
+    if plan.strategy != "none":
+        raise ConfigError(
+            f"parallel.backend: {plan.strategy!r} is not one of {', '.join(STRATEGIES)}"
+        )
+    return PlainTrainModule(model, make_optimizer(model))
 
 
-def _deepspeed_backend(
+def _deepspeed_train_module(
     model: nn.Module,
     plan: ParallelPlan,
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
     log: Callable[[str], None],
-) -> DeepSpeedBackend:
+) -> DeepSpeedTrainModule:
     from gpn_scale.parallel import deepspeed as ds
 
     ds.prepare_env()
@@ -192,11 +198,11 @@ def _deepspeed_backend(
         params = list(engine.module.parameters())
         parts = sum(1 for p in params if getattr(p, "ds_tensor", p).numel() < p.ds_numel)
         log(f"deepspeed: ZeRO-3 partitions {parts} of {len(params)} parameters")
-    return DeepSpeedBackend(engine, ds_opt)
+    return DeepSpeedTrainModule(engine, ds_opt)
 
 
-# --------------------------------------------------------------------------- backends
-class PlainBackend:
+# --------------------------------------------------------------------------- train modules
+class PlainTrainModule:
     """One process, or the base of FSDP2: autograd, our clipping, our optimizer step."""
 
     name = "none"
@@ -275,7 +281,7 @@ class PlainBackend:
         return ck
 
 
-class FSDP2Backend(PlainBackend):
+class FSDP2TrainModule(PlainTrainModule):
     name = "fsdp2"
 
     def backward(self, loss: torch.Tensor, accum: int, last_micro: bool) -> None:
@@ -284,7 +290,7 @@ class FSDP2Backend(PlainBackend):
         (loss / accum).backward()
 
 
-class DeepSpeedBackend:
+class DeepSpeedTrainModule:
     """The DeepSpeed engine clips, skips non-finite steps and steps the optimizer itself."""
 
     name = "deepspeed"
