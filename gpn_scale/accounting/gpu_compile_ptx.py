@@ -1,0 +1,138 @@
+"""What the compiler made of a kernel, read back from its output (accounting/gpu_compile.py):
+registers, spills and stack from the ptxas log; from the PTX, the width of every global load
+per source operand (`.loc` lines name the source line of each `tl.load`) and the
+instructions of the kernel and of each of its loops."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+
+_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas_log(log: str) -> dict[str, int]:
+    """Registers, stack and spills from `ptxas -v` output (the last function reported)."""
+    out: dict[str, int] = {}
+    for m in _PTXAS.finditer(log):
+        out["stack"], out["spill_stores"], out["spill_loads"] = map(int, m.groups())
+    for m in re.finditer(r"Used (\d+) registers", log):
+        out["registers"] = int(m.group(1))
+    return out
+
+
+_LOAD = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(ld\.global[\w.:]*|cp\.async\.c[ag]\.shared\.global[\w.:]*)\s+(.*)$"
+)
+_WIDTH = {
+    "b8": 1,
+    "u8": 1,
+    "s8": 1,
+    "b16": 2,
+    "u16": 2,
+    "s16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "b32": 4,
+    "u32": 4,
+    "s32": 4,
+    "f32": 4,
+    "b64": 8,
+    "u64": 8,
+    "s64": 8,
+    "f64": 8,
+}
+
+
+def _load_bytes(op: str, operands: str) -> int:
+    if op.startswith("cp.async"):
+        m = re.search(r"\],\s*(0x[0-9a-fA-F]+|\d+)", operands)
+        return int(m.group(1), 0) if m else 0
+    parts = op.split(".")
+    vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
+    elem = next((_WIDTH[p] for p in reversed(parts) if p in _WIDTH), 0)
+    return vec * elem
+
+
+def source_operands(path: str) -> dict[int, str]:
+    """Source line -> the pointer operand the `tl.load` on it reads (the first name of the
+    address expression: `W` in `tl.load(W + rk[:, None] * ...`), over the kernel's file (a
+    load may sit in a @triton.jit helper the kernel calls). Every line of a load spanning
+    several lines maps to it: Triton's debug locations point at the call's line (3.8) or at
+    its address argument's (3.6)."""
+    out: dict[int, str] = {}
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and node.args
+        ):
+            continue
+        names = [n for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)]
+        if not names:
+            continue
+        first = min(names, key=lambda n: (n.lineno, n.col_offset))  # the leftmost
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+            out.setdefault(line, first.id)
+    return out
+
+
+def parse_ptx_loads(
+    ptx: str, operands: dict[int, str], source_file: str, asynchronous: set[str] | None = None
+) -> dict[str, dict]:
+    """Global load instructions of the PTX, by the source operand their `.loc` line reads;
+    `asynchronous`, when given, receives the operands loaded with cp.async."""
+    files = {
+        int(m.group(1)): m.group(2)
+        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
+    }
+    wanted = {n for n, path in files.items() if os.path.samefile(path, source_file)}
+    loc: tuple[int, int] | None = None
+    out: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for line in ptx.splitlines():
+        m = re.match(r"^\s*\.loc\s+(\d+)\s+(\d+)", line)
+        if m:
+            loc = (int(m.group(1)), int(m.group(2)))
+            continue
+        m = _LOAD.match(line)
+        if not m or loc is None or loc[0] not in wanted:
+            continue
+        operand = operands.get(loc[1], f"line {loc[1]}")
+        out[operand][_load_bytes(m.group(1), m.group(2))] += 1
+        if asynchronous is not None and m.group(1).startswith("cp.async"):
+            asynchronous.add(operand)
+    return {k: dict(v) for k, v in out.items()}
+
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def ptx_instructions(ptx: str) -> tuple[int, list[int]]:
+    """(instructions in the PTX, each loop's own instructions), loops found by their
+    backward branches and listed by where they start; a nested loop's instructions are its
+    own, not its parent's."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    is_instr = [
+        bool(t) and not t.startswith((".", "//", "{", "}", "(", ")", "$")) and not t.endswith(":")
+        for t in lines
+    ]
+    labels = {m.group(1): i for i, t in enumerate(lines) if (m := _LABEL.match(t))}
+    spans = sorted(
+        (labels[m.group(1)], i)
+        for i, t in enumerate(lines)
+        if (m := _BRANCH.search(t)) and m.group(1) in labels and labels[m.group(1)] < i
+    )
+    own = []
+    for a, b in spans:
+        inner = sum(
+            sum(is_instr[c : d + 1])
+            for c, d in spans
+            if a < c and d < b and not any(a < e < c and d < f < b for e, f in spans)
+        )
+        own.append(sum(is_instr[a : b + 1]) - inner)
+    return sum(is_instr), own
