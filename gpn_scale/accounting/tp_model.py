@@ -240,8 +240,8 @@ def report(cfg: GPNConfig, name: str, per_gpu: int, seq_len: int, gpus: list[str
         "sequential: the time loop's weights, M0 and launch gaps (no all-reduce latency); "
         "decode: vocabulary-parallel, with its two all-reduces.",
         "* gates d-sharded: the predict and fuse gates column-sharded along d as well (NOT "
-        "built: models/gpn/parallelize.py replicates them today); shown because at d >= 2500 they are "
-        "most of what tp = 8 still streams.",
+        "built: models/gpn/parallelize.py replicates them today); shown because at d >= 2500 "
+        "they are most of what tp = 8 still streams.",
     ]
     return "\n".join(lines) + "\n"
 

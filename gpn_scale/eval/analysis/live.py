@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,7 @@ from gpn_scale.eval.analysis.geometry import CovarianceAccumulator, stable_rank
 from gpn_scale.eval.analysis.memory import half_life, param_decay
 
 if TYPE_CHECKING:
+    from gpn_scale.models.gpn import GPN
     from gpn_scale.run.config import AnalysisSection
 
 
@@ -72,6 +73,8 @@ def live_metrics(model: nn.Module, tokens: Tensor, settings: Any) -> dict[str, f
     config = getattr(model, "config", None)
     if config is None or not family_of(config).state_analyses:
         return {}
+    # A family with state analyses runs GPN's reference step path (its spec says so).
+    gpn = cast("GPN", model)
     from gpn_scale.models.gpn.reference import reference_forward
 
     cfg = config
@@ -89,10 +92,10 @@ def live_metrics(model: nn.Module, tokens: Tensor, settings: Any) -> dict[str, f
     model.eval()
     try:
         with _full_weights(model):
-            reference_forward(model, x, on_step=observe)
+            reference_forward(gpn, x, on_step=observe)
             decay = (
-                param_decay(model.write.A_log.detach(), model.write.dt_bias.detach())
-                if model.write is not None
+                param_decay(gpn.write.A_log.detach(), gpn.write.dt_bias.detach())
+                if gpn.write is not None
                 else None
             )
     finally:
