@@ -1,0 +1,418 @@
+"""The walk behind round_trips.py: one program of a Triton kernel, statement by statement over
+its source, with what is known of each name (its value, when known, and the round trip after
+which it is ready), the level below which loads cannot issue and how far the warp has waited;
+loops simulated for a few iterations then extrapolated, branches resolved where their
+condition is known, `@triton.jit` helpers inlined (the rules: round_trips.py's docstring)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+UNKNOWN = object()  # a value not known without running the kernel
+_MAX_SIMULATED_ITERATIONS = 3  # then extrapolated from the last iteration's cost
+
+
+@dataclass
+class _Value:
+    """What the walk knows of a name: its Python value (when known) and the round trip after
+    which it is ready (0: at once)."""
+
+    known: Any = UNKNOWN
+    ready: int = 0
+    from_pid1: bool = False  # derived from tl.program_id(1): a branch on it splits programs
+
+
+@dataclass
+class _State:
+    barrier: int = 0  # loads cannot issue before this level (stores, block boundaries)
+    stall: int = 0  # the warp has waited this far (the highest ready level it has used)
+
+    def boundary(self) -> None:
+        self.barrier = max(self.barrier, self.stall)
+
+    def use(self, ready: int) -> None:
+        self.stall = max(self.stall, ready)
+
+
+@dataclass
+class _Frame:
+    names: dict[str, _Value] = field(default_factory=dict)
+    constexprs: set[str] = field(default_factory=set)  # names whose branches resolve at compile
+    returned: _Value | None = None
+    fn_name: str = ""
+
+
+class _Return(Exception):
+    pass
+
+
+@functools.cache
+def _parsed(fn: Any) -> tuple[ast.FunctionDef, dict[str, Any]]:
+    source = textwrap.dedent(inspect.getsource(fn))
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
+    return node, fn.__globals__
+
+
+def _python_fn(kernel: Any) -> Any:
+    """The Python function behind a @triton.jit object (or the function itself)."""
+    return getattr(kernel, "fn", kernel)
+
+
+def _is_jit(obj: Any) -> bool:
+    """A @triton.jit function (compiled or, under TRITON_INTERPRET, interpreted)."""
+    return inspect.isfunction(getattr(obj, "fn", None))
+
+
+class _Walk:
+    def __init__(self, pid: Sequence[int], stages: int) -> None:
+        self.pid = tuple(pid) + (0,) * (3 - len(pid))
+        self.stages = stages
+        self.state = _State()
+        self.prefetch = False  # inside a pipelined loop past its first iteration
+        # (function, line) of each `for` loop -> its body's executions in the program (the
+        # iterations not simulated counted too)
+        self.executions: dict[tuple[str, int], float] = {}
+        self.weight = 1.0
+        self.branches_on_pid1 = False
+
+    # ------------------------------------------------------------------ functions
+    def call_function(
+        self, fn: Any, args: list[_Value], kwargs: dict[str, _Value], top: bool = False
+    ) -> _Value:
+        node, module_globals = _parsed(fn)
+        frame = _Frame(fn_name=fn.__name__)
+        params = node.args.args
+        defaults = node.args.defaults
+        first_default = len(params) - len(defaults)
+        for i, p in enumerate(params):
+            if i < len(args):
+                value = args[i]
+            elif p.arg in kwargs:
+                value = kwargs[p.arg]
+            elif i >= first_default:
+                value = _Value(self._literal(defaults[i - first_default]))
+            else:
+                value = _Value()
+            frame.names[p.arg] = value
+            if p.annotation is not None and "constexpr" in ast.unparse(p.annotation):
+                frame.constexprs.add(p.arg)
+        self.globals = module_globals
+        try:
+            self.block(node.body, frame)
+        except _Return:
+            pass
+        if top:
+            self.state.boundary()
+        return frame.returned or _Value()
+
+    @staticmethod
+    def _literal(node: ast.expr) -> Any:
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return UNKNOWN
+
+    # ----------------------------------------------------------------- statements
+    def block(self, body: Iterable[ast.stmt], frame: _Frame) -> None:
+        for stmt in body:
+            self.statement(stmt, frame)
+
+    def statement(self, stmt: ast.stmt, frame: _Frame) -> None:
+        if isinstance(stmt, ast.Assign):
+            value = self.expr(stmt.value, frame)
+            for target in stmt.targets:
+                self.assign(target, value, frame)
+        elif isinstance(stmt, ast.AugAssign):
+            current = self.expr(stmt.target, frame)
+            value = self.expr(stmt.value, frame)
+            known = _fold(type(stmt.op), current.known, value.known)
+            self.state.use(max(current.ready, value.ready))
+            self.assign(stmt.target, _Value(known, max(current.ready, value.ready)), frame)
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            self.assign(stmt.target, self.expr(stmt.value, frame), frame)
+        elif isinstance(stmt, ast.Expr):
+            self.expr(stmt.value, frame)
+        elif isinstance(stmt, ast.If):
+            self.branch(stmt, frame)
+        elif isinstance(stmt, ast.For):
+            self.loop(stmt, frame)
+        elif isinstance(stmt, ast.Return):
+            frame.returned = self.expr(stmt.value, frame) if stmt.value is not None else _Value()
+            raise _Return
+        elif isinstance(stmt, (ast.Pass, ast.Assert)):
+            pass
+        else:
+            raise NotImplementedError(f"round trips: statement {type(stmt).__name__} not modelled")
+
+    def assign(self, target: ast.expr, value: _Value, frame: _Frame) -> None:
+        if isinstance(target, ast.Name):
+            frame.names[target.id] = value
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            parts = value.known if isinstance(value.known, tuple) else None
+            for i, t in enumerate(target.elts):
+                known = parts[i].known if parts else UNKNOWN
+                ready = parts[i].ready if parts else value.ready
+                self.assign(t, _Value(known, ready), frame)
+        # subscript / attribute targets do not occur in Triton kernels
+
+    def branch(self, stmt: ast.If, frame: _Frame) -> None:
+        cond = self.expr(stmt.test, frame)
+        self.branches_on_pid1 |= cond.from_pid1
+        compile_time = _names(stmt.test) <= frame.constexprs
+        if cond.known is not UNKNOWN:
+            taken = stmt.body if cond.known else stmt.orelse
+            if not compile_time:
+                self.state.use(cond.ready)
+                self.state.boundary()
+            self.block(taken, frame)
+            if not compile_time:
+                self.state.boundary()
+            return
+        # Not known here: the longer arm (each walked from the same start).
+        self.state.use(cond.ready)
+        self.state.boundary()
+        start = _State(self.state.barrier, self.state.stall)
+        ends = []
+        for arm in (stmt.body, stmt.orelse):
+            self.state = _State(start.barrier, start.stall)
+            self.block(arm, frame)
+            self.state.boundary()
+            ends.append(self.state)
+        self.state = max(ends, key=lambda s: s.barrier)
+
+    def loop(self, stmt: ast.For, frame: _Frame) -> None:
+        it = stmt.iter
+        if not (isinstance(it, ast.Call) and isinstance(stmt.target, ast.Name)):
+            raise NotImplementedError("round trips: only `for name in range(...)` is modelled")
+        kind = _call_name(it.func)
+        bounds = [self.expr(a, frame) for a in it.args]
+        for b in bounds:
+            self.state.use(b.ready)
+        values = [b.known for b in bounds]
+        if any(v is UNKNOWN for v in values):
+            raise NotImplementedError(f"round trips: loop bounds of `{ast.unparse(it)}` unknown")
+        indices = list(range(*values))
+        var = stmt.target.id
+        if kind == "static_range":  # unrolled: one block
+            for i in indices:
+                frame.names[var] = _Value(i)
+                self.block(stmt.body, frame)
+            return
+        key = (frame.fn_name, stmt.lineno)
+        self.executions[key] = self.executions.get(key, 0.0) + self.weight * len(indices)
+        simulated = min(len(indices), _MAX_SIMULATED_ITERATIONS)
+        outer_weight = self.weight
+        if simulated:
+            self.weight = outer_weight * len(indices) / simulated
+        stages = self.stages
+        explicit = isinstance(it.func, ast.Attribute)  # tl.range(..., num_stages=...)
+        for kw in it.keywords:
+            if kw.arg == "num_stages":
+                stages = self.expr(kw.value, frame).known
+        # Triton's pipeliner works on innermost loops: those with a tl.dot, or a tl.range
+        # that asks for stages.
+        innermost = not any(isinstance(n, ast.For) for n in ast.walk(stmt) if n is not stmt)
+        has_dot = any(_call_name(n.func) == "dot" for n in _calls(stmt))
+        asked = explicit and any(kw.arg == "num_stages" for kw in it.keywords)
+        pipelined = innermost and isinstance(stages, int) and stages >= 2 and (has_dot or asked)
+        self.state.boundary()  # entering the loop
+        costs: list[int] = []
+        outer_prefetch = self.prefetch
+        for n, i in enumerate(indices[:_MAX_SIMULATED_ITERATIONS]):
+            before = self.state.barrier
+            frame.names[var] = _Value(i)
+            self.prefetch = pipelined and n > 0
+            self.block(stmt.body, frame)
+            self.state.boundary()
+            costs.append(self.state.barrier - before)
+        self.prefetch = outer_prefetch
+        self.weight = outer_weight
+        rest = len(indices) - len(costs)
+        if rest > 0:
+            self.state.barrier += rest * costs[-1]
+            self.state.stall = max(self.state.stall, self.state.barrier)
+
+    # ---------------------------------------------------------------- expressions
+    def expr(self, node: ast.expr | None, frame: _Frame) -> _Value:
+        if node is None:
+            return _Value()
+        if isinstance(node, ast.Constant):
+            return _Value(node.value)
+        if isinstance(node, ast.Name):
+            if node.id in frame.names:
+                return frame.names[node.id]
+            return _Value(self.globals.get(node.id, UNKNOWN))
+        if isinstance(node, ast.Attribute):
+            base = self.expr(node.value, frame)
+            attr: Any = UNKNOWN
+            if base.known is not UNKNOWN and not _is_tensor_like(base.known):
+                attr = getattr(base.known, node.attr, UNKNOWN)
+            return _Value(attr, base.ready)
+        if isinstance(node, ast.BinOp):
+            a, b = self.expr(node.left, frame), self.expr(node.right, frame)
+            self.state.use(max(a.ready, b.ready))
+            folded = _fold(type(node.op), a.known, b.known)
+            return _Value(folded, max(a.ready, b.ready), a.from_pid1 or b.from_pid1)
+        if isinstance(node, ast.UnaryOp):
+            a = self.expr(node.operand, frame)
+            self.state.use(a.ready)
+            return _Value(_unary(type(node.op), a.known), a.ready, a.from_pid1)
+        if isinstance(node, ast.BoolOp):
+            vals = [self.expr(v, frame) for v in node.values]
+            known: Any = UNKNOWN
+            if all(v.known is not UNKNOWN for v in vals):
+                ks = [v.known for v in vals]
+                known = all(ks) if isinstance(node.op, ast.And) else any(ks)
+            return _Value(known, max(v.ready for v in vals), any(v.from_pid1 for v in vals))
+        if isinstance(node, ast.Compare):
+            vals = [self.expr(node.left, frame)] + [self.expr(c, frame) for c in node.comparators]
+            known = UNKNOWN
+            if all(v.known is not UNKNOWN for v in vals) and len(node.ops) == 1:
+                known = _compare(type(node.ops[0]), vals[0].known, vals[1].known)
+            self.state.use(max(v.ready for v in vals))
+            return _Value(known, max(v.ready for v in vals), any(v.from_pid1 for v in vals))
+        if isinstance(node, ast.IfExp):
+            cond = self.expr(node.test, frame)
+            a, b = self.expr(node.body, frame), self.expr(node.orelse, frame)
+            if cond.known is not UNKNOWN:
+                chosen = a if cond.known else b
+                return _Value(chosen.known, max(cond.ready, chosen.ready))
+            return _Value(UNKNOWN, max(cond.ready, a.ready, b.ready))
+        if isinstance(node, ast.Subscript):
+            base = self.expr(node.value, frame)
+            index = self.expr(node.slice, frame)
+            return _Value(UNKNOWN, max(base.ready, index.ready))
+        if isinstance(node, (ast.Tuple, ast.List)):
+            parts = tuple(self.expr(e, frame) for e in node.elts)
+            return _Value(parts, max((p.ready for p in parts), default=0))
+        if isinstance(node, ast.Slice):
+            bounds = [self.expr(p, frame) for p in (node.lower, node.upper, node.step) if p]
+            return _Value(UNKNOWN, max((p.ready for p in bounds), default=0))
+        if isinstance(node, ast.Call):
+            return self.call(node, frame)
+        raise NotImplementedError(f"round trips: expression {type(node).__name__} not modelled")
+
+    def call(self, node: ast.Call, frame: _Frame) -> _Value:
+        name = _call_name(node.func)
+        func = self.expr(node.func, frame)  # a method's receiver (x.to(...)) is an operand
+        target = func.known if isinstance(node.func, ast.Name) else None
+        args = [self.expr(a, frame) for a in node.args]
+        kwargs = {k.arg: self.expr(k.value, frame) for k in node.keywords if k.arg}
+        operands = [func, *args, *kwargs.values()]
+        ready = max(v.ready for v in operands)
+        if target is not None and _is_jit(target):  # a @triton.jit helper: inlined
+            saved_globals = self.globals
+            saved_state = self.state
+            out = self.call_function(_python_fn(target), args, kwargs)
+            self.globals = saved_globals
+            assert self.state is saved_state
+            return out
+        if name == "load":
+            issue = max(self.state.barrier, ready)
+            self.state.use(ready)  # its address
+            # In a pipelined loop past its first iteration the load was issued one iteration
+            # ahead: its value is there when the iteration starts.
+            prefetched = self.prefetch and issue == self.state.barrier
+            return _Value(UNKNOWN, issue if prefetched else issue + 1)
+        if name == "store" or name.startswith("atomic_"):
+            self.state.use(ready)
+            self.state.boundary()
+            if name.startswith("atomic_"):
+                return _Value(UNKNOWN, self.state.barrier + 1)
+            return _Value()
+        if name == "program_id":
+            axis = args[0].known if args else kwargs["axis"].known
+            return _Value(self.pid[axis], from_pid1=axis == 1)
+        if name == "num_programs":
+            return _Value(UNKNOWN)
+        if name == "static_assert" or name == "device_print":
+            return _Value()
+        # Arithmetic, reductions, tl.dot, casts, tl.arange, tl.zeros...: ready with its
+        # operands; the warp waits for them here (later loads may still be hoisted above).
+        self.state.use(ready)
+        known = UNKNOWN
+        if name in ("cdiv",) and all(a.known is not UNKNOWN for a in args):
+            known = -(-args[0].known // args[1].known)
+        elif name in ("min", "minimum") and all(a.known is not UNKNOWN for a in args):
+            known = min(a.known for a in args)
+        elif name in ("max", "maximum") and all(a.known is not UNKNOWN for a in args):
+            known = max(a.known for a in args)
+        return _Value(known, ready)
+
+
+def _is_tensor_like(x: Any) -> bool:
+    return hasattr(x, "data_ptr") or hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - {"tl", "triton"}
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _call_name(func: ast.expr) -> str:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return ""
+
+
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.Div: lambda a, b: a / b,
+    ast.BitAnd: lambda a, b: a & b,
+    ast.BitOr: lambda a, b: a | b,
+    ast.LShift: lambda a, b: a << b,
+    ast.RShift: lambda a, b: a >> b,
+}
+
+
+def _fold(op: type, a: Any, b: Any) -> Any:
+    if a is UNKNOWN or b is UNKNOWN or op not in _BINOPS:
+        return UNKNOWN
+    if not all(isinstance(x, (int, float, bool)) for x in (a, b)):
+        return UNKNOWN
+    try:
+        return _BINOPS[op](a, b)
+    except (ZeroDivisionError, TypeError):
+        return UNKNOWN
+
+
+def _unary(op: type, a: Any) -> Any:
+    if a is UNKNOWN or not isinstance(a, (int, float, bool)):
+        return UNKNOWN
+    if op is ast.Not:
+        return not a
+    if op is ast.USub:
+        return -a
+    return a
+
+
+_COMPARE = {
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+}
+
+
+def _compare(op: type, a: Any, b: Any) -> Any:
+    if op not in _COMPARE or not all(isinstance(x, (int, float, bool)) for x in (a, b)):
+        return UNKNOWN
+    return _COMPARE[op](a, b)
