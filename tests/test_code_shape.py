@@ -63,7 +63,6 @@ TO_SPLIT_FILES = {
     "gpn_scale/bench/gpu.py": 650,
     "gpn_scale/ops/gpn_step/cuda.py": 853,
     "gpn_scale/run/config.py": 739,
-    "gpn_scale/scaling/fit.py": 754,
     "gpn_scale/train/metrics.py": 639,
 }
 TO_SPLIT_FUNCTIONS = {
