@@ -66,8 +66,6 @@ TO_SPLIT_FILES = {
     "gpn_scale/train/metrics.py": 639,
 }
 TO_SPLIT_FUNCTIONS = {
-    "gpn_scale/bench/engine.py::_bare_matmul_loops": 110,
-    "gpn_scale/bench/engine.py::main": 112,
     "gpn_scale/eval/analysis/commands.py::_analyze": 92,
     "gpn_scale/eval/analysis/report.py::markdown": 112,
     "gpn_scale/eval/analysis/stream.py::analyze_states": 105,

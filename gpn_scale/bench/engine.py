@@ -182,9 +182,56 @@ def bench_roofline(repeats: int, shape: tuple[str, int, int] = SHAPES["SMALL"]) 
 def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[], None]]:
     """The matmuls each phase must do, alone at the same shapes: per phase, a function that
     runs a whole phase's worth of them (every step, or every chunk)."""
-    d, e, V, C = cfg.d_state, cfg.d_emb, cfg.vocab_size, cfg.engine.chunk_size
+    (seq_fwd, seq_bwd), weights = _step_matmuls(cfg, B)
+    recompute, memory_carry, wgrad = _chunk_matmuls(cfg, B, weights)
+    decode = _decode_matmuls(cfg, B, T)
+    chunks = -(-T // cfg.engine.chunk_size)
+    return {
+        "sequential forward": _times(seq_fwd, T),
+        "sequential backward": _times(seq_bwd, T),
+        **(
+            {
+                "sequential forward +memory": _times(lambda: seq_fwd(True), T),
+                "sequential backward +memory": _times(lambda: seq_bwd(True), T),
+                "memory carry backward": _times(memory_carry, chunks - 1),
+            }
+            if cfg.memory
+            else {}
+        ),
+        "parallel recompute": _times(recompute, chunks),
+        "weight gradients": _times(wgrad, chunks),
+        "decode": decode,
+    }
+
+
+def _times(fn: Callable[[], None], n: int) -> Callable[[], None]:
+    def loop() -> None:
+        for _ in range(n):
+            fn()
+
+    return loop
+
+
+def _widths(cfg: GPNConfig) -> tuple[list[int], int]:
+    """The width of each layer's fused input matmul, and of the output matmul's input."""
     widths_in = [sum(input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
     width_out = cfg.n_heads * cfg.d_value + cfg.d_ffn if cfg.memory else cfg.d_ffn
+    return widths_in, width_out
+
+
+# The projections' weights (W_in per layer, W_out, W_fg): the step's and the chunk's matmuls
+# read the same ones.
+_Weights = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]
+
+
+def _step_matmuls(
+    cfg: GPNConfig, B: int
+) -> tuple[tuple[Callable[..., None], Callable[..., None]], _Weights]:
+    """One time step's matmuls of the sequential forward and backward (B rows each), with
+    the per-step memory reads when called with memory=True; and the weights (W_in, W_out,
+    W_fg), which the chunks' matmuls read too."""
+    d = cfg.d_state
+    widths_in, width_out = _widths(cfg)
     r = torch.randn
     x = r(B, d)
     W_in = [r(d, n) for n in widths_in]
@@ -222,6 +269,18 @@ def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[],
             dz @ Wt_out
         dz @ Wt_fg
 
+    return (seq_fwd, seq_bwd), (W_in, W_out, W_fg)
+
+
+def _chunk_matmuls(
+    cfg: GPNConfig, B: int, weights: _Weights
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """One chunk's matmuls (C * B rows) of the parallel recompute, the memory carry's
+    backward and the weight gradients."""
+    W_in, W_out, W_fg = weights
+    d, C, H, dk, dv = cfg.d_state, cfg.engine.chunk_size, cfg.n_heads, cfg.d_key, cfg.d_value
+    widths_in, width_out = _widths(cfg)
+    r = torch.randn
     X = r(C * B, d)
     H_ = r(C * B, width_out)
     dY = [r(C * B, n) for n in widths_in]
@@ -246,6 +305,14 @@ def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[],
             H_.t() @ dZ
         X.t() @ dZ
 
+    return recompute, memory_carry, wgrad
+
+
+def _decode_matmuls(cfg: GPNConfig, B: int, T: int) -> Callable[[], None]:
+    """The decode's matmuls over the whole sequence: the logits and their gradients, loss
+    chunk by loss chunk, and the state's projection to the embedding."""
+    d, e, V = cfg.d_state, cfg.d_emb, cfg.vocab_size
+    r = torch.randn
     N = B * T
     rows = min(cfg.engine.loss_chunk_tokens, N)
     Hd = r(rows, e)
@@ -264,31 +331,7 @@ def _bare_matmul_loops(cfg: GPNConfig, B: int, T: int) -> dict[str, Callable[[],
         dH @ W_dec.t()
         P.t() @ dH
 
-    chunks = -(-T // C)
-
-    def times(fn: Callable[[], None], n: int) -> Callable[[], None]:
-        def loop() -> None:
-            for _ in range(n):
-                fn()
-
-        return loop
-
-    return {
-        "sequential forward": times(seq_fwd, T),
-        "sequential backward": times(seq_bwd, T),
-        **(
-            {
-                "sequential forward +memory": times(lambda: seq_fwd(True), T),
-                "sequential backward +memory": times(lambda: seq_bwd(True), T),
-                "memory carry backward": times(memory_carry, chunks - 1),
-            }
-            if cfg.memory
-            else {}
-        ),
-        "parallel recompute": times(recompute, chunks),
-        "weight gradients": times(wgrad, chunks),
-        "decode": decode,
-    }
+    return decode
 
 
 def _child(path: str, config: str, B: int, T: int) -> None:
@@ -357,6 +400,34 @@ def bench_budget(budget_gb: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.child:
+        path, config, B, T = args.child
+        _child(path, config, int(B), int(T))
+        return 0
+    tables = set(args.only.split(","))
+    if args.reference_jax:
+        error = _reference_jax_error(args.reference_jax, tables)
+        if error:
+            print(f"gpn_scale.bench.engine: error: {error}", file=sys.stderr)
+            return 2
+    kernels = kernels_for(torch.device("cpu")) is not None
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
+        f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={requested()})"
+    )
+    if "speed" in tables:
+        _print_speed(args.repeats, args.reference_jax)
+    if "roofline" in tables:
+        _print_roofline(args.repeats)
+    if "memory" in tables:
+        _print_memory()
+    if "budget" in tables:
+        _print_budget(args.budget_gb)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="--reference-jax needs a checkout of the paper's code: git clone "
@@ -381,93 +452,83 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--child", nargs=4, metavar=("PATH", "CONFIG", "B", "T"), help=argparse.SUPPRESS
     )
-    args = parser.parse_args(argv)
-    if args.child:
-        path, config, B, T = args.child
-        _child(path, config, int(B), int(T))
-        return 0
-    tables = set(args.only.split(","))
-    if args.reference_jax:
-        from gpn_scale.bench import reference_jax as jax_bench
+    return parser
 
-        try:
-            jax_bench.check_checkout(args.reference_jax)
-            jax_bench.require_jax()
-        except jax_bench.ReferenceJaxError as err:
-            print(f"gpn_scale.bench.engine: error: {err}", file=sys.stderr)
-            return 2
-        if "speed" not in tables:
-            print(
-                "gpn_scale.bench.engine: error: --reference-jax adds to the speed table; "
-                "include speed in --only",
-                file=sys.stderr,
-            )
-            return 2
-    kernels = kernels_for(torch.device("cpu")) is not None
+
+def _reference_jax_error(path: str, tables: set[str]) -> str | None:
+    """Why --reference-jax PATH cannot run with these tables (None: it can)."""
+    from gpn_scale.bench import reference_jax as jax_bench
+
+    try:
+        jax_bench.check_checkout(path)
+        jax_bench.require_jax()
+    except jax_bench.ReferenceJaxError as err:
+        return str(err)
+    if "speed" not in tables:
+        return "--reference-jax adds to the speed table; include speed in --only"
+    return None
+
+
+def _print_speed(repeats: int, reference_jax: str | None) -> None:
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, engine steps: "
-        f"{'fused CPU kernels' if kernels else 'PyTorch ops'} ({ENV_VAR}={requested()})"
+        f"\n## Training step tokens/s (forward + backward + AdamW), best of {repeats}, interleaved"
     )
-    if "speed" in tables:
+    jax_cols = f" {'JAX (paper)':>11} {'vs JAX':>7}" if reference_jax else ""
+    print(f"{'shape':<18} {'engine':>10} {'reference':>10} {'ratio':>7}" + jax_cols)
+    for r in bench_speed(repeats, reference_jax):
+        jax = f" {r['jax']:>11.0f} {r['ratio_jax']:>6.2f}x" if "jax" in r else ""
         print(
-            "\n## Training step tokens/s (forward + backward + AdamW), best of "
-            f"{args.repeats}, interleaved"
+            f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
+            f"{r['ratio']:>6.2f}x" + jax
         )
-        jax_cols = f" {'JAX (paper)':>11} {'vs JAX':>7}" if args.reference_jax else ""
-        print(f"{'shape':<18} {'engine':>10} {'reference':>10} {'ratio':>7}" + jax_cols)
-        for r in bench_speed(args.repeats, args.reference_jax):
-            jax = f" {r['jax']:>11.0f} {r['ratio_jax']:>6.2f}x" if "jax" in r else ""
-            print(
-                f"{r['shape']:<18} {r['engine']:>10.0f} {r['reference']:>10.0f} "
-                f"{r['ratio']:>6.2f}x" + jax
-            )
-    if "roofline" in tables:
-        roofline = bench_roofline(args.repeats)  # before the header: it may build the kernels
-        print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")
+
+
+def _print_roofline(repeats: int) -> None:
+    roofline = bench_roofline(repeats)  # before the header: it may build the kernels
+    print("\n## Roofline, SMALL 8x256: engine phase vs its bare matmuls at the same shapes")
+    print(
+        "(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk];\n"
+        " rest: the phase with its projection matmuls left out (a benchmark build of the\n"
+        " kernels), i.e. all its other work; sum: (matmuls + rest) / matmuls, the ratio\n"
+        " the phase would have if the two did not slow each other down)"
+    )
+    print(
+        f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7} "
+        f"{'+memory s':>10} {'ratio':>7} {'rest s':>8} {'sum':>7}"
+    )
+    for r in roofline:
+        split = (
+            f" {r['other_work']:>8.3f} {r['ratio_of_sum']:>6.2f}x"
+            if r["other_work"] is not None
+            else f" {'-':>8} {'-':>7}"
+        )
         print(
-            "(+memory: also the per-step memory-read matmuls M0^T [k; q] / M0 [drq; drk];\n"
-            " rest: the phase with its projection matmuls left out (a benchmark build of the\n"
-            " kernels), i.e. all its other work; sum: (matmuls + rest) / matmuls, the ratio\n"
-            " the phase would have if the two did not slow each other down)"
+            f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
+            f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x" + split
         )
-        print(
-            f"{'phase':<22} {'phase s':>9} {'matmuls s':>10} {'ratio':>7} "
-            f"{'+memory s':>10} {'ratio':>7} {'rest s':>8} {'sum':>7}"
-        )
-        for r in roofline:
-            split = (
-                f" {r['other_work']:>8.3f} {r['ratio_of_sum']:>6.2f}x"
-                if r["other_work"] is not None
-                else f" {'-':>8} {'-':>7}"
-            )
-            print(
-                f"{r['phase']:<22} {r['seconds']:>9.3f} {r['bare_matmuls']:>10.3f} "
-                f"{r['ratio']:>6.2f}x {r['with_memory']:>10.3f} {r['ratio_with_memory']:>6.2f}x"
-                + split
-            )
-    if "memory" in tables:
-        print("\n## Peak memory (peak RSS of a fresh process, MB), SMALL B=8, one training step")
-        print(f"{'T':>6} {'engine':>10} {'reference':>10}")
-        rows = bench_memory()
-        for r in rows:
-            print(f"{r['T']:>6} {r['engine'] / 1e6:>10.0f} {r['reference'] / 1e6:>10.0f}")
-        growth = {p: (rows[-1][p] - rows[0][p]) / 1e6 for p in ("engine", "reference")}
-        print(
-            f"T=2048 minus T=256: engine {growth['engine']:.0f} MB, "
-            f"reference {growth['reference']:.0f} MB"
-        )
-    if "budget" in tables:
-        print(f"\n## Best tokens/s within {args.budget_gb:g} GB peak memory, SMALL at T=2048")
-        print(f"{'path':<10} {'batch':>6} {'tokens/s':>10} {'peak MB':>9}")
-        rows = bench_budget(args.budget_gb)
-        for r in rows:
-            print(
-                f"{r['path']:<10} {r['batch']:>6} {r['tokens_per_s']:>10.0f} "
-                f"{r['peak'] / 1e6:>9.0f}"
-            )
-        if rows[1]["tokens_per_s"]:
-            print(f"engine / reference: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x")
-    return 0
+
+
+def _print_memory() -> None:
+    print("\n## Peak memory (peak RSS of a fresh process, MB), SMALL B=8, one training step")
+    print(f"{'T':>6} {'engine':>10} {'reference':>10}")
+    rows = bench_memory()
+    for r in rows:
+        print(f"{r['T']:>6} {r['engine'] / 1e6:>10.0f} {r['reference'] / 1e6:>10.0f}")
+    growth = {p: (rows[-1][p] - rows[0][p]) / 1e6 for p in ("engine", "reference")}
+    print(
+        f"T=2048 minus T=256: engine {growth['engine']:.0f} MB, "
+        f"reference {growth['reference']:.0f} MB"
+    )
+
+
+def _print_budget(budget_gb: float) -> None:
+    print(f"\n## Best tokens/s within {budget_gb:g} GB peak memory, SMALL at T=2048")
+    print(f"{'path':<10} {'batch':>6} {'tokens/s':>10} {'peak MB':>9}")
+    rows = bench_budget(budget_gb)
+    for r in rows:
+        print(f"{r['path']:<10} {r['batch']:>6} {r['tokens_per_s']:>10.0f} {r['peak'] / 1e6:>9.0f}")
+    if rows[1]["tokens_per_s"]:
+        print(f"engine / reference: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
