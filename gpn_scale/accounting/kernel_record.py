@@ -40,7 +40,7 @@ class Op:
     flops: int
     triton: bool
     collective: bool = False  # an all-reduce of the tp group (not a kernel of ours)
-    cost: Any = None  # accounting.gpu_compile.KernelCost: the compiled variant's facts (or None)
+    cost: Any = None  # accounting.kernel_costs.KernelCost: the compiled variant's facts (or None)
     efficiency: float | None = None  # share of the dense peak its FLOPs run at (default EFF_FLOPS)
 
 
