@@ -90,7 +90,9 @@ def test_history_and_config_are_on_disk_before_each_checkpoint(
         return str(run_dir / "checkpoints" / "step_000000010")
 
     trainer.ckpt = SimpleNamespace(save=save)  # type: ignore[assignment]
-    trainer._save(SimpleNamespace(backend=None, train_loader=None, model_cfg=None), TrainState(10))
+    trainer._save(
+        SimpleNamespace(train_module=None, train_loader=None, model_cfg=None), TrainState(10)
+    )
     assert at_save["synced"] and at_save["synced"][-1] == at_save["size"]  # type: ignore[index]
     assert [size for n, size in synced if n == str(metrics)][-1] == metrics.stat().st_size
     assert '"event": "checkpoint"' in metrics.read_text().splitlines()[-1]
