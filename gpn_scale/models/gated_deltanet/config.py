@@ -16,6 +16,17 @@ from typing import Any, ClassVar
 from gpn_scale.core.config import ConfigError, check_fields, closest_key_hint
 
 BACKENDS = ("auto", "chunk", "recurrent", "fla")
+# The fields a checkpoint must share with the config that resumes it (the model's shape).
+SHAPE_KEYS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_key",
+    "d_value",
+    "d_ffn",
+    "conv_size",
+)
 
 
 @dataclass(frozen=True)
@@ -54,18 +65,7 @@ class GatedDeltaNetConfig:
     family_name: ClassVar[str] = "gated_deltanet"
 
     def __post_init__(self) -> None:
-        for key in (
-            "vocab_size",
-            "d_model",
-            "n_layers",
-            "n_heads",
-            "d_key",
-            "d_value",
-            "d_ffn",
-            "conv_size",
-            "chunk_size",
-            "loss_chunk_tokens",
-        ):
+        for key in (*SHAPE_KEYS, "chunk_size", "loss_chunk_tokens"):
             _require_int(key, getattr(self, key), minimum=1)
         for key in ("norm_eps", "init_std"):
             value = getattr(self, key)

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpn_scale.models.gated_deltanet.config import GatedDeltaNetConfig
+from gpn_scale.models.gated_deltanet.config import SHAPE_KEYS, GatedDeltaNetConfig
 from gpn_scale.models.protocol import FamilySpec
 
 if TYPE_CHECKING:  # loading a config resolves the family without importing torch
     from torch import nn
-
-# The fields a checkpoint must share with the config that resumes it (the model's shape).
-SHAPE_KEYS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "d_key",
-    "d_value",
-    "d_ffn",
-    "conv_size",
-)
 
 
 def _build(cfg: GatedDeltaNetConfig) -> nn.Module:
