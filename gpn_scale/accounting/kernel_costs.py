@@ -181,14 +181,8 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
     else:
         in_flight, l2_bytes, m_blocks = 0, 0, 1
         g1 = grid[1] if len(grid) > 1 else 1
-        first = round_trips.cached_analysis(rec.kernel, rec.args, rec.meta, (0, 0, 0))
         # one walk per program class: along grid axis 1 only where the kernel branches on it
-        programs_ = [first] + [
-            round_trips.cached_analysis(rec.kernel, rec.args, rec.meta, (0, j, 0))
-            if first.branches_on_pid1
-            else first
-            for j in range(1, g1)
-        ]
+        programs_ = round_trips.programs_along_axis1(rec.kernel, rec.args, rec.meta, g1)
         trips = tuple(p.trips for p in programs_)
         issued = tuple(
             v.num_warps * issued_instructions(instructions, loops, p.loop_executions)

@@ -47,6 +47,8 @@ from typing import Any
 from gpn_scale.accounting.round_trips_walk import (
     UNKNOWN,
     _call_name,
+    _compare,
+    _constexpr_params,
     _is_jit,
     _names,
     _parsed,
@@ -73,6 +75,21 @@ class Program:
     trips: int
     loop_executions: tuple[float, ...]
     branches_on_pid1: bool = False  # programs along grid axis 1 may differ
+    # Its path's decisions on tl.program_id(1), each a plain comparison of the id, with their
+    # outcomes; None where one is not (see `programs_along_axis1`).
+    pid1_trace: tuple[tuple[tuple[type, Any, bool], bool], ...] | None = ()
+
+    def followed_by(self, pid1: int) -> bool:
+        """Whether program `pid1` of the same launch takes this program's path: every
+        decision on the id along it comes out the same for `pid1` (the walk reads the id
+        nowhere else that changes what it counts), so it is this program."""
+        if self.pid1_trace is None:
+            return False
+        for (op, other, pid_left), outcome in self.pid1_trace:
+            taken = _compare(op, pid1, other) if pid_left else _compare(op, other, pid1)
+            if taken is UNKNOWN or bool(taken) != outcome:
+                return False
+        return True
 
 
 def analyse(
@@ -89,7 +106,8 @@ def analyse(
     kwargs = {k: _Value(_scalar(v)) for k, v in meta.items() if k in names}
     walk.call_function(fn, values, kwargs, top=True)
     loops = tuple(walk.executions.get(key, 0.0) for key in loop_order(kernel, meta))
-    return Program(max(walk.state.barrier, walk.state.stall), loops, walk.branches_on_pid1)
+    trace = tuple(walk.pid1_trace) if walk.pid1_trace is not None else None
+    return Program(max(walk.state.barrier, walk.state.stall), loops, walk.branches_on_pid1, trace)
 
 
 def round_trips(
@@ -134,12 +152,7 @@ def _loop_order(fn: Any, known: tuple[tuple[str, Any], ...]) -> tuple[tuple[str,
             walk(f, child, constexprs)
 
     node, _ = _parsed(fn)
-    constexprs = {
-        p.arg
-        for p in node.args.args
-        if p.annotation is not None and "constexpr" in ast.unparse(p.annotation)
-    }
-    walk(fn, node, constexprs)
+    walk(fn, node, set(_constexpr_params(node)))
     return tuple(out)
 
 
@@ -190,6 +203,26 @@ def cached_analysis(
 
 
 _CACHE: dict[tuple, Program] = {}
+
+
+def programs_along_axis1(
+    kernel: Any, args: Sequence[Any], meta: dict[str, Any], n: int
+) -> list[Program]:
+    """Programs (0, j, 0) for j < n of one launch, walked once per path: a program that
+    takes an already walked program's path (`Program.followed_by`) is that program. The
+    memory kernels' heads and FFN blocks are two paths over ~30 programs."""
+    first = cached_analysis(kernel, args, meta, (0, 0, 0))
+    if not first.branches_on_pid1:
+        return [first] * n
+    walked = [first]
+    out = [first]
+    for j in range(1, n):
+        program = next((p for p in walked if p.followed_by(j)), None)
+        if program is None:
+            program = cached_analysis(kernel, args, meta, (0, j, 0))
+            walked.append(program)
+        out.append(program)
+    return out
 
 
 def program_durations(trips: Sequence[float], grid: Sequence[int], seconds: float) -> list[float]:

@@ -26,6 +26,10 @@ class _Value:
     known: Any = UNKNOWN
     ready: int = 0
     from_pid1: bool = False  # derived from tl.program_id(1): a branch on it splits programs
+    is_pid1: bool = False  # tl.program_id(1) itself
+    # A comparison of tl.program_id(1) with a value not derived from it: (operator, that
+    # value, whether the program id is on the left), to evaluate for another program.
+    pid1_test: tuple[type, Any, bool] | None = None
 
 
 @dataclass
@@ -81,6 +85,10 @@ class _Walk:
         self.executions: dict[tuple[str, int], float] = {}
         self.weight = 1.0
         self.branches_on_pid1 = False
+        # Each decision on tl.program_id(1) along this program's path, as (test, outcome);
+        # None once one is not a plain comparison of the id (then no other program may be
+        # taken to follow the same path: see round_trips.programs_along_axis1).
+        self.pid1_trace: list[tuple[tuple[type, Any, bool], bool]] | None = []
 
     # ------------------------------------------------------------------ functions
     def call_function(
@@ -91,6 +99,7 @@ class _Walk:
         params = node.args.args
         defaults = node.args.defaults
         first_default = len(params) - len(defaults)
+        constexprs = _constexpr_params(node)
         for i, p in enumerate(params):
             if i < len(args):
                 value = args[i]
@@ -101,8 +110,7 @@ class _Walk:
             else:
                 value = _Value()
             frame.names[p.arg] = value
-            if p.annotation is not None and "constexpr" in ast.unparse(p.annotation):
-                frame.constexprs.add(p.arg)
+        frame.constexprs |= constexprs
         self.globals = module_globals
         try:
             self.block(node.body, frame)
@@ -134,7 +142,8 @@ class _Walk:
             value = self.expr(stmt.value, frame)
             known = _fold(type(stmt.op), current.known, value.known)
             self.state.use(max(current.ready, value.ready))
-            self.assign(stmt.target, _Value(known, max(current.ready, value.ready)), frame)
+            pid1 = current.from_pid1 or value.from_pid1
+            self.assign(stmt.target, _Value(known, max(current.ready, value.ready), pid1), frame)
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             self.assign(stmt.target, self.expr(stmt.value, frame), frame)
         elif isinstance(stmt, ast.Expr):
@@ -157,14 +166,23 @@ class _Walk:
         elif isinstance(target, (ast.Tuple, ast.List)):
             parts = value.known if isinstance(value.known, tuple) else None
             for i, t in enumerate(target.elts):
-                known = parts[i].known if parts else UNKNOWN
-                ready = parts[i].ready if parts else value.ready
-                self.assign(t, _Value(known, ready), frame)
+                part = parts[i] if parts else _Value(UNKNOWN, value.ready, value.from_pid1)
+                self.assign(t, part, frame)
         # subscript / attribute targets do not occur in Triton kernels
+
+    def _decided_on_pid1(self, value: _Value) -> None:
+        """A decision (a branch taken, an arm chosen, a loop's trip count) on `value`."""
+        if not value.from_pid1:
+            return
+        self.branches_on_pid1 = True
+        if self.pid1_trace is not None and value.pid1_test and value.known is not UNKNOWN:
+            self.pid1_trace.append((value.pid1_test, bool(value.known)))
+        else:
+            self.pid1_trace = None
 
     def branch(self, stmt: ast.If, frame: _Frame) -> None:
         cond = self.expr(stmt.test, frame)
-        self.branches_on_pid1 |= cond.from_pid1
+        self._decided_on_pid1(cond)
         compile_time = _names(stmt.test) <= frame.constexprs
         if cond.known is not UNKNOWN:
             taken = stmt.body if cond.known else stmt.orelse
@@ -195,6 +213,9 @@ class _Walk:
         bounds = [self.expr(a, frame) for a in it.args]
         for b in bounds:
             self.state.use(b.ready)
+            if b.from_pid1:  # a trip count that depends on the program: not a plain test
+                self.branches_on_pid1 = True
+                self.pid1_trace = None
         values = [b.known for b in bounds]
         if any(v is UNKNOWN for v in values):
             raise NotImplementedError(f"round trips: loop bounds of `{ast.unparse(it)}` unknown")
@@ -218,8 +239,7 @@ class _Walk:
                 stages = self.expr(kw.value, frame).known
         # Triton's pipeliner works on innermost loops: those with a tl.dot, or a tl.range
         # that asks for stages.
-        innermost = not any(isinstance(n, ast.For) for n in ast.walk(stmt) if n is not stmt)
-        has_dot = any(_call_name(n.func) == "dot" for n in _calls(stmt))
+        innermost, has_dot = _loop_shape(stmt)
         asked = explicit and any(kw.arg == "num_stages" for kw in it.keywords)
         pipelined = innermost and isinstance(stages, int) and stages >= 2 and (has_dot or asked)
         self.state.boundary()  # entering the loop
@@ -254,7 +274,7 @@ class _Walk:
             attr: Any = UNKNOWN
             if base.known is not UNKNOWN and not _is_tensor_like(base.known):
                 attr = getattr(base.known, node.attr, UNKNOWN)
-            return _Value(attr, base.ready)
+            return _Value(attr, base.ready, base.from_pid1)
         if isinstance(node, ast.BinOp):
             a, b = self.expr(node.left, frame), self.expr(node.right, frame)
             self.state.use(max(a.ready, b.ready))
@@ -277,24 +297,37 @@ class _Walk:
             if all(v.known is not UNKNOWN for v in vals) and len(node.ops) == 1:
                 known = _compare(type(node.ops[0]), vals[0].known, vals[1].known)
             self.state.use(max(v.ready for v in vals))
-            return _Value(known, max(v.ready for v in vals), any(v.from_pid1 for v in vals))
+            test = None
+            if len(node.ops) == 1 and known is not UNKNOWN:
+                left, right = vals
+                if left.is_pid1 and not right.from_pid1:
+                    test = (type(node.ops[0]), right.known, True)
+                elif right.is_pid1 and not left.from_pid1:
+                    test = (type(node.ops[0]), left.known, False)
+            from_pid1 = any(v.from_pid1 for v in vals)
+            return _Value(known, max(v.ready for v in vals), from_pid1, pid1_test=test)
         if isinstance(node, ast.IfExp):
             cond = self.expr(node.test, frame)
+            self._decided_on_pid1(cond)
             a, b = self.expr(node.body, frame), self.expr(node.orelse, frame)
+            pid1 = cond.from_pid1 or a.from_pid1 or b.from_pid1
             if cond.known is not UNKNOWN:
                 chosen = a if cond.known else b
-                return _Value(chosen.known, max(cond.ready, chosen.ready))
-            return _Value(UNKNOWN, max(cond.ready, a.ready, b.ready))
+                return _Value(chosen.known, max(cond.ready, chosen.ready), pid1)
+            return _Value(UNKNOWN, max(cond.ready, a.ready, b.ready), pid1)
         if isinstance(node, ast.Subscript):
             base = self.expr(node.value, frame)
             index = self.expr(node.slice, frame)
-            return _Value(UNKNOWN, max(base.ready, index.ready))
+            pid1 = base.from_pid1 or index.from_pid1
+            return _Value(UNKNOWN, max(base.ready, index.ready), pid1)
         if isinstance(node, (ast.Tuple, ast.List)):
             parts = tuple(self.expr(e, frame) for e in node.elts)
-            return _Value(parts, max((p.ready for p in parts), default=0))
+            pid1 = any(p.from_pid1 for p in parts)
+            return _Value(parts, max((p.ready for p in parts), default=0), pid1)
         if isinstance(node, ast.Slice):
             bounds = [self.expr(p, frame) for p in (node.lower, node.upper, node.step) if p]
-            return _Value(UNKNOWN, max((p.ready for p in bounds), default=0))
+            pid1 = any(p.from_pid1 for p in bounds)
+            return _Value(UNKNOWN, max((p.ready for p in bounds), default=0), pid1)
         if isinstance(node, ast.Call):
             return self.call(node, frame)
         raise NotImplementedError(f"round trips: expression {type(node).__name__} not modelled")
@@ -329,7 +362,7 @@ class _Walk:
             return _Value()
         if name == "program_id":
             axis = args[0].known if args else kwargs["axis"].known
-            return _Value(self.pid[axis], from_pid1=axis == 1)
+            return _Value(self.pid[axis], from_pid1=axis == 1, is_pid1=axis == 1)
         if name == "num_programs":
             return _Value(UNKNOWN)
         if name == "static_assert" or name == "device_print":
@@ -344,19 +377,39 @@ class _Walk:
             known = min(a.known for a in args)
         elif name in ("max", "maximum") and all(a.known is not UNKNOWN for a in args):
             known = max(a.known for a in args)
-        return _Value(known, ready)
+        return _Value(known, ready, any(v.from_pid1 for v in operands))
 
 
 def _is_tensor_like(x: Any) -> bool:
     return hasattr(x, "data_ptr") or hasattr(x, "dtype") and hasattr(x, "shape")
 
 
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - {"tl", "triton"}
+# What is read of a node's subtree, once per node: a walk visits the same statements for
+# every program, step and launch it prices (ast nodes hash by identity).
+@functools.cache
+def _names(node: ast.AST) -> frozenset[str]:
+    return frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name)) - {"tl", "triton"}
 
 
-def _calls(node: ast.AST) -> list[ast.Call]:
-    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+@functools.cache
+def _calls(node: ast.AST) -> tuple[ast.Call, ...]:
+    return tuple(n for n in ast.walk(node) if isinstance(n, ast.Call))
+
+
+@functools.cache
+def _loop_shape(stmt: ast.For) -> tuple[bool, bool]:
+    """Whether the loop is innermost (no loop in its body) and whether it has a tl.dot."""
+    innermost = not any(isinstance(n, ast.For) for n in ast.walk(stmt) if n is not stmt)
+    return innermost, any(_call_name(n.func) == "dot" for n in _calls(stmt))
+
+
+@functools.cache
+def _constexpr_params(node: ast.FunctionDef) -> frozenset[str]:
+    return frozenset(
+        p.arg
+        for p in node.args.args
+        if p.annotation is not None and "constexpr" in ast.unparse(p.annotation)
+    )
 
 
 def _call_name(func: ast.expr) -> str:

@@ -84,6 +84,24 @@ def _branches(X, Y, H: tl.constexpr, WIDE: tl.constexpr):
             tl.store(Y + 2, c)
 
 
+@triton.jit
+def _derived_branch(X, Y, H: tl.constexpr):
+    h = tl.program_id(1)
+    if (h * 2) % 3 == 0:  # not a plain comparison of the id: no path may be assumed
+        tl.store(Y, tl.load(X))
+    else:
+        tl.store(Y, _helper(X) + tl.load(X + 1))
+
+
+@triton.jit
+def _loop_per_program(X, Y):
+    h = tl.program_id(1)
+    acc = 0.0
+    for i in range(h):  # the trip count is the program's
+        acc += tl.load(X + i)
+        tl.store(Y, acc)
+
+
 def trips(kernel, args, meta=None, pid=(0, 0, 0)):
     return round_trips.round_trips(kernel, args, meta or {}, pid)
 
@@ -106,6 +124,25 @@ def test_branches_on_the_program_id_give_classes_and_constexpr_ones_no_boundary(
     assert trips(_branches, (None, None), {"H": 2, "WIDE": False}, pid=(0, 2, 0)) == 1
     assert trips(_branches, (None, None), {"H": 2, "WIDE": False}, pid=(0, 1, 0)) == 2
     assert trips(_branches, (None, None), {"H": 2, "WIDE": True}, pid=(0, 1, 0)) == 3
+
+
+def test_programs_along_axis_1_walk_each_path_once_and_equal_every_programs_own_walk():
+    def walked(kernel, meta, n):
+        before = set(round_trips._CACHE)
+        programs = round_trips.programs_along_axis1(kernel, (None, None), meta, n)
+        own = [round_trips.analyse(kernel, (None, None), meta, (0, j, 0)) for j in range(n)]
+        assert [(p.trips, p.loop_executions) for p in programs] == [
+            (p.trips, p.loop_executions) for p in own
+        ]
+        return len(set(round_trips._CACHE) - before)
+
+    # h < H and h >= H: two paths over 7 programs, two walks
+    assert walked(_branches, {"H": 3, "WIDE": True}, 7) == 2
+    # a decision on a value computed from the id, or a loop as long as the id: every program
+    assert walked(_derived_branch, {"H": 3}, 6) == 6
+    assert walked(_loop_per_program, {}, 5) == 5
+    one = round_trips.analyse(_load_store, (None, None), {})
+    assert not one.branches_on_pid1 and one.followed_by(9)
 
 
 def test_loop_executions_line_up_with_the_loops_the_compiler_keeps():
