@@ -45,6 +45,9 @@ def _commit() -> str:
 KERNEL_SOURCES = (
     "gpn_scale/ops/gpn_step/triton_kernels.py",
     "gpn_scale/ops/gpn_step/cuda.py",
+    "gpn_scale/ops/gpn_step/cuda_forward.py",
+    "gpn_scale/ops/gpn_step/cuda_reverse.py",
+    "gpn_scale/ops/gpn_step/cuda_shared.py",
     "gpn_scale/ops/gpn_step/gemm.py",
     "gpn_scale/ops/gpn_step/geometry.py",
     "gpn_scale/ops/cross_entropy_kernels.py",

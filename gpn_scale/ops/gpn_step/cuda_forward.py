@@ -1,0 +1,286 @@
+"""The CUDA step backend's forward chunk: each time step's launches (the input GEMM, the
+memory/FFN kernel, the down-projection with its gated residual, the fuse gate), and under tp
+the down-projection split at the group's fixed point. `cuda.py` says what each launch does
+and how many a step takes; a CUDA graph captures this function (`graphs.py`)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from gpn_scale.ops.gpn_step import geometry
+from gpn_scale.ops.gpn_step import triton_kernels as tk
+from gpn_scale.ops.gpn_step.cuda_shared import (
+    MEMORY_FORWARD_BLOCK_DV,
+    MEMORY_FORWARD_WARPS,
+    ffn_programs,
+    layer_meta,
+    mem_blocks,
+    pointers,
+    splits_over_tp,
+    tp_sum,
+)
+from gpn_scale.ops.gpn_step.gemm import SplitWorkspace, linear
+from gpn_scale.ops.gpn_step.interface import (
+    ChunkForward,
+    ChunkForwardResult,
+    LoopWeights,
+    StepPlan,
+)
+from gpn_scale.ops.launch import launch as _launch
+from gpn_scale.ops.launch import nbytes as _nbytes
+from gpn_scale.ops.launch import record_aten as _aten
+
+
+def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkForwardResult:
+    """The chunk's steps as launches (what a graph captures)."""
+    fuse, P, S = chunk.fuse, chunk.P, chunk.S
+    B, C, d = fuse.shape
+    H, dk, dv, f, L, eps = plan.H, plan.dk, plan.dv, plan.f, plan.n_layers, plan.eps
+    mem = plan.memory
+    new = lambda *shape: fuse.new_empty(shape)  # noqa: E731
+    ph, pc = "forward step", "forward chunk"
+    states = [new(B, d), new(B, d)]
+    states[0].copy_(chunk.s)
+    _aten("copy s", pc, 2 * _nbytes(chunk.s))
+    if S is not None:
+        S[:, 0].copy_(chunk.s)
+        _aten("copy S[0]", pc, 2 * _nbytes(chunk.s))
+    ys = [new(B, plan.columns[i].width) for i in range(L)]
+    hidden = new(B, H * dv + f)
+    scratch = [new(B, d), new(B, d)]
+    ws = SplitWorkspace(fuse)
+    split = splits_over_tp(plan)
+    # Under tp the row-parallel output before its sum; GPN+M: one buffer [ss | read part |
+    # FFN part] summed by one all-reduce (collectives.reduce_down_with_norm).
+    tp_flat = new(B * H + 2 * B * d) if split and mem else None
+    partial = (
+        tp_flat[B * H :].view(B, 2 * d) if tp_flat is not None else new(B, d) if split else None
+    )
+    BD = min(geometry.p2(d), 16 if geometry.interpreting(fuse) else 1024)
+    blocks = mem_blocks(plan, fuse, C)
+    grid_mem = (B, (H if mem else 0) + ffn_programs(plan, blocks["BLOCK_F"]))
+    # GPN+M's memory buffers (None for GPN).
+    M0: Tensor | None
+    K: Tensor | None
+    U: Tensor | None
+    G: Tensor | None
+    kcur: Tensor | None
+    gprev: Tensor | None
+    ss: Tensor | None
+    if mem:
+        assert chunk.M0 is not None  # GPN+M
+        M0 = chunk.M0.contiguous()
+        K, U, G = new(B, H, C, dk), new(B, H, C, dv), new(B, H, C)
+        kcur, gprev = new(B, H, dk), new(B, H)
+        ss = tp_flat[: B * H].view(B, H) if tp_flat is not None else new(B, H)
+        gprev.zero_()
+        _aten("zero G", pc, _nbytes(gprev))
+        key = new(B, H * dk)
+        linear(
+            chunk.s_prev,
+            W.w_in[0][:, : H * dk],
+            key,
+            pc,
+            "first key GEMM",
+            bias=W.b_in[0][: H * dk],
+            row_rms=True,
+            eps=eps,
+            workspace=ws,
+        )
+        _launch(
+            tk.l2n_relu_kernel,
+            (B, H),
+            "first key l2n",
+            pc,
+            2 * _nbytes(key),
+            4 * key.numel(),
+            key,
+            key.stride(0),
+            kcur,
+            kcur.stride(0),
+            kcur.stride(1),
+            DK=dk,
+            BLOCK_DK=geometry.p2(dk),
+        )
+    else:
+        M0 = K = U = G = kcur = gprev = ss = None
+    s = states[0]
+    for tau in range(C):
+        c = s
+        for i in range(L):
+            y = ys[i]
+            linear(
+                c,
+                W.w_in[i],
+                y,
+                ph,
+                f"input GEMM {i}",
+                bias=W.b_in[i],
+                row_rms=True,
+                eps=eps,
+                workspace=ws,
+            )
+            _memory_forward(
+                plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A, grid_mem, blocks
+            )
+            out = P[:, tau] if i == L - 1 else scratch[i % 2]
+            pg0 = plan.columns[i].predict_gate[0]
+            if split:
+                _down_split(
+                    plan,
+                    i,
+                    hidden,
+                    W.w_out[i],
+                    ss,
+                    tp_flat,
+                    partial,
+                    y[:, pg0 : pg0 + d],
+                    c,
+                    out,
+                    BD,
+                    ws,
+                )
+            else:
+                linear(
+                    hidden,
+                    W.w_out[i],
+                    out,
+                    ph,
+                    f"down GEMM {i}",
+                    split=(ss, H * dv) if ss is not None else None,  # ss: GPN+M
+                    eps=eps,
+                    epilogue=1,
+                    pg=y[:, pg0 : pg0 + d],
+                    res=c,
+                    workspace=ws,
+                )
+            c = out
+        s_next = states[(tau + 1) % 2]
+        linear(
+            c,
+            W.w_fg,
+            s_next,
+            ph,
+            "fuse-gate GEMM",
+            bias=W.b_fg,
+            row_rms=True,
+            eps=eps,
+            epilogue=2,
+            res=c,
+            fuse=fuse[:, tau],
+            out2=S[:, tau + 1] if S is not None and tau + 1 < C else None,
+            workspace=ws,
+        )
+        s = s_next
+    s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
+    return ChunkForwardResult(s, s_prev, K, U, G)
+
+
+def _down_split(
+    plan: StepPlan,
+    i: int,
+    hidden: Tensor,
+    w_out: Tensor,
+    ss: Tensor | None,
+    tp_flat: Tensor | None,
+    partial: Tensor | None,
+    pg: Tensor,
+    c: Tensor,
+    out: Tensor,
+    BD: int,
+    ws: SplitWorkspace,
+) -> None:
+    """Under tp, one all-reduce per step and layer, then the gated residual. GPN+M: the
+    down-projection's read columns (unnormalised) and its FFN columns as two row-parallel
+    partials beside the read norm's sums of squares in one buffer, summed (fixed points (1)
+    and (2) at once); the residual kernel applies the full-width norm's scale to the read
+    part: out = sigmoid(pg) * c + r * read + ffn. GPN: the partial summed (1), then
+    out = sigmoid(pg) * c + sum."""
+    ph = "forward step"
+    B, d = out.shape
+    hv = plan.H * plan.dv
+    assert partial is not None  # given under tp
+    if plan.memory:
+        assert tp_flat is not None and ss is not None
+        linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}", workspace=ws)
+        linear(hidden[:, hv:], w_out[hv:], partial[:, d:], ph, f"down GEMM FFN {i}", workspace=ws)
+        tp_sum(tp_flat, plan, f"down output + read norm sums {i}", ph)
+    else:
+        linear(hidden, w_out, partial, ph, f"down GEMM {i}", workspace=ws)
+        tp_sum(partial, plan, f"down output {i}", ph)
+    _launch(
+        tk.gated_residual_kernel,
+        (B,),
+        f"gated residual {i}",
+        ph,
+        _nbytes(partial, ss) + 3 * _nbytes(out),
+        (5 if plan.memory else 3) * B * d,
+        partial,
+        partial.stride(0),
+        pg,
+        pg.stride(0),
+        c,
+        c.stride(0),
+        out,
+        out.stride(0),
+        ss if ss is not None else partial,
+        d,
+        plan.eps,
+        SS_WIDTH=hv * plan.tp_size if plan.memory else 1,
+        N_SS=geometry.p2(ss.shape[1]) if ss is not None else 1,
+        SS_COLS=ss.shape[1] if ss is not None else 1,
+        NORM=plan.memory,
+        BLOCK_D=BD,
+    )
+
+
+def _memory_forward(
+    plan: StepPlan,
+    i: int,
+    tau: int,
+    y: Tensor,
+    hidden: Tensor,
+    ss: Tensor | None,
+    kcur: Tensor | None,
+    gprev: Tensor | None,
+    M0: Tensor | None,
+    K: Tensor | None,
+    U: Tensor | None,
+    G: Tensor | None,
+    A: Tensor | None,
+    grid: tuple[int, int],
+    blocks: dict[str, int],
+) -> None:
+    H, dk, dv = plan.H, plan.dk, plan.dv
+    mem = plan.memory
+    B = y.shape[0]
+    if mem:
+        hist = (tau + 1) * B * H * (dk + dv + 1) * y.element_size()
+        nbytes = _nbytes(y, hidden, M0) + hist
+        flops = B * H * (4 * dk * dv + 4 * (tau + 1) * (dk + dv))
+    else:
+        nbytes, flops = _nbytes(y, hidden), 0
+    _launch(
+        tk.memory_forward_kernel,
+        grid,
+        f"memory/FFN {i}",
+        "forward step",
+        nbytes,
+        flops,
+        y,
+        y.stride(0),
+        hidden,
+        hidden.stride(0),
+        *pointers(
+            [ss, kcur, gprev, M0, K, U, G, A] if mem else [None] * 8, [0, 0, 0, 3, 3, 3, 2, 0], y
+        ),
+        tau,
+        **layer_meta(plan, i),
+        BLOCK_DV=min(
+            geometry.p2(max(dv, 1)), 8 if geometry.interpreting(y) else MEMORY_FORWARD_BLOCK_DV
+        ),
+        BLOCK_DK=blocks["BLOCK_DK"],
+        BLOCK_C=blocks["BLOCK_C"],
+        BLOCK_F=blocks["BLOCK_F"],
+        num_warps=MEMORY_FORWARD_WARPS,
+    )

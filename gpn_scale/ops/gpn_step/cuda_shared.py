@@ -1,0 +1,102 @@
+"""What the CUDA step backend's forward (`cuda_forward.py`) and reverse (`cuda_reverse.py`)
+launches share: how the memory and row kernels are tiled on the GPU (d_value blocks, warps,
+register caps), each layer's compile-time shape, the packing of optional tensors into kernel
+arguments, and the tp group's fixed points as recorded collectives."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from gpn_scale.ops.gpn_step import geometry
+from gpn_scale.ops.gpn_step.collectives import tp_sum_
+from gpn_scale.ops.gpn_step.interface import StepPlan
+from gpn_scale.ops.launch import is_dry
+from gpn_scale.ops.launch import nbytes as _nbytes
+from gpn_scale.ops.launch import record_collective as _record_collective
+
+# The memory kernels' d_value block, warps and register cap on the GPU: what
+# accounting/gpu_compile.py compiles without spills at the shipped configs, with at least two
+# programs resident per SM (one program cannot hide its own round trips and issue latency).
+# The backward at 4 warps x 16 d_value columns holds what 8 warps x 32 did per thread
+# (<= 255 registers: 2 programs per SM, not 1); the forward at 32 columns needs ~140
+# registers (3 per SM, not 2). The flush keeps 8 warps: at 4, or capped at 128 registers,
+# it spills 150-260 bytes a thread.
+MEMORY_BACKWARD_BLOCK_DV = 16
+MEMORY_BACKWARD_WARPS = 4
+MEMORY_BACKWARD_MAXNREG = 255
+MEMORY_FORWARD_BLOCK_DV = 32
+MEMORY_FORWARD_WARPS = 4
+FLUSH_BLOCK_DV = 64
+FLUSH_WARPS = 8
+FLUSH_MAXNREG = 255
+SWEEP_BLOCK = 16
+# The reverse sweep's row kernels (one program per batch row: B programs, one per SM at most)
+# take a whole row of d (or of the read's H * dv columns) in one block of 16 warps: each
+# block of a row was a dependent round trip of its own (130M: 3 of 1,024 for d = 2,496, 4
+# for the 3,840 read columns), and a row program is alone on its SM.
+ROW_BLOCK = 4096
+ROW_WARPS = 16
+
+
+def layer_meta(plan: StepPlan, i: int) -> dict[str, int | bool]:
+    """The compile-time shape of layer i's memory/FFN kernels (forward and reverse alike):
+    sizes, the column offsets of its fused input matmul, and which parts it has."""
+    c = plan.columns[i]
+    at = lambda span: span[0] if span is not None else 0  # noqa: E731
+    return dict(
+        H=plan.H,
+        DK=max(plan.dk, 1),
+        DV=max(plan.dv, 1),
+        F=plan.f,
+        HV=plan.H * plan.dv,
+        COL_KEY=at(c.key),
+        COL_VALUE=at(c.value),
+        COL_BETA=at(c.beta),
+        COL_DECAY=at(c.decay),
+        COL_QUERY=at(c.query),
+        COL_RGATE=at(c.read_gate),
+        COL_FFN=c.ffn[0],
+        WRITE=plan.memory and i == 0,
+        MEMORY=plan.memory,
+    )
+
+
+def mem_blocks(plan: StepPlan, t: Tensor, C: int) -> dict[str, int]:
+    """The memory/FFN kernels' blocks over d_key, a chunk of C steps, the FFN and the read's
+    H * dv columns (small ones in the interpreter, whose tests use tiny shapes)."""
+    small = geometry.interpreting(t)
+    # tl.dot (the backward's block flush) needs every dimension >= 16 on a GPU.
+    at_least = 1 if small else 16
+    return dict(
+        BLOCK_DK=max(at_least, geometry.p2(max(plan.dk, 1))),
+        BLOCK_C=max(at_least, geometry.p2(C)),
+        BLOCK_F=min(geometry.p2(plan.f), 16 if small else 512),
+        BLOCK_HV=min(geometry.p2(max(plan.H * plan.dv, 1)), 16 if small else ROW_BLOCK),
+    )
+
+
+def ffn_programs(plan: StepPlan, block_f: int) -> int:
+    """Programs per row that the memory/FFN kernel gives the FFN (after its H head programs)."""
+    return geometry.cdiv(plan.f, block_f)
+
+
+def splits_over_tp(plan: StepPlan) -> bool:
+    """Whether the step splits at the tp group's fixed points (`collectives.py`)."""
+    return plan.tp_size > 1
+
+
+def tp_sum(x: Tensor, plan: StepPlan, name: str, phase: str) -> None:
+    """One fixed point: x (contiguous) summed over the tp group, in place, through
+    `collectives.tp_sum_` (recorded as a collective; a dry run only records it)."""
+    _record_collective(name, phase, _nbytes(x))
+    if not is_dry():
+        tp_sum_(x, plan)
+
+
+def pointers(tensors: list[Tensor | None], strides: list[int], dummy: Tensor) -> tuple:
+    """Kernel arguments: each tensor followed by its first n strides; for a variant of the
+    kernel that never reads it (None), a dummy pointer of the same dtype and zero strides."""
+    args: list = []
+    for t, n in zip(tensors, strides):
+        args += [dummy, *(0,) * n] if t is None else [t, *t.stride()[:n]]
+    return tuple(args)
