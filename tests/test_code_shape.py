@@ -62,7 +62,6 @@ KERNELS_MODULE = "gpn_scale/ops/gpn_step/triton_kernels.py"
 TO_SPLIT_FILES = {
     "gpn_scale/bench/gpu.py": 650,
     "gpn_scale/run/config.py": 739,
-    "gpn_scale/train/metrics.py": 639,
 }
 TO_SPLIT_FUNCTIONS = {
     "gpn_scale/eval/analysis/commands.py::_analyze": 92,

@@ -16,7 +16,9 @@ from gpn_scale.core.config import ConfigError
 from gpn_scale.io.run_folder import METRICS, RUN_CONFIG
 from gpn_scale.io.storage import LocalStorage
 from gpn_scale.run.config import TrainConfig, relocatable, to_yaml
-from gpn_scale.train.metrics import JsonlSink, WandbSink, scrub_secrets
+from gpn_scale.train.metrics import JsonlSink
+from gpn_scale.train.secret_scrub import scrub_secrets
+from gpn_scale.train.wandb_sink import WandbSink
 
 
 def open_sinks(
@@ -86,7 +88,7 @@ def _open_wandb(
 
     mode = wb.mode
     if mode == "auto":
-        from gpn_scale.train.metrics import wandb_server_reachable
+        from gpn_scale.train.wandb_sink import wandb_server_reachable
 
         reachable, base_url = wandb_server_reachable(min(wb.init_timeout, 10.0))
         mode = "online" if reachable else "offline"

@@ -25,7 +25,7 @@ def train(corpus: str, run_dir: Path, *overrides: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_live_analyses_in_metrics_and_wandb(tmp_path, private_tmpdir, monkeypatch, default_corpus):
-    from gpn_scale.train.metrics import read_offline_run
+    from gpn_scale.train.wandb_sink import read_offline_run
 
     corpus = default_corpus  # seq_len 64 = SEQ_LEN
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from sweep_helpers import REPO, events, job_env, losses, wait_for, write_sweep
 
-from gpn_scale.train.metrics import read_offline_run
+from gpn_scale.train.wandb_sink import read_offline_run
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 from sweep_helpers import REPO, events, write_sweep
 
 from gpn_scale.scaling.slurm_launch import load
-from gpn_scale.train.metrics import read_jsonl, read_offline_run
+from gpn_scale.train.metrics import read_jsonl
+from gpn_scale.train.wandb_sink import read_offline_run
 
 pytestmark = pytest.mark.slow
 

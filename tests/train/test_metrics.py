@@ -12,16 +12,9 @@ from pathlib import Path
 import pytest
 
 from gpn_scale.core.config import ConfigError
-from gpn_scale.train.metrics import (
-    REDACTED,
-    WANDB_SERVICE_ENV,
-    JsonlSink,
-    MetricsSink,
-    WandbSink,
-    read_jsonl,
-    read_offline_run,
-    scrub_secrets,
-)
+from gpn_scale.train.metrics import JsonlSink, MetricsSink, read_jsonl
+from gpn_scale.train.secret_scrub import REDACTED, scrub_secrets
+from gpn_scale.train.wandb_sink import WANDB_SERVICE_ENV, WandbSink, read_offline_run
 
 
 def _strict_rows(path: Path) -> list[dict]:

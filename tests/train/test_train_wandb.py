@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_wandb_offline_run_holds_metrics_and_resume_keeps_run_id(corpus, tmp_path, monkeypatch):
-    from gpn_scale.train.metrics import read_offline_run
+    from gpn_scale.train.wandb_sink import read_offline_run
 
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb_home"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from train_helpers import child_env, run_train
 
-from gpn_scale.train.metrics import read_offline_run
+from gpn_scale.train.wandb_sink import read_offline_run
 
 pytestmark = pytest.mark.slow
 
