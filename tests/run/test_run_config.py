@@ -1,4 +1,4 @@
-"""The run config (gpn_scale/run/config.py): its schema, keys, values and overrides (fast,
+"""The run config (gpn_scale/run/config*.py): its schema, keys, values and overrides (fast,
 in-process)."""
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_dry_run_on_a_finished_run_says_it_is_finished(corpus, tmp_path, capsys)
 
 def test_help_config_lists_every_key_without_reading_a_config(capsys):
     """Generated from the schema: every key, its type, default and the meaning written
-    beside it in gpn_scale/run/config.py; no config is read, no check is run."""
+    beside it in gpn_scale/run/config_schema.py; no config is read, no check is run."""
     from gpn_scale.run.config import all_keys, config_help
 
     with pytest.raises(SystemExit) as done:
