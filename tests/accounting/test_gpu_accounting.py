@@ -11,7 +11,7 @@ import torch
 
 from gpn_scale.accounting import gpu_model
 from gpn_scale.models.gpn import load_model_config
-from gpn_scale.ops.gpn_step import cuda
+from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 from gpn_scale.scaling.sweep import SweepError, format_plan, load_sweep
 from gpn_scale.testing.models import perturbed_model, tiny_config
@@ -58,7 +58,7 @@ def test_dry_accounting_matches_a_real_run(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     model = perturbed_model(cfg, torch.float32)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    with cuda.recording() as real:
+    with launch.recording() as real:
         model(tokens).loss.backward()
     dry = gpu_model.account(cfg, batch=2, seq_len=8).ops
     # Split-K sums follow the GEMMs split to fill the SMs, a choice of the block sizes (the

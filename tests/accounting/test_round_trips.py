@@ -176,11 +176,11 @@ def test_the_backends_kernels_at_the_shipped_size(shipped_launches):
     before its first store: 16 blocks of 16 at dv 256) and ~10 around them; the forward one
     per block (8 of 32) and 2 more; the read norm's row sums one (its 3,840 columns in one
     block, once per row); the row kernel one block of d (2,496) per pass; a split-K sum one."""
-    from gpn_scale.ops.gpn_step import cuda
+    from gpn_scale.ops.gpn_step import cuda_shared
 
     dv = 256  # gpn_m_130m
-    back_blocks = dv // cuda.MEMORY_BACKWARD_BLOCK_DV
-    forward_blocks = dv // cuda.MEMORY_FORWARD_BLOCK_DV
+    back_blocks = dv // cuda_shared.MEMORY_BACKWARD_BLOCK_DV
+    forward_blocks = dv // cuda_shared.MEMORY_FORWARD_BLOCK_DV
     counts: dict[str, int] = {}
     for rec in shipped_launches:
         if rec.kernel is None or rec.kernel.fn.__name__ == "linear_kernel":

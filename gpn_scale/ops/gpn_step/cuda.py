@@ -38,19 +38,6 @@ from __future__ import annotations
 
 from gpn_scale.ops.gpn_step.cuda_forward import forward_chunk_eager
 from gpn_scale.ops.gpn_step.cuda_reverse import reverse_sweep_eager
-from gpn_scale.ops.gpn_step.cuda_shared import (  # noqa: F401  (re-exported: the tiling)
-    FLUSH_BLOCK_DV,
-    FLUSH_MAXNREG,
-    FLUSH_WARPS,
-    MEMORY_BACKWARD_BLOCK_DV,
-    MEMORY_BACKWARD_MAXNREG,
-    MEMORY_BACKWARD_WARPS,
-    MEMORY_FORWARD_BLOCK_DV,
-    MEMORY_FORWARD_WARPS,
-    ROW_BLOCK,
-    ROW_WARPS,
-    SWEEP_BLOCK,
-)
 from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
@@ -60,7 +47,7 @@ from gpn_scale.ops.gpn_step.interface import (
     ReverseSweepResult,
     StepPlan,
 )
-from gpn_scale.ops.launch import Launch, is_dry, recording  # noqa: F401  (re-exported)
+from gpn_scale.ops.launch import is_dry
 from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_aten as _aten
 
