@@ -114,7 +114,7 @@ def load_sweep(
     name_or_path: str | Path, *, allow_few_seeds: bool = False, price: bool = True
 ) -> Sweep:
     """Read, validate and expand a sweep file (by path or by name in configs/sweeps/).
-    `price`: compute the GPU-hours (with `mfu: predicted`, ~1 s per model size of launch
+    `price`: compute the GPU-hours (with `mfu: predicted`, 1-2 s per model size of launch
     accounting); callers that only need the runs (array tasks, fits) pass False."""
     path = resolve_sweep_path(name_or_path).resolve()  # plans and jobs print it absolute
     try:
