@@ -112,7 +112,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
+def rank_device(requested: str, local_rank: int) -> torch.device:
+    """This rank's device for `train.device` (auto, cpu, cuda): CUDA device local_rank (mod
+    the GPUs visible), made current. A command's `--device` flag is core.hardware's
+    pick_device."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -141,7 +144,7 @@ def init_topology(
     collectives of the Topology stay no-ops there (world size 1).
     """
     check_world(dist_env.world_size, tp)
-    device = pick_device(device_request, dist_env.local_rank)
+    device = rank_device(device_request, dist_env.local_rank)
     if not dist_env.distributed and not group_for_one:
         return Topology(env=dist_env, device=device, backend=None)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -28,7 +28,7 @@ from torch import nn
 from gpn_scale import optim as optim_lib
 from gpn_scale.core.config import ConfigError
 from gpn_scale.core.env import DistEnv, export_for_torch
-from gpn_scale.parallel.topology import Topology, free_port, init_topology, pick_device
+from gpn_scale.parallel.topology import Topology, free_port, init_topology, rank_device
 
 STRATEGIES = ("none", "fsdp2", "deepspeed")
 
@@ -122,7 +122,7 @@ def setup_topology(env: DistEnv, strategy: str, device: str, tp: int) -> Topolog
 
         export_for_torch(env)
         ds.init_distributed(
-            "nccl" if pick_device(device, env.local_rank).type == "cuda" else "gloo"
+            "nccl" if rank_device(device, env.local_rank).type == "cuda" else "gloo"
         )
     return init_topology(env, device, tp=tp, group_for_one=fsdp2_alone)
 

@@ -172,7 +172,7 @@ def dry_run(cfg: TrainConfig, resume: str) -> str:
 
     model_cfg = model_config(cfg)
     world = detect().world_size
-    cuda = cfg.train.device != "cpu" and torch.cuda.is_available()  # as pick_device decides
+    cuda = cfg.train.device != "cpu" and torch.cuda.is_available()  # as rank_device decides
     check_model_device(cfg, model_cfg, "cuda" if cuda else "cpu")
     micro, accum = batch_layout(cfg, world)
     run_dir, ckpt_root = cfg.resolved_run_dir, cfg.resolved_checkpoint_root
