@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,13 +176,6 @@ def _static_condition(test: ast.expr, values: dict[str, Any]) -> bool | None:
         return bool(eval(compile(ast.Expression(test), "<constexpr>", "eval"), {}, dict(values)))
     except Exception:  # noqa: BLE001 - a name not given, or not plain Python: not evaluated
         return None
-
-
-def _in_order(node: ast.AST) -> Iterable[ast.AST]:
-    """The nodes under `node` in source order (depth first)."""
-    for child in ast.iter_child_nodes(node):
-        yield child
-        yield from _in_order(child)
 
 
 def cached_analysis(

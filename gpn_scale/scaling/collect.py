@@ -110,7 +110,7 @@ def _bucket_storage(bucket: str):
     return _BUCKETS[key]
 
 
-def _read(uri: str, key: str) -> bytes | None:
+def read_at(uri: str, key: str) -> bytes | None:
     """Bytes of <uri>/<key>, or None when absent (local path or s3://, endpoint as gpn_scale.io
     resolves it)."""
     try:
@@ -130,7 +130,9 @@ def _list_dirs(uri: str) -> list[str]:
         raise FitError(f"cannot list {uri}: {err}") from None
 
 
-def _json(data: bytes | None, where: str) -> dict[str, Any] | None:
+def json_object(data: bytes | None, where: str) -> dict[str, Any] | None:
+    """`data` (bytes of `where`) as a JSON object; None when absent; FitError naming `where`
+    when it is not one."""
     if data is None:
         return None
     try:
@@ -186,7 +188,7 @@ def read_run(
     locations = [loc for loc in dict.fromkeys(locations) if loc]
     done = done_at = None
     for loc in locations:
-        done = _json(_read(loc, DONE), f"{loc.rstrip('/')}/{DONE}")
+        done = json_object(read_at(loc, DONE), f"{loc.rstrip('/')}/{DONE}")
         if done is not None:
             done_at = loc
             break
@@ -196,7 +198,7 @@ def read_run(
             locations.append(run_dir)
     config = None
     for loc in locations:
-        raw = _read(loc, CONFIG)
+        raw = read_at(loc, CONFIG)
         if raw is not None:
             config = _parse_config(raw, f"{loc.rstrip('/')}/{CONFIG}")
             break
@@ -231,7 +233,7 @@ def read_run(
         rec.C = done.get("flops") if _finite(done.get("flops")) else None
     else:
         metrics = last_eval(
-            next((m for m in (_read(loc, METRICS) for loc in locations) if m is not None), None)
+            next((m for m in (read_at(loc, METRICS) for loc in locations) if m is not None), None)
         )
         if metrics is None:
             rec.detail = (
@@ -277,7 +279,7 @@ def _lambada_of(root: str, done: dict[str, Any]) -> tuple[float | None, float | 
     if isinstance(done.get("step"), int) and not isinstance(done.get("step"), bool):
         names.append(f"{step_dir_name(done['step'])}.lambada.json")
     for name in dict.fromkeys(names):
-        result = _json(_read(root, name), f"{root.rstrip('/')}/{name}")
+        result = json_object(read_at(root, name), f"{root.rstrip('/')}/{name}")
         metrics = (result or {}).get("metrics")
         if isinstance(metrics, dict):
             acc, ppl = metrics.get("accuracy"), metrics.get("ppl")
@@ -368,7 +370,7 @@ def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Co
 
     for root in roots:
         sources.append(root)
-        if any(_read(loc, key) is not None for loc in places(root) for key in (DONE, METRICS)):
+        if any(read_at(loc, key) is not None for loc in places(root) for key in (DONE, METRICS)):
             names = [""]
         else:
             names = _list_dirs(root)
@@ -379,7 +381,7 @@ def collect_roots(roots: Iterable[str], *, allow_unfinished: bool = False) -> Co
         for sub in names:
             loc = f"{root.rstrip('/')}/{sub}" if sub else root
             name = sub or Path(root.rstrip("/")).name
-            if not sub or any(_read(loc, key) is not None for key in (DONE, METRICS, CONFIG)):
+            if not sub or any(read_at(loc, key) is not None for key in (DONE, METRICS, CONFIG)):
                 records.append(read_run(name, places(loc), allow_unfinished=allow_unfinished))
     return Collection(records, sources)
 

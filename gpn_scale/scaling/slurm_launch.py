@@ -32,9 +32,9 @@ from gpn_scale.scaling.sweep import RunSpec, Sweep, SweepError, load_sweep
 
 def is_done(run: RunSpec | TableRun) -> bool:
     """True when the run's DONE marker exists beside its checkpoints."""
-    from gpn_scale.scaling.collect import _read
+    from gpn_scale.scaling.collect import read_at
 
-    return _read(run.checkpoint_root, DONE) is not None
+    return read_at(run.checkpoint_root, DONE) is not None
 
 
 class TableRun:

@@ -59,9 +59,9 @@ def _metrics(run_dir: str | None) -> list[dict]:
 
 
 def _json_at(uri: str, key: str) -> dict | None:
-    from gpn_scale.scaling.collect import _json, _read
+    from gpn_scale.scaling.collect import json_object, read_at
 
-    return _json(_read(uri, key), f"{uri.rstrip('/')}/{key}")
+    return json_object(read_at(uri, key), f"{uri.rstrip('/')}/{key}")
 
 
 def scheduler_jobs(sweep: Sweep) -> dict[int, tuple[str, str]]:
