@@ -64,8 +64,6 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/eval/analysis/commands.py::_analyze": 92,
     "gpn_scale/eval/analysis/report.py::markdown": 112,
     "gpn_scale/eval/analysis/stream.py::analyze_states": 105,
-    "gpn_scale/eval/commands.py::_task_eval": 81,
-    "gpn_scale/models/gpn/engine.py::run_engine": 85,
     "gpn_scale/ops/gpn_step/cuda_reverse.py::_memory_backward": 98,
     "gpn_scale/ops/gpn_step/cuda_forward.py::forward_chunk_eager": 143,
     "gpn_scale/ops/gpn_step/cuda_reverse.py::reverse_sweep_eager": 126,

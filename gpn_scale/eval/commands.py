@@ -233,9 +233,9 @@ def cmd_task_eval(args: argparse.Namespace) -> int:
         return _fail(err)
 
 
-def _task_eval(args: argparse.Namespace) -> int:
-    from gpn_scale.eval.load import describe_loaded, load
-
+def _task_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of a --task / --lm-eval run checked (one-line ConfigError each); the
+    harness's task names (empty for --task)."""
     if args.overrides:
         raise ConfigError(
             f"{args.overrides[0]}: --task / --lm-eval take a CHECKPOINT and flags only "
@@ -257,6 +257,13 @@ def _task_eval(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in (args.lm_eval or "").split(",") if t.strip()]
     if args.lm_eval is not None and not tasks:
         raise ConfigError("--lm-eval: name at least one task, e.g. --lm-eval lambada_openai")
+    return tasks
+
+
+def _task_eval(args: argparse.Namespace) -> int:
+    from gpn_scale.eval.load import describe_loaded, load
+
+    tasks = _task_flags(args)
     name = args.task or "lm_eval." + "+".join(tasks)
     pick_device(args.device)  # a bad --device fails before anything loads
     args.batch_size = args.batch_size or DEFAULT_BATCH

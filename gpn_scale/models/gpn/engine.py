@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +191,30 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtyp
     return y if bias is None else y + bias
 
 
+def _step_plan(
+    cfg: GPNConfig, T: int, tp_size: int, tp_group: Any, mm_dtype: torch.dtype | None
+) -> StepPlan:
+    """The sequence op's plan for T tokens: this rank's share of the heads and FFN columns,
+    the chunk spans and the tbptt cuts."""
+    spans, cuts = make_spans(T, cfg.engine.chunk_size, cfg.tbptt)
+    return StepPlan(
+        n_layers=cfg.n_layers,
+        memory=cfg.memory,
+        H=cfg.n_heads // tp_size,
+        dk=cfg.d_key,
+        dv=cfg.d_value,
+        d=cfg.d_state,
+        f=cfg.d_ffn // tp_size,
+        eps=cfg.norm_eps,
+        spans=spans,
+        cuts=cuts,
+        mm_dtype=mm_dtype,
+        options=cfg.engine,
+        tp_size=tp_size,
+        tp_group=tp_group,
+    )
+
+
 def run_engine(
     model: EngineModel,
     tokens: Tensor,
@@ -228,23 +252,7 @@ def run_engine(
             None,
             mm_dtype,
         )
-        spans, cuts = make_spans(T, cfg.engine.chunk_size, cfg.tbptt)
-        plan = StepPlan(
-            n_layers=cfg.n_layers,
-            memory=cfg.memory,
-            H=H_local,
-            dk=cfg.d_key,
-            dv=cfg.d_value,
-            d=cfg.d_state,
-            f=cfg.d_ffn // tp_size,
-            eps=eps,
-            spans=spans,
-            cuts=cuts,
-            mm_dtype=mm_dtype,
-            options=cfg.engine,
-            tp_size=tp_size,
-            tp_group=tp_group,
-        )
+        plan = _step_plan(cfg, T, tp_size, tp_group, mm_dtype)
         weights = fold_loop_weights(model, tp_group)
         carry = (
             state.s.to(sdt),
