@@ -24,9 +24,9 @@ from typing import Any
 from gpn_scale.core.config import ConfigError, read_yaml, resolve_named_yaml
 from gpn_scale.io import run_folder
 from gpn_scale.io.run_folder import DEFAULT_CORPUS
-from gpn_scale.run.config_checks import _check_keys, check_numbers, validate
+from gpn_scale.run.config_checks import check_keys, check_numbers, validate
 from gpn_scale.run.config_schema import (
-    _SECTION_TYPES,
+    SECTION_TYPES,
     AnalysisSection,
     CheckpointSection,
     CompileSection,
@@ -132,7 +132,7 @@ def config_help(schema: type = TrainConfig, prefix: str = "") -> list[tuple[str,
     defaults = schema()
     for f in dataclasses.fields(schema):
         ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        sub = _SECTION_TYPES.get(ftype)
+        sub = SECTION_TYPES.get(ftype)
         if sub is not None:
             rows.extend(config_help(sub, f"{prefix}{f.name}."))
             continue
@@ -177,7 +177,7 @@ def load_train_config(
     layers = []
     if name_or_path is not None:
         raw = _read_config_layer(name_or_path)
-        _check_keys(raw, TrainConfig)
+        check_keys(raw, TrainConfig)
         layers.append(OmegaConf.create(raw))
     for item in overrides:
         if "=" not in item:
@@ -187,7 +187,7 @@ def load_train_config(
             dot = OmegaConf.from_dotlist(list(overrides))
         except OmegaConfBaseException as err:
             raise ConfigError(f"bad override: {str(err).splitlines()[0]}") from None
-        _check_keys(OmegaConf.to_container(dot, resolve=False), TrainConfig)
+        check_keys(OmegaConf.to_container(dot, resolve=False), TrainConfig)
         layers.append(dot)
     base = OmegaConf.structured(TrainConfig)
     try:

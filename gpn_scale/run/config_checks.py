@@ -1,4 +1,4 @@
-"""The checks of a training config: `_check_keys` (every key the schema defines, else one
+"""The checks of a training config: `check_keys` (every key the schema defines, else one
 line naming the closest), `check_numbers` (the one rule for numbers: finite, never negative)
 and `validate` (the value checks the types cannot express), each failure one ConfigError line.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 from gpn_scale.core.config import ConfigError, closest_key_hint
 from gpn_scale.run.config_schema import (
-    _SECTION_TYPES,
+    SECTION_TYPES,
     EngineSection,
     ProfilingSection,
     TrainConfig,
@@ -49,7 +49,7 @@ _ENUMS = {
 _FREE_MAPPINGS = {"model_overrides"}
 
 
-def _check_keys(values: Any, schema: type, prefix: str = "") -> None:
+def check_keys(values: Any, schema: type, prefix: str = "") -> None:
     """Raise ConfigError (one line, closest key) for any key the schema does not define."""
     if not isinstance(values, dict):
         return
@@ -64,13 +64,11 @@ def _check_keys(values: Any, schema: type, prefix: str = "") -> None:
         if dotted in _FREE_MAPPINGS:
             continue
         ftype = fields[key].type
-        sub = _SECTION_TYPES.get(
-            ftype if isinstance(ftype, str) else getattr(ftype, "__name__", "")
-        )
+        sub = SECTION_TYPES.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
         if sub is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{dotted}: expected a section of keys, got {value!r}")
-            _check_keys(value, sub, prefix=f"{dotted}.")
+            check_keys(value, sub, prefix=f"{dotted}.")
 
 
 def _numbers(obj: Any, prefix: str = "") -> list[tuple[str, float]]:

@@ -247,7 +247,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_SECTION_TYPES: dict[str, type] = {
+SECTION_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         DataSection,
@@ -274,7 +274,7 @@ def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
     out: list[str] = []
     for f in dataclasses.fields(schema):
         ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        sub = _SECTION_TYPES.get(ftype)
+        sub = SECTION_TYPES.get(ftype)
         if sub is not None:
             out.extend(all_keys(sub, f"{prefix}{f.name}."))
         else:
