@@ -62,14 +62,24 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# The cluster's daemons take ports in 10000-19999: train.sbatch's rendezvous takes 20000 + job
+# id % 12000 (slurm/train.sbatch rdzv_port), and the kernel hands out 32768 and above. A base
+# of 20019 once put slurmctld, slurmd and slurmdbd on the rendezvous ports of jobs 19-21.
+PORT_BASES = (10000, 20000 - 13)
+
+
 def free_port_base(rng: random.Random | None = None) -> int:
-    """A base port P with P, P+1, P+2 and P+13 free (slurmctld, slurmd, slurmdbd, MariaDB)."""
+    """A base port P with P, P+1, P+2 and P+13 free (slurmctld, slurmd, slurmdbd, MariaDB),
+    all below the rendezvous ports of the cluster's jobs."""
     rng = rng or random.Random()
     for _ in range(200):
-        base = rng.randrange(20000, 40000)
+        base = rng.randrange(*PORT_BASES)
         if all(_port_free(base + k) for k in (0, 1, 2, 13)):
             return base
-    raise SlurmStartError("found no free ports for the local SLURM cluster in 20000-40000")
+    low, high = PORT_BASES
+    raise SlurmStartError(
+        f"found no free ports for the local SLURM cluster in {low}-{high + 13 - 1}"
+    )
 
 
 class LocalSlurm:

@@ -35,6 +35,21 @@ def test_rendezvous_port_is_below_the_ephemeral_range(job):
     assert 20000 <= port < min(lo, 32768)
 
 
+def test_a_local_clusters_daemons_never_take_a_rendezvous_port():
+    """A test cluster's slurmctld/slurmd/slurmdbd/MariaDB ports (gpn_scale/testing/slurm.py)
+    sit below every port rdzv_port gives a job: a base of 20019 once made jobs 19-21 of
+    that cluster fail with EADDRINUSE."""
+    import random
+
+    from gpn_scale.testing.slurm import free_port_base
+
+    lowest_rendezvous = int(sh("rdzv_port 0"))  # 20000 + job id % 12000: lowest at 0
+    rng = random.Random(0)
+    for _ in range(50):
+        base = free_port_base(rng)
+        assert 1024 <= base and base + 13 < lowest_rendezvous
+
+
 def test_each_rank_gets_its_share_of_the_cpus():
     assert sh("threads_per_rank 96 8") == "12"
     assert sh("threads_per_rank 2 4") == "1"
