@@ -19,8 +19,10 @@ line of each `tl.load`). Tiny CPU tests cannot see any of this: spills, occupanc
 width only appear at the real sizes.
 
 The gate (`--gate`, and tests/accounting/test_gpu_compile.py) fails on a compile error, a spill
-or a stack frame in any kernel, shared memory over the target's per-block limit, or a step
-GEMM that launches fewer programs than the GPU has SMs at a shipped config.
+or a stack frame in any kernel, shared memory over the target's per-block limit, a step
+GEMM that launches fewer programs than the GPU has SMs at a shipped config, or a loop the
+accounting prices as software-pipelined whose tiles are not copied with cp.async
+(`PIPELINED_OPERANDS`).
 
 `--triton-cache DIR` compiles every variant into DIR (a Triton cache): a process whose
 TRITON_CACHE_DIR is DIR then finds every kernel of these shapes compiled (the device check
@@ -77,6 +79,7 @@ from gpn_scale.accounting.gpu_compile_report import (
     MIN_ASYNC_BYTES_PER_SM,
     MIN_PROGRAMS_PER_SM,
     MIN_WAVE_FILL,
+    PIPELINED_OPERANDS,
     STEP_PHASES,
     WEIGHT_OPERAND,
     Row,
@@ -103,6 +106,7 @@ __all__ = [
     "MIN_ASYNC_BYTES_PER_SM",
     "MIN_PROGRAMS_PER_SM",
     "MIN_WAVE_FILL",
+    "PIPELINED_OPERANDS",
     "STEP_PHASES",
     "TARGETS",
     "WEIGHT_OPERAND",

@@ -101,6 +101,12 @@ BELOW_OCCUPANCY_BAR = {
     ),
 }
 WEIGHT_OPERAND = {"linear_kernel": "W"}
+# Loops the accounting prices as software-pipelined (round_trips.py: a `tl.range(...,
+# num_stages>=2)` loop has the next iteration's loads in flight), by kernel: the operands
+# Triton must then copy with cp.async at the shipped sizes. A change that stops the
+# pipeliner (a register-hungry loop, a Triton that declines) fails the gate instead of
+# leaving the accounting to price round trips the GPU still makes.
+PIPELINED_OPERANDS = {"memory_backward_kernel": ("m0_base", "tile_du", "u_base")}
 
 
 @dataclass
@@ -190,6 +196,14 @@ class Row:
                 out.append(
                     f"{compiled} loops compiled, {source} in the source: the accounting "
                     "cannot count the instructions its programs issue (round_trips.loop_order)"
+                )
+        if self.case.shipped:
+            loaded = [o for o in PIPELINED_OPERANDS.get(v.kernel, ()) if o in f.loads]
+            plain = [o for o in loaded if o not in f.async_operands]
+            if plain:
+                out.append(
+                    f"its pipelined loop loads {', '.join(plain)} without cp.async: not "
+                    "software-pipelined as the accounting prices it (PIPELINED_OPERANDS)"
                 )
         if self.case.shipped and v.phases <= set(STEP_PHASES):
             if self.below_occupancy_bar() != (v.kernel in BELOW_OCCUPANCY_BAR):

@@ -76,8 +76,8 @@ def record_collective(name: str, phase: str, nbytes: int) -> None:
         record.append(Launch(f"{COLLECTIVE} {name}", phase, (1,), nbytes, 0))
 
 
-def record_aten(name: str, phase: str, nbytes: int) -> None:
-    """Record a launch the driver makes through ATen (a copy, a fill)."""
+def record_aten(name: str, phase: str, nbytes: int, flops: int = 0) -> None:
+    """Record a launch the driver makes through ATen (a copy, a fill, a batched matmul)."""
     record = current().launches
     if record is not None:
-        record.append(Launch(name, phase, (1,), nbytes, 0))
+        record.append(Launch(name, phase, (1,), nbytes, flops))

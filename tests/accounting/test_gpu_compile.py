@@ -93,6 +93,12 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
         assert r["blocks_per_sm"] >= 2 or ring >= 48 * 1024, (r["kernel"], r["names"])
     assert "known, below the occupancy bar" in proc.stdout
     assert "memory_backward_flush_kernel sm_90" in proc.stdout
+    # The memory backward's d_value loop is software-pipelined at every shipped size and
+    # target: its tiles come through cp.async (what the accounting prices it as).
+    backward = [r for r in sequential if r["kernel"] == "memory_backward_kernel"]
+    for r in backward:
+        loaded = set(gc.PIPELINED_OPERANDS["memory_backward_kernel"]) & set(r["loads"])
+        assert loaded and loaded <= set(r["async_operands"]), (r["case"], r["target"])
 
     # The Triton cache holds every variant as the JIT keys it: compiling one case again
     # into it is all cache hits (no ptxas run, so no ptxas log).

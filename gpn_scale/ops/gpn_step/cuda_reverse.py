@@ -6,6 +6,9 @@ CUDA graph captures this function (`graphs.py`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import geometry
@@ -16,6 +19,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     FLUSH_WARPS,
     MEMORY_BACKWARD_BLOCK_DV,
     MEMORY_BACKWARD_MAXNREG,
+    MEMORY_BACKWARD_STAGES,
     MEMORY_BACKWARD_WARPS,
     ROW_BLOCK,
     ROW_WARPS,
@@ -43,7 +47,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     """The chunk's reverse sweep as launches (what a graph captures)."""
     acts, a, dP = sweep.acts, sweep.adjoints, sweep.dP
     C, B, d = acts.p.shape
-    H, dk, dv, f, L, eps = plan.H, plan.dk, plan.dv, plan.f, plan.n_layers, plan.eps
+    H, dv, f, L, eps = plan.H, plan.dv, plan.f, plan.n_layers, plan.eps
     mem = plan.memory
     new = lambda *shape: dP.new_empty(shape)  # noqa: E731
     ph, pc = "reverse step", "reverse chunk"
@@ -79,26 +83,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         BLOCK_D=BD,
         num_warps=ROW_WARPS,
     )
-    # GPN+M's memory buffers (None for GPN).
-    M0: Tensor | None
-    DGS: Tensor | None
-    DA_ROWS: Tensor | None
-    DKPRE0: Tensor | None
-    kept: list[tuple[Tensor | None, Tensor | None]]
-    if mem:
-        assert sweep.M0 is not None  # GPN+M
-        M0 = sweep.M0.contiguous()
-        DGS, DA_ROWS, DKPRE0 = new(B, H), new(B, H), new(B, H * dk)
-        DGS.zero_()
-        DA_ROWS.zero_()
-        _aten("zero dG suffix, dA rows", pc, 2 * _nbytes(DGS))
-        # Each layer's do (and layer 0's dpred) over the current block of steps: what the
-        # block's flush pushes onto the rows before it (`memory_backward_kernel`).
-        S_blk = _sweep_block(dP)
-        kept = [(new(B, H, S_blk, dv), new(B, H, S_blk, dv) if i == 0 else None) for i in range(L)]
-    else:
-        M0 = DGS = DA_ROWS = DKPRE0 = None
-        kept = [(None, None)] * L
+    mb = _sweep_memory(plan, sweep, pc) if mem else _SweepMemory.none(L)
     for tau in range(C - 1, -1, -1):
         linear(a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T", workspace=ws)
         _rev_row(
@@ -121,25 +106,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
             linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}", workspace=ws)
             if SUMS is not None:
                 _read_norm_sums(plan, i, tau, acts, DH, SUMS, blocks)
-            _memory_backward(
-                plan,
-                i,
-                tau,
-                C,
-                acts,
-                a,
-                DH,
-                M0,
-                DGS,
-                DA_ROWS,
-                DKPRE0,
-                Wt.A,
-                grid_mem,
-                blocks,
-                eps,
-                SUMS,
-                kept[i],
-            )
+            _memory_backward(plan, i, tau, C, acts, a, DH, mb, Wt.A, grid_mem, blocks, eps, SUMS)
             if split:
                 _input_grad_split(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN, ws)
             else:
@@ -161,10 +128,68 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
                 ground=False,
             )
     if mem:
-        assert a.dA is not None and DA_ROWS is not None  # GPN+M
-        a.dA += DA_ROWS.sum(0)
-        _aten("dA rows sum", pc, _nbytes(DA_ROWS))
-    return ReverseSweepResult(DG, DKPRE0)
+        assert a.dA is not None and mb.DA_ROWS is not None  # GPN+M
+        a.dA += mb.DA_ROWS.sum(0)
+        _aten("dA rows sum", pc, _nbytes(mb.DA_ROWS))
+    return ReverseSweepResult(DG, mb.DKPRE0)
+
+
+@dataclass
+class _SweepMemory:
+    """GPN+M's buffers of one chunk's reverse sweep (None for GPN): M0; the running suffix
+    sum of dG, the per-row dA and k_0's pre-activation gradient (each (B, H) or (B, H*dk));
+    per layer the block's kept do / dpred (`memory_backward_kernel`) and the Gram matrices
+    (`chunk_gram`)."""
+
+    M0: Tensor | None
+    DGS: Tensor | None
+    DA_ROWS: Tensor | None
+    DKPRE0: Tensor | None
+    kept: list[tuple[Tensor | None, Tensor | None]]
+    grams: list[tuple[Tensor | None, Tensor | None]]
+
+    @staticmethod
+    def none(n_layers: int) -> _SweepMemory:
+        return _SweepMemory(
+            None, None, None, None, [(None, None)] * n_layers, [(None, None)] * n_layers
+        )
+
+
+def _sweep_memory(plan: StepPlan, sweep: ReverseSweep, phase: str) -> _SweepMemory:
+    assert sweep.M0 is not None  # GPN+M
+    B, H, dk, dv = sweep.dP.shape[0], plan.H, plan.dk, plan.dv
+    new = sweep.dP.new_empty
+    DGS, DA_ROWS = new(B, H), new(B, H)
+    DGS.zero_()
+    DA_ROWS.zero_()
+    _aten("zero dG suffix, dA rows", phase, 2 * _nbytes(DGS))
+    # Each layer's do (and layer 0's dpred) over the current block of steps: what the
+    # block's flush pushes onto the rows before it (`memory_backward_kernel`).
+    S = _sweep_block(sweep.dP)
+    L = plan.n_layers
+    kept: list[tuple[Tensor | None, Tensor | None]] = [
+        (new(B, H, S, dv), new(B, H, S, dv) if i == 0 else None) for i in range(L)
+    ]
+    M0 = sweep.M0.contiguous()
+    return _SweepMemory(M0, DGS, DA_ROWS, new(B, H * dk), kept, chunk_gram(plan, sweep.acts, phase))
+
+
+def chunk_gram(plan: StepPlan, acts, phase: str) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Per layer, the chunk's Gram matrices (B, H, C, C) whose row t the memory backward
+    reads at step t: q_t . k_j of the layer's read, and at layer 0 k_t . k_j of the write.
+    One batched float32 matmul each before the sweep, in place of each step's head programs
+    reducing the (C, dk) key tile again (the registers its pipelined loop needs)."""
+    k = acts.k
+    B, H, C, dk = k.shape
+    flops = 2 * B * H * C * C * dk
+    kk = torch.matmul(k, k.mT)
+    _aten("Gram k k^T", phase, _nbytes(k, k, kk), flops)
+    grams: list[tuple[Tensor | None, Tensor | None]] = []
+    for i in range(plan.n_layers):
+        qk = torch.matmul(acts.q[i], k.mT)
+        _aten(f"Gram q k^T {i}", phase, _nbytes(acts.q[i], k, qk), flops)
+        grams.append((qk, kk if i == 0 else None))
+    return grams
 
 
 def _read_norm_sums(
@@ -301,17 +326,14 @@ def _memory_backward(
     acts,
     a,
     DH: Tensor,
-    M0: Tensor | None,
-    DGS,
-    DA_ROWS,
-    DKPRE0,
+    mb: _SweepMemory,
     A: Tensor | None,
     grid: tuple[int, int],
     blocks: dict[str, int],
     eps: float,
     sums: Tensor | None = None,
-    kept: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> None:
+    M0, kept, gram = mb.M0, mb.kept[i], mb.grams[i]
     H, dk, dv = plan.H, plan.dk, plan.dv
     mem, write = plan.memory, plan.memory and i == 0
     dY = a.dY[i]
@@ -321,7 +343,7 @@ def _memory_backward(
     if mem:
         rq, drq = acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
         ro, stride_o = acts.ro[i][tau], acts.ro[i].stride(1)
-        reads = [acts.q[i], rq, drq, acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, M0]
+        reads = [acts.q[i], rq, drq, acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, M0, gram[0]]
         nbytes = _nbytes(y, dy, DH, ro, M0, sums) + _sweep_history_bytes(
             B, H, dk, dv, tau, C, _sweep_block(dy), write, y.element_size()
         )
@@ -329,13 +351,13 @@ def _memory_backward(
     else:
         ro = None
         stride_o = 0
-        reads = [None] * 10
+        reads = [None] * 11
         nbytes, flops = _nbytes(y, dy, DH), 0
     # (B, H, n) per-step tensors pass 2 strides, (B, H, C, n) chunk tensors 3 (last stride 1).
     mem_args = (
         ro if ro is not None else dummy,
         stride_o,
-        *pointers(reads, [3, 2, 2, 3, 3, 3, 3, 3, 3, 3], dummy),
+        *pointers(reads, [3, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3], dummy),
     )
     if write:
         writes = [
@@ -345,13 +367,14 @@ def _memory_backward(
             acts.pred[:, :, tau],
             acts.rk[:, :, tau],
             a.dRk[:, :, tau],
-            DGS,
-            DA_ROWS,
-            DKPRE0,
+            mb.DGS,
+            mb.DA_ROWS,
+            mb.DKPRE0,
+            gram[1],
         ]
     else:
-        writes = [None] * 9
-    write_args = pointers(writes, [1, 2, 2, 2, 2, 2, 0, 0, 0], dummy)
+        writes = [None] * 10
+    write_args = pointers(writes, [1, 2, 2, 2, 2, 2, 0, 0, 0, 3], dummy)
     _launch(
         tk.memory_backward_kernel,
         grid,
@@ -384,6 +407,7 @@ def _memory_backward(
         BLOCK_F=blocks["BLOCK_F"],
         NORM_WIDTH=H * dv * plan.tp_size,
         BLOCK_S=_sweep_block(y),
+        STAGES=MEMORY_BACKWARD_STAGES,
         num_warps=MEMORY_BACKWARD_WARPS,
         # ptxas otherwise caps the layers above 0 (no write) at 128 registers and spills
         maxnreg=MEMORY_BACKWARD_MAXNREG,
@@ -451,11 +475,12 @@ def _sweep_history_bytes(
     B: int, H: int, dk: int, dv: int, tau: int, C: int, S: int, write: bool, size: int
 ) -> int:
     """HBM bytes of the chunk's history one reverse step moves: the keys, errors and
-    decays up to t read (the read and the write need them all; the keys twice), their
-    adjoints read and written over the block's rows [b0, t], the step's do / dpred kept
-    (the flush after a block's first step counts its own: `_flush_block`)."""
+    decays up to t read (the read and the write need them all) with row t of the chunk's
+    Gram matrices (q.k, and k.k for the write: `chunk_gram`), their adjoints read and
+    written over the block's rows [b0, t], the step's do / dpred kept (the flush after a
+    block's first step counts its own: `_flush_block`)."""
     row = dk + dv + 1
     b0 = tau - tau % S
-    # the keys are read twice (before and after the d_value loop: registers)
-    moved = (tau + 1) * (row + dk) + 2 * (tau - b0 + 1) * row + dv * (2 if write else 1)
+    grams = 2 if write else 1
+    moved = (tau + 1) * (row + grams) + 2 * (tau - b0 + 1) * row + dv * grams
     return B * H * moved * size

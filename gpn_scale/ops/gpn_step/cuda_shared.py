@@ -24,6 +24,10 @@ from gpn_scale.ops.launch import record_collective as _record_collective
 MEMORY_BACKWARD_BLOCK_DV = 16
 MEMORY_BACKWARD_WARPS = 4
 MEMORY_BACKWARD_MAXNREG = 255
+# Its d_value loop software-pipelined this deep (cp.async copies of the next block's tiles
+# while this one computes); it fits without spills since the (C, dk) key tile's reductions
+# moved to a chunk-wide matmul (cuda_reverse.chunk_gram).
+MEMORY_BACKWARD_STAGES = 2
 MEMORY_FORWARD_BLOCK_DV = 32
 MEMORY_FORWARD_WARPS = 4
 FLUSH_BLOCK_DV = 64

@@ -801,6 +801,10 @@ def memory_backward_kernel(
     s_m0b: tl.int64,
     s_m0h,
     s_m0k,  # (B, H, DK, DV)
+    QK,
+    s_qkb: tl.int64,
+    s_qkh,
+    s_qkc,  # (B, H, C, C) the chunk's Gram rows q_t . k_j (`chunk_gram`)
     # WRITE only (layer 0): this step's write activations and outputs
     KPRE,
     stride_kpre: tl.int64,  # (B, H*DK) pre-activation of k_t
@@ -822,6 +826,10 @@ def memory_backward_kernel(
     DGS,  # (B, H) running suffix sum of dG (d log a)
     DA_ROWS,  # (B, H) dA accumulated per row
     DKPRE0,  # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
+    KK,
+    s_kkb: tl.int64,
+    s_kkh,
+    s_kkc,  # (B, H, C, C) the chunk's Gram rows k_t . k_j
     A,
     SUMS,  # (B, 2) the read norm's row sums (`read_norm_sums_kernel`; under tp, the group's)
     DOB,  # (B, H, BLOCK_S, DV) the block's do (the read's output gradient), by step
@@ -849,6 +857,7 @@ def memory_backward_kernel(
     BLOCK_F: tl.constexpr,
     NORM_WIDTH: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step,
     over d_value in BLOCK_DV blocks (a whole head's M0 and history tiles in registers at
@@ -863,7 +872,15 @@ def memory_backward_kernel(
     first step b0 one flush (`memory_backward_flush_kernel`) adds the whole block's share
     to rows j < b0, its coefficients recomputed from the keys, queries and decays.
     Per step the chunk's dK, dU, dG are then read and written over at most BLOCK_S rows, not
-    all t + 1 (the pushes were ~2/3 of the kernel's history traffic)."""
+    all t + 1 (the pushes were ~2/3 of the kernel's history traffic).
+
+    The d_value loop is software-pipelined (STAGES): the next block's tiles are copied into
+    shared memory (cp.async) while this block computes, instead of one dependent round trip
+    per block. Its registers come from the products q_t . k_j and k_t . k_j, read as rows of
+    the chunk's Gram matrices (`chunk_gram`, one batched matmul before the sweep) rather than
+    reduced here from the (C, DK) key tile, whose registers peaked the kernel at 255.
+    No later block reads what an earlier block stores (other columns, or Y not DY), so the
+    pipeliner may issue the loads ahead of the stores."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     y_row = Y + b * stride_y
@@ -906,10 +923,7 @@ def memory_backward_kernel(
         Gj = tl.load(g_base + rc * s_gc, mask=read_ok, other=0.0)
         w = tl.where(read_ok, tl.exp(Gt - Gj), 0.0)
         k_base = KA + b * s_kb + h * s_kh
-        kh_tile = k_base + rc[:, None] * s_kc + rk[None, :]
-        ok_k = read_ok[:, None] & k_ok[None, :]
-        Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
-        sdot = tl.sum(Kh * q[None, :], axis=1)
+        sdot = tl.load(QK + b * s_qkb + h * s_qkh + tau * s_qkc + rc, mask=read_ok, other=0.0)
         coef = w * sdot  # dU_j += coef_j * do
         dsd = tl.zeros((BLOCK_C,), dtype=acc_t)  # sum_v u_j * do, then times w_j
         # Sums over d_value of one value per column (dG_t's, and the write's beta and G_{t-1}
@@ -925,7 +939,8 @@ def memory_backward_kernel(
             eGp = tl.exp(Gp)
             write_ok = rc < tau
             w2 = tl.where(write_ok, tl.exp(Gp - Gj), 0.0)
-            sdot2 = tl.sum(Kh * k[None, :], axis=1)
+            kk_row = KK + b * s_kkb + h * s_kkh + tau * s_kkc
+            sdot2 = tl.load(kk_row + rc, mask=write_ok, other=0.0)
             coef2 = w2 * sdot2
             beta = tl.load(BETA + b * s_bb + h * s_bh)
             dsd2 = tl.zeros((BLOCK_C,), dtype=acc_t)
@@ -938,7 +953,7 @@ def memory_backward_kernel(
         du_base = DUA + b * s_dub + h * s_duh
         m0_base = M0 + b * s_m0b + h * s_m0h
         kept = (b.to(tl.int64) * H + h) * BLOCK_S * DV  # this head's block of do / dpred
-        for v0 in range(0, DV, BLOCK_DV):
+        for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
             col_v = h * DV + rv
@@ -994,9 +1009,13 @@ def memory_backward_kernel(
         dK_add = dsd[:, None] * q[None, :]
         dw = dsd * sdot
         dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
-        # The keys again (a second read of the t + 1 rows, from L2): holding them over the
-        # d_value loop cost registers its tiles need (spills: accounting/gpu_compile.py).
-        Kh = tl.load(kh_tile, mask=ok_k, other=0.0)
+        # The keys, read once, after the loop: held over it they would take the registers its
+        # pipelined tiles need (spills: accounting/gpu_compile.py).
+        Kh = tl.load(
+            k_base + rc[:, None] * s_kc + rk[None, :],
+            mask=read_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         dq += tl.sum(dsd[:, None] * Kh, axis=0)
         if WRITE:
             tl.store(dy_row + COL_BETA + h, tl.sum(dbeta_v, axis=0) * beta * (1.0 - beta))
