@@ -17,16 +17,18 @@ from gpn_scale.ops.launch import record_collective as _record_collective
 # The memory kernels' d_value block, warps and register cap on the GPU: what
 # accounting/gpu_compile.py compiles without spills at the shipped configs, with at least two
 # programs resident per SM (one program cannot hide its own round trips and issue latency).
-# The backward at 4 warps x 16 d_value columns holds what 8 warps x 32 did per thread
-# (<= 255 registers: 2 programs per SM, not 1); the forward at 32 columns needs ~140
-# registers (3 per SM, not 2). The flush keeps 8 warps: at 4, or capped at 128 registers,
-# it spills 150-260 bytes a thread.
+# The backward's d_value loop is software-pipelined (STAGES: cp.async copies of the next
+# block's tiles while this one computes). That fits since the (C, dk) key tile's reductions
+# moved to a chunk-wide matmul (cuda_reverse.chunk_gram): 4 warps then need ~214 registers
+# (2 programs of 4 warps per SM); 8 warps capped at 128 compile without spills, 2 programs of
+# 8 per SM, each warp issuing half the instructions (accounting: 25 -> 10 round trips and
+# 16.5 -> 11 us of issue per program). The forward at 4 warps x 32 columns needs ~128
+# registers (4 per SM); pipelined it needs 168 (3 per SM) and 8 warps leave 2: no gain by the
+# accounting. The flush keeps 8 warps: at 4, or capped at 128 registers, it spills 150-260
+# bytes a thread.
 MEMORY_BACKWARD_BLOCK_DV = 16
-MEMORY_BACKWARD_WARPS = 4
-MEMORY_BACKWARD_MAXNREG = 255
-# Its d_value loop software-pipelined this deep (cp.async copies of the next block's tiles
-# while this one computes); it fits without spills since the (C, dk) key tile's reductions
-# moved to a chunk-wide matmul (cuda_reverse.chunk_gram).
+MEMORY_BACKWARD_WARPS = 8
+MEMORY_BACKWARD_MAXNREG = 128
 MEMORY_BACKWARD_STAGES = 2
 MEMORY_FORWARD_BLOCK_DV = 32
 MEMORY_FORWARD_WARPS = 4
