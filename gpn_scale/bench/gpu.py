@@ -17,7 +17,8 @@ measured; the format: accounting/device_runs.py):
 2. The ledger (bench/gpu_ledger.py): the first config at --ledger-batches (64, 128), every
    launch of one forward and one reverse chunk timed in sequence and alone, with its bytes,
    FLOPs, rates, compiled facts and the accounting's prediction; kernels.json records what
-   this machine's Triton compiled.
+   this machine's Triton compiled. Beside it the what-ifs: the memory backward alone with
+   the launch settings the accounting chose against (warps, registers, pipelining).
 3. The phase split (bench/gpu_profile.py): one step by engine phase, at the same batches.
 4. Ceilings (bench/gpu_ceilings.py): copy, L2 over all SMs and one SM, dependent-load
    latency idle and under load, cuBLAS at the step GEMMs' shapes: what the accounting
@@ -411,6 +412,14 @@ def _decision_data(
             results.extra["ledger"].setdefault("errors", []).append({"batch": b, **got})
         else:
             rows += got
+        results.save()
+        got = _guard(
+            f"what-ifs B={b}", gpu_ledger.what_ifs, cfg, b, device, bf16, args.repeats, name
+        )
+        if isinstance(got, dict):
+            results.extra["ledger"].setdefault("errors", []).append({"batch": b, **got})
+        else:
+            results.extra["ledger"].setdefault("what_ifs", []).extend(got)
         results.save()
     for b in [] if args.no_ledger else batches:
         got = _guard(f"phases B={b}", gpu_profile.phase_split, cfg, b, args.seq_len, device, bf16)

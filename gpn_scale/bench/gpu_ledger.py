@@ -17,15 +17,21 @@ backward 0", ...; the memory kernels at their chunk's first, middle and last ste
 
 beside the bytes and FLOPs the launch accounting counts for it, achieved GB/s and its share
 of the measured copy bandwidth, TFLOP/s, programs per SM, registers / spills / shared memory
-as that machine's Triton compiled it, and the accounting's own prediction for it. On CPU
-(Triton's interpreter, tiny configs) the same code runs as a smoke test; its times mean
-nothing.
+as that machine's Triton compiled it, and the accounting's own prediction for it.
+
+**What-ifs** (`what_ifs`): the launch settings the accounting chose between without a GPU
+(`WHAT_IFS`), each timed alone beside the shipped one at the same steps, so that one device
+run says whether its choice holds.
+
+On CPU (Triton's interpreter, tiny configs) the same code runs as a smoke test; its times
+mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -48,6 +54,17 @@ from gpn_scale.ops.execution import execution
 # chunk's first, middle and last step.
 STEP_DEPENDENT = ("memory/FFN", "memory backward block flush")
 SLEEP_CYCLES_PER_LAUNCH = 200_000  # ~0.1 ms at 2 GHz: more than the host's binding per launch
+# Per kernel, the alternatives to its shipped launch settings that the accounting priced
+# worse (issue 34; ops/gpn_step/cuda_shared.py says why each was chosen). Every one is a
+# launch setting only: the kernel computes the same with any of them.
+WHAT_IFS: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
+    "memory_backward_kernel": (
+        ("4 warps, up to 255 registers", {"num_warps": 4, "maxnreg": 255}),
+        ("d_value loop not pipelined", {"STAGES": 1}),
+        ("not pipelined, 4 warps, 255 registers", {"STAGES": 1, "num_warps": 4, "maxnreg": 255}),
+        ("pipelined 3 deep", {"STAGES": 3}),
+    ),
+}
 
 
 @dataclass
@@ -274,6 +291,71 @@ def ledger(
     return rows
 
 
+def what_ifs(
+    cfg: GPNConfig,
+    batch: int,
+    device: torch.device,
+    bf16: bool = True,
+    repeats: int = 5,
+    config_name: str = "",
+) -> list[dict[str, Any]]:
+    """Each launch of a kernel in `WHAT_IFS` (at its chunk's first, middle and last step)
+    timed alone with its shipped settings and with each alternative, side by side: one row
+    per launch and setting, with `vs_shipped` (its time over the shipped one's) and what
+    this machine's Triton compiled for it."""
+    recorded = [r for r in record_step(cfg, batch, device, bf16) if r.launch.kernel is not None]
+    timer = Timer(device)
+    flush = l2_flush(device)
+    rows: list[dict[str, Any]] = []
+    for r in distinct(recorded):
+        name = r.launch.kernel.fn.__name__
+        if name not in WHAT_IFS:
+            continue
+        settings = [("shipped", {}), *WHAT_IFS[name]]
+        timed = []
+        for label, change in settings:
+            alt = Recorded(
+                r.index, dataclasses.replace(r.launch, meta={**r.launch.meta, **change}), r.tau
+            )
+            compiled = _launch(alt)  # compile and warm
+            alone = statistics.median(
+                timer.each([functools.partial(_launch, alt)] * repeats, before=flush)
+            )
+            timed.append((label, change, alone, compiled))
+        shipped = timed[0][2]
+        for label, change, alone, compiled in timed:
+            rows.append(
+                {
+                    "config": config_name or cfg.name,
+                    "batch": batch,
+                    "role": r.role,
+                    "kernel": name,
+                    "tau": r.tau,
+                    "setting": label,
+                    "meta": {k: v for k, v in r.launch.meta.items() if isinstance(v, int)} | change,
+                    "alone_s": alone,
+                    "vs_shipped": alone / shipped if shipped > 0 else None,
+                    **compiled_facts(compiled),
+                }
+            )
+    return rows
+
+
+def what_ifs_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| config | B | role | tau | setting | alone us | vs shipped | regs | spills | warps |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {r['role']} | {_f(r['tau'], 'd')} | "
+            f"{r['setting']} | {r['alone_s'] * 1e6:.1f} | {_f(r['vs_shipped'], '.2f')} | "
+            f"{_f(r.get('registers'), 'd')} | {_f(r.get('spills'), 'd')} | "
+            f"{_f(r.get('num_warps'), 'd')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def by_role(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """Per (config, batch), one entry per launch role (its distinct launches merged: the
     role's time per step in sequence, the mean of its launches alone), largest first."""
@@ -388,11 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     cfg = load_model_config(args.config)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    alternatives: list[dict[str, Any]] = []
     for b in batches:
         rows += ledger(cfg, b, device, not args.fp32, args.repeats, config_name=args.config)
-        (args.out / "ledger.json").write_text(json.dumps({"rows": rows}, indent=1))
-    text = markdown(rows)
+        alternatives += what_ifs(cfg, b, device, not args.fp32, args.repeats, args.config)
+        blob = {"rows": rows, "what_ifs": alternatives}
+        (args.out / "ledger.json").write_text(json.dumps(blob, indent=1))
+    text = markdown(rows) + "\n" + what_ifs_markdown(alternatives)
     (args.out / "ledger.md").write_text(text)
     print(text)
     return 0

@@ -69,6 +69,16 @@ def _ledger_md(blob: dict) -> list[str]:
             f"{_fmt(r.get('shared'), 'd')} |"
             for r in roles
         ]
+    what_ifs = blob.get("ledger", {}).get("what_ifs", [])
+    if what_ifs:
+        from gpn_scale.bench.gpu_ledger import what_ifs_markdown
+
+        out += [
+            "",
+            "## What-ifs: launch settings the accounting chose against, timed alone",
+            "",
+            what_ifs_markdown(what_ifs).rstrip("\n"),
+        ]
     return out
 
 

@@ -66,6 +66,13 @@ def test_device_check_runs_and_records(tmp_path):
     recorded = gpu_ledger.record_step(cfg, 2, torch.device("cpu"), bf16=False)
     assert {r.role for r in recorded} == {r["role"] for r in rows}
     assert all(r["role"] and r["bytes"] > 0 and r["alone_s"] > 0 for r in rows)
+    # the memory backward's what-ifs beside its shipped settings, and in results.md
+    what_ifs = result["ledger"]["what_ifs"]
+    assert {r["setting"] for r in what_ifs} == {
+        "shipped",
+        *(label for label, _ in gpu_ledger.WHAT_IFS["memory_backward_kernel"]),
+    }
+    assert "## What-ifs" in (out / "results.md").read_text()
     # the accounting's prediction per role (its dry run sizes the GEMM grids for 132 SMs, the
     # interpreter's for 16: a split-K sum may be one side's only)
     assert all(r["predicted_s_per_step"] for r in rows if "split-K" not in r["role"])
