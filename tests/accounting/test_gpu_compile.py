@@ -87,12 +87,15 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
         and set(r["phases"]) <= set(gc.STEP_PHASES)
         and r["kernel"] not in gc.BELOW_OCCUPANCY_BAR
     ]
-    assert {r["kernel"] for r in sequential} >= {"memory_backward_kernel", "linear_kernel"}
+    assert {r["kernel"] for r in sequential} >= {
+        "memory_backward_kernel",
+        "memory_backward_flush_kernel",
+        "linear_kernel",
+    }
     for r in sequential:
         ring = r["shared"] * r["blocks_per_sm"] if r["kernel"] == "linear_kernel" else 0
         assert r["blocks_per_sm"] >= 2 or ring >= 48 * 1024, (r["kernel"], r["names"])
-    assert "known, below the occupancy bar" in proc.stdout
-    assert "memory_backward_flush_kernel sm_90" in proc.stdout
+    assert ("known, below the occupancy bar" in proc.stdout) == bool(gc.BELOW_OCCUPANCY_BAR)
     # The memory backward's d_value loop is software-pipelined at every shipped size and
     # target: its tiles come through cp.async (what the accounting prices it as).
     backward = [r for r in sequential if r["kernel"] == "memory_backward_kernel"]
@@ -257,6 +260,6 @@ def test_every_dot_names_its_output_dtype():
                 and node.func.value.id == "tl"
             ):
                 dots.append((path.name, node.lineno, {k.arg for k in node.keywords}))
-    assert len(dots) >= 9
+    assert len(dots) >= 7  # the step GEMM and the block flush: the scan finds them
     missing = [f"{name}:{line}" for name, line, keys in dots if "out_dtype" not in keys]
     assert not missing, f"tl.dot without out_dtype at {missing}"

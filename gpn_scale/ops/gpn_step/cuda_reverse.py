@@ -414,7 +414,7 @@ def _memory_backward(
     )
     S = _sweep_block(y)
     if mem and tau % S == 0 and tau > 0:
-        _flush_block(plan, i, tau, C, acts, a, kept, S, write, B)
+        _flush_block(plan, i, tau, C, acts, a, kept, gram, S, write, B)
 
 
 def _flush_block(
@@ -425,6 +425,7 @@ def _flush_block(
     acts,
     a,
     kept: tuple[Tensor | None, Tensor | None],
+    gram: tuple[Tensor | None, Tensor | None],
     S: int,
     write: bool,
     B: int,
@@ -435,7 +436,11 @@ def _flush_block(
     assert dob is not None
     size = dob.element_size()
     row = dk + dv + 1
-    nbytes = B * H * (3 * b0 * row + S * (2 * dk + 2 + dv * (2 if write else 1))) * size
+    grams = 2 if write else 1
+    # the rows' u and G and their Gram entries read, their adjoints read and written; the
+    # block's queries, keys, decays and kept do / dpred
+    history = b0 * (dv + 1 + grams * S) + 2 * b0 * row
+    nbytes = B * H * (history + S * (2 * dk + 2 + dv * grams)) * size
     flops = B * H * b0 * S * (2 if write else 1) * (4 * dk + 6 * dv)
     _launch(
         tk.memory_backward_flush_kernel,
@@ -445,7 +450,9 @@ def _flush_block(
         nbytes,
         flops,
         *pointers(
-            [acts.q[i], acts.k, acts.U, acts.G, a.dK, a.dU, a.dG], [3, 3, 3, 3, 3, 3, 3], dob
+            [acts.q[i], acts.k, acts.U, acts.G, a.dK, a.dU, a.dG, gram[0], gram[1]],
+            [3] * 9,
+            dob,
         ),
         dob,
         dpb if dpb is not None else dob,

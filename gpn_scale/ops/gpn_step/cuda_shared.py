@@ -24,8 +24,9 @@ from gpn_scale.ops.launch import record_collective as _record_collective
 # 8 per SM, each warp issuing half the instructions (accounting: 25 -> 10 round trips and
 # 16.5 -> 11 us of issue per program). The forward at 4 warps x 32 columns needs ~128
 # registers (4 per SM); pipelined it needs 168 (3 per SM) and 8 warps leave 2: no gain by the
-# accounting. The flush keeps 8 warps: at 4, or capped at 128 registers, it spills 150-260
-# bytes a thread.
+# accounting. The block flush reads its products from the same Gram matrices (it formed
+# them with tl.dot from the key tile, at 251 registers): 8 warps capped at 128 registers
+# compile without spills, two programs per SM (was one).
 MEMORY_BACKWARD_BLOCK_DV = 16
 MEMORY_BACKWARD_WARPS = 8
 MEMORY_BACKWARD_MAXNREG = 128
@@ -34,7 +35,7 @@ MEMORY_FORWARD_BLOCK_DV = 32
 MEMORY_FORWARD_WARPS = 4
 FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8
-FLUSH_MAXNREG = 255
+FLUSH_MAXNREG = 128
 SWEEP_BLOCK = 16
 # The reverse sweep's row kernels (one program per batch row: B programs, one per SM at most)
 # take a whole row of d (or of the read's H * dv columns) in one block of 16 warps: each

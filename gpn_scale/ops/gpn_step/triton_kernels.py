@@ -1095,6 +1095,14 @@ def memory_backward_flush_kernel(
     s_dgb: tl.int64,
     s_dgh,
     s_dgc,
+    QK,
+    s_qkb: tl.int64,
+    s_qkh,
+    s_qkc,  # (B, H, C, C) the chunk's Gram matrices q_s . k_j and k_s . k_j (`chunk_gram`)
+    KK,
+    s_kkb: tl.int64,
+    s_kkh,
+    s_kkc,
     DOB,
     DPB,
     b0,
@@ -1114,9 +1122,11 @@ def memory_backward_flush_kernel(
     dU_j += W do + W2 dpred; dsd[j, s] = e^{G_s - G_j} (u_j.do_s) (and dsd2 with
     e^{G_{s-1} - G_j} and dpred_s); dK_j += dsd q + dsd2 k; dG_j -= sum_s dsd (q_s.k_j)
     + dsd2 (k_s.k_j), over the block's steps before `n_steps` (the chunk's length); the
-    rows in blocks of BLOCK_J (what a program holds at once). Grid (B, H); launched after
-    the memory backward of a block's first step b0 > 0 (its own kernel: inside the step
-    kernel its tiles spilled both)."""
+    rows in blocks of BLOCK_J (what a program holds at once). The products q_s.k_j and
+    k_s.k_j are read from the chunk's Gram matrices (`chunk_gram`), not formed from the
+    key tile (which took half the registers). Grid (B, H); launched after the memory
+    backward of a block's first step b0 > 0 (its own kernel: inside the step kernel its
+    tiles spilled both)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     kept = (b.to(tl.int64) * H + h) * BLOCK_S * DV
@@ -1150,13 +1160,19 @@ def memory_backward_flush_kernel(
         both = rows[:, None] & s_ok[None, :]
         E = tl.where(both, tl.exp(Gs[None, :] - Gj[:, None]), 0.0)  # (J, S)
         ok_k = rows[:, None] & k_ok[None, :]
-        Kh = tl.load(k_base + rj[:, None] * s_kc + rk[None, :], mask=ok_k, other=0.0)
-        S1 = tl.dot(Kh, tl.trans(Qs), input_precision="ieee", out_dtype=acc_t)  # (J, S): k_j . q_s
+        # (J, S): k_j . q_s, read from the chunk's Gram matrix (row s, column j)
+        S1 = tl.load(
+            QK + b * s_qkb + h * s_qkh + steps[None, :] * s_qkc + rj[:, None], mask=both, other=0.0
+        )
         W = E * S1
         UD = tl.zeros((BLOCK_J, BLOCK_S), dtype=acc_t)
         if WRITE:
             E2 = tl.where(both, tl.exp(Gsp[None, :] - Gj[:, None]), 0.0)
-            S2 = tl.dot(Kh, tl.trans(Ks), input_precision="ieee", out_dtype=acc_t)  # k_j . k_s
+            S2 = tl.load(
+                KK + b * s_kkb + h * s_kkh + steps[None, :] * s_kkc + rj[:, None],
+                mask=both,
+                other=0.0,
+            )  # k_j . k_s
             W2 = E2 * S2
             UD2 = tl.zeros((BLOCK_J, BLOCK_S), dtype=acc_t)
         for v0 in range(0, DV, BLOCK_DV):
