@@ -36,6 +36,9 @@ class KernelCost:
     # warp-instructions one program issues (its PTX, loops counted as they run), by value of
     # grid axis 1; 0: unknown
     issued: tuple[float, ...] = ()
+    # by value of grid axis 1, each software-pipelined loop's (iterations whose loads were
+    # issued ahead, its body's instructions per warp, stages): `pricing.pipeline_waits`
+    pipelined: tuple[tuple[tuple[float, int, int], ...], ...] = ()
     l2_bytes: int = 0  # GEMMs: A and W tiles read from L2 by all programs
     m_blocks: int = 1  # GEMMs: programs reading the same weight tile (grid axis 0)
     facts: str = "compiled"  # where occupancy came from: compiled | device run | assumed
@@ -175,6 +178,7 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
         programs *= g
     grid = tuple(int(g) for g in rec.grid)
     issued: tuple[float, ...] = ()
+    pipelined: tuple[tuple[tuple[float, int, int], ...], ...] = ()
     if name == "linear_kernel":
         in_flight, l2_bytes, m_blocks = gemm_geometry(rec, w_pipelined, stages)
         trips: tuple[int, ...] = ()
@@ -188,6 +192,14 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
             v.num_warps * issued_instructions(instructions, loops, p.loop_executions)
             for p in programs_
         )
+        pipelined = tuple(
+            tuple(
+                (ahead, loops[i], stages)
+                for i, (stages, ahead) in enumerate(p.pipelined)
+                if stages >= 2 and len(loops) == len(p.pipelined)
+            )
+            for p in programs_
+        )
     return KernelCost(
         name,
         programs,
@@ -199,6 +211,7 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
         grid=grid,
         trips=trips,
         issued=issued,
+        pipelined=pipelined,
         l2_bytes=l2_bytes,
         m_blocks=m_blocks,
         facts=source,

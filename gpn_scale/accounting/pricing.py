@@ -80,7 +80,9 @@ def _triton(op: Op, c: Ceilings) -> tuple[float, str]:
         return _gemm(op, c)
     slots = c.sm_count * k.blocks_per_sm
     per_class = tuple(
-        t * c.latency_s + (issue_seconds(k, k.issued[j], c) if j < len(k.issued) else 0.0)
+        t * c.latency_s
+        + (issue_seconds(k, k.issued[j], c) if j < len(k.issued) else 0.0)
+        + pipeline_waits(k, j, c)
         for j, t in enumerate(k.trips)
     )
     durations = tuple(round_trips.program_durations(per_class, k.grid or (k.programs,), 1.0))
@@ -103,6 +105,19 @@ def issue_seconds(k, issued: float, c: Ceilings) -> float:
     per_scheduler = warps * k.blocks_per_sm / c.schedulers_per_sm
     cycles_per_instruction = max(per_scheduler, c.dependent_issue_cycles)
     return issued / warps * cycles_per_instruction / c.sm_clock_hz
+
+
+def pipeline_waits(k, j: int, c: Ceilings) -> float:
+    """What a program of class `j` waits in its software-pipelined loops beyond its round
+    trips: an iteration's loads were issued stages - 1 iterations ahead, so an iteration
+    takes at least a round trip over that many; a body that issues faster waits the rest
+    (the walk, round_trips.py, counts those iterations' loads as ready)."""
+    warps = max(1, k.threads // 32)
+    loops = k.pipelined[j] if j < len(k.pipelined) else ()
+    return sum(
+        ahead * max(0.0, c.latency_s / (stages - 1) - issue_seconds(k, body * warps, c))
+        for ahead, body, stages in loops
+    )
 
 
 def gemm_hbm_share(k, c: Ceilings, resident: int | None = None) -> float:

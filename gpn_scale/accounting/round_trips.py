@@ -23,7 +23,10 @@ The rules are those of an in-order GPU warp and of Triton's compiler:
 - a loop whose loads Triton software-pipelines (`tl.range(..., num_stages>=2)`, or a loop
   containing `tl.dot` in a kernel compiled with more than one stage) has the next
   iteration's loads in flight while the current one computes: after its first iteration
-  a load's value is ready at the iteration's start;
+  a load's value is ready at the iteration's start. That holds only while an iteration
+  takes at least a round trip over the stages - 1 iterations in flight: the loop's stages
+  and later iterations are reported (`Program.pipelined`) so that the pricing can charge
+  a faster body the difference (`pricing.pipeline_waits`);
 - `tl.static_range` is unrolled: its iterations are one block;
 - `@triton.jit` helpers are inlined.
 
@@ -75,6 +78,9 @@ class Program:
     trips: int
     loop_executions: tuple[float, ...]
     branches_on_pid1: bool = False  # programs along grid axis 1 may differ
+    # per loop of `loop_order`, its stages if software-pipelined (else 0) and its
+    # iterations past the first of each entry (those whose loads were issued ahead)
+    pipelined: tuple[tuple[int, float], ...] = ()
     # Its path's decisions on tl.program_id(1), each a plain comparison of the id, with their
     # outcomes; None where one is not (see `programs_along_axis1`).
     pid1_trace: tuple[tuple[tuple[type, Any, bool], bool], ...] | None = ()
@@ -105,9 +111,17 @@ def analyse(
     values = [_Value(_scalar(a)) for a in args]
     kwargs = {k: _Value(_scalar(v)) for k, v in meta.items() if k in names}
     walk.call_function(fn, values, kwargs, top=True)
-    loops = tuple(walk.executions.get(key, 0.0) for key in loop_order(kernel, meta))
+    order = loop_order(kernel, meta)
+    loops = tuple(walk.executions.get(key, 0.0) for key in order)
+    pipelined = tuple(
+        (walk.pipelined[key][0], walk.executions.get(key, 0.0) - walk.pipelined[key][1])
+        if key in walk.pipelined
+        else (0, 0.0)
+        for key in order
+    )
     trace = tuple(walk.pid1_trace) if walk.pid1_trace is not None else None
-    return Program(max(walk.state.barrier, walk.state.stall), loops, walk.branches_on_pid1, trace)
+    trips = max(walk.state.barrier, walk.state.stall)
+    return Program(trips, loops, walk.branches_on_pid1, pipelined=pipelined, pid1_trace=trace)
 
 
 def round_trips(

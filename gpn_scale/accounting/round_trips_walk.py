@@ -83,6 +83,8 @@ class _Walk:
         # (function, line) of each `for` loop -> its body's executions in the program (the
         # iterations not simulated counted too)
         self.executions: dict[tuple[str, int], float] = {}
+        # ... and of each software-pipelined one, its stages and how often it is entered
+        self.pipelined: dict[tuple[str, int], tuple[int, float]] = {}
         self.weight = 1.0
         self.branches_on_pid1 = False
         # Each decision on tl.program_id(1) along this program's path, as (test, outcome);
@@ -242,6 +244,9 @@ class _Walk:
         innermost, has_dot = _loop_shape(stmt)
         asked = explicit and any(kw.arg == "num_stages" for kw in it.keywords)
         pipelined = innermost and isinstance(stages, int) and stages >= 2 and (has_dot or asked)
+        if pipelined and indices:
+            entered = self.pipelined.get(key, (0, 0.0))[1] + outer_weight
+            self.pipelined[key] = (int(stages), entered)
         self.state.boundary()  # entering the loop
         costs: list[int] = []
         outer_prefetch = self.prefetch

@@ -283,6 +283,33 @@ def test_other_kernels_wait_their_round_trips_per_wave_and_issue_between_them():
     )
 
 
+def test_a_pipelined_loop_iterates_no_faster_than_a_round_trip_over_its_stages_ahead():
+    """The walk counts a software-pipelined loop's later iterations' loads as ready; that
+    holds while an iteration takes a round trip over the stages - 1 in flight. A body that
+    issues faster waits the difference, each of those iterations; a slower one does not."""
+    from gpn_scale.accounting.kernel_costs import KernelCost
+
+    h200 = gpu_model.GPUS["h200"]
+
+    def seconds(body: int, stages: int) -> float:
+        # one program of 8 warps: 10 trips, 15 pipelined iterations of `body` instructions
+        cost = KernelCost("memory_backward_kernel", 132, 1, 256, 0, 0, 5e-6, grid=(132, 1),
+                          trips=(10,), issued=(8 * 15 * body,),
+                          pipelined=(((15.0, body, stages),),))  # fmt: skip
+        return _seconds(gpu_model.Op("reverse step: memory/FFN backward 0",
+                                     "sequential backward", 0, 0, True, cost=cost))  # fmt: skip
+
+    per_instruction = 4 / h200.sm_clock_hz  # one warp's dependent issue
+    fast = 100  # 0.2 us an iteration: waits the rest of a round trip
+    expected = 10e-6 + 15 * fast * per_instruction + 15 * (1e-6 - fast * per_instruction)
+    assert seconds(fast, 2) == pytest.approx(expected + 1.3e-6)
+    # two iterations in flight: half a round trip each
+    wait3 = 15 * (0.5e-6 - fast * per_instruction)
+    assert seconds(fast, 3) == pytest.approx(10e-6 + 15 * fast * per_instruction + wait3 + 1.3e-6)
+    slow = 1_000  # 2 us an iteration: its loads are there when it starts
+    assert seconds(slow, 2) == pytest.approx(10e-6 + 15 * slow * per_instruction + 1.3e-6)
+
+
 def test_transformer_baseline_counts_its_gemm_flops_exactly_and_flash_attention_per_layer():
     """The Transformer++ priced beside the GPN: its dry step's matmul FLOPs are exactly the
     family's 6 x (weights' MACs) per token, and each layer's attention is one flash forward
