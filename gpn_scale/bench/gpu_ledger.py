@@ -59,10 +59,11 @@ SLEEP_CYCLES_PER_LAUNCH = 200_000  # ~0.1 ms at 2 GHz: more than the host's bind
 # launch setting only: the kernel computes the same with any of them.
 WHAT_IFS: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
     "memory_backward_kernel": (
-        ("4 warps, up to 255 registers", {"num_warps": 4, "maxnreg": 255}),
+        ("8 warps, 2 stages", {"num_warps": 8, "STAGES": 2}),
+        ("168 registers, 2 stages", {"maxnreg": 168, "STAGES": 2}),
+        ("2 stages", {"STAGES": 2}),
         ("d_value loop not pipelined", {"STAGES": 1}),
-        ("not pipelined, 4 warps, 255 registers", {"STAGES": 1, "num_warps": 4, "maxnreg": 255}),
-        ("pipelined 3 deep", {"STAGES": 3}),
+        ("not pipelined, up to 255 registers", {"STAGES": 1, "maxnreg": 255}),
     ),
 }
 

@@ -409,7 +409,7 @@ def _memory_backward(
         BLOCK_S=_sweep_block(y),
         STAGES=MEMORY_BACKWARD_STAGES,
         num_warps=MEMORY_BACKWARD_WARPS,
-        # the cap that lets two 8-warp programs share an SM (ptxas alone takes ~153: one)
+        # the cap that lets four programs share an SM (ptxas alone takes ~150: three)
         maxnreg=MEMORY_BACKWARD_MAXNREG,
     )
     S = _sweep_block(y)

@@ -18,19 +18,22 @@ from gpn_scale.ops.launch import record_collective as _record_collective
 # accounting/gpu_compile.py compiles without spills at the shipped configs, with at least two
 # programs resident per SM (one program cannot hide its own round trips and issue latency).
 # The backward's d_value loop is software-pipelined (STAGES: cp.async copies of the next
-# block's tiles while this one computes). That fits since the (C, dk) key tile's reductions
-# moved to a chunk-wide matmul (cuda_reverse.chunk_gram): 4 warps then need ~214 registers
-# (2 programs of 4 warps per SM); 8 warps capped at 128 compile without spills, 2 programs of
-# 8 per SM, each warp issuing half the instructions (accounting: 25 -> 10 round trips and
-# 16.5 -> 11 us of issue per program). The forward at 4 warps x 32 columns needs ~128
+# blocks' tiles while this one computes; 25 -> 10 round trips a program). It fits since the
+# (C, dk) key tile's reductions moved to a chunk-wide matmul (cuda_reverse.chunk_gram) and
+# the k adjoint's read-modify-write covers the block's BLOCK_S rows, not all C: 4 warps then
+# compile to 128 registers without spills, 4 programs per SM (was 2 at 255). Two stages
+# ahead, not one: an iteration issues in less than a round trip (accounting:
+# pricing.pipeline_waits), and at 2 stages 128 registers spill 8 B. The accounting priced
+# 8 warps x 128 registers (2 per SM) and 4 x 168 (3 per SM) slower; the device check times
+# them beside this (bench/gpu_ledger.WHAT_IFS). The forward at 4 warps x 32 columns needs ~128
 # registers (4 per SM); pipelined it needs 168 (3 per SM) and 8 warps leave 2: no gain by the
 # accounting. The block flush reads its products from the same Gram matrices (it formed
 # them with tl.dot from the key tile, at 251 registers): 8 warps capped at 128 registers
 # compile without spills, two programs per SM (was one).
 MEMORY_BACKWARD_BLOCK_DV = 16
-MEMORY_BACKWARD_WARPS = 8
+MEMORY_BACKWARD_WARPS = 4
 MEMORY_BACKWARD_MAXNREG = 128
-MEMORY_BACKWARD_STAGES = 2
+MEMORY_BACKWARD_STAGES = 3
 MEMORY_FORWARD_BLOCK_DV = 32
 MEMORY_FORWARD_WARPS = 4
 FLUSH_BLOCK_DV = 64

@@ -915,8 +915,6 @@ def memory_backward_kernel(
         # M0, of the history's u_j and of their adjoints); what spans d_value (the dot
         # products with do and dpred) is summed over the blocks, and what needs those sums
         # (the k_j, G_j and query adjoints) follows the loop.
-        q_base = QA + b * s_qb + h * s_qh
-        q = tl.load(q_base + tau * s_qc + rk, mask=k_ok, other=0.0)
         g_base = GA + b * s_gb + h * s_gh
         Gt = tl.load(g_base + tau * s_gc)
         eG = tl.exp(Gt)
@@ -933,7 +931,6 @@ def memory_backward_kernel(
         dGt_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
         dq = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drq
         if WRITE:
-            k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
             has_prev = tau > 0
             Gp = tl.load(g_base + (tau - 1) * s_gc, mask=has_prev, other=0.0)
             eGp = tl.exp(Gp)
@@ -1004,9 +1001,13 @@ def memory_backward_kernel(
                 tl.store(DPB + kept + slot * DV + rv, dpred, mask=v_ok)
                 tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
             tl.store(tile_du, du_rows + dU_add, mask=ok_push)
+        # q_t and k_t are only needed from here (their products with the keys are the Gram
+        # rows): read with the keys, not held over the loop.
+        q = tl.load(QA + b * s_qb + h * s_qh + tau * s_qc + rk, mask=k_ok, other=0.0)
+        if WRITE:
+            k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
         dGt = eG * tl.sum(dGt_v, axis=0)
         dsd = dsd * w
-        dK_add = dsd[:, None] * q[None, :]
         dw = dsd * sdot
         dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
         # The keys, read once, after the loop: held over it they would take the registers its
@@ -1021,17 +1022,25 @@ def memory_backward_kernel(
             tl.store(dy_row + COL_BETA + h, tl.sum(dbeta_v, axis=0) * beta * (1.0 - beta))
             dGp = eGp * tl.sum(dGp_v, axis=0)
             dsd2 = dsd2 * w2
-            dK_add += dsd2[:, None] * k[None, :]
             dw2 = dsd2 * sdot2
             at_prev = dGp + tl.sum(dw2, axis=0)  # G_{t-1}'s own term (its row may precede b0)
             dG_add += tl.where(rc == tau - 1, at_prev, 0.0) - dw2
             dk += tl.sum(dsd2[:, None] * Kh, axis=0)
-        # The block's rows of the chunk's k and G adjoints, each read and written once.
-        tile_dk = DKA + b * s_dkb + h * s_dkh + rc[:, None] * s_dkc + rk[None, :]
-        ok_push_k = in_block[:, None] & k_ok[None, :]
+        # The block's rows of the chunk's k and G adjoints, each read and written once. The k
+        # adjoint's as a (BLOCK_S, DK) tile of the rows [b0, b0 + BLOCK_S), not (C, DK): the
+        # whole-chunk tile held the kernel's register peak. Row b0 + s of a C-vector is picked
+        # out exactly (one term, the others zero).
+        rb = b0 + tl.arange(0, BLOCK_S)
+        pick = rc[None, :] == rb[:, None]
+        dK_add = tl.sum(tl.where(pick, dsd[None, :], 0.0), axis=1)[:, None] * q[None, :]
+        if WRITE:
+            dsd2_b = tl.sum(tl.where(pick, dsd2[None, :], 0.0), axis=1)
+            dK_add += dsd2_b[:, None] * k[None, :]
+        tile_dk = DKA + b * s_dkb + h * s_dkh + rb[:, None] * s_dkc + rk[None, :]
+        ok_push_k = (rb <= tau)[:, None] & k_ok[None, :]
         dK_new = tl.load(tile_dk, mask=ok_push_k, other=0.0) + dK_add
         if WRITE:
-            dK_new += tl.where(is_t[:, None], dk[None, :], 0.0)
+            dK_new += tl.where((rb == tau)[:, None], dk[None, :], 0.0)
         tl.store(tile_dk, dK_new, mask=ok_push_k)
         dg_ptr = DGA + b * s_dgb + h * s_dgh
         dG_new = tl.load(dg_ptr + rc * s_dgc, mask=in_block, other=0.0) + dG_add
@@ -1052,7 +1061,7 @@ def memory_backward_kernel(
             tl.store(dy_row + COL_DECAY + h, dgs * (-a_h) * _sigmoid(decay_pre))
             tl.store(DA_ROWS + b * H + h, tl.load(DA_ROWS + b * H + h) - dgs * _softplus(decay_pre))
             # k_t came from step t-1's key columns (or, at t = 0, from s_prev).
-            dk_t = tl.sum(tl.where(is_t[:, None], dK_new, 0.0), axis=0)
+            dk_t = tl.sum(tl.where((rb == tau)[:, None], dK_new, 0.0), axis=0)
             k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
             dk_pre = _l2n_relu_back(k_pre, dk_t)
             if is_last != 0:
