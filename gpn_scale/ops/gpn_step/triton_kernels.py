@@ -870,15 +870,16 @@ def memory_backward_kernel(
     read: du_t, dk_t and dG_t must be complete at step t); what a step adds to the rows
     before its block is deferred: the step keeps its do (and dpred), and after the block's
     first step b0 one flush (`memory_backward_flush_kernel`) adds the whole block's share
-    to rows j < b0, its coefficients recomputed from the keys, queries and decays.
+    to rows j < b0, its coefficients recomputed from the Gram matrices and decays.
     Per step the chunk's dK, dU, dG are then read and written over at most BLOCK_S rows, not
     all t + 1 (the pushes were ~2/3 of the kernel's history traffic).
 
-    The d_value loop is software-pipelined (STAGES): the next block's tiles are copied into
+    The d_value loop is software-pipelined (STAGES): the next blocks' tiles are copied into
     shared memory (cp.async) while this block computes, instead of one dependent round trip
     per block. Its registers come from the products q_t . k_j and k_t . k_j, read as rows of
     the chunk's Gram matrices (`chunk_gram`, one batched matmul before the sweep) rather than
-    reduced here from the (C, DK) key tile, whose registers peaked the kernel at 255.
+    reduced here from the (C, DK) key tile, and from the k adjoint's update over the block's
+    BLOCK_S rows rather than all C (the two held the kernel at 255 registers; now 128).
     No later block reads what an earlier block stores (other columns, or Y not DY), so the
     pipeliner may issue the loads ahead of the stores."""
     b = tl.program_id(0)
