@@ -103,7 +103,10 @@ WEIGHT_OPERAND = {"linear_kernel": "W"}
 # Triton must then copy with cp.async at the shipped sizes. A change that stops the
 # pipeliner (a register-hungry loop, a Triton that declines) fails the gate instead of
 # leaving the accounting to price round trips the GPU still makes.
-PIPELINED_OPERANDS = {"memory_backward_kernel": ("m0_base", "tile_du", "u_base")}
+PIPELINED_OPERANDS = {
+    "memory_backward_kernel": ("m0_base", "tile_du", "u_base"),
+    "memory_forward_kernel": ("kh_base", "m0_base", "uh_base"),
+}
 
 
 @dataclass

@@ -17,8 +17,9 @@ measured; the format: accounting/device_runs.py):
 2. The ledger (bench/gpu_ledger.py): the first config at --ledger-batches (64, 128), every
    launch of one forward and one reverse chunk timed in sequence and alone, with its bytes,
    FLOPs, rates, compiled facts and the accounting's prediction; kernels.json records what
-   this machine's Triton compiled. Beside it the what-ifs: the memory backward alone with
-   the launch settings the accounting chose against (warps, registers, pipelining).
+   this machine's Triton compiled. Beside it the what-ifs: the memory backward and forward
+   alone with the launch settings the accounting chose against (warps, registers, stages,
+   column blocks).
 3. The phase split (bench/gpu_profile.py): one step by engine phase, at the same batches.
 4. Ceilings (bench/gpu_ceilings.py): copy, L2 over all SMs and one SM, dependent-load
    latency idle and under load, cuBLAS at the step GEMMs' shapes: what the accounting

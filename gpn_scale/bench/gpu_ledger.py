@@ -65,6 +65,12 @@ WHAT_IFS: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
         ("d_value loop not pipelined", {"STAGES": 1}),
         ("not pipelined, up to 255 registers", {"STAGES": 1, "maxnreg": 255}),
     ),
+    "memory_forward_kernel": (
+        ("2 stages", {"STAGES": 2}),
+        ("4 stages", {"STAGES": 4}),
+        ("loops not pipelined", {"STAGES": 1}),
+        ("64 value columns", {"BLOCK_DV": 64}),
+    ),
 }
 
 

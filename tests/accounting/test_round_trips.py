@@ -174,7 +174,8 @@ def shipped_launches():
 def test_the_backends_kernels_at_the_shipped_size(shipped_launches):
     """The memory backward's d_value loop is software-pipelined: one round trip for its first
     block (unpipelined, one per block: 16 blocks of 16 at dv 256) and ~10 around it; the
-    forward one per block (8 of 32) and 2 more; the read norm's row sums one (its 3,840
+    forward's two loops (4 blocks of 32 key columns, 8 of 32 value columns) are pipelined
+    too: one round trip each and one for the loads before them; the read norm's row sums one (its 3,840
     columns in one block, once per row); the row kernel one block of d (2,496) per pass; a
     split-K sum one."""
     from gpn_scale.ops.gpn_step import cuda_shared
@@ -198,7 +199,16 @@ def test_the_backends_kernels_at_the_shipped_size(shipped_launches):
     # the d_value loop reported with its stages and the iterations whose loads came ahead
     # (what pricing.pipeline_waits charges when a body issues faster than a round trip)
     assert (backward.meta["STAGES"], back_blocks - 1) in program.pipelined
-    assert forward_blocks + 1 <= counts["memory/FFN 0"] <= forward_blocks + 3
+    key_blocks = 128 // cuda_shared.MEMORY_FORWARD_KEY_BLOCK  # gpn_m_130m's d_key
+    forward = next(r for r in shipped_launches if r.name == "memory/FFN 0")
+    unpipelined = round_trips.round_trips(
+        forward.kernel, forward.args, {**forward.meta, "STAGES": 1}, (0, 0, 0)
+    )
+    program = round_trips.analyse(forward.kernel, forward.args, forward.meta, (0, 0, 0))
+    assert counts["memory/FFN 0"] == program.trips == 3
+    assert unpipelined - program.trips == (key_blocks - 1) + (forward_blocks - 1)
+    stages = forward.meta["STAGES"]
+    assert {(stages, key_blocks - 1), (stages, forward_blocks - 1)} <= set(program.pipelined)
     assert counts["read norm sums 0"] == 1
     assert counts["row backward"] <= 5 and counts["fuse-gate GEMM (split-K sum)"] == 1
     ffn = [

@@ -66,11 +66,11 @@ def test_device_check_runs_and_records(tmp_path):
     recorded = gpu_ledger.record_step(cfg, 2, torch.device("cpu"), bf16=False)
     assert {r.role for r in recorded} == {r["role"] for r in rows}
     assert all(r["role"] and r["bytes"] > 0 and r["alone_s"] > 0 for r in rows)
-    # the memory backward's what-ifs beside its shipped settings, and in results.md
+    # the memory kernels' what-ifs beside their shipped settings, and in results.md
     what_ifs = result["ledger"]["what_ifs"]
     assert {r["setting"] for r in what_ifs} == {
         "shipped",
-        *(label for label, _ in gpu_ledger.WHAT_IFS["memory_backward_kernel"]),
+        *(label for options in gpu_ledger.WHAT_IFS.values() for label, _ in options),
     }
     assert "## What-ifs" in (out / "results.md").read_text()
     # the accounting's prediction per role (its dry run sizes the GEMM grids for 132 SMs, the

@@ -49,15 +49,21 @@ def test_roles_merge_their_distinct_launches_largest_first(rows):
 
 def test_what_ifs_time_each_alternative_beside_the_shipped_settings():
     rows = gpu_ledger.what_ifs(CFG, 2, CPU, bf16=False, repeats=1, config_name="tiny")
-    alternatives = gpu_ledger.WHAT_IFS["memory_backward_kernel"]
-    settings = ["shipped", *(label for label, _ in alternatives)]
-    # at the chunk's first, middle and last step, every setting, the shipped one first
-    for tau in (0, 2, 3):
-        mine = [r for r in rows if r["tau"] == tau and r["role"] == "memory/FFN backward 0"]
-        assert [r["setting"] for r in mine] == settings
-        assert mine[0]["vs_shipped"] == 1.0 and all(r["alone_s"] > 0 for r in mine)
-        for r, (_, change) in zip(mine[1:], alternatives):
-            assert change.items() <= r["meta"].items()
+    roles = {
+        "memory_backward_kernel": "memory/FFN backward 0",
+        "memory_forward_kernel": "memory/FFN 0",
+    }
+    assert set(gpu_ledger.WHAT_IFS) == set(roles)
+    for kernel, role in roles.items():
+        alternatives = gpu_ledger.WHAT_IFS[kernel]
+        settings = ["shipped", *(label for label, _ in alternatives)]
+        # at the chunk's first, middle and last step, every setting, the shipped one first
+        for tau in (0, 2, 3):
+            mine = [r for r in rows if r["tau"] == tau and r["role"] == role]
+            assert [r["setting"] for r in mine] == settings
+            assert mine[0]["vs_shipped"] == 1.0 and all(r["alone_s"] > 0 for r in mine)
+            for r, (_, change) in zip(mine[1:], alternatives):
+                assert change.items() <= r["meta"].items()
     text = gpu_ledger.what_ifs_markdown(rows)
     assert text.count("\n") == len(rows) + 2 and "8 warps, 2 stages" in text
 

@@ -115,6 +115,14 @@ def test_backend_equals_pytorch_steps_float64(backend, case, monkeypatch):
     compare(tiny_config(**CASES[case]), backend, torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.slow
+def test_cuda_backend_with_partial_key_and_value_blocks_float64(monkeypatch):
+    """d_key = 6 and d_value = 10 in the interpreter's blocks of 4 key and 8 value columns:
+    the memory kernels' loops over both end in a masked partial block."""
+    cfg = tiny_config(n_heads=2, d_key=6, d_value=10, chunk_size=5)
+    compare(cfg, "cuda", torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
+
+
 # (backend, layers, chunk, T): chunks of several sweep blocks, each over three chunks, the
 # last one short. In 4-step blocks (the Triton kernels under the interpreter) 20, 17 and 19
 # are whole blocks, blocks and one step, blocks and a partial one; 8, 9 and 7 are the same

@@ -11,6 +11,9 @@ from gpn_scale.ops.gpn_step import geometry
 from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.cuda_shared import (
     MEMORY_FORWARD_BLOCK_DV,
+    MEMORY_FORWARD_KEY_BLOCK,
+    MEMORY_FORWARD_MAXNREG,
+    MEMORY_FORWARD_STAGES,
     MEMORY_FORWARD_WARPS,
     ffn_programs,
     layer_meta,
@@ -282,5 +285,10 @@ def _memory_forward(
         BLOCK_DK=blocks["BLOCK_DK"],
         BLOCK_C=blocks["BLOCK_C"],
         BLOCK_F=blocks["BLOCK_F"],
+        BLOCK_DKC=min(
+            blocks["BLOCK_DK"], 4 if geometry.interpreting(y) else MEMORY_FORWARD_KEY_BLOCK
+        ),
+        STAGES=MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
+        maxnreg=MEMORY_FORWARD_MAXNREG,
     )

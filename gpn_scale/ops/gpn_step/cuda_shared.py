@@ -25,17 +25,23 @@ from gpn_scale.ops.launch import record_collective as _record_collective
 # ahead, not one: an iteration issues in less than a round trip (accounting:
 # pricing.pipeline_waits), and at 2 stages 128 registers spill 8 B. The accounting priced
 # 8 warps x 128 registers (2 per SM) and 4 x 168 (3 per SM) slower; the device check times
-# them beside this (bench/gpu_ledger.WHAT_IFS). The forward at 4 warps x 32 columns needs ~128
-# registers (4 per SM); pipelined it needs 168 (3 per SM) and 8 warps leave 2: no gain by the
-# accounting. The block flush reads its products from the same Gram matrices (it formed
-# them with tl.dot from the key tile, at 251 registers): 8 warps capped at 128 registers
-# compile without spills, two programs per SM (was one).
+# them beside this (bench/gpu_ledger.WHAT_IFS). The forward pipelines both of its loops: the
+# history coefficients over blocks of KEY_BLOCK key columns (the whole (C, dk) key tile held
+# it to 168 registers, 3 per SM) and the d_value loop; capped at 128 it compiles to ~116
+# registers without spills, 4 programs per SM on sm_90, 3 on sm_80 (shared memory), with 3
+# round trips a program instead of 10. Two stages price 5% slower, four leave 3 per SM; 64
+# columns 2 per SM (accounting, B = 128). The block flush reads its products from the same
+# Gram matrices (it formed them with tl.dot from the key tile, at 251 registers): 8 warps
+# capped at 128 registers compile without spills, two programs per SM (was one).
 MEMORY_BACKWARD_BLOCK_DV = 16
 MEMORY_BACKWARD_WARPS = 4
 MEMORY_BACKWARD_MAXNREG = 128
 MEMORY_BACKWARD_STAGES = 3
 MEMORY_FORWARD_BLOCK_DV = 32
 MEMORY_FORWARD_WARPS = 4
+MEMORY_FORWARD_STAGES = 3
+MEMORY_FORWARD_KEY_BLOCK = 32
+MEMORY_FORWARD_MAXNREG = 128
 FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8
 FLUSH_MAXNREG = 128

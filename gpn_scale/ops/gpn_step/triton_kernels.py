@@ -558,6 +558,8 @@ def memory_forward_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    BLOCK_DKC: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
     write at layer 0, then the read); the others one block of FFN columns."""
@@ -574,7 +576,9 @@ def memory_forward_kernel(
         k_ok = rk < DK
         rc = tl.arange(0, BLOCK_C)
         y_row = Y + b * stride_y
-        q = _l2n_relu(tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0))
+        q_pre = tl.maximum(tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0), 0.0)
+        q_scale = 1.0 / tl.sqrt(tl.sum(q_pre * q_pre, axis=0) + 1e-12)
+        q = q_pre * q_scale
         kh_base = KH + b * s_khb + h * s_khh
         uh_base = UH + b * s_uhb + h * s_uhh
         gh_base = GH + b * s_ghb + h * s_ghh
@@ -589,21 +593,39 @@ def memory_forward_kernel(
         else:
             G = tl.load(gh_base + tau)
             hist_ok = rc <= tau  # the read sees this step's write
-        # History coefficients: (q . k_j) e^{G - G_j}, and for the write (k . k_j) e^{Gp - G_j}.
-        Kh = tl.load(
-            kh_base + rc[:, None] * s_khc + rk[None, :],
-            mask=hist_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        # Every load whose address is known is issued here, before the loops (a loop's end
+        # and a store each hold back later loads: a round trip each).
         Gj = tl.load(gh_base + rc, mask=hist_ok, other=0.0)
-        cq = tl.where(hist_ok, tl.sum(Kh * q[None, :], axis=1) * tl.exp(G - Gj), 0.0)
         if WRITE:
-            ck = tl.where(hist_ok, tl.sum(Kh * k[None, :], axis=1) * tl.exp(Gp - Gj), 0.0)
+            k_next = _l2n_relu(tl.load(y_row + COL_KEY + h * DK + rk, mask=k_ok, other=0.0))
+        # History coefficients: (q . k_j) e^{G - G_j}, and for the write (k . k_j) e^{Gp - G_j}.
+        # The products are summed over blocks of BLOCK_DKC key columns (a software-pipelined
+        # loop, as the d_value loop below): the whole (C, dk) key tile in registers would hold
+        # both loops to fewer programs per SM. The blocks of q and k are read again (L1 hits):
+        # a register tensor cannot be sliced.
+        cq = tl.zeros((BLOCK_C,), dtype=SS.dtype.element_ty)
+        ck = tl.zeros((BLOCK_C,), dtype=SS.dtype.element_ty)
+        for d0 in tl.range(0, DK, BLOCK_DKC, num_stages=STAGES):
+            rkb = d0 + tl.arange(0, BLOCK_DKC)
+            kb_ok = rkb < DK
+            Kh = tl.load(
+                kh_base + rc[:, None] * s_khc + rkb[None, :],
+                mask=hist_ok[:, None] & kb_ok[None, :],
+                other=0.0,
+            )
+            qb = tl.load(y_row + COL_QUERY + h * DK + rkb, mask=kb_ok, other=0.0)
+            cq += tl.sum(Kh * (tl.maximum(qb, 0.0) * q_scale)[None, :], axis=1)
+            if WRITE:
+                kb = tl.load(KCUR + (b * H + h) * DK + rkb, mask=kb_ok, other=0.0)
+                ck += tl.sum(Kh * kb[None, :], axis=1)
+        cq = tl.where(hist_ok, cq * tl.exp(G - Gj), 0.0)
+        if WRITE:
+            ck = tl.where(hist_ok, ck * tl.exp(Gp - Gj), 0.0)
         # o's sum of squares kept per column over the loop, summed once after it (a sum to a
         # scalar in the loop is a cross-warp reduction every block)
         ss_v = tl.zeros((BLOCK_DV,), dtype=SS.dtype.element_ty)
         m0_base = M0 + b * s_m0b + h * s_m0h
-        for v0 in range(0, DV, BLOCK_DV):
+        for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
             # Every load of the block before its first store (a store holds back every later
@@ -636,7 +658,6 @@ def memory_forward_kernel(
             tl.store(kh_base + tau * s_khc + rk, k, mask=k_ok)
             tl.store(gh_base + tau, G)
             tl.store(GPREV + b * H + h, G)
-            k_next = _l2n_relu(tl.load(y_row + COL_KEY + h * DK + rk, mask=k_ok, other=0.0))
             tl.store(KCUR + (b * H + h) * DK + rk, k_next, mask=k_ok)
 
 
