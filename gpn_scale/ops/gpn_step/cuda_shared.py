@@ -18,9 +18,11 @@ from gpn_scale.ops.launch import record_collective as _record_collective
 # accounting/gpu_compile.py compiles without spills at the shipped configs, with at least two
 # programs resident per SM (one program cannot hide its own round trips and issue latency).
 # The backward's d_value loop is software-pipelined (STAGES: cp.async copies of the next
-# blocks' tiles while this one computes; 25 -> 10 round trips a program). It fits since the
-# (C, dk) key tile's reductions moved to a chunk-wide matmul (cuda_reverse.chunk_gram) and
-# the k adjoint's read-modify-write covers the block's BLOCK_S rows, not all C: 4 warps then
+# blocks' tiles while this one computes), and its epilogue issues every load before its
+# first store: 25 -> 3 round trips a program (the loads before the loop, the loop's first
+# block, the epilogue's loads). It fits since the (C, dk) key tile's reductions moved to a
+# chunk-wide matmul (cuda_reverse.chunk_gram) and the k adjoint's read-modify-write covers
+# the block's BLOCK_S rows, not all C: 4 warps then
 # compile to 128 registers without spills, 4 programs per SM (was 2 at 255). Two stages
 # ahead, not one: an iteration issues in less than a round trip (accounting:
 # pricing.pipeline_waits), and at 2 stages 128 registers spill 8 B. The accounting priced

@@ -1024,67 +1024,70 @@ def memory_backward_kernel(
                 tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
             tl.store(tile_du, du_rows + dU_add, mask=ok_push)
         # q_t and k_t are only needed from here (their products with the keys are the Gram
-        # rows): read with the keys, not held over the loop.
+        # rows): read with the keys, not held over the loop; so are the keys themselves
+        # (held over the loop they would take the registers its pipelined tiles need).
         q = tl.load(QA + b * s_qb + h * s_qh + tau * s_qc + rk, mask=k_ok, other=0.0)
-        if WRITE:
-            k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
-        dGt = eG * tl.sum(dGt_v, axis=0)
-        dsd = dsd * w
-        dw = dsd * sdot
-        dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
-        # The keys, read once, after the loop: held over it they would take the registers its
-        # pipelined tiles need (spills: accounting/gpu_compile.py).
         Kh = tl.load(
             k_base + rc[:, None] * s_kc + rk[None, :],
             mask=read_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
+        dGt = eG * tl.sum(dGt_v, axis=0)
+        dsd = dsd * w
+        dw = dsd * sdot
+        dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
         dq += tl.sum(dsd[:, None] * Kh, axis=0)
         if WRITE:
-            tl.store(dy_row + COL_BETA + h, tl.sum(dbeta_v, axis=0) * beta * (1.0 - beta))
+            k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
             dGp = eGp * tl.sum(dGp_v, axis=0)
             dsd2 = dsd2 * w2
             dw2 = dsd2 * sdot2
             at_prev = dGp + tl.sum(dw2, axis=0)  # G_{t-1}'s own term (its row may precede b0)
             dG_add += tl.where(rc == tau - 1, at_prev, 0.0) - dw2
             dk += tl.sum(dsd2[:, None] * Kh, axis=0)
-        # The block's rows of the chunk's k and G adjoints, each read and written once. The k
-        # adjoint's as a (BLOCK_S, DK) tile of the rows [b0, b0 + BLOCK_S), not (C, DK): the
-        # whole-chunk tile held the kernel's register peak. Row b0 + s of a C-vector is picked
-        # out exactly (one term, the others zero).
+        # Everything the rest reads, issued before its first store (a store holds back every
+        # later load: one round trip each otherwise). The block's rows of the chunk's k and G
+        # adjoints are each read and written once; the k adjoint's as a (BLOCK_S, DK) tile
+        # of the rows [b0, b0 + BLOCK_S), not (C, DK): the whole-chunk tile held the
+        # kernel's register peak.
+        q_pre = tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0)
         rb = b0 + tl.arange(0, BLOCK_S)
-        pick = rc[None, :] == rb[:, None]
-        dK_add = tl.sum(tl.where(pick, dsd[None, :], 0.0), axis=1)[:, None] * q[None, :]
-        if WRITE:
-            dsd2_b = tl.sum(tl.where(pick, dsd2[None, :], 0.0), axis=1)
-            dK_add += dsd2_b[:, None] * k[None, :]
         tile_dk = DKA + b * s_dkb + h * s_dkh + rb[:, None] * s_dkc + rk[None, :]
         ok_push_k = (rb <= tau)[:, None] & k_ok[None, :]
-        dK_new = tl.load(tile_dk, mask=ok_push_k, other=0.0) + dK_add
-        if WRITE:
-            dK_new += tl.where((rb == tau)[:, None], dk[None, :], 0.0)
-        tl.store(tile_dk, dK_new, mask=ok_push_k)
+        dK_new = tl.load(tile_dk, mask=ok_push_k, other=0.0)
         dg_ptr = DGA + b * s_dgb + h * s_dgh
         dG_new = tl.load(dg_ptr + rc * s_dgc, mask=in_block, other=0.0) + dG_add
+        if WRITE:
+            # row t - 1 is the previous block's when t opens a block: its own term added here
+            prev = dg_ptr + (tau - 1) * s_dgc
+            at_block_start = (slot == 0) & (tau > 0)
+            dG_prev = tl.load(prev, mask=at_block_start, other=0.0)
+            dgs = tl.load(DGS + b * H + h)
+            decay_pre = tl.load(y_row + COL_DECAY + h)
+            a_h = tl.load(A + h)
+            da_row = tl.load(DA_ROWS + b * H + h)
+            k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
+            tl.store(dy_row + COL_BETA + h, tl.sum(dbeta_v, axis=0) * beta * (1.0 - beta))
+        # Row b0 + s of a C-vector is picked out exactly (one term, the others zero).
+        pick = rc[None, :] == rb[:, None]
+        dK_new += tl.sum(tl.where(pick, dsd[None, :], 0.0), axis=1)[:, None] * q[None, :]
+        if WRITE:
+            dsd2_b = tl.sum(tl.where(pick, dsd2[None, :], 0.0), axis=1)
+            dK_new += dsd2_b[:, None] * k[None, :]
+            dK_new += tl.where((rb == tau)[:, None], dk[None, :], 0.0)
+        tl.store(tile_dk, dK_new, mask=ok_push_k)
         tl.store(dg_ptr + rc * s_dgc, dG_new, mask=in_block)
         if WRITE:
-            if slot == 0:
-                if tau > 0:  # row t - 1 is the previous block's: its own term now
-                    prev = dg_ptr + (tau - 1) * s_dgc
-                    tl.store(prev, tl.load(prev) + at_prev)
-        q_pre = tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0)
+            tl.store(prev, dG_prev + at_prev, mask=at_block_start)
         tl.store(dy_row + COL_QUERY + h * DK + rk, _l2n_relu_back(q_pre, dq), mask=k_ok)
         if WRITE:
             # G_t = G_{t-1} + log a_t: d log a_t is the suffix sum of dG (complete at t now).
-            dgs = tl.load(DGS + b * H + h) + tl.sum(tl.where(is_t, dG_new, 0.0), axis=0)
+            dgs += tl.sum(tl.where(is_t, dG_new, 0.0), axis=0)
             tl.store(DGS + b * H + h, dgs)
-            decay_pre = tl.load(y_row + COL_DECAY + h)
-            a_h = tl.load(A + h)
             tl.store(dy_row + COL_DECAY + h, dgs * (-a_h) * _sigmoid(decay_pre))
-            tl.store(DA_ROWS + b * H + h, tl.load(DA_ROWS + b * H + h) - dgs * _softplus(decay_pre))
+            tl.store(DA_ROWS + b * H + h, da_row - dgs * _softplus(decay_pre))
             # k_t came from step t-1's key columns (or, at t = 0, from s_prev).
             dk_t = tl.sum(tl.where((rb == tau)[:, None], dK_new, 0.0), axis=0)
-            k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
             dk_pre = _l2n_relu_back(k_pre, dk_t)
             if is_last != 0:
                 tl.store(
