@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gpn_scale.ops.cross_entropy import select as select_softmax_xent
+from gpn_scale.ops.gpn_step.functional import add_product_
 
 
 def cross_entropy_block(
@@ -51,6 +52,7 @@ def cross_entropy_block(
     vocabulary row `v_start`) in the matmul dtype; tgt: (rows,); `acc` the dtype of the
     softmax and of the sums (float32, or float64 for float64 inputs). Returns None without
     `need_grad`. Under tp each rank's share of dh is summed over the group in `acc`.
+    dE's product is added to it in `acc` (`functional.add_product_`: one GEMM on CUDA).
     """
     mm = h.dtype
     logits = h @ Em.t()
@@ -73,7 +75,7 @@ def cross_entropy_block(
         gm = grad
         dh = gm @ Em
     assert dE is not None, "need_grad without a dE accumulator"
-    dE += (gm.t() @ h).to(acc)
+    add_product_(dE, gm.t(), h)
     return dh
 
 

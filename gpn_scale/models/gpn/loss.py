@@ -34,6 +34,7 @@ from torch import Tensor
 
 from gpn_scale.models.gpn.vocab_parallel import vocab_start
 from gpn_scale.models.linear_cross_entropy import cross_entropy_block
+from gpn_scale.ops.gpn_step.functional import add_product_
 
 
 class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
@@ -89,7 +90,7 @@ class _ChunkedDecodeCrossEntropy(torch.autograd.Function):
             )
             if dh is None:
                 continue
-            dW += (dh.t() @ nw).to(acc)
+            add_product_(dW, dh.t(), nw)
             db += dh.sum(0).to(acc)
             dnw = (dh @ Wm).to(P.dtype)
             dw += (dnw * n).sum(0).to(acc)
