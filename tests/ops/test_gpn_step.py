@@ -175,6 +175,55 @@ def test_backend_equals_pytorch_steps_float32(backend, case, monkeypatch):
     )
 
 
+@pytest.fixture
+def uninitialised_is_nan(monkeypatch):
+    """Every float tensor made by torch.empty / new_empty starts as NaN: a backend that read
+    a buffer it was handed uninitialised (the interface's WRITTEN_WHOLE fields: P, S, the
+    sweep's per-step adjoints) would carry the NaN into the loss or a gradient."""
+    empty, new_empty = torch.empty, torch.Tensor.new_empty
+
+    def poisoned(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
+    monkeypatch.setattr(
+        torch.Tensor, "new_empty", lambda s, *a, **k: poisoned(new_empty(s, *a, **k))
+    )
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda-graphs", marks=pytest.mark.slow)])
+def test_backends_write_whole_what_they_are_handed_uninitialised(
+    backend, uninitialised_is_nan, monkeypatch
+):
+    compare(tiny_config(chunk_size=5), backend, torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
+
+
+def test_a_replay_copies_in_only_what_its_kernels_read():
+    """The forward's P and S and the sweep's per-step adjoints are written whole by the
+    kernels (`WRITTEN_WHOLE`): copied out after a replay, never in."""
+    from gpn_scale.ops.gpn_step.interface import ChunkForward
+
+    def chunk(value: float) -> ChunkForward:
+        full = lambda *shape: torch.full(shape, value)  # noqa: E731
+        return ChunkForward(
+            full(2, 3, 4), full(2, 4), full(2, 4), None, full(2, 3, 4), full(2, 3, 4)
+        )
+
+    static = chunk(0.0)
+    graph = graphs._Graph(static, weights=None, replay=lambda: None, outputs=None)
+    graph.weights_of = lambda: "W"  # the loop weights are current: not copied
+    graphs.ChunkGraphs()._replay(graph, "W", chunk(1.0))
+    assert all(bool((t == 1).all()) for t in (static.fuse, static.s, static.s_prev))
+    assert bool((static.P == 0).all()) and bool((static.S == 0).all())
+    read = graphs._read_part(static)
+    assert read.P is None and read.S is None and read.fuse is static.fuse
+    # a replay's record: what it reads in (fuse, s, s_prev), P and S out, its outputs cloned
+    out = (torch.zeros(2, 4),)
+    assert graphs.replay_copy_bytes(static, (static.P, static.S), out) == 2 * 4 * (
+        24 + 8 + 8 + 24 + 24 + 8
+    )
+
+
 @pytest.mark.slow
 def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
     """T = 13 in chunks of 5: chunks of 5, 5, 3 -> one forward and one reverse graph per chunk

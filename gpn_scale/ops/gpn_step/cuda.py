@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from gpn_scale.ops.gpn_step.cuda_forward import forward_chunk_eager
 from gpn_scale.ops.gpn_step.cuda_reverse import reverse_sweep_eager
-from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, _leaves
+from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, replay_copy_bytes
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
     ChunkForwardResult,
@@ -48,7 +48,6 @@ from gpn_scale.ops.gpn_step.interface import (
     StepPlan,
 )
 from gpn_scale.ops.launch import is_dry
-from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_aten as _aten
 
 # --------------------------------------------------------------------------- backend
@@ -71,7 +70,10 @@ class CudaBackend:
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
     ) -> ChunkForwardResult:
         if is_dry() and plan.options.cuda_graphs:  # what a replay costs besides its kernels
-            _aten(GRAPH_COPIES, "forward chunk", 2 * _nbytes(*_leaves(chunk)))
+            result = forward_chunk_eager(plan, W, chunk)
+            moved = replay_copy_bytes(chunk, (chunk.P, chunk.S), result)
+            _aten(GRAPH_COPIES, "forward chunk", moved)
+            return result
         if self.graphs.wanted(plan, chunk.fuse):
             return self.graphs.forward(plan, W, chunk, forward_chunk_eager)
         return forward_chunk_eager(plan, W, chunk)
@@ -80,7 +82,10 @@ class CudaBackend:
         self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
     ) -> ReverseSweepResult:
         if is_dry() and plan.options.cuda_graphs:
-            _aten(GRAPH_COPIES, "reverse chunk", 2 * _nbytes(*_leaves(sweep)))
+            result = reverse_sweep_eager(plan, Wt, sweep)
+            moved = replay_copy_bytes(sweep, sweep.adjoints, result)
+            _aten(GRAPH_COPIES, "reverse chunk", moved)
+            return result
         if self.graphs.wanted(plan, sweep.dP):
             return self.graphs.reverse(plan, Wt, sweep, reverse_sweep_eager)
         return reverse_sweep_eager(plan, Wt, sweep)

@@ -3,10 +3,12 @@ sweep captured once per shape and replayed per chunk.
 
 A graph replays fixed kernels on fixed addresses, so every chunk's inputs are copied into
 static buffers, the graph replays, and its outputs are copied out (the engine keeps each
-chunk's carry, so a static output is never handed out as is). The loop weights are copied
-once per engine call (the engine passes the same `LoopWeights` object for every chunk of a
-call; a new object means new values). Scratch buffers the kernels allocate during capture
-live in one private memory pool.
+chunk's carry, so a static output is never handed out as is). Buffers the kernels write
+whole and never read (the interface's `WRITTEN_WHOLE` fields: the forward's P and S, the
+sweep's per-step adjoints, ~1.4 GB a chunk at 130M and B = 128) are copied out only. The
+loop weights are copied once per engine call (the engine passes the same `LoopWeights`
+object for every chunk of a call; a new object means new values). Scratch buffers the
+kernels allocate during capture live in one private memory pool.
 
 A graph is keyed on the shapes and dtypes of its chunk (not the strides of the views it is
 given: the static copies are compact, so a new window length reuses the graphs of its
@@ -149,6 +151,30 @@ def _copy_into(dst: Any, src: Any) -> None:
         d.copy_(s)
 
 
+def _read_part(obj: Any) -> Any:
+    """The tree without the fields its dataclasses declare `WRITTEN_WHOLE` (buffers the
+    kernels fill and never read: a replay need not copy them in)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        skip = getattr(obj, "WRITTEN_WHOLE", ())
+        return dataclasses.replace(
+            obj,
+            **{
+                f.name: None if f.name in skip else _read_part(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)
+            },
+        )
+    return obj
+
+
+def replay_copy_bytes(args: Any, copied_out: Any, outputs: Any) -> int:
+    """What one replay moves besides its kernels, each copy a read and a write: the call's
+    inputs the kernels read (`_read_part`), copied in; what they wrote into the call's own
+    buffers (`copied_out`), copied back; the captured outputs, cloned. (The launch
+    accounting's record of a replay, ops/gpn_step/cuda.py.)"""
+    moved = [*_leaves(_read_part(args)), *_leaves(copied_out), *_leaves(outputs)]
+    return 2 * sum(t.numel() * t.element_size() for t in moved)
+
+
 @dataclasses.dataclass
 class _Graph:
     inputs: Any  # static copies of the call's tensor arguments
@@ -267,6 +293,6 @@ class ChunkGraphs:
         if graph.weights_of is None or graph.weights_of() is not W:
             _copy_into(graph.weights, W)
             graph.weights_of = weakref.ref(W)
-        _copy_into(graph.inputs, args)
+        _copy_into(_read_part(graph.inputs), _read_part(args))
         graph.replay()
         self.replays += 1

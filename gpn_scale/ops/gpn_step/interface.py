@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -212,6 +212,9 @@ class ChunkForward:
     M0: Tensor | None
     P: Tensor
     S: Tensor | None = None
+    # Written whole by every backend and never read: the engine passes them uninitialised
+    # (a graph replay copies them out, not in: ops/gpn_step/graphs.py).
+    WRITTEN_WHOLE: ClassVar[tuple[str, ...]] = ("P", "S")
 
 
 @dataclass
@@ -324,6 +327,10 @@ class SweepAdjoints:
     dRk: Tensor | None
     dRq: list[Tensor]
     dA: Tensor | None
+    # Written whole at every step by every backend, their content on entry never read: the
+    # engine takes them uninitialised from its workspace (chunk._sweep_adjoints) and a graph
+    # replay does not copy them in. The memory adjoints dK, dU, dG, dA accumulate.
+    WRITTEN_WHOLE: ClassVar[tuple[str, ...]] = ("dY", "dZ", "dYfg", "d_fuse", "dRk", "dRq")
 
     def memory(self) -> MemoryAdjoints:
         """The memory adjoints, none of them None: GPN+M only (under `plan.memory`)."""
