@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -98,6 +99,18 @@ MIN_ASYNC_BYTES_PER_SM = 48 * 1024
 # Gram matrices (8 warps at <= 128 registers, two programs per SM).
 BELOW_OCCUPANCY_BAR: dict[str, str] = {}
 WEIGHT_OPERAND = {"linear_kernel": "W"}
+# Step GEMMs (by launch name, without the layer) that still read a float32 A operand under
+# bf16 weights, and why: the GEMM casts every A tile it loads, and each of its column tiles
+# loads A again (L2 -> SM bytes). Reported on every gate, not failed; a GEMM leaves this
+# list when its producer writes A in bf16 (the gate then fails until it is removed).
+FLOAT32_A_OPERANDS: dict[str, str] = {
+    "input GEMM": "its row RMS sums A's float32 squares while A streams through the K loop",
+    "fuse-gate GEMM": "its row RMS sums A's float32 squares while A streams through the K loop",
+    "input dy W^T": "dY is a float32 adjoint: the bias gradient sums it (chunk.py)",
+    "predict-gate dy W^T": "dY is a float32 adjoint: the bias gradient sums it (chunk.py)",
+    "down dy W^T": "dZ is a float32 adjoint of the interface (SweepAdjoints)",
+    "fuse-gate dy W^T": "dYfg is a float32 adjoint: the bias gradient sums it (chunk.py)",
+}
 # Loops the accounting prices as software-pipelined (round_trips.py: a `tl.range(...,
 # num_stages>=2)` loop has the next iteration's loads in flight), by kernel: the operands
 # Triton must then copy with cp.async at the shipped sizes. A change that stops the
@@ -174,6 +187,15 @@ class Row:
             f"{MIN_ASYNC_BYTES_PER_SM // 1024} KB): {state}"
         )
 
+    def float32_a_problems(self) -> list[str]:
+        """A step GEMM under bf16 weights reading a float32 A not in FLOAT32_A_OPERANDS, or
+        one listed there that reads bf16 A now."""
+        roles = {re.sub(r" \d+$", "", name) for name in self.variant.names}
+        listed = sorted(roles & set(FLOAT32_A_OPERANDS))
+        if self.variant.signature.get("A") == "*fp32":
+            return [] if listed else [f"reads a float32 A operand ({', '.join(sorted(roles))})"]
+        return [f"reads bf16 A now: remove {r!r} from FLOAT32_A_OPERANDS" for r in listed]
+
     def problems(self) -> list[str]:
         f, v, t = self.facts, self.variant, self.target
         out = []
@@ -219,6 +241,8 @@ class Row:
                     f"step GEMM grid of {v.min_programs()} programs fills {fill:.0%} of its "
                     f"waves on {t.sm_count} SMs ({', '.join(sorted(v.names))})"
                 )
+            if v.signature.get("W") == "*bf16":
+                out += self.float32_a_problems()
             width = self.weight_load_bytes()
             if width is not None and width < 16:
                 out.append(
@@ -297,6 +321,18 @@ def _span(values: list[int]) -> str:
 
 def problems(rows: list[Row]) -> list[str]:
     return [f"{r.case.label} {r.target.name} {r.label}: {p}" for r in rows for p in r.problems()]
+
+
+def known_float32_a(rows: list[Row]) -> list[str]:
+    """The shipped step GEMMs that read a float32 A operand under bf16 weights, as
+    FLOAT32_A_OPERANDS names them (reported, not failed): one line per GEMM."""
+    seen: set[str] = set()
+    for r in rows:
+        v = r.variant
+        bf16 = v.signature.get("W") == "*bf16" and v.signature.get("A") == "*fp32"
+        if r.case.shipped and v.kernel == "linear_kernel" and v.phases <= set(STEP_PHASES) and bf16:
+            seen |= {re.sub(r" \d+$", "", n) for n in v.names} & set(FLOAT32_A_OPERANDS)
+    return [f"{name}: {FLOAT32_A_OPERANDS[name]}" for name in sorted(seen)]
 
 
 def known_below_occupancy(rows: list[Row]) -> list[str]:

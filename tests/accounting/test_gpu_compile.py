@@ -96,12 +96,21 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
         ring = r["shared"] * r["blocks_per_sm"] if r["kernel"] == "linear_kernel" else 0
         assert r["blocks_per_sm"] >= 2 or ring >= 48 * 1024, (r["kernel"], r["names"])
     assert ("known, below the occupancy bar" in proc.stdout) == bool(gc.BELOW_OCCUPANCY_BAR)
-    # The memory backward's d_value loop is software-pipelined at every shipped size and
-    # target: its tiles come through cp.async (what the accounting prices it as).
-    backward = [r for r in sequential if r["kernel"] == "memory_backward_kernel"]
-    for r in backward:
-        loaded = set(gc.PIPELINED_OPERANDS["memory_backward_kernel"]) & set(r["loads"])
-        assert loaded and loaded <= set(r["async_operands"]), (r["case"], r["target"])
+    # The memory kernels' loops are software-pipelined at every shipped size and target:
+    # their tiles come through cp.async (what the accounting prices them as).
+    assert set(gc.PIPELINED_OPERANDS) == {"memory_backward_kernel", "memory_forward_kernel"}
+    for r in sequential:
+        if r["kernel"] in gc.PIPELINED_OPERANDS:
+            loaded = set(gc.PIPELINED_OPERANDS[r["kernel"]]) & set(r["loads"])
+            assert loaded and loaded <= set(r["async_operands"]), (r["case"], r["target"])
+    # Under bf16 weights a step GEMM reads bf16 A unless the gate names why not; the down
+    # GEMM's (the memory kernel's output) is bf16.
+    for r in step_gemms:
+        assert r["signature"]["W"] == "*bf16"
+        roles = {re.sub(r" \d+$", "", n) for n in r["names"]}
+        assert r["signature"]["A"] == "*bf16" or roles <= set(gc.FLOAT32_A_OPERANDS), roles
+    assert any(r["signature"]["A"] == "*bf16" and "down GEMM 0" in r["names"] for r in step_gemms)
+    assert "known, step GEMMs reading a float32 A operand" in proc.stdout
 
     # The Triton cache holds every variant as the JIT keys it: compiling one case again
     # into it is all cache hits (no ptxas run, so no ptxas log).

@@ -49,7 +49,11 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         S[:, 0].copy_(chunk.s)
         _aten("copy S[0]", pc, 2 * _nbytes(chunk.s))
     ys = [new(B, plan.columns[i].width) for i in range(L)]
-    hidden = new(B, H * dv + f)
+    # The down GEMM's input in its weights' dtype (bf16 under autocast): the GEMM would cast
+    # every tile of a float32 copy it loads, each column tile again; the memory kernel's
+    # store rounds as that cast does (to nearest even), so the product is bit-identical and
+    # its A operand half the bytes. The read norm's sums of squares are of the float32 o.
+    hidden = fuse.new_empty((B, H * dv + f), dtype=W.w_out[0].dtype)
     scratch = [new(B, d), new(B, d)]
     ws = SplitWorkspace(fuse)
     split = splits_over_tp(plan)
