@@ -38,7 +38,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     """The chunk's steps as launches (what a graph captures)."""
     fuse, P, S = chunk.fuse, chunk.P, chunk.S
     B, C, d = fuse.shape
-    H, dk, dv, f, L, eps = plan.H, plan.dk, plan.dv, plan.f, plan.n_layers, plan.eps
+    H, dk, dv, L, eps = plan.H, plan.dk, plan.dv, plan.n_layers, plan.eps
     mem = plan.memory
     new = lambda *shape: fuse.new_empty(shape)  # noqa: E731
     ph, pc = "forward step", "forward chunk"
@@ -49,11 +49,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         S[:, 0].copy_(chunk.s)
         _aten("copy S[0]", pc, 2 * _nbytes(chunk.s))
     ys = [new(B, plan.columns[i].width) for i in range(L)]
-    # The down GEMM's input in its weights' dtype (bf16 under autocast): the GEMM would cast
-    # every tile of a float32 copy it loads, each column tile again; the memory kernel's
-    # store rounds as that cast does (to nearest even), so the product is bit-identical and
-    # its A operand half the bytes. The read norm's sums of squares are of the float32 o.
-    hidden = fuse.new_empty((B, H * dv + f), dtype=W.w_out[0].dtype)
+    hidden = _down_input(plan, W, fuse, B)
     scratch = [new(B, d), new(B, d)]
     ws = SplitWorkspace(fuse)
     split = splits_over_tp(plan)
@@ -181,6 +177,15 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         s = s_next
     s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
     return ChunkForwardResult(s, s_prev, K, U, G)
+
+
+def _down_input(plan: StepPlan, W: LoopWeights, like: Tensor, B: int) -> Tensor:
+    """The down GEMM's input rows (the read output and the FFN's SwiGLU, written by the
+    memory kernel) in the GEMM's weights' dtype, bf16 under autocast: the GEMM would cast
+    every tile of a float32 row it loads, each column tile again. The kernel's store rounds
+    as that cast does (to nearest even), so the product is bit-identical and its A operand
+    half the bytes; the read norm's sums of squares are of the float32 output."""
+    return like.new_empty((B, plan.H * plan.dv + plan.f), dtype=W.w_out[0].dtype)
 
 
 def _down_split(
