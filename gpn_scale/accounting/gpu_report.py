@@ -161,6 +161,9 @@ def _side_work_lines(acc: Accounting, cfg: GPNConfig, gpu: str) -> list[str]:
         f"Backward side work beside the reverse sweep (engine.overlap_backward, predicted): "
         f"{p.overlapped_seconds:.3f} s of {side:.3f} s hidden on the {p.gpu.name} (graphs "
         "on); the phases above list it whole.",
+        f"Decode beside the forward steps (engine.overlap_decode, predicted): "
+        f"{p.decode_overlapped_seconds:.3f} s of {p.per_phase_seconds.get('decode', 0.0):.3f} s "
+        "hidden.",
     ]
 
 
@@ -178,6 +181,10 @@ def prediction_json(acc: Accounting, cfg: GPNConfig, gpu: str, baseline: Baselin
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
         "per_phase_s": p.per_phase_seconds,
+        "overlapped_s": {
+            "backward side work": p.overlapped_seconds,
+            "decode": p.decode_overlapped_seconds,
+        },
         "kernels": top_kernels(acc, gpu, True, n=len(p.per_role_seconds)),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)}

@@ -48,6 +48,7 @@ from gpn_scale.accounting.dry_run import as_tp_rank
 from gpn_scale.accounting.kernel_record import SEQUENTIAL, AtenRecorder, Op
 from gpn_scale.models.gpn import GPN, GPNConfig, engine
 from gpn_scale.models.gpn.counts import flops_per_token
+from gpn_scale.models.gpn.loss import ChunkFeed
 from gpn_scale.models.gpn.parallelize import check_tp
 from gpn_scale.ops import launch as launches_
 from gpn_scale.ops.execution import execution
@@ -262,6 +263,8 @@ class Prediction:
     # Of the per-phase seconds, those the backward's side work spends beside the reverse
     # sweep (engine.overlap_backward), not added to `seconds`.
     overlapped_seconds: float = 0.0
+    # ... and those the decode spends beside the forward steps (engine.overlap_decode).
+    decode_overlapped_seconds: float = 0.0
 
 
 def role(op_name: str) -> str:
@@ -280,12 +283,16 @@ def predict(
     graphs: bool = True,
     cfg: GPNConfig | None = None,
     overlap: bool | None = None,
+    overlap_decode: bool | None = None,
 ) -> Prediction:
     """The step's predicted time on `gpu` (its ceilings; see `pricing.py`), per phase and per
-    launch role, beside the floor and the MFU (model FLOPs of `cfg`)."""
+    launch role, beside the floor and the MFU (model FLOPs of `cfg`). `overlap`,
+    `overlap_decode`: the engine options (None: `cfg`'s, else on)."""
     c = gpu_ceilings(gpu)
     if overlap is None:  # the engine option of the config (default on)
         overlap = cfg.engine.overlap_backward if cfg is not None else True
+    if overlap_decode is None:
+        overlap_decode = cfg.engine.overlap_decode if cfg is not None else True
 
     def op_time(op: Op) -> float:
         graphed = graphs and op.triton and op.phase in SEQUENTIAL and not op.collective
@@ -301,7 +308,13 @@ def predict(
         for r in roles
     }
     hidden = overlapped(acc, c, per_phase, op_time) if overlap else 0.0
-    seconds = sum(per_phase.values()) - hidden
+    rows = cfg.engine.loss_chunk_tokens if cfg is not None else 1024
+    hidden_decode = (
+        decode_overlapped(acc, c, per_phase, op_time, rows)
+        if overlap_decode and acc.tp == 1  # under tp the engine decodes inline
+        else 0.0
+    )
+    seconds = sum(per_phase.values()) - hidden - hidden_decode
     B, T = acc.batch, acc.seq_len
     step_stream = (acc.loop_weight_bytes + B * acc.m0_bytes) / c.copy_bytes_per_s
     step_flops = 2 * B * acc.loop_params / c.matmul_flops_per_s
@@ -321,6 +334,7 @@ def predict(
         per_phase,
         per_role,
         hidden,
+        hidden_decode,
     )
 
 
@@ -330,27 +344,50 @@ SIDE_WORK = ("parallel recompute", "weight gradients")
 
 
 def overlapped(acc: Accounting, c: Ceilings, per_phase: dict[str, float], op_time) -> float:
-    """Seconds of side work hidden behind the reverse sweep. Its GEMMs are taken to run only
-    on SMs no program of the sweep's current launch holds (a sweep program keeps most of an
-    SM's registers: memory backward at 2 programs per SM uses all of them), and in the gaps
-    between the sweep's launches; what does not fit there is added to the step. Predicted,
-    not yet measured: the device check times the first config with overlap off beside it."""
-
-    def spare(ops: list[Op]) -> float:
-        total = 0.0
-        for op in ops:
-            if op.phase != "sequential backward":
-                continue
-            free = 0.0
-            if op.cost is not None and op.cost.blocks_per_sm:
-                busy = min(c.sm_count, math.ceil(op.cost.programs / op.cost.blocks_per_sm))
-                free = 1 - busy / c.sm_count
-            total += GRAPH_GAP_S + max(0.0, op_time(op) - GRAPH_GAP_S) * free
-        return total
-
+    """Seconds of side work hidden behind the reverse sweep: up to the SM time its launches
+    leave free (`_spare`), but the first chunk's recompute and the last one's weight
+    gradients, which nothing runs beside. Predicted, not yet measured: the device check
+    times the first config with overlap off beside it."""
     chunks = max(1, math.ceil(acc.seq_len / acc.chunk))
     side = sum(per_phase.get(ph, 0.0) for ph in SIDE_WORK) * (chunks - 1) / chunks
-    return min(side, acc.at_seq_len(spare))
+    return min(side, acc.at_seq_len(lambda ops: _spare(ops, "sequential backward", c, op_time)))
+
+
+def decode_pieces(batch: int, seq_len: int, chunk: int, rows: int) -> int:
+    """How many pieces the engine's decode is fed in (models/gpn/loss.py's ChunkFeed)."""
+    pieces, first = 0, 0
+    for end in [*range(chunk, seq_len, chunk), seq_len]:
+        if ChunkFeed.ends_piece(batch, first, end, seq_len, rows):
+            pieces, first = pieces + 1, end
+    return pieces
+
+
+def decode_overlapped(
+    acc: Accounting, c: Ceilings, per_phase: dict[str, float], op_time, rows: int
+) -> float:
+    """Seconds of the decode hidden behind the forward steps (engine.overlap_decode): each
+    piece but the last runs beside the next chunks' steps, up to the SM time they leave free.
+    Predicted, not yet measured: the device check times it off beside on."""
+    pieces = decode_pieces(acc.batch, acc.seq_len, acc.chunk, rows)
+    side = per_phase.get("decode", 0.0) * (pieces - 1) / pieces
+    return min(side, acc.at_seq_len(lambda ops: _spare(ops, "sequential forward", c, op_time)))
+
+
+def _spare(ops: list[Op], sweep: str, c: Ceilings, op_time) -> float:
+    """The SM time a sweep's launches leave to side work. Its GEMMs are taken to run only on
+    SMs no program of the sweep's current launch holds (a sweep program keeps most of an SM's
+    registers: memory backward at 2 programs per SM uses all of them), and in the gaps
+    between the sweep's launches; what does not fit there is added to the step."""
+    total = 0.0
+    for op in ops:
+        if op.phase != sweep:
+            continue
+        free = 0.0
+        if op.cost is not None and op.cost.blocks_per_sm:
+            busy = min(c.sm_count, math.ceil(op.cost.programs / op.cost.blocks_per_sm))
+            free = 1 - busy / c.sm_count
+        total += GRAPH_GAP_S + max(0.0, op_time(op) - GRAPH_GAP_S) * free
+    return total
 
 
 @dataclass

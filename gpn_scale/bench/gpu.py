@@ -244,7 +244,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-overlap-ab",
         action="store_true",
-        help="skip the first config with engine.overlap_backward=false (at the last ledger batch)",
+        help="skip the first config with both side streams off (engine.overlap_backward and "
+        "overlap_decode false, at the last ledger batch)",
     )
     return parser
 

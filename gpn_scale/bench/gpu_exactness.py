@@ -52,16 +52,19 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
     yield guarded(OVERLAP_CHECK, _overlap_bit_identical, device, tokens)
 
 
-OVERLAP_CHECK = "overlapped backward == plain, bit for bit"
+OVERLAP_CHECK = "overlapped backward and decode == plain, bit for bit"
 
 
 def _overlap_bit_identical(device: torch.device, tokens: torch.Tensor) -> dict:
-    """The backward's side stream (`engine.overlap_backward`, ops/gpn_step/overlap.py) gives
-    the plain order's loss and gradients exactly, over several chunks (the CPU tests hold the
-    order; this holds the streams, events and record_stream on the device)."""
+    """The side streams (`engine.overlap_backward` and `overlap_decode`, ops/gpn_step/
+    overlap.py) give the plain order's loss and gradients exactly, over several chunks and
+    decode pieces (the CPU tests hold the order; this holds the streams, events and
+    record_stream on the device)."""
     results = []
     for overlap in (False, True):
-        cfg = TINY.replace(chunk_size=4, overlap_backward=overlap)
+        cfg = TINY.replace(
+            chunk_size=4, loss_chunk_tokens=8, overlap_backward=overlap, overlap_decode=overlap
+        )
         model = perturbed_model(cfg, torch.float32).to(device)
         out = model(tokens)
         results.append([out.loss, *torch.autograd.grad(out.loss, list(model.parameters()))])

@@ -172,17 +172,19 @@ def candidates(
     compiled: bool,
     overlap_ab_batch: int | None,
 ) -> tuple[list[Candidate], dict[str, list[int]]]:
-    """The device check's models in order (each GPN config; the first again with the
-    backward's side stream off, at `overlap_ab_batch` only; the Transformer++ of the first
-    config's size, eager and `compiled`), and the batches of those measured at a few only."""
+    """The device check's models in order (each GPN config; the first again with both side
+    streams off, the backward's and the decode's, at `overlap_ab_batch` only; the
+    Transformer++ of the first config's size, eager and `compiled`), and the batches of
+    those measured at a few only."""
     found = [gpn_candidate(cfg, seq_len) for cfg in configs]
     only_at: dict[str, list[int]] = {}
-    if overlap_ab_batch is not None:  # engine.overlap_backward A/B (issue 34 item 4)
-        plain = gpn_candidate(configs[0].replace(overlap_backward=False), seq_len)
+    if overlap_ab_batch is not None:  # engine.overlap_* A/B (issue 34 item 4)
+        off = configs[0].replace(overlap_backward=False, overlap_decode=False)
+        plain = gpn_candidate(off, seq_len)
         plain = dataclasses.replace(
             plain,
             name=f"{plain.name} (overlap off)",
-            config=f"{plain.config} engine.overlap_backward=false",
+            config=f"{plain.config} engine.overlap_backward=false engine.overlap_decode=false",
         )
         found.insert(1, plain)
         only_at[plain.name] = [overlap_ab_batch]

@@ -87,6 +87,7 @@ class EngineSection:
     step_backend: str | None = None  # auto | reference | cpu | cuda (GPN_SCALE_STEP_KERNELS wins)
     cuda_graphs: bool | None = None  # CUDA backend: capture each chunk as CUDA graphs
     overlap_backward: bool | None = None  # CUDA: chunk-wide backward work on a second stream
+    overlap_decode: bool | None = None  # CUDA: each chunk's decode + loss on a second stream
 
     def given(self) -> dict[str, Any]:
         """The options this run sets (the rest stay the model config's)."""

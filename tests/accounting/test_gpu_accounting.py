@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from gpn_scale.accounting import gpu_model
+from gpn_scale.accounting import gpu_model, step_model
 from gpn_scale.models.gpn import load_model_config
 from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
@@ -114,6 +114,28 @@ def test_backward_side_work_hides_only_where_the_sweep_leaves_sms_free():
     chunks = 256 // cfg.engine.chunk_size
     side = sum(p.per_phase_seconds[ph] for ph in gpu_model.SIDE_WORK)
     assert p.overlapped_seconds == pytest.approx(side * (chunks - 1) / chunks)
+
+
+def test_decode_hides_beside_the_forward_steps_but_its_last_piece():
+    """engine.overlap_decode: each decode piece but the last runs beside the next chunks'
+    forward steps, hidden up to the SM time they leave free; off (or under tp, where the
+    engine decodes inline) nothing is; one piece (a short window at batch 1) hides nothing."""
+    cfg = load_model_config("gpn_m_130m")
+    h200 = gpu_model.GPUS["h200"]
+    acc = gpu_model.account(cfg, batch=64, seq_len=256)
+    on = gpu_model.predict(acc, h200, graphs=True, cfg=cfg)
+    off = gpu_model.predict(acc, h200, graphs=True, cfg=cfg, overlap_decode=False)
+    pieces = step_model.decode_pieces(64, 256, cfg.engine.chunk_size, 1024)
+    assert pieces == 256 // cfg.engine.chunk_size
+    assert off.decode_overlapped_seconds == 0
+    most = on.per_phase_seconds["decode"] * (pieces - 1) / pieces
+    assert 0 < on.decode_overlapped_seconds <= most
+    assert on.seconds == pytest.approx(off.seconds - on.decode_overlapped_seconds)
+    acc.tp = 2
+    assert gpu_model.predict(acc, h200, graphs=True, cfg=cfg).decode_overlapped_seconds == 0
+    short = gpu_model.account(cfg, batch=1, seq_len=256)
+    assert step_model.decode_pieces(1, 256, cfg.engine.chunk_size, 1024) == 1
+    assert gpu_model.predict(short, h200, graphs=True, cfg=cfg).decode_overlapped_seconds == 0
 
 
 def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):

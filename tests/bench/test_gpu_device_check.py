@@ -89,7 +89,9 @@ def test_device_check_runs_and_records(tmp_path):
         :1
     ] * 2
     assert [r["batch"] for r in runs] == [2, 4, 2, 2, 4, 2, 4]  # increasing order
-    assert result["summary"][plain]["config"] == "tiny_c4 engine.overlap_backward=false"
+    assert result["summary"][plain]["config"] == (
+        "tiny_c4 engine.overlap_backward=false engine.overlap_decode=false"
+    )
     (side,) = [c for c in checks if c["check"].startswith("overlapped backward")]
     assert side["ok"] and side["differing"] == 0 and side["tensors"] > 10
     for r in runs:

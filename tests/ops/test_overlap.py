@@ -1,5 +1,6 @@
-"""The overlapped backward (gpn_scale/ops/gpn_step/overlap.py): the chunk-wide work moved
-beside the reverse sweep computes bit-for-bit what the plain order does.
+"""The overlapped backward and decode (gpn_scale/ops/gpn_step/overlap.py): the chunk-wide work
+moved beside the reverse sweep, and each chunk's decode moved beside the next chunk's forward
+steps, compute bit-for-bit what the plain order does.
 
 On CPU the side work runs `Deferred`, as late as the main stream's waits allow: a buffer the
 sweep reused before the side work read it, or a weight gradient added in another order,
@@ -60,5 +61,18 @@ def test_inline_runs_when_submitted_and_cuda_only_on_cuda():
 def test_overlap_option_is_checked():
     from gpn_scale.core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="overlap_backward: expected true or false"):
-        tiny_config(overlap_backward="yes")
+    for name in ("overlap_backward", "overlap_decode"):
+        with pytest.raises(ConfigError, match=f"{name}: expected true or false"):
+            tiny_config(**{name: "yes"})
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_deferred_decode_pieces_are_bit_identical(backend):
+    """`engine.overlap_decode`: the loss fed in several pieces (one per chunk here) gives the
+    same bits when each piece runs as late as possible as when it runs at once."""
+    cfg = tiny_config().replace(step_backend=backend, chunk_size=4, loss_chunk_tokens=8)
+    want = _grads(cfg, torch.float32)
+    with execution(side_work=overlap.DEFERRED):
+        got = _grads(cfg, torch.float32)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -15,8 +15,9 @@ Layout of one forward (see `shared/spec/gpn-model.md` for the equations):
    - the plan: the widths (this rank's share under tp), the chunk spans (every
      `chunk_size` steps and at every truncated-BPTT cut), the matmul dtype, and the
      engine options (`config.engine`, ops/gpn_step/options.py: the backend, CUDA graphs).
-3. Outside the loop again: decode and cross-entropy in chunks of positions
-   (`models/gpn/loss.py`), never the full B x T x V logits.
+3. Decode and cross-entropy in blocks of positions (`models/gpn/loss.py`), never the full
+   B x T x V logits, fed each stretch of chunks' outputs as the loop makes them (on CUDA on
+   a second stream, beside the next chunk's steps: `engine.overlap_decode`).
 
 Under tensor parallelism the embedding / tied output E is vocabulary-parallel
 (`models/gpn/vocab_parallel.py`): the lookup is summed over the tp group and the loss's logits
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from gpn_scale.models.gpn.config import GPNConfig
-from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
+from gpn_scale.models.gpn.loss import ChunkFeed, DecodePass, decode_cross_entropy, needs_grad
 from gpn_scale.models.gpn.modules import Gate, MemoryWrite, PredictorLayer
 from gpn_scale.models.gpn.state import GPNOutput, GPNState
 from gpn_scale.models.gpn.vocab_parallel import embed, gather_vocab
@@ -47,6 +48,7 @@ from gpn_scale.ops.gpn_step.chunk import gpn_sequence, make_spans
 from gpn_scale.ops.gpn_step.collectives import sum_grad_over_tp
 from gpn_scale.ops.gpn_step.functional import rms as _rms
 from gpn_scale.ops.gpn_step.interface import ColumnLayout, LoopWeights, StepPlan
+from gpn_scale.ops.gpn_step.overlap import side_work
 from gpn_scale.ops.gpn_step.phases import phase
 
 
@@ -259,23 +261,29 @@ def run_engine(
             state.s_prev.to(sdt),
             None if state.memory is None else state.memory.to(sdt),
         )
-        P, (s, s_prev, M) = gpn_sequence(plan, fuse, carry, weights)
         dec_w, bias = local(model.decode.weight), model.decode.bias
         dec_b = None if bias is None else local(bias)
         dec_norm = local(model.decode_norm_weight)
+        decode = DecodePass(
+            dec_norm,
+            dec_w,
+            dec_b,
+            E,
+            cfg.engine.loss_chunk_tokens,
+            eps,
+            mm_dtype,
+            needs_grad(fuse, *carry, *weights.flat(), dec_norm, dec_w, dec_b, E),
+            tp_group,
+            fuse.dtype,
+        )
+        # Each chunk's decode and loss beside the next chunk's steps (not under tp: the
+        # vocabulary-parallel loss's collectives would race the steps' on a second stream).
+        side = side_work(device, cfg.engine.overlap_decode and tp_group is None)
+        feed = ChunkFeed(decode, tokens, side)
+        P, (s, s_prev, M) = gpn_sequence(plan, fuse, carry, weights, on_chunk=feed)
         with phase("decode", device):
-            loss = chunked_decode_cross_entropy(
-                P.reshape(B * T, -1),
-                dec_norm,
-                dec_w,
-                dec_b,
-                E,
-                tokens.reshape(B * T),
-                cfg.engine.loss_chunk_tokens,
-                eps,
-                mm_dtype,
-                scale=1.0 / (B * T),
-                tp_group=tp_group,
+            loss = decode_cross_entropy(
+                P, dec_norm, dec_w, dec_b, E, feed.finish, scale=1.0 / (B * T)
             )
         logits = None
         if return_logits:  # tests, evaluation, generation: the full (B, T, V) block

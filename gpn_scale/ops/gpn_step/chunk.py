@@ -24,6 +24,7 @@ Held equal to autograd through the step-by-step reference model by the tests
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -53,6 +54,7 @@ from gpn_scale.ops.gpn_step.registry import select_backend
 from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
 
 Carry = tuple[Tensor, Tensor, "Tensor | None"]  # (s, s_prev, M): M is None without memory
+ChunkHook = Callable[[Tensor, int, int], None]  # (P, start, end) once P[:, start:end] is made
 
 
 # --------------------------------------------------------------------- backward
@@ -375,27 +377,35 @@ def _forward_chunks(
     P: Tensor,
     S: Tensor | None,
     carries: list,
+    on_chunk: ChunkHook | None,
 ) -> None:
     """The no-grad forward over all chunks; appends each chunk's start carry to `carries`
-    (and, last, the final carry); fills P and, when given, S (the state entering each step)."""
+    (and, last, the final carry); fills P and, when given, S (the state entering each step).
+    `on_chunk(P, start, end)` runs after each chunk's steps, outside their phase (the caller's
+    work on the chunk's outputs: the engine's decode, beside the next chunk on CUDA)."""
     for start, end in plan.spans:
         carries.append((s, s_prev, M))
-        out = backend.forward_chunk(
-            plan,
-            W,
-            ChunkForward(
-                fuse[:, start:end],
-                s,
-                s_prev,
-                M,
-                P[:, start:end],
-                None if S is None else S[:, start:end],
-            ),
-        )
-        s, s_prev = out.s, out.s_prev
-        if plan.memory:
-            assert out.K is not None and out.U is not None and out.G is not None and M is not None
-            M = chunk_advance(out.K, out.U, out.G, M)
+        with _phase("sequential forward", fuse.device):
+            out = backend.forward_chunk(
+                plan,
+                W,
+                ChunkForward(
+                    fuse[:, start:end],
+                    s,
+                    s_prev,
+                    M,
+                    P[:, start:end],
+                    None if S is None else S[:, start:end],
+                ),
+            )
+            s, s_prev = out.s, out.s_prev
+            if plan.memory:
+                assert (
+                    out.K is not None and out.U is not None and out.G is not None and M is not None
+                )
+                M = chunk_advance(out.K, out.U, out.G, M)
+        if on_chunk is not None:
+            on_chunk(P, start, end)
     carries.append((s, s_prev, M))
 
 
@@ -479,6 +489,7 @@ class _SequenceFunction(torch.autograd.Function):
         s0: Tensor,
         s_prev0: Tensor,
         M0: Tensor | None,
+        on_chunk: ChunkHook | None,
         *flat: Tensor,
     ):
         backend = select_backend(plan.options.step_backend, fuse.device, plan.tp_size)
@@ -488,8 +499,7 @@ class _SequenceFunction(torch.autograd.Function):
         # The state entering each step, O(T*d): what the backward recomputes each chunk from.
         S = fuse.new_empty(B, T, d) if any(ctx.needs_input_grad) else None
         carries: list = []
-        with _phase("sequential forward", fuse.device):
-            _forward_chunks(plan, W, backend, fuse, s0, s_prev0, M0, P, S, carries)
+        _forward_chunks(plan, W, backend, fuse, s0, s_prev0, M0, P, S, carries, on_chunk)
         s, s_prev, M = carries.pop()
         ctx.plan = plan
         ctx.backend = backend
@@ -529,6 +539,7 @@ class _SequenceFunction(torch.autograd.Function):
             ds0,
             ds_prev0,
             dM0 if ctx.needs_input_grad[4] else None,
+            None,
             *weight_grads,
         )
 
@@ -544,9 +555,16 @@ def make_spans(
 
 
 def gpn_sequence(
-    plan: StepPlan, fuse: Tensor, carry: Carry, weights: LoopWeights
+    plan: StepPlan,
+    fuse: Tensor,
+    carry: Carry,
+    weights: LoopWeights,
+    on_chunk: ChunkHook | None = None,
 ) -> tuple[Tensor, Carry]:
-    """(P (B, T, d), the final carry) of one window: see the module docstring."""
+    """(P (B, T, d), the final carry) of one window: see the module docstring. `on_chunk(P,
+    start, end)`: called in the forward once P[:, start:end] is made (it must not write P)."""
     s0, s_prev0, M0 = carry
-    P, s, s_prev, M = _SequenceFunction.apply(plan, fuse, s0, s_prev0, M0, *weights.flat())
+    P, s, s_prev, M = _SequenceFunction.apply(
+        plan, fuse, s0, s_prev0, M0, on_chunk, *weights.flat()
+    )
     return P, (s, s_prev, M if plan.memory else None)

@@ -41,6 +41,10 @@ class EngineOptions:
     # gradients) on a second stream beside the reverse sweep (overlap.py). Bit-identical;
     # holds one more chunk's activations.
     overlap_backward: bool = True
+    # CUDA: the decode + cross-entropy of each chunk's predicted states on a second stream
+    # beside the next chunk's forward steps (models/gpn/loss.py's ChunkFeed). Bit-identical;
+    # off under tensor parallelism (its collectives stay on one stream).
+    overlap_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "loss_chunk_tokens"):
@@ -54,7 +58,7 @@ class EngineOptions:
                 f"step_backend: expected {', '.join(STEP_BACKENDS[:-1])} or "
                 f"{STEP_BACKENDS[-1]}, got {self.step_backend!r}"
             )
-        for name in ("cuda_graphs", "overlap_backward"):
+        for name in ("cuda_graphs", "overlap_backward", "overlap_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
 
