@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gpn_scale.models.gpn.reference import reference_forward
-from gpn_scale.testing.models import perturbed_model, tiny_config
+from gpn_scale.testing.models import bf16_errors, perturbed_model, tiny_config
 
 TINY = tiny_config(n_layers=2)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -104,7 +104,9 @@ def _engine_against_reference(
 
 
 def _bf16_autocast_step(device: torch.device, tokens: torch.Tensor) -> dict:
-    """One bf16-autocast step: a finite loss and gradients; state and memory stay fp32."""
+    """One bf16-autocast step: a finite loss and gradients, state and memory fp32; and the
+    CUDA path's error from the float32 model at most twice the PyTorch steps' under the same
+    autocast (`bf16_errors`' case, as the CPU test holds the interpreter's)."""
     model = perturbed_model(TINY, torch.float32).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(tokens, return_state=True)
@@ -113,12 +115,15 @@ def _bf16_autocast_step(device: torch.device, tokens: torch.Tensor) -> dict:
         bool(torch.isfinite(p.grad).all()) for p in model.parameters()
     )
     fp32 = out.state.s.dtype == torch.float32 and out.state.memory.dtype == torch.float32
+    steps_err, cuda_err = bf16_errors("cuda", device)
     return dict(
         check="bf16 autocast step",
         loss=out.loss.item(),
         finite=finite,
         state_and_memory_fp32=fp32,
-        ok=finite and fp32,
+        steps_rel_err=steps_err,
+        cuda_rel_err=cuda_err,
+        ok=finite and fp32 and cuda_err <= 2 * steps_err,
     )
 
 

@@ -59,3 +59,29 @@ def perturbed_model(
         for p in model.parameters():
             p.add_(torch.randn_like(p) * scale)
     return model
+
+
+def bf16_errors(backend: str, device: torch.device | str = "cpu") -> tuple[float, float]:
+    """How far bf16 autocast takes the loss and gradients from the float32 model: (the
+    PyTorch steps' error, `backend`'s), each the largest relative L2 error over the loss and
+    every gradient, on one fixed case. A step backend's bf16 path is sound when its error is
+    of the steps' order (the CPU test and the device check both hold it to twice). The case
+    has one layer: two perturbed layers amplify bf16 rounding ~30x in either path."""
+    cfg = tiny_config(n_layers=1, chunk_size=5, cuda_graphs=False)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 13), generator=torch.Generator().manual_seed(3))
+    tokens = tokens.to(device)
+
+    def run(step_backend: str, bf16: bool) -> list[torch.Tensor]:
+        model = perturbed_model(cfg.replace(step_backend=step_backend), torch.float32)
+        model = model.to(device)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(tokens, return_state=True)
+        if out.state.s.dtype != torch.float32 or out.state.memory.dtype != torch.float32:
+            raise AssertionError("bf16 autocast: the state and memory must stay float32")
+        return [out.loss, *torch.autograd.grad(out.loss, list(model.parameters()))]
+
+    def err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+        return max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want))
+
+    exact = run("reference", bf16=False)
+    return err(run("reference", bf16=True), exact), err(run(backend, bf16=True), exact)

@@ -79,6 +79,12 @@ def precision(w: Tensor) -> str | None:
     return "ieee" if w.dtype in (torch.float32, torch.float64) else None
 
 
+def _widened(w: Tensor) -> bool:
+    """Whether the kernel widens bf16 tiles to float32 (Triton's interpreter: its bf16 products
+    are wrong; see `triton_kernels._mm_range`). Never on a GPU."""
+    return geometry.interpreting(w) and w.dtype == torch.bfloat16
+
+
 def readable_columns(w: Tensor) -> int:
     """Columns of the (K, N) weight a kernel may read: N rounded up to 16 where every row's
     stride and the storage hold them (the padded loop weights: `LoopWeights.for_matmul`),
@@ -164,9 +170,9 @@ def linear(
         _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes), 2 * M * N * K,
         a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), bias_, out, out.stride(0),
         ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
-        **norm_meta, PRECISION=precision(w), SPLITS=plan.splits, SPLITS_K1=plan.splits_k1,
-        K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k, num_warps=plan.warps,
+        **norm_meta, PRECISION=precision(w), WIDEN=_widened(w), SPLITS=plan.splits,
+        SPLITS_K1=plan.splits_k1, K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
     )  # fmt: skip
     if plan.splits > 1:
         sum_args = (

@@ -146,9 +146,15 @@ def _mm_range(
     ss,
     ROW_RMS: tl.constexpr,
     PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """acc += A[rm, k_lo:k_hi] @ W[k_lo:k_hi, rn]; with ROW_RMS also ss += sum(A_row^2)."""
+    """acc += A[rm, k_lo:k_hi] @ W[k_lo:k_hi, rn]; with ROW_RMS also ss += sum(A_row^2).
+
+    WIDEN (the interpreter only, bf16 W): Triton's interpreter multiplies bf16 tiles wrongly
+    (3.8: 1e10 off) and casts to bf16 by truncation, so there the tiles are widened to
+    float32 first, A rounded to bf16 values as the GPU rounds: a product of two bf16 values
+    is exact in float32, summed in float32, as the tensor cores do."""
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < k_hi
@@ -165,7 +171,20 @@ def _mm_range(
             mask=k_ok[:, None] & n_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION, out_dtype=acc.dtype)
+        if WIDEN:
+            # A rounded to bf16 to nearest even, as the GPU's cast does (the interpreter's
+            # own cast truncates), kept in float32.
+            ab = a.to(tl.float32).to(tl.uint32, bitcast=True)
+            ab = (ab + 0x7FFF + ((ab >> 16) & 1)) & 0xFFFF0000
+            acc = tl.dot(
+                ab.to(tl.float32, bitcast=True),
+                w.to(tl.float32),
+                acc,
+                input_precision="ieee",
+                out_dtype=acc.dtype,
+            )
+        else:
+            acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION, out_dtype=acc.dtype)
     return acc, ss
 
 
@@ -206,6 +225,7 @@ def linear_kernel(
     EPILOGUE: tl.constexpr,
     HAS_OUT2: tl.constexpr,
     PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,  # the interpreter's bf16 products (see `_mm_range`)
     SPLITS: tl.constexpr,
     SPLITS_K1: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
@@ -264,6 +284,7 @@ def linear_kernel(
             ss,
             ROW_RMS,
             PRECISION,
+            WIDEN,
             BLOCK_K,
         )
         ok = m_ok[:, None] & (rn < N)[None, :]
@@ -291,6 +312,7 @@ def linear_kernel(
                 ss,
                 False,
                 PRECISION,
+                WIDEN,
                 BLOCK_K,
             )
             rr = _read_norm_scale(SS, stride_ss, rm, m_ok, eps, N_SS, SS_COLS, SS_WIDTH)
@@ -312,6 +334,7 @@ def linear_kernel(
             ss,
             ROW_RMS,
             PRECISION,
+            WIDEN,
             BLOCK_K,
         )
         if ROW_RMS:
