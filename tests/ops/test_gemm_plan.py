@@ -65,3 +65,22 @@ def test_a_split_never_leaves_a_nearly_empty_second_wave(on_gpu_sizes, monkeypat
     plan = gemm.gemm_plan(128, 2496, 27358, torch.empty(0, device="meta"))
     assert (plan.block_n, plan.splits) == (128, 6)
     assert gemm.wave_fill(20 * 7, 132) < 0.6 < gemm.wave_fill(20 * 6, 132) == 120 / 132
+
+
+def test_a_wide_short_gemm_takes_narrower_panels_where_a_split_moves_more_than_its_weight(
+    on_gpu_sizes, monkeypatch
+):
+    """The down GEMM's dy W^T at 130M (N = 10,496, K = 2,496): 8 splits at B = 128 would
+    write and read back 86 MB of float32 partials for a 52 MB weight; 64-wide panels fill
+    the 132 SMs unsplit (164 programs). At B = 16 the partials are a fifth of the weight:
+    split as before."""
+    monkeypatch.setattr(geometry, "sm_count", lambda t: 132)
+    t = torch.empty(0, device="meta")
+    wide = gemm.gemm_plan(128, 10496, 2496, t)
+    assert (wide.block_m, wide.block_n, wide.splits) == (128, 64, 1)
+    assert wide.grid(128, 10496) == (1, 164)
+    small = gemm.gemm_plan(16, 10496, 2496, t)
+    assert small.block_n == 128 and small.splits > 1
+    assert not gemm._partials_outweigh(small.splits, 16, 10496, 2496)
+    # A d-wide output with a long K keeps its split: the partials are a few % of the weight.
+    assert gemm.gemm_plan(128, 2496, 27358, t).splits == 6
