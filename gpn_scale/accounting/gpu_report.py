@@ -228,6 +228,10 @@ def against(
         cfg = cfg.replace(chunk_size=chunk_size)
     seq_len = int(meta.get("seq_len", 2048))
     graphs = meta.get("cuda_graphs", True)
+    # The side streams the run's engine used; a run from before an option existed ran
+    # without it (the 2026-12-04 run: neither).
+    overlap = meta.get("overlap_backward", False)
+    decode = meta.get("overlap_decode", False)
     ledger = device_runs.ledger_rows(blob, config)
     steps, kernels = [], []
     c = ceilings.with_measured(
@@ -248,7 +252,7 @@ def against(
                 if facts
                 else ("this tree's launches and compiled kernels")
             )
-        p = predict(acc, c, graphs=graphs, cfg=cfg)
+        p = predict(acc, c, graphs=graphs, cfg=cfg, overlap=overlap, overlap_decode=decode)
         steps.append(
             {
                 "batch": row["batch"],

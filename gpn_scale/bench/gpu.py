@@ -355,6 +355,10 @@ def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, 
         bf16=not args.fp32,
         step_form=_step_form(device),
         cuda_graphs=True,
+        # the engine's side streams (their A/B row says otherwise for itself); the
+        # accounting prices a run with the options it ran under (gpu_report.against)
+        overlap_backward=True,
+        overlap_decode=True,
         max_seconds=args.max_seconds,
         params={c.name: c.params for c in candidates},
         _t0=t0,

@@ -107,3 +107,19 @@ def test_json_prediction_has_the_step_the_floor_and_the_compiled_anchor(capsys):
     )
     assert got["kernels"][0]["predicted_s"] >= got["kernels"][-1]["predicted_s"]
     assert set(got["ceilings"]) >= set(ceilings.MEASURED_KEYS)
+
+
+def test_a_run_is_priced_with_the_side_streams_it_ran_with(tmp_path):
+    """The 2026-12-04 run predates both side streams: priced without them. A run that says
+    it overlapped is priced with them, so the same launches predict a shorter step."""
+    plain = gpu_report.against("gpn_m_130m", RUN, batches=[64])["steps"][0]["predicted_s"]
+    run = tmp_path / "2027-01-01-h200"
+    src = device_runs.resolve(RUN)
+    for name in src.iterdir():
+        (run / name.name).parent.mkdir(exist_ok=True)
+        (run / name.name).write_bytes(name.read_bytes())
+    blob = json.loads((run / device_runs.RESULTS).read_text())
+    blob["meta"].update(overlap_backward=True, overlap_decode=True)
+    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    overlapped = gpu_report.against("gpn_m_130m", str(run), batches=[64])["steps"][0]
+    assert overlapped["predicted_s"] < plain

@@ -99,6 +99,8 @@ def test_device_check_runs_and_records(tmp_path):
         assert r["peak_allocated_gb"] is None and r["peak_reserved_gb"] is None
         assert r["gpu_busy_fraction"] is None and r["kernels_per_step"] == 0
         assert r["profiled_seq_len"] == 16
+    # the engine options the accounting prices a run with (gpu_report.against)
+    assert result["meta"]["overlap_backward"] is True and result["meta"]["overlap_decode"] is True
     params = result["meta"]["params"]
     assert abs(params[tpp[0]] / params["tiny_c4"] - 1) < 0.1  # same size, side by side
     summary = result["summary"]
