@@ -53,7 +53,7 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
     is split into ranges (at most MAX_SPLITS, each a multiple of BLOCK_K, never straddling
     k1), as many as fit in one wave: rounding up instead left 1.06-1.5 programs per SM, a
     second wave that a few SMs run alone (accounting/pricing.py's partial wave). Unless the
-    split's partials would outweigh the weight (`PARTIALS_SHARE`) and narrower panels fill
+    split's partials would outweigh the weight (`PARTIALS_SHARE`) and half-width panels fill
     the SMs unsplit: then those."""
     if geometry.interpreting(t):
         bm, bn, bk, warps = 16, 16, 16, 1
@@ -72,18 +72,23 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
     splits, s1, per = _wave_splits(programs, sms, K, k1, bk)
     if splits <= 1:
         return GemmPlan(bm, bn, bk, warps)
-    if not ieee and _partials_outweigh(splits, M, N, K):
-        for narrow in (64, 32):  # panels narrow enough that the grid fills the SMs unsplit
-            if geometry.cdiv(M, bm) * geometry.cdiv(N, narrow) >= sms:
-                return GemmPlan(bm, narrow, bk, warps)
+    narrow = GEMM_BLOCK_N // 2
+    if (
+        not ieee
+        and _partials_outweigh(splits, M, N, K)
+        and geometry.cdiv(M, bm) * geometry.cdiv(N, narrow) >= sms
+    ):
+        return GemmPlan(bm, narrow, bk, warps)
     return GemmPlan(bm, bn, bk, warps, splits, s1, per)
 
 
 # A split's float32 partials are written, then read by the sum: worth it while they move
 # less than this share of the bf16 weight's bytes. A wide output with a short K (the down
 # GEMM's dy W^T at 130M: N = 10,496, K = 2,496) would move 1.6x its weight at B = 128 in
-# 8 splits; the accounting prices its unsplit 64-wide panels 0.02 s a step faster there and
-# at B = 64 and 256 (0.8-3.3x), and the split faster at B = 16 (0.2x).
+# 8 splits; the accounting prices its unsplit 64-wide panels faster there and at B = 64
+# (0.8x), the split faster at B = 16 (0.2x). Only half-width panels: 32-wide ones over a
+# long K (the d-wide GEMMs at B = 256) keep too few weight bytes in flight (priced 2-3x
+# slower than their split).
 PARTIALS_SHARE = 0.5
 
 
