@@ -224,6 +224,23 @@ def test_a_replay_copies_in_only_what_its_kernels_read():
     )
 
 
+def test_a_reverse_replay_neither_copies_nor_keeps_what_only_the_weight_gradients_read():
+    """`ChunkActs.hidden` (the down projection's input) feeds the weight gradients only: the
+    reverse graph keeps no static copy of it and a replay copies nothing of it in (the
+    cuda-graphs tests would fail if the sweep read it)."""
+    from gpn_scale.ops.gpn_step.interface import ChunkActs
+
+    acts = ChunkActs(*([[torch.ones(2, 3)]] * 8), torch.ones(2), torch.ones(2), torch.ones(2))
+    static = graphs._static_like(acts)
+    assert static.hidden == [] and static.y[0] is not acts.y[0]
+    assert torch.equal(static.y[0], acts.y[0])
+    read = graphs._read_part(acts)
+    assert read.hidden == [] and read.c[0] is acts.c[0]
+    assert acts.hidden[0].shape == (2, 3)  # the caller's tree is left as it was
+    moved = graphs.replay_copy_bytes(acts, (), None)
+    assert moved == 2 * 4 * (7 * 6 + 3 * 2)  # seven of the eight lists, the three tensors
+
+
 @pytest.mark.slow
 def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
     """T = 13 in chunks of 5: chunks of 5, 5, 3 -> one forward and one reverse graph per chunk

@@ -5,7 +5,8 @@ A graph replays fixed kernels on fixed addresses, so every chunk's inputs are co
 static buffers, the graph replays, and its outputs are copied out (the engine keeps each
 chunk's carry, so a static output is never handed out as is). Buffers the kernels write
 whole and never read (the interface's `WRITTEN_WHOLE` fields: the forward's P and S, the
-sweep's per-step adjoints, ~1.4 GB a chunk at 130M and B = 128) are copied out only. The
+sweep's per-step adjoints, ~1.4 GB a chunk at 130M and B = 128) are copied out only, and
+the activations only the weight gradients read (`SWEEP_NEVER_READS`) not at all. The
 loop weights are copied once per engine call (the engine passes the same `LoopWeights`
 object for every chunk of a call; a new object means new values). Scratch buffers the
 kernels allocate during capture live in one private memory pool.
@@ -135,7 +136,9 @@ def _signature(obj: Any, strides: bool = False) -> tuple:
 
 def _static_like(obj: Any, keep_strides: bool = False) -> Any:
     """Static copies of a tree's tensors: compact (contiguous) ones, or (`keep_strides`, the
-    loop weights, padded for aligned rows) with the same strides."""
+    loop weights, padded for aligned rows) with the same strides. Fields the kernels never
+    read (`_unread`) are left out: an empty list or None."""
+    obj = _unread(obj)
     if keep_strides:
         copies = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
@@ -151,19 +154,35 @@ def _copy_into(dst: Any, src: Any) -> None:
         d.copy_(s)
 
 
-def _read_part(obj: Any) -> Any:
-    """The tree without the fields its dataclasses declare `WRITTEN_WHOLE` (buffers the
-    kernels fill and never read: a replay need not copy them in)."""
+def _without(obj: Any, declared: str) -> Any:
+    """The tree with the fields its dataclasses list in their ClassVar `declared` emptied
+    (a list field: [], any other: None)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        skip = getattr(obj, "WRITTEN_WHOLE", ())
+        skip = getattr(obj, declared, ())
         return dataclasses.replace(
             obj,
             **{
-                f.name: None if f.name in skip else _read_part(getattr(obj, f.name))
+                f.name: (
+                    ([] if isinstance(getattr(obj, f.name), list) else None)
+                    if f.name in skip
+                    else _without(getattr(obj, f.name), declared)
+                )
                 for f in dataclasses.fields(obj)
             },
         )
     return obj
+
+
+def _unread(obj: Any) -> Any:
+    """The tree without the fields no step kernel reads (`SWEEP_NEVER_READS`: the chunk
+    activations only the weight gradients use)."""
+    return _without(obj, "SWEEP_NEVER_READS")
+
+
+def _read_part(obj: Any) -> Any:
+    """What a replay copies in: the tree without the fields the kernels never read, nor those
+    its dataclasses declare `WRITTEN_WHOLE` (buffers the kernels fill and never read)."""
+    return _without(_unread(obj), "WRITTEN_WHOLE")
 
 
 def replay_copy_bytes(args: Any, copied_out: Any, outputs: Any) -> int:

@@ -256,6 +256,10 @@ class ChunkActs:
     G: Tensor | None = None
     pred: Tensor | None = None  # M_{t-1}^T k_t
     rk: Tensor | None = None  # M0^T k_t
+    # Read by the weight gradients only (the down projection's input), never by a backend's
+    # reverse sweep: a graph replay neither copies it in nor keeps a static copy of it
+    # (344 MB a chunk at 130M and B = 128).
+    SWEEP_NEVER_READS: ClassVar[tuple[str, ...]] = ("hidden",)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor held (the overlapped backward hands them from stream to stream)."""
