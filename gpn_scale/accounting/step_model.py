@@ -53,6 +53,7 @@ from gpn_scale.models.gpn.parallelize import check_tp
 from gpn_scale.ops import launch as launches_
 from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import phases
+from gpn_scale.ops.gpn_step.chunk import release_workspaces
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 
 GPUS: dict[str, Ceilings] = {key: ceilings.for_gpu(key) for key in ceilings.DEFAULTS}
@@ -202,6 +203,10 @@ def _probe(
         model = GPN(cfg)
     tokens = torch.zeros(batch, T, dtype=torch.long, device="meta")
     recorder = AtenRecorder(sequential=backend != "cuda")
+    # Every probe makes the sweep's adjoint workspaces afresh, as one call does: a probe
+    # that found the last one's would record fewer ops, and the two probes' difference
+    # (the per-chunk cost) would go negative.
+    release_workspaces()
     previous = os.environ.pop(ENV_VAR, None)
     try:
         with (

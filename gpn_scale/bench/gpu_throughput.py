@@ -22,6 +22,7 @@ from gpn_scale.bench.gpu_exactness import error_line
 from gpn_scale.core.hardware import device_peak_flops
 from gpn_scale.models.gpn import GPN, GPNConfig
 from gpn_scale.models.gpn.counts import count_parameters, flops_per_token
+from gpn_scale.ops.gpn_step.chunk import release_workspaces
 from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
 
 
@@ -376,9 +377,10 @@ def sweep(
                 traceback.print_exc()
                 failure = error_line(exc)
         finally:
-            # Each batch's chunk graphs (and their static copies: ~1 GiB a pair at 130M, B =
-            # 16) go before the next batch or model captures its own.
+            # Each batch's chunk graphs (and their static copies: ~6 GiB at 130M, B = 128)
+            # and the sweep's kept adjoint workspaces go before the next batch or model.
             clear_cuda_graphs()
+            release_workspaces()
             gc.collect()  # the failed step's tensors, then the allocator's cache
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ import torch
 
 from gpn_scale.models.gpn import GPNState
 from gpn_scale.ops.execution import execution
+from gpn_scale.ops.gpn_step import chunk as sequence_op
 from gpn_scale.ops.gpn_step import graphs, registry
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
@@ -181,6 +182,7 @@ def uninitialised_is_nan(monkeypatch):
     a buffer it was handed uninitialised (the interface's WRITTEN_WHOLE fields: P, S, the
     sweep's per-step adjoints) would carry the NaN into the loss or a gradient."""
     empty, new_empty = torch.empty, torch.Tensor.new_empty
+    sequence_op._WORKSPACES.clear()  # the kept adjoint workspaces are made again, poisoned
 
     def poisoned(t):
         return t.fill_(float("nan")) if t.is_floating_point() else t
@@ -243,8 +245,10 @@ def test_a_reverse_replay_neither_copies_nor_keeps_what_only_the_weight_gradient
 
 @pytest.mark.slow
 def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
-    """T = 13 in chunks of 5: chunks of 5, 5, 3 -> one forward and one reverse graph per chunk
-    length, replayed for every chunk; a second engine call replays without capturing."""
+    """T = 13 in chunks of 5: chunks of 5, 5, 3 -> one forward graph per chunk length and one
+    reverse graph per (length, adjoint workspace): (3, set 0), (5, set 1), (5, set 0);
+    replayed for every chunk; a second engine call replays without capturing (the
+    workspaces stay where they are)."""
     cfg = tiny_config(chunk_size=5, step_backend="cuda")
     model = perturbed_model(cfg, torch.float64)
     tokens = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -253,9 +257,9 @@ def test_chunk_graphs_capture_once_per_shape_and_replay(monkeypatch):
     backend.graphs = graphs.ChunkGraphs()
     with execution(graph_capture=graphs.eager_capture):
         model(tokens).loss.backward()
-        assert (backend.graphs.captures, backend.graphs.replays) == (4, 6)
+        assert (backend.graphs.captures, backend.graphs.replays) == (5, 6)
         model(tokens).loss.backward()
-        assert (backend.graphs.captures, backend.graphs.replays) == (4, 12)
+        assert (backend.graphs.captures, backend.graphs.replays) == (5, 12)
 
 
 @pytest.mark.slow
@@ -290,13 +294,14 @@ def test_chunk_graphs_are_keyed_on_shapes_bounded_and_cleared(monkeypatch):
     backend = select_backend("cuda", torch.device("cpu"))
     backend.graphs = graphs.ChunkGraphs()
     with execution(graph_capture=graphs.eager_capture):
-        model(tokens13).loss.backward()  # chunks 5, 5, 3: two shapes, forward and reverse
-        assert backend.graphs.captures == 4
-        model(tokens8).loss.backward()  # chunks 5, 3: the same shapes, other strides
-        assert (backend.graphs.captures, len(backend.graphs)) == (4, 4)
+        model(tokens13).loss.backward()  # chunks 5, 5, 3: two forward, three reverse
+        assert backend.graphs.captures == 5
+        # chunks 5, 3: the same shapes, other strides; the 3 now on adjoint workspace 1
+        model(tokens8).loss.backward()
+        assert (backend.graphs.captures, len(backend.graphs)) == (6, 6)
         backend.graphs = graphs.ChunkGraphs(max_graphs=2)
         model(tokens13).loss.backward()
-        assert len(backend.graphs) == 2 and backend.graphs.evictions == 2
+        assert len(backend.graphs) == 2 and backend.graphs.evictions == 3
         want = perturbed_model(tiny_config(step_backend="reference"), torch.float64)(tokens8)
         got = model(tokens8)  # evicted shapes are captured again, and still exact
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)

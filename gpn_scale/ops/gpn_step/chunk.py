@@ -338,9 +338,10 @@ def _chunk_weight_gradients(
 
 
 class _Workspace:
-    """The sweep's adjoint buffers, reused from chunk to chunk. Fresh allocations of this
-    size come straight from mmap, and first-touching their pages cost ~15 us per step at
-    SMALL (measured): the sweep writes ~7 MB of adjoints per chunk."""
+    """The sweep's adjoint buffers, reused from chunk to chunk and call to call (`_workspaces`).
+    Fresh allocations of this size come straight from mmap, and first-touching their pages
+    cost ~15 us per step at SMALL (measured): the sweep writes ~7 MB of adjoints per chunk;
+    and the CUDA graphs bind the buffers by address."""
 
     def __init__(self, max_chunk: int, device: torch.device) -> None:
         self.max_chunk = max_chunk
@@ -364,6 +365,25 @@ class _Workspace:
             buf = self._buffers[name] = torch.empty(full, dtype=dtype, device=self.device)
         view = buf.narrow(chunk_dim, 0, shape[chunk_dim])
         return view.zero_() if zero else view
+
+
+# The sweep's two adjoint workspaces per device, kept from call to call: the CUDA graphs
+# bind their buffers by address (graphs.py, `SweepAdjoints.BOUND`), so a replay copies no
+# adjoint in or out; a longer chunk than they hold replaces them.
+_WORKSPACES: dict[torch.device, tuple[_Workspace, _Workspace]] = {}
+
+
+def release_workspaces() -> None:
+    """Drop the kept adjoint workspaces (between models: the device check measures each
+    model's peak memory without the last one's)."""
+    _WORKSPACES.clear()
+
+
+def _workspaces(longest: int, device: torch.device) -> tuple[_Workspace, _Workspace]:
+    pair = _WORKSPACES.get(device)
+    if pair is None or pair[0].max_chunk < longest:
+        pair = _WORKSPACES[device] = (_Workspace(longest, device), _Workspace(longest, device))
+    return pair
 
 
 def _forward_chunks(
@@ -429,7 +449,7 @@ def _backward_chunks(
     device = dP.device
     side = side_work(device, plan.options.overlap_backward)
     longest = max(end - start for start, end in plan.spans)
-    workspaces = (_Workspace(longest, device), _Workspace(longest, device))
+    workspaces = _workspaces(longest, device)
     reading: list[Future[None] | None] = [None, None]  # the weight gradients on each set
 
     def recompute(idx: int) -> ChunkActs:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from gpn_scale.ops.gpn_step.cuda_forward import forward_chunk_eager
 from gpn_scale.ops.gpn_step.cuda_reverse import reverse_sweep_eager
-from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, replay_copy_bytes
+from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, replay_copy_bytes, unbound
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
     ChunkForwardResult,
@@ -83,7 +83,7 @@ class CudaBackend:
     ) -> ReverseSweepResult:
         if is_dry() and plan.options.cuda_graphs:
             result = reverse_sweep_eager(plan, Wt, sweep)
-            moved = replay_copy_bytes(sweep, sweep.adjoints, result)
+            moved = replay_copy_bytes(sweep, unbound(sweep.adjoints), result)
             _aten(GRAPH_COPIES, "reverse chunk", moved)
             return result
         if self.graphs.wanted(plan, sweep.dP):

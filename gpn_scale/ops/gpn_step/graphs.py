@@ -4,21 +4,26 @@ sweep captured once per shape and replayed per chunk.
 A graph replays fixed kernels on fixed addresses, so every chunk's inputs are copied into
 static buffers, the graph replays, and its outputs are copied out (the engine keeps each
 chunk's carry, so a static output is never handed out as is). Buffers the kernels write
-whole and never read (the interface's `WRITTEN_WHOLE` fields: the forward's P and S, the
-sweep's per-step adjoints, ~1.4 GB a chunk at 130M and B = 128) are copied out only, and
-the activations only the weight gradients read (`SWEEP_NEVER_READS`) not at all. The
-loop weights are copied once per engine call (the engine passes the same `LoopWeights`
-object for every chunk of a call; a new object means new values). Scratch buffers the
-kernels allocate during capture live in one private memory pool.
+whole and never read (the interface's `WRITTEN_WHOLE` fields: the forward's P and S) are
+copied out only; the activations only the weight gradients read (`SWEEP_NEVER_READS`) not
+at all. The sweep's adjoints live in the engine's two workspaces, which stay where they are
+from chunk to chunk and call to call (`SweepAdjoints.BOUND`, ~1.8 GB a chunk at 130M and
+B = 128): a reverse graph binds them by address (its key holds them), so a replay copies
+none of them, and there is one reverse graph per workspace. The loop weights are copied
+once per engine call (the engine passes the same `LoopWeights` object for every chunk of a
+call; a new object means new values). Scratch buffers the kernels allocate during capture
+live in one private memory pool.
 
 A graph is keyed on the shapes and dtypes of its chunk (not the strides of the views it is
 given: the static copies are compact, so a new window length reuses the graphs of its
-chunk shape), and the cache holds at most `max_graphs` of them, least recently used first
-out: a pair holds ~1 GiB of static copies at 130M and B = 16 (~10 GiB at B = 256), so a
-sweep over batch sizes must not keep them all. `clear()` drops every graph (the device
-check calls it between models). Running out of memory during a capture is raised (the
-caller's batch is too large); any other capture failure turns graphs off for this backend,
-with one warning, and the chunks run eagerly.
+chunk shape) and on its bound buffers' addresses, and the cache holds at most `max_graphs`
+of them, least recently used first out: the graphs of one chunk shape (a forward and two
+reverse) hold ~6 GiB of static copies at 130M and B = 128 (one reverse graph with copies of
+the adjoints held ~5), so a sweep over batch sizes must not keep them all; six hold the two
+shapes of a window that a last partial chunk or a truncated-BPTT cut splits. `clear()`
+drops every graph (the device check calls it between models). Running out of memory during
+a capture is raised (the caller's batch is too large); any other capture failure turns
+graphs off for this backend, with one warning, and the chunks run eagerly.
 
 Everything except the capture call itself is plain Python over tensors:
 `execution(graph_capture=eager_capture)` (ops/execution.py) swaps the capture for an eager
@@ -136,17 +141,30 @@ def _signature(obj: Any, strides: bool = False) -> tuple:
 
 def _static_like(obj: Any, keep_strides: bool = False) -> Any:
     """Static copies of a tree's tensors: compact (contiguous) ones, or (`keep_strides`, the
-    loop weights, padded for aligned rows) with the same strides. Fields the kernels never
-    read (`_unread`) are left out: an empty list or None."""
-    obj = _unread(obj)
-    if keep_strides:
-        copies = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-            for t in _leaves(obj)
-        ]
-    else:
-        copies = [t.clone(memory_format=torch.contiguous_format) for t in _leaves(obj)]
-    return _rebuild(obj, iter(copies))
+    loop weights, padded for aligned rows) with the same strides. A dataclass's `BOUND`
+    fields are the caller's own tensors, not copies (the graph binds them by address); the
+    fields no kernel reads (`SWEEP_NEVER_READS`) are left out (an empty list, or None)."""
+    if isinstance(obj, Tensor):
+        if keep_strides:
+            copy = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device=obj.device)
+            return copy.copy_(obj)
+        return obj.clone(memory_format=torch.contiguous_format)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        bound = getattr(obj, "BOUND", ())
+        unread = getattr(obj, "SWEEP_NEVER_READS", ())
+
+        def field(name: str) -> Any:
+            value = getattr(obj, name)
+            if name in bound:
+                return value
+            if name in unread:
+                return [] if isinstance(value, list) else None
+            return _static_like(value, keep_strides)
+
+        return dataclasses.replace(obj, **{f.name: field(f.name) for f in dataclasses.fields(obj)})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_static_like(item, keep_strides) for item in obj)
+    return obj
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -179,10 +197,35 @@ def _unread(obj: Any) -> Any:
     return _without(obj, "SWEEP_NEVER_READS")
 
 
+def unbound(obj: Any) -> Any:
+    """The tree without its dataclasses' `BOUND` fields (the buffers a graph binds by
+    address: neither copied in nor out)."""
+    return _without(obj, "BOUND")
+
+
 def _read_part(obj: Any) -> Any:
-    """What a replay copies in: the tree without the fields the kernels never read, nor those
-    its dataclasses declare `WRITTEN_WHOLE` (buffers the kernels fill and never read)."""
-    return _without(_unread(obj), "WRITTEN_WHOLE")
+    """What a replay copies in: the tree without the fields the kernels never read, those
+    its dataclasses declare `WRITTEN_WHOLE` (buffers the kernels fill and never read), and
+    the bound ones."""
+    return unbound(_without(_unread(obj), "WRITTEN_WHOLE"))
+
+
+def _bound_leaves(obj: Any) -> list[Tensor]:
+    """The tree's tensors in its dataclasses' `BOUND` fields."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return []
+    bound = getattr(obj, "BOUND", ())
+    found: list[Tensor] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        found += _leaves(value) if f.name in bound else _bound_leaves(value)
+    return found
+
+
+def _addresses(obj: Any) -> tuple:
+    """Where the tree's `BOUND` tensors live (and how they are laid out): part of a graph's
+    key, since its kernels read and write them there."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in _bound_leaves(obj))
 
 
 def replay_copy_bytes(args: Any, copied_out: Any, outputs: Any) -> int:
@@ -223,7 +266,7 @@ class ChunkGraphs:
     """The captured graphs of one CUDA backend, by (phase, plan, shapes): at most
     `max_graphs`, the least recently used dropped first."""
 
-    def __init__(self, max_graphs: int = 4) -> None:
+    def __init__(self, max_graphs: int = 6) -> None:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.max_graphs = max_graphs
         self.failed: str | None = None
@@ -275,13 +318,14 @@ class ChunkGraphs:
         if graph is None:
             return run(plan, Wt, sweep)
         self._replay(graph, Wt, sweep)
-        _copy_into(sweep.adjoints, graph.inputs.adjoints)  # what the sweep added to
+        # what the sweep added to or wrote, but the bound buffers (written in place)
+        _copy_into(unbound(sweep.adjoints), unbound(graph.inputs.adjoints))
         return _rebuild(graph.outputs, iter([t.clone() for t in _leaves(graph.outputs)]))
 
     def _get(
         self, key: tuple, plan: StepPlan, W: LoopWeights, args: Any, run: Callable[..., Any]
     ) -> _Graph | None:
-        key = (*key, _signature(args), _signature(W, strides=True))
+        key = (*key, _signature(args), _addresses(args), _signature(W, strides=True))
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
@@ -290,6 +334,10 @@ class ChunkGraphs:
             self._graphs.popitem(last=False)
             self.evictions += 1
         inputs, weights = _static_like(args), _static_like(W, keep_strides=True)
+        # Capturing runs the kernels once (the warm-up; the eager stand-in's call) on the
+        # bound buffers themselves: what they held goes back before the first replay.
+        bound = _bound_leaves(args)
+        held = [t.clone() for t in bound]
         try:
             replay, outputs = (current().graph_capture or _cuda_capture)(
                 lambda: run(plan, weights, inputs)
@@ -303,6 +351,9 @@ class ChunkGraphs:
                 "them eagerly (set engine.cuda_graphs=false to skip the attempt)"
             )
             return None
+        finally:
+            for t, value in zip(bound, held):
+                t.copy_(value)
         self.captures += 1
         graph = _Graph(inputs, weights, replay, outputs, weakref.ref(W))
         self._graphs[key] = graph

@@ -335,6 +335,10 @@ class SweepAdjoints:
     # engine takes them uninitialised from its workspace (chunk._sweep_adjoints) and a graph
     # replay does not copy them in. The memory adjoints dK, dU, dG, dA accumulate.
     WRITTEN_WHOLE: ClassVar[tuple[str, ...]] = ("dY", "dZ", "dYfg", "d_fuse", "dRk", "dRq")
+    # The engine's adjoint workspaces (chunk._workspaces: two sets, alternating by chunk,
+    # kept from call to call): a graph binds them by address, no copy in or out. (d_fuse is
+    # a view of the window's whole d_fuse; dA is made per chunk: copied.)
+    BOUND: ClassVar[tuple[str, ...]] = ("dY", "dZ", "dYfg", "dK", "dU", "dG", "dRk", "dRq")
 
     def memory(self) -> MemoryAdjoints:
         """The memory adjoints, none of them None: GPN+M only (under `plan.memory`)."""
