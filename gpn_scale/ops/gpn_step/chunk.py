@@ -369,7 +369,9 @@ class _Workspace:
 
 # The sweep's two adjoint workspaces per device, kept from call to call: the CUDA graphs
 # bind their buffers by address (graphs.py, `SweepAdjoints.BOUND`), so a replay copies no
-# adjoint in or out; a longer chunk than they hold replaces them.
+# adjoint in or out. A call of another longest chunk replaces them: a view out of a longer
+# buffer would have other strides than a fresh one, and the kernels' compiled variants
+# (which specialise on strides) would depend on what ran before.
 _WORKSPACES: dict[torch.device, tuple[_Workspace, _Workspace]] = {}
 
 
@@ -381,7 +383,7 @@ def release_workspaces() -> None:
 
 def _workspaces(longest: int, device: torch.device) -> tuple[_Workspace, _Workspace]:
     pair = _WORKSPACES.get(device)
-    if pair is None or pair[0].max_chunk < longest:
+    if pair is None or pair[0].max_chunk != longest:
         pair = _WORKSPACES[device] = (_Workspace(longest, device), _Workspace(longest, device))
     return pair
 
