@@ -59,17 +59,17 @@ SLEEP_CYCLES_PER_LAUNCH = 200_000  # ~0.1 ms at 2 GHz: more than the host's bind
 # launch setting only: the kernel computes the same with any of them.
 WHAT_IFS: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
     "memory_backward_kernel": (
-        ("8 warps, 2 stages", {"num_warps": 8, "STAGES": 2}),
-        ("168 registers, 2 stages", {"maxnreg": 168, "STAGES": 2}),
-        ("2 stages", {"STAGES": 2}),
+        ("16 value columns, 3 stages", {"BLOCK_DV": 16, "STAGES": 3}),
+        ("4 stages", {"STAGES": 4}),
+        ("8 warps", {"num_warps": 8}),
         ("d_value loop not pipelined", {"STAGES": 1}),
-        ("not pipelined, up to 255 registers", {"STAGES": 1, "maxnreg": 255}),
     ),
     "memory_forward_kernel": (
-        ("2 stages", {"STAGES": 2}),
-        ("4 stages", {"STAGES": 4}),
+        ("3 stages", {"STAGES": 3}),
+        ("5 stages", {"STAGES": 5}),
         ("loops not pipelined", {"STAGES": 1}),
-        ("64 value columns", {"BLOCK_DV": 64}),
+        ("8 rows of M0 a block", {"BLOCK_R": 8}),
+        ("16 history rows a block", {"BLOCK_J": 16}),
     ),
 }
 

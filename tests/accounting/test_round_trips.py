@@ -175,15 +175,15 @@ def test_the_backends_kernels_at_the_shipped_size(shipped_launches):
     """The memory backward's d_value loop is software-pipelined: one round trip for its first
     block (unpipelined, one per block: 16 blocks of 16 at dv 256), one for the loads before
     it and one for those after it (every load of the epilogue before its first store); the
-    forward's two loops (4 blocks of 32 key columns, 8 of 32 value columns) are pipelined
-    too: one round trip each and one for the loads before them; the read norm's row sums one
+    forward's two loops (M0's 128 key rows in blocks of 16, the history's t rows in blocks
+    of 8) are pipelined too: one round trip each and one for the loads before them (at the
+    chunk's first step the history is empty: its loop never runs); the read norm's row sums one
     (its 3,840 columns in one block, once per row); the row kernel one block of d (2,496) per
     pass; a split-K sum one."""
     from gpn_scale.ops.gpn_step import cuda_shared
 
     dv = 256  # gpn_m_130m
     back_blocks = dv // cuda_shared.MEMORY_BACKWARD_BLOCK_DV
-    forward_blocks = dv // cuda_shared.MEMORY_FORWARD_BLOCK_DV
     counts: dict[str, int] = {}
     for rec in shipped_launches:
         if rec.kernel is None or rec.kernel.fn.__name__ == "linear_kernel":
@@ -200,16 +200,22 @@ def test_the_backends_kernels_at_the_shipped_size(shipped_launches):
     # the d_value loop reported with its stages and the iterations whose loads came ahead
     # (what pricing.pipeline_waits charges when a body issues faster than a round trip)
     assert (backward.meta["STAGES"], back_blocks - 1) in program.pipelined
-    key_blocks = 128 // cuda_shared.MEMORY_FORWARD_KEY_BLOCK  # gpn_m_130m's d_key
-    forward = next(r for r in shipped_launches if r.name == "memory/FFN 0")
+    key_blocks = 128 // cuda_shared.MEMORY_FORWARD_ROW_BLOCK  # gpn_m_130m's d_key
+    forwards = [r for r in shipped_launches if r.name == "memory/FFN 0"]
+    first = round_trips.analyse(forwards[0].kernel, forwards[0].args, forwards[0].meta, (0, 0, 0))
+    assert first.trips == 2  # the loads before the loops, M0's first block
+    forward = forwards[-1]  # the chunk's last step: its history spans the chunk but one row
+    tau = forward.args[forward.kernel.arg_names.index("tau")]
+    history_blocks = -(-tau // cuda_shared.MEMORY_FORWARD_HISTORY_BLOCK)
+    assert history_blocks > 1
     unpipelined = round_trips.round_trips(
         forward.kernel, forward.args, {**forward.meta, "STAGES": 1}, (0, 0, 0)
     )
     program = round_trips.analyse(forward.kernel, forward.args, forward.meta, (0, 0, 0))
     assert counts["memory/FFN 0"] == program.trips == 3
-    assert unpipelined - program.trips == (key_blocks - 1) + (forward_blocks - 1)
+    assert unpipelined - program.trips == (key_blocks - 1) + (history_blocks - 1)
     stages = forward.meta["STAGES"]
-    assert {(stages, key_blocks - 1), (stages, forward_blocks - 1)} <= set(program.pipelined)
+    assert {(stages, key_blocks - 1), (stages, history_blocks - 1)} <= set(program.pipelined)
     assert counts["read norm sums 0"] == 1
     assert counts["row backward"] <= 5 and counts["fuse-gate GEMM (split-K sum)"] == 1
     ffn = [

@@ -10,9 +10,9 @@ from torch import Tensor
 from gpn_scale.ops.gpn_step import geometry
 from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.cuda_shared import (
-    MEMORY_FORWARD_BLOCK_DV,
-    MEMORY_FORWARD_KEY_BLOCK,
+    MEMORY_FORWARD_HISTORY_BLOCK,
     MEMORY_FORWARD_MAXNREG,
+    MEMORY_FORWARD_ROW_BLOCK,
     MEMORY_FORWARD_STAGES,
     MEMORY_FORWARD_WARPS,
     ffn_programs,
@@ -288,15 +288,11 @@ def _memory_forward(
         ),
         tau,
         **layer_meta(plan, i),
-        BLOCK_DV=min(
-            geometry.p2(max(dv, 1)), 8 if geometry.interpreting(y) else MEMORY_FORWARD_BLOCK_DV
-        ),
+        BLOCK_DV=geometry.p2(max(dv, 1)),
         BLOCK_DK=blocks["BLOCK_DK"],
-        BLOCK_C=blocks["BLOCK_C"],
+        BLOCK_R=4 if geometry.interpreting(y) else MEMORY_FORWARD_ROW_BLOCK,
+        BLOCK_J=2 if geometry.interpreting(y) else MEMORY_FORWARD_HISTORY_BLOCK,
         BLOCK_F=blocks["BLOCK_F"],
-        BLOCK_DKC=min(
-            blocks["BLOCK_DK"], 4 if geometry.interpreting(y) else MEMORY_FORWARD_KEY_BLOCK
-        ),
         STAGES=MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_MAXNREG,

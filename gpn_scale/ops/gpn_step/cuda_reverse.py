@@ -338,7 +338,7 @@ def _memory_backward(
     mem, write = plan.memory, plan.memory and i == 0
     dY = a.dY[i]
     y, dy = acts.y[i][tau], dY[tau]
-    B = y.shape[0]
+    B, dv_width = y.shape[0], geometry.p2(max(dv, 1))
     dummy = dy
     if mem:
         rq, drq = acts.rq[i][:, :, tau], a.dRq[i][:, :, tau]
@@ -399,9 +399,8 @@ def _memory_backward(
         int(tau == C - 1),
         eps,
         **layer_meta(plan, i),
-        BLOCK_DV=min(
-            geometry.p2(max(dv, 1)), 8 if geometry.interpreting(y) else MEMORY_BACKWARD_BLOCK_DV
-        ),
+        BLOCK_DV=min(dv_width, 8 if geometry.interpreting(y) else MEMORY_BACKWARD_BLOCK_DV),
+        BLOCK_DVW=dv_width,
         BLOCK_DK=blocks["BLOCK_DK"],
         BLOCK_C=blocks["BLOCK_C"],
         BLOCK_F=blocks["BLOCK_F"],

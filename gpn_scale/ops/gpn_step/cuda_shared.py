@@ -14,35 +14,38 @@ from gpn_scale.ops.launch import is_dry
 from gpn_scale.ops.launch import nbytes as _nbytes
 from gpn_scale.ops.launch import record_collective as _record_collective
 
-# The memory kernels' d_value block, warps and register cap on the GPU: what
+# The memory kernels' blocks, warps, stages and register cap on the GPU: what
 # accounting/gpu_compile.py compiles without spills at the shipped configs, with at least two
 # programs resident per SM (one program cannot hide its own round trips and issue latency).
-# The backward's d_value loop is software-pipelined (STAGES: cp.async copies of the next
-# blocks' tiles while this one computes), and its epilogue issues every load before its
-# first store: 25 -> 3 round trips a program (the loads before the loop, the loop's first
-# block, the epilogue's loads). It fits since the (C, dk) key tile's reductions moved to a
+# Both kernels sum their products over d_value (backward) or over M0's and the history's rows
+# (forward) elementwise in 2-D accumulators and reduce them once after their loops: a
+# reduction in every iteration was shuffles (and, across warps, shared memory and barriers)
+# that took most of each loop's instructions. The backward first forms the step's value
+# adjoints (do, dpred and what they give) over all of d_value at once, a value or two per
+# thread, and its d_value loop reads them back by blocks: inside the loop every thread of a
+# row had computed them again. Its loop is software-pipelined (STAGES: cp.async copies of the
+# next blocks' tiles while this one computes) and its epilogue issues every load before its
+# first store: 3 round trips a program (the value adjoints' loads, the loop's first block,
+# the epilogue's loads). It fits since the (C, dk) key tile's reductions moved to a
 # chunk-wide matmul (cuda_reverse.chunk_gram) and the k adjoint's read-modify-write covers
-# the block's BLOCK_S rows, not all C: 4 warps then
-# compile to 128 registers without spills, 4 programs per SM (was 2 at 255). Two stages
-# ahead, not one: an iteration issues in less than a round trip (accounting:
-# pricing.pipeline_waits), and at 2 stages 128 registers spill 8 B. The accounting priced
-# 8 warps x 128 registers (2 per SM) and 4 x 168 (3 per SM) slower; the device check times
-# them beside this (bench/gpu_ledger.WHAT_IFS). The forward pipelines both of its loops: the
-# history coefficients over blocks of KEY_BLOCK key columns (the whole (C, dk) key tile held
-# it to 168 registers, 3 per SM) and the d_value loop; capped at 128 it compiles to ~116
-# registers without spills, 4 programs per SM on sm_90, 3 on sm_80 (shared memory), with 3
-# round trips a program instead of 10. Two stages price 5% slower, four leave 3 per SM; 64
-# columns 2 per SM (accounting, B = 128). The block flush reads its products from the same
-# Gram matrices (it formed them with tl.dot from the key tile, at 251 registers): 8 warps
-# capped at 128 registers compile without spills, two programs per SM (was one).
-MEMORY_BACKWARD_BLOCK_DV = 16
+# the block's BLOCK_S rows, not all C. 8 value columns a block: 16 leave the accumulators
+# 28 B of spills at 128 registers; with 8 an iteration issues in less than a round trip over
+# the stages ahead (accounting: pricing.pipeline_waits), so 6 stages (3 programs per SM on
+# sm_80's shared memory, 4 on sm_90). The forward walks M0's rows 16 at a time and the
+# history's 8 (a history row is 1.5 M0 rows), both loops pipelined at 4 stages, ~121
+# registers, 4 programs per SM on sm_90. The alternatives the accounting priced slower are
+# timed beside these by the device check (bench/gpu_ledger.WHAT_IFS). The block flush reads
+# its products from the same Gram matrices (it formed them with tl.dot from the key tile,
+# at 251 registers): 8 warps capped at 128 registers compile without spills, two programs
+# per SM (was one).
+MEMORY_BACKWARD_BLOCK_DV = 8
 MEMORY_BACKWARD_WARPS = 4
 MEMORY_BACKWARD_MAXNREG = 128
-MEMORY_BACKWARD_STAGES = 3
-MEMORY_FORWARD_BLOCK_DV = 32
+MEMORY_BACKWARD_STAGES = 6
+MEMORY_FORWARD_ROW_BLOCK = 16
+MEMORY_FORWARD_HISTORY_BLOCK = 8
 MEMORY_FORWARD_WARPS = 4
-MEMORY_FORWARD_STAGES = 3
-MEMORY_FORWARD_KEY_BLOCK = 32
+MEMORY_FORWARD_STAGES = 4
 MEMORY_FORWARD_MAXNREG = 128
 FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8

@@ -579,13 +579,19 @@ def memory_forward_kernel(
     MEMORY: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_F: tl.constexpr,
-    BLOCK_DKC: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
-    write at layer 0, then the read); the others one block of FFN columns."""
+    write at layer 0, then the read); the others one block of FFN columns.
+
+    A head program holds all DV (BLOCK_DV) value columns and walks the rows of M0 and of
+    the chunk's history in blocks of BLOCK_R, both loops software-pipelined. The products
+    are accumulated elementwise in (BLOCK_R, BLOCK_DV) tiles and summed over the rows once,
+    after both loops: a sum over rows in every iteration crossed the warps (shared memory
+    and barriers) and its shuffles took most of the loop's instructions."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     if h >= H:
@@ -595,93 +601,96 @@ def memory_forward_kernel(
         fb = tl.load(Y + b * stride_y + COL_FFN + F + rf, mask=f_ok, other=0.0)
         tl.store(HID + b * stride_hid + HV + rf, _silu(fa) * fb, mask=f_ok)
     elif MEMORY:
+        acc_t = SS.dtype.element_ty
         rk = tl.arange(0, BLOCK_DK)
         k_ok = rk < DK
-        rc = tl.arange(0, BLOCK_C)
+        rv = tl.arange(0, BLOCK_DV)
+        v_ok = rv < DV
+        rr = tl.arange(0, BLOCK_R)
         y_row = Y + b * stride_y
-        q_pre = tl.maximum(tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0), 0.0)
-        q_scale = 1.0 / tl.sqrt(tl.sum(q_pre * q_pre, axis=0) + 1e-12)
-        q = q_pre * q_scale
         kh_base = KH + b * s_khb + h * s_khh
         uh_base = UH + b * s_uhb + h * s_uhh
         gh_base = GH + b * s_ghb + h * s_ghh
-        if WRITE:
-            k = tl.load(KCUR + (b * H + h) * DK + rk, mask=k_ok, other=0.0)
-            Gp = tl.load(GPREV + b * H + h)
-            decay_pre = tl.load(y_row + COL_DECAY + h)
-            G = Gp - tl.load(A + h) * _softplus(decay_pre)
-            beta = _sigmoid(tl.load(y_row + COL_BETA + h))
-            qk = tl.sum(q * k, axis=0)
-            hist_ok = rc < tau  # the write's error sees j < t
-        else:
-            G = tl.load(gh_base + tau)
-            hist_ok = rc <= tau  # the read sees this step's write
+        m0_base = M0 + b * s_m0b + h * s_m0h
+        kcur = KCUR + (b * H + h) * DK
         # Every load whose address is known is issued here, before the loops (a loop's end
         # and a store each hold back later loads: a round trip each).
-        Gj = tl.load(gh_base + rc, mask=hist_ok, other=0.0)
+        q_pre = tl.maximum(tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0), 0.0)
+        rg = tl.load(y_row + COL_RGATE + h * DV + rv, mask=v_ok, other=0.0)
         if WRITE:
+            k = tl.load(kcur + rk, mask=k_ok, other=0.0)
+            Gp = tl.load(GPREV + b * H + h)
+            decay_pre = tl.load(y_row + COL_DECAY + h)
+            a_h = tl.load(A + h)
+            beta = _sigmoid(tl.load(y_row + COL_BETA + h))
+            v = tl.load(y_row + COL_VALUE + h * DV + rv, mask=v_ok, other=0.0)
             k_next = _l2n_relu(tl.load(y_row + COL_KEY + h * DK + rk, mask=k_ok, other=0.0))
-        # History coefficients: (q . k_j) e^{G - G_j}, and for the write (k . k_j) e^{Gp - G_j}.
-        # The products are summed over blocks of BLOCK_DKC key columns (a software-pipelined
-        # loop, as the d_value loop below): the whole (C, dk) key tile in registers would hold
-        # both loops to fewer programs per SM. The blocks of q and k are read again (L1 hits):
-        # a register tensor cannot be sliced.
-        cq = tl.zeros((BLOCK_C,), dtype=SS.dtype.element_ty)
-        ck = tl.zeros((BLOCK_C,), dtype=SS.dtype.element_ty)
-        for d0 in tl.range(0, DK, BLOCK_DKC, num_stages=STAGES):
-            rkb = d0 + tl.arange(0, BLOCK_DKC)
-            kb_ok = rkb < DK
-            Kh = tl.load(
-                kh_base + rc[:, None] * s_khc + rkb[None, :],
-                mask=hist_ok[:, None] & kb_ok[None, :],
+            G = Gp - a_h * _softplus(decay_pre)
+            n_hist = tau  # the write's error sees j < t
+        else:
+            G = tl.load(gh_base + tau)
+            n_hist = tau + 1  # the read sees this step's write
+        q_scale = 1.0 / tl.sqrt(tl.sum(q_pre * q_pre, axis=0) + 1e-12)
+        q = q_pre * q_scale
+        q_scale_eG = q_scale * tl.exp(G)
+        if WRITE:
+            eGp = tl.exp(Gp)
+        # o = e^G M0^T q + sum_{j < n} e^{G - G_j} (q . k_j) u_j, and for the write
+        # err = e^{Gp} M0^T k + sum_{j < t} e^{Gp - G_j} (k . k_j) u_j
+        acc_o = tl.zeros((BLOCK_R, BLOCK_DV), dtype=acc_t)
+        if WRITE:
+            acc_e = tl.zeros((BLOCK_R, BLOCK_DV), dtype=acc_t)
+        for d0 in tl.range(0, DK, BLOCK_R, num_stages=STAGES):
+            rows = d0 + rr
+            r_ok = rows < DK
+            m0 = tl.load(
+                m0_base + rows[:, None] * s_m0k + rv[None, :],
+                mask=r_ok[:, None] & v_ok[None, :],
                 other=0.0,
             )
-            qb = tl.load(y_row + COL_QUERY + h * DK + rkb, mask=kb_ok, other=0.0)
-            cq += tl.sum(Kh * (tl.maximum(qb, 0.0) * q_scale)[None, :], axis=1)
+            # the key rows' q and k read again (L1 hits): a register tensor cannot be sliced
+            qb = tl.load(y_row + COL_QUERY + h * DK + rows, mask=r_ok, other=0.0)
+            acc_o += (tl.maximum(qb, 0.0) * q_scale_eG)[:, None] * m0
             if WRITE:
-                kb = tl.load(KCUR + (b * H + h) * DK + rkb, mask=kb_ok, other=0.0)
-                ck += tl.sum(Kh * kb[None, :], axis=1)
-        cq = tl.where(hist_ok, cq * tl.exp(G - Gj), 0.0)
+                kb = tl.load(kcur + rows, mask=r_ok, other=0.0)
+                acc_e += (kb * eGp)[:, None] * m0
+        # the history's rows in blocks of their own (a row of it is 1.5 times one of M0)
+        o = tl.sum(acc_o, axis=0)
+        hist_o = tl.zeros((BLOCK_J, BLOCK_DV), dtype=acc_t)
         if WRITE:
-            ck = tl.where(hist_ok, ck * tl.exp(Gp - Gj), 0.0)
-        # o's sum of squares kept per column over the loop, summed once after it (a sum to a
-        # scalar in the loop is a cross-warp reduction every block)
-        ss_v = tl.zeros((BLOCK_DV,), dtype=SS.dtype.element_ty)
-        m0_base = M0 + b * s_m0b + h * s_m0h
-        for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
-            rv = v0 + tl.arange(0, BLOCK_DV)
-            v_ok = rv < DV
-            # Every load of the block before its first store (a store holds back every later
-            # load: the pointers may alias).
-            m0 = tl.load(
-                m0_base + rk[:, None] * s_m0k + rv[None, :],
-                mask=k_ok[:, None] & v_ok[None, :],
+            err = tl.sum(acc_e, axis=0)
+            hist_e = tl.zeros((BLOCK_J, BLOCK_DV), dtype=acc_t)
+        for c0 in tl.range(0, n_hist, BLOCK_J, num_stages=STAGES):
+            rows = c0 + tl.arange(0, BLOCK_J)
+            r_ok = rows < n_hist
+            Kh = tl.load(
+                kh_base + rows[:, None] * s_khc + rk[None, :],
+                mask=r_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
             Uh = tl.load(
-                uh_base + rc[:, None] * s_uhc + rv[None, :],
-                mask=hist_ok[:, None] & v_ok[None, :],
+                uh_base + rows[:, None] * s_uhc + rv[None, :],
+                mask=r_ok[:, None] & v_ok[None, :],
                 other=0.0,
             )
-            rg = tl.load(y_row + COL_RGATE + h * DV + rv, mask=v_ok, other=0.0)
+            Gj = tl.load(gh_base + rows, mask=r_ok, other=0.0)
+            cq = tl.where(r_ok, tl.sum(Kh * q[None, :], axis=1) * tl.exp(G - Gj), 0.0)
+            hist_o += cq[:, None] * Uh
             if WRITE:
-                v = tl.load(y_row + COL_VALUE + h * DV + rv, mask=v_ok, other=0.0)
-            o = tl.exp(G) * tl.sum(q[:, None] * m0, axis=0) + tl.sum(cq[:, None] * Uh, axis=0)
-            if WRITE:
-                err = tl.exp(Gp) * tl.sum(k[:, None] * m0, axis=0) + tl.sum(
-                    ck[:, None] * Uh, axis=0
-                )
-                u = beta * (v - err)
-                o = o + qk * u
-                tl.store(uh_base + tau * s_uhc + rv, u, mask=v_ok)
-            tl.store(HID + b * stride_hid + h * DV + rv, _silu(rg) * o, mask=v_ok)
-            ss_v += tl.where(v_ok, o * o, 0.0)
-        tl.store(SS + b * H + h, tl.sum(ss_v, axis=0))
+                ck = tl.where(r_ok, tl.sum(Kh * k[None, :], axis=1) * tl.exp(Gp - Gj), 0.0)
+                hist_e += ck[:, None] * Uh
+        o += tl.sum(hist_o, axis=0)
+        if WRITE:
+            u = beta * (v - (err + tl.sum(hist_e, axis=0)))
+            o = o + tl.sum(q * k, axis=0) * u
+            tl.store(uh_base + tau * s_uhc + rv, u, mask=v_ok)
+        tl.store(HID + b * stride_hid + h * DV + rv, _silu(rg) * o, mask=v_ok)
+        tl.store(SS + b * H + h, tl.sum(tl.where(v_ok, o * o, 0.0), axis=0))
         if WRITE:
             tl.store(kh_base + tau * s_khc + rk, k, mask=k_ok)
             tl.store(gh_base + tau, G)
             tl.store(GPREV + b * H + h, G)
-            tl.store(KCUR + (b * H + h) * DK + rk, k_next, mask=k_ok)
+            tl.store(kcur + rk, k_next, mask=k_ok)
 
 
 # ----------------------------------------------------------------- reverse, row-wise
@@ -897,6 +906,7 @@ def memory_backward_kernel(
     MEMORY: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_DVW: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_F: tl.constexpr,
     NORM_WIDTH: tl.constexpr,
@@ -956,10 +966,9 @@ def memory_backward_kernel(
         in_block = read_ok & (rc >= b0)  # the rows pushed into at once
         # o = e^{G_t} M0^T q + sum_{j<=t} e^{G_t - G_j} (q.k_j) u_j; the write's prediction
         # pred = e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1} - G_j} (k_t.k_j) u_j.
-        # Everything over d_value is done in BLOCK_DV blocks (one pass over the blocks of
-        # M0, of the history's u_j and of their adjoints); what spans d_value (the dot
-        # products with do and dpred) is summed over the blocks, and what needs those sums
-        # (the k_j, G_j and query adjoints) follows the loop.
+        # The value columns' own adjoints first, over all of d_value at once; then one pass
+        # over the blocks of M0, of the history's u_j and of their adjoints; what needs the
+        # sums over d_value (the k_j, G_j and query adjoints) follows the loop.
         g_base = GA + b * s_gb + h * s_gh
         Gt = tl.load(g_base + tau * s_gc)
         eG = tl.exp(Gt)
@@ -968,13 +977,6 @@ def memory_backward_kernel(
         k_base = KA + b * s_kb + h * s_kh
         sdot = tl.load(QK + b * s_qkb + h * s_qkh + tau * s_qkc + rc, mask=read_ok, other=0.0)
         coef = w * sdot  # dU_j += coef_j * do
-        dsd = tl.zeros((BLOCK_C,), dtype=acc_t)  # sum_v u_j * do, then times w_j
-        # Sums over d_value of one value per column (dG_t's, and the write's beta and G_{t-1}
-        # terms) are kept per column over the loop and summed once after it: a sum to a
-        # scalar in the loop is a cross-warp reduction (shuffles, shared memory, barriers)
-        # every block.
-        dGt_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
-        dq = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drq
         if WRITE:
             has_prev = tau > 0
             Gp = tl.load(g_base + (tau - 1) * s_gc, mask=has_prev, other=0.0)
@@ -985,30 +987,66 @@ def memory_backward_kernel(
             sdot2 = tl.load(kk_row + rc, mask=write_ok, other=0.0)
             coef2 = w2 * sdot2
             beta = tl.load(BETA + b * s_bb + h * s_bh)
-            dsd2 = tl.zeros((BLOCK_C,), dtype=acc_t)
-            dGp_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
-            dbeta_v = tl.zeros((BLOCK_DV,), dtype=acc_t)
             # the read's coefficient at row t (weight 1: q_t . k_t): du_t's share, taken once
             coef_t = tl.sum(tl.where(is_t, coef, 0.0), axis=0)
-            dk = tl.zeros((BLOCK_DK,), dtype=acc_t)  # M0 drk
         u_base = UA + b * s_ub + h * s_uh
         du_base = DUA + b * s_dub + h * s_duh
         m0_base = M0 + b * s_m0b + h * s_m0h
         kept = (b.to(tl.int64) * H + h) * BLOCK_S * DV  # this head's block of do / dpred
+        # The step's value-column adjoints over all of d_value at once (a value or two per
+        # thread): do, the write's dpred, and what they give (the gate's, value's and beta's
+        # columns of DY, dG_t's and dG_{t-1}'s own terms). Inside the loop below, whose
+        # (rows, BLOCK_DV) tiles lay a column's values across the rows' threads, each of
+        # these was computed by every thread of a row (32 times over).
+        rw = tl.arange(0, BLOCK_DVW)
+        w_ok = rw < DV
+        col_w = h * DV + rw
+        dh_read = tl.load(DH + b * stride_dh + col_w, mask=w_ok, other=0.0)
+        rg = tl.load(y_row + COL_RGATE + col_w, mask=w_ok, other=0.0)
+        ro = tl.load(RO + b * stride_o + col_w, mask=w_ok, other=0.0)
+        rq = tl.load(RQ + b * s_rqb + h * s_rqh + rw, mask=w_ok, other=0.0)
+        if WRITE:
+            du_t = tl.load(du_base + tau * s_duc + rw, mask=w_ok, other=0.0)
+            v = tl.load(V + b * s_vb + h * s_vh + rw, mask=w_ok, other=0.0)
+            pred = tl.load(PRED + b * s_pb + h * s_ph + rw, mask=w_ok, other=0.0)
+            rk_t = tl.load(RK + b * s_rkb + h * s_rkh + rw, mask=w_ok, other=0.0)
+        do = tl.where(w_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
+        dGt = eG * tl.sum(do * rq, axis=0)
+        tl.store(dy_row + COL_RGATE + col_w, _silu_back(rg, dh_read * ro), mask=w_ok)
+        tl.store(DOB + kept + slot * DV + rw, do, mask=w_ok)
+        tl.store(DRQ + b * s_drqb + h * s_drqh + rw, eG * do, mask=w_ok)
+        if WRITE:
+            # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at
+            # t has added its share (j = t: weight 1).
+            du = du_t + coef_t * do
+            dvv = beta * du
+            dGp = -eGp * tl.sum(dvv * rk_t, axis=0)
+            tl.store(dy_row + COL_BETA + h, tl.sum(du * (v - pred), axis=0) * beta * (1.0 - beta))
+            tl.store(dy_row + COL_VALUE + col_w, dvv, mask=w_ok)
+            tl.store(DPB + kept + slot * DV + rw, -dvv, mask=w_ok)
+            tl.store(DRK + b * s_drkb + h * s_drkh + rw, -eGp * dvv, mask=w_ok)
+        # The loop reads do and dpred back by blocks (L1/L2 hits): every thread's stores
+        # above visible to the whole program first.
+        tl.debug_barrier()
+        # Over d_value in BLOCK_DV blocks, one pass over the blocks of M0, of the history's
+        # u_j and of their adjoints. The products summed over d_value (M0 drq, M0 drk, the
+        # u_j's with do and dpred) are accumulated elementwise and summed over the columns
+        # once, after the loop (a sum over the block's columns every block was shuffles).
+        acc_dq = tl.zeros((BLOCK_DK, BLOCK_DV), dtype=acc_t)
+        acc_dsd = tl.zeros((BLOCK_C, BLOCK_DV), dtype=acc_t)
+        if WRITE:
+            acc_dk = tl.zeros((BLOCK_DK, BLOCK_DV), dtype=acc_t)
+            acc_dsd2 = tl.zeros((BLOCK_C, BLOCK_DV), dtype=acc_t)
         for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
             rv = v0 + tl.arange(0, BLOCK_DV)
             v_ok = rv < DV
-            col_v = h * DV + rv
             ok_v = read_ok[:, None] & v_ok[None, :]
             # The block's rows of the chunk's u adjoints (the rest: the block's flush).
             tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
             ok_push = in_block[:, None] & v_ok[None, :]
             # Every load of the block before its first store: a store holds back every later
             # load (the pointers may alias), so loads after stores cost round trips of their own.
-            dh_read = tl.load(DH + b * stride_dh + col_v, mask=v_ok, other=0.0)
-            rg = tl.load(y_row + COL_RGATE + col_v, mask=v_ok, other=0.0)
-            ro = tl.load(RO + b * stride_o + col_v, mask=v_ok, other=0.0)
-            rq = tl.load(RQ + b * s_rqb + h * s_rqh + rv, mask=v_ok, other=0.0)
+            do_b = tl.load(DOB + kept + slot * DV + rv, mask=v_ok, other=0.0)
             Uh = tl.load(u_base + rc[:, None] * s_uc + rv[None, :], mask=ok_v, other=0.0)
             m0 = tl.load(
                 m0_base + rk[:, None] * s_m0k + rv[None, :],
@@ -1017,35 +1055,20 @@ def memory_backward_kernel(
             )
             du_rows = tl.load(tile_du, mask=ok_push, other=0.0)
             if WRITE:
-                du_t = tl.load(du_base + tau * s_duc + rv, mask=v_ok, other=0.0)
-                v = tl.load(V + b * s_vb + h * s_vh + rv, mask=v_ok, other=0.0)
-                pred = tl.load(PRED + b * s_pb + h * s_ph + rv, mask=v_ok, other=0.0)
-                rk_t = tl.load(RK + b * s_rkb + h * s_rkh + rv, mask=v_ok, other=0.0)
-            do = tl.where(v_ok, r * (dh_read * _silu(rg) - ro * mean_dn), 0.0)
-            drq = eG * do
-            dGt_v += do * rq
-            dsd += tl.sum(Uh * do[None, :], axis=1)
-            dU_add = coef[:, None] * do[None, :]
-            dq += tl.sum(m0 * drq[None, :], axis=1)
-            tl.store(dy_row + COL_RGATE + col_v, _silu_back(rg, dh_read * ro), mask=v_ok)
-            tl.store(DOB + kept + slot * DV + rv, do, mask=v_ok)
-            tl.store(DRQ + b * s_drqb + h * s_drqh + rv, drq, mask=v_ok)
+                dp_b = tl.load(DPB + kept + slot * DV + rv, mask=v_ok, other=0.0)
+            acc_dsd += Uh * do_b[None, :]
+            acc_dq += m0 * (eG * do_b)[None, :]
+            dU_add = coef[:, None] * do_b[None, :]
             if WRITE:
-                # u_t = beta (v - M_{t-1}^T k_t): its adjoint du is complete once the read at
-                # t has added its share (j = t: weight 1).
-                du = du_t + coef_t * do
-                dbeta_v += du * (v - pred)
-                dvv = beta * du
-                dpred = -dvv
-                drk = eGp * dpred
-                dGp_v += dpred * rk_t
-                dsd2 += tl.sum(Uh * dpred[None, :], axis=1)
-                dU_add += coef2[:, None] * dpred[None, :]
-                dk += tl.sum(m0 * drk[None, :], axis=1)
-                tl.store(dy_row + COL_VALUE + col_v, dvv, mask=v_ok)
-                tl.store(DPB + kept + slot * DV + rv, dpred, mask=v_ok)
-                tl.store(DRK + b * s_drkb + h * s_drkh + rv, drk, mask=v_ok)
+                acc_dsd2 += Uh * dp_b[None, :]
+                acc_dk += m0 * (eGp * dp_b)[None, :]
+                dU_add += coef2[:, None] * dp_b[None, :]
             tl.store(tile_du, du_rows + dU_add, mask=ok_push)
+        dsd = tl.sum(acc_dsd, axis=1)  # sum_v u_j * do, then times w_j
+        dq = tl.sum(acc_dq, axis=1)  # M0 drq
+        if WRITE:
+            dsd2 = tl.sum(acc_dsd2, axis=1)
+            dk = tl.sum(acc_dk, axis=1)  # M0 drk
         # q_t and k_t are only needed from here (their products with the keys are the Gram
         # rows): read with the keys, not held over the loop; so are the keys themselves
         # (held over the loop they would take the registers its pipelined tiles need).
@@ -1055,14 +1078,12 @@ def memory_backward_kernel(
             mask=read_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        dGt = eG * tl.sum(dGt_v, axis=0)
         dsd = dsd * w
         dw = dsd * sdot
         dG_add = tl.where(is_t, dGt + tl.sum(dw, axis=0), 0.0) - dw
         dq += tl.sum(dsd[:, None] * Kh, axis=0)
         if WRITE:
             k = tl.load(k_base + tau * s_kc + rk, mask=k_ok, other=0.0)
-            dGp = eGp * tl.sum(dGp_v, axis=0)
             dsd2 = dsd2 * w2
             dw2 = dsd2 * sdot2
             at_prev = dGp + tl.sum(dw2, axis=0)  # G_{t-1}'s own term (its row may precede b0)
@@ -1090,7 +1111,6 @@ def memory_backward_kernel(
             a_h = tl.load(A + h)
             da_row = tl.load(DA_ROWS + b * H + h)
             k_pre = tl.load(KPRE + b * stride_kpre + h * DK + rk, mask=k_ok, other=0.0)
-            tl.store(dy_row + COL_BETA + h, tl.sum(dbeta_v, axis=0) * beta * (1.0 - beta))
         # Row b0 + s of a C-vector is picked out exactly (one term, the others zero).
         pick = rc[None, :] == rb[:, None]
         dK_new += tl.sum(tl.where(pick, dsd[None, :], 0.0), axis=1)[:, None] * q[None, :]
