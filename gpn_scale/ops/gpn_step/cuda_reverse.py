@@ -85,48 +85,21 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     )
     mb = _sweep_memory(plan, sweep, pc) if mem else _SweepMemory.none(L)
     for tau in range(C - 1, -1, -1):
-        linear(a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T", workspace=ws)
-        _rev_row(
-            plan,
-            L - 1,
-            tau,
-            DN,
-            acts.n_p[tau],
-            acts.p[tau],
-            dP[:, tau],
-            acts,
-            a,
-            DG,
-            DCIN,
-            None,
-            BD,
-            ground=True,
+        # each dY W^T's split-K partials are summed by the row kernel that reads them
+        parts = linear(
+            a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T", workspace=ws, sum_in_consumer=True
         )
+        _rev_row(plan, L - 1, tau, DN, acts.n_p[tau], acts.p[tau], dP[:, tau], acts, a, DG,
+                 DCIN, None, BD, ground=True, dn_parts=parts)  # fmt: skip
         for i in range(L - 1, -1, -1):
             linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}", workspace=ws)
             if SUMS is not None:
                 _read_norm_sums(plan, i, tau, acts, DH, SUMS, blocks)
             _memory_backward(plan, i, tau, C, acts, a, DH, mb, Wt.A, grid_mem, blocks, eps, SUMS)
-            if split:
-                _input_grad_split(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN, ws)
-            else:
-                linear(a.dY[i][tau], Wt.w_in[i], DN, ph, f"input dy W^T {i}", workspace=ws)
-            _rev_row(
-                plan,
-                i - 1,
-                tau,
-                DN,
-                acts.n[i][tau],
-                acts.c[i][tau],
-                DCIN,
-                acts,
-                a,
-                DG,
-                DCIN,
-                extra if tau == C - 1 and i == 0 else None,
-                BD,
-                ground=False,
-            )
+            parts = _input_grad(plan, i, a.dY[i][tau], Wt.w_in[i], DNP, DN, ws)
+            _rev_row(plan, i - 1, tau, DN, acts.n[i][tau], acts.c[i][tau], DCIN, acts, a, DG, DCIN,
+                     extra if tau == C - 1 and i == 0 else None, BD, ground=False,
+                     dn_parts=parts)  # fmt: skip
     if mem:
         assert a.dA is not None and mb.DA_ROWS is not None  # GPN+M
         a.dA += mb.DA_ROWS.sum(0)
@@ -226,7 +199,7 @@ def _read_norm_sums(
         tp_sum(SUMS, plan, f"read norm backward sums {i}", ph)
 
 
-def _input_grad_split(
+def _input_grad(
     plan: StepPlan,
     i: int,
     dy: Tensor,
@@ -234,11 +207,13 @@ def _input_grad_split(
     DNP: Tensor | None,
     DN: Tensor,
     ws: SplitWorkspace,
-) -> None:
-    """Under tp (3): dY @ W_in^T over the sharded column blocks, summed over the group,
-    then the replicated predict gate's share (the last d blocks) added once."""
+) -> Tensor | None:
+    """dY @ W_in^T into DN, or its split-K partials for the row kernel to sum (returned).
+    Under tp (3): over the sharded column blocks, summed over the group, then the
+    replicated predict gate's share (the last d blocks) added once."""
     ph = "reverse step"
-    assert DNP is not None  # given under tp
+    if DNP is None:  # no tp split
+        return linear(dy, w_in_t, DN, ph, f"input dy W^T {i}", workspace=ws, sum_in_consumer=True)
     pg0 = plan.columns[i].predict_gate[0]
     linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}", workspace=ws)
     tp_sum(DNP, plan, f"input gradient {i}", ph)
@@ -252,6 +227,7 @@ def _input_grad_split(
         res=DNP,
         workspace=ws,
     )
+    return None
 
 
 def _rev_row(
@@ -269,10 +245,13 @@ def _rev_row(
     extra: Tensor | None,
     BD: int,
     ground: bool,
+    dn_parts: Tensor | None = None,
 ) -> None:
     """dc = base (+ gate dg) + rms_back(n, x, DN) (+ extra); then start layer `next_layer`
-    (>= 0) or end the step (next_layer < 0)."""
+    (>= 0) or end the step (next_layer < 0). `dn_parts`: DN's split-K partials (splits, B,
+    d), summed here instead of by a launch of their own (`gemm.linear`'s sum_in_consumer)."""
     B, d = DN.shape
+    splits = dn_parts.shape[0] if dn_parts is not None else 1
     then_layer = next_layer >= 0
     has_prev = not then_layer and tau > 0
     j = max(next_layer, 0)
@@ -284,9 +263,11 @@ def _rev_row(
         (B,),
         "row backward",
         "reverse step",
-        _nbytes(DN) * (6 if then_layer else 7),
-        12 * B * d,
-        DN,
+        # dn's partials read in both passes (a row within one block: summed once, kept)
+        _nbytes(DN) * ((4 if then_layer else 5) + (1 if d <= BD else 2) * splits),
+        12 * B * d + 2 * (splits - 1) * B * d,
+        dn_parts if dn_parts is not None else DN,
+        B * d,
         n,
         x,
         d,
@@ -314,6 +295,8 @@ def _rev_row(
         THEN_LAYER=then_layer,
         HAS_PREV=has_prev,
         BLOCK_D=BD,
+        DN_SPLITS=splits,
+        WHOLE_ROW=d <= BD,
         num_warps=ROW_WARPS,
     )
 

@@ -154,10 +154,19 @@ def linear(
     fuse: Tensor | None = None,
     out2: Tensor | None = None,
     workspace: SplitWorkspace | None = None,
-) -> None:
-    """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`."""
+    sum_in_consumer: bool = False,
+) -> Tensor | None:
+    """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`.
+
+    `sum_in_consumer` (a plain product: no bias, scale or epilogue): a split product's
+    partials are not summed here; they are returned, (splits, M, N), for the next launch
+    to sum as it reads them (`triton_kernels._split_summed`), and `out` is not written.
+    Returns None when the product was written to `out`."""
     M, K = a.shape
     N = w.shape[1]
+    assert not sum_in_consumer or (
+        bias is None and not row_rms and split is None and epilogue == 0 and out2 is None
+    ), "only a plain product's split-K sum moves into its consumer"
     for t in (out, pg, res, fuse, out2):
         assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
     ss, k1 = split if split is not None else (None, 0)
@@ -197,12 +206,15 @@ def linear(
         SPLITS_K1=plan.splits_k1, K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
     )  # fmt: skip
+    if plan.splits > 1 and sum_in_consumer:
+        return ws.view(plan.splits, M, N)
     if plan.splits > 1:
         sum_args = (
             ws, ws_ss, ss_, ss_stride, bias_, out, out.stride(0), *epilogue_args, M, N, K, eps,
         )  # fmt: skip
         _sum_splits(plan, M, N, f"{name} (split-K sum)", phase, _nbytes(ws) + epilogue_bytes,
                     sum_args, norm_meta)  # fmt: skip
+    return None
 
 
 def _sum_splits(

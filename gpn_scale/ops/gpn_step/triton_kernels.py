@@ -695,8 +695,23 @@ def memory_forward_kernel(
 
 # ----------------------------------------------------------------- reverse, row-wise
 @triton.jit
+def _split_summed(P, split_stride, offsets, ok, SPLITS: tl.constexpr):
+    """The values at `offsets` of a split GEMM's output: its SPLITS partial products (each
+    `split_stride` elements after the last) summed in split order from zero, exactly as
+    `linear_reduce_kernel` sums them; with one split, P holds the output itself."""
+    if SPLITS > 1:
+        acc = tl.zeros(offsets.shape, dtype=P.dtype.element_ty)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(P + s * split_stride + offsets, mask=ok, other=0.0)
+    else:
+        acc = tl.load(P + offsets, mask=ok, other=0.0)
+    return acc
+
+
+@triton.jit
 def rev_row_kernel(
     DN,
+    DN_SPLIT_STRIDE,  # DN_SPLITS > 1: DN holds the dn GEMM's partials, this many elements apart
     N_,
     X,
     stride_row: tl.int64,  # the RMSNorm backward's dn, n and x rows (B, D), one stride
@@ -726,31 +741,42 @@ def rev_row_kernel(
     THEN_LAYER: tl.constexpr,
     HAS_PREV: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DN_SPLITS: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,
 ):
     """dc = base + rms_back(n, x, dn) (+ extra); then layer start (dZ = dc, the predict
     gate's input gradient, dc_in = dc * sigmoid(pg)) or step end (dg = dc; d_fuse and the
     fuse gate's input gradient of the previous step). Grid (B,). Dense (B, D) buffers share
-    `stride_row` = D unless given their own stride."""
+    `stride_row` = D unless given their own stride. dn is the output of a split-K GEMM
+    summed here (DN_SPLITS > 1), in its sum kernel's order: one launch fewer a GEMM."""
     b = tl.program_id(0)
     row = b * stride_row
     acc_t = DN.dtype.element_ty
-    sx = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
-    sdn = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
-    for d0 in range(0, D, BLOCK_D):
-        rd = d0 + tl.arange(0, BLOCK_D)
-        ok = rd < D
-        x = tl.load(X + row + rd, mask=ok, other=0.0)
-        sx += tl.sum(x * x, axis=0)
-        sdn += tl.sum(
-            tl.load(DN + row + rd, mask=ok, other=0.0) * tl.load(N_ + row + rd, mask=ok, other=0.0),
-            axis=0,
-        )
+    if WHOLE_ROW:  # D <= BLOCK_D: the row's dn summed once, kept for the second pass
+        rw = tl.arange(0, BLOCK_D)
+        x = tl.load(X + row + rw, mask=rw < D, other=0.0)
+        dn_row = _split_summed(DN, DN_SPLIT_STRIDE, row + rw, rw < D, DN_SPLITS)
+        sx = tl.sum(x * x, axis=0)
+        sdn = tl.sum(dn_row * tl.load(N_ + row + rw, mask=rw < D, other=0.0), axis=0)
+    else:
+        sx = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
+        sdn = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
+        for d0 in range(0, D, BLOCK_D):
+            rd = d0 + tl.arange(0, BLOCK_D)
+            ok = rd < D
+            x = tl.load(X + row + rd, mask=ok, other=0.0)
+            sx += tl.sum(x * x, axis=0)
+            dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
+            sdn += tl.sum(dn * tl.load(N_ + row + rd, mask=ok, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(sx / D + eps)
     mean_dn = sdn / D
     for d0 in range(0, D, BLOCK_D):
         rd = d0 + tl.arange(0, BLOCK_D)
         ok = rd < D
-        dn = tl.load(DN + row + rd, mask=ok, other=0.0)
+        if WHOLE_ROW:
+            dn = dn_row
+        else:
+            dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
         n = tl.load(N_ + row + rd, mask=ok, other=0.0)
         dc = r * (dn - n * mean_dn) + tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
         if BASE_GROUND:
