@@ -51,6 +51,12 @@ FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8
 FLUSH_MAXNREG = 128
 SWEEP_BLOCK = 16
+# The FFN columns a program of the memory/FFN kernels takes (after a row's head programs):
+# each program pays a round trip and its launch slot whatever its width, and 512-wide ones
+# were 13 short programs a row at 130M (1,664 of the 3,584 at B = 128), a wave's worth of
+# slots; 2,048 (4 a row) compile without spills in both kernels (4,096 spill the
+# backward's). Accounting, B = 128: 1.453 -> 1.417 s a step (1,024: 1.423).
+FFN_BLOCK = 2048
 # The reverse sweep's row kernels (one program per batch row: B programs, one per SM at most)
 # take a whole row of d (or of the read's H * dv columns) in one block of 16 warps: each
 # block of a row was a dependent round trip of its own (130M: 3 of 1,024 for d = 2,496, 4
@@ -91,7 +97,7 @@ def mem_blocks(plan: StepPlan, t: Tensor, C: int) -> dict[str, int]:
     return dict(
         BLOCK_DK=max(at_least, geometry.p2(max(plan.dk, 1))),
         BLOCK_C=max(at_least, geometry.p2(C)),
-        BLOCK_F=min(geometry.p2(plan.f), 16 if small else 512),
+        BLOCK_F=min(geometry.p2(plan.f), 16 if small else FFN_BLOCK),
         BLOCK_HV=min(geometry.p2(max(plan.H * plan.dv, 1)), 16 if small else ROW_BLOCK),
     )
 
