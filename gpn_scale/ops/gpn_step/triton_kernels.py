@@ -939,11 +939,14 @@ def memory_backward_kernel(
     BLOCK_S: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step,
-    over d_value in BLOCK_DV blocks (a whole head's M0 and history tiles in registers at
-    once spilled most of the kernel at dk 128 / dv 256: accounting/gpu_compile.py).
-    Head programs fill the read's (and at layer 0 the write's) columns of DY and add to the
-    chunk's dK, dU, dG; FFN programs fill the FFN columns.
+    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step.
+    A head program first forms the step's value-column adjoints (do, dpred and their
+    terms) over all BLOCK_DVW value columns at once, stores them, and then walks M0, the
+    history's u_j and their adjoints over d_value in BLOCK_DV blocks, reading do and dpred
+    back (a whole head's M0 and history tiles in registers at once spilled most of the
+    kernel at dk 128 / dv 256: accounting/gpu_compile.py). Head programs fill the read's
+    (and at layer 0 the write's) columns of DY and add to the chunk's dK, dU, dG; FFN
+    programs fill the FFN columns.
 
     The history's adjoints are pushed at once only into the rows of the current block of
     BLOCK_S steps [b0, t] (the rows this and the block's earlier-processed steps still
@@ -961,7 +964,8 @@ def memory_backward_kernel(
     reduced here from the (C, DK) key tile, and from the k adjoint's update over the block's
     BLOCK_S rows rather than all C (the two held the kernel at 255 registers; now 128).
     No later block reads what an earlier block stores (other columns, or Y not DY), so the
-    pipeliner may issue the loads ahead of the stores."""
+    pipeliner may issue the loads ahead of the stores; what the loop reads of the value
+    adjoints was stored before it, behind a barrier of the whole program."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     y_row = Y + b * stride_y
