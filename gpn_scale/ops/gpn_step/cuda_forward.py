@@ -290,10 +290,17 @@ def _memory_forward(
         **layer_meta(plan, i),
         BLOCK_DV=geometry.p2(max(dv, 1)),
         BLOCK_DK=blocks["BLOCK_DK"],
-        BLOCK_R=4 if geometry.interpreting(y) else MEMORY_FORWARD_ROW_BLOCK,
-        BLOCK_J=2 if geometry.interpreting(y) else MEMORY_FORWARD_HISTORY_BLOCK,
+        BLOCK_R=4 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_ROW_BLOCK, dv),
+        BLOCK_J=2 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
         STAGES=MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_MAXNREG,
     )
+
+
+def _rows(at_256: int, dv: int) -> int:
+    """The memory forward's rows a block (given for d_value 256): fewer for wider values, so
+    that its (rows, d_value) accumulators keep their registers (d_value 512 with 16 rows
+    spilled ~300 B a thread)."""
+    return max(1, at_256 * 256 // max(geometry.p2(max(dv, 1)), 256))
