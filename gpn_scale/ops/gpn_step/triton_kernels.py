@@ -364,6 +364,17 @@ def linear_kernel(
 
 
 @triton.jit
+def _splits_sum(P, split_stride, offsets, ok, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """Partial products FIRST..LAST - 1 of a split GEMM at `offsets` (each `split_stride`
+    elements after the last), summed in split order from zero: the one order every reader of
+    the partials sums them in (`linear_reduce_kernel`, `rev_row_kernel`)."""
+    acc = tl.zeros(offsets.shape, dtype=P.dtype.element_ty)
+    for s in tl.static_range(FIRST, LAST):
+        acc += tl.load(P + s * split_stride + offsets, mask=ok, other=0.0)
+    return acc
+
+
+@triton.jit
 def linear_reduce_kernel(
     WS,  # (SPLITS, M, N) partial products of `linear_kernel`
     WS_SS,  # (SPLITS, M) partial sums of squares (ROW_RMS)
@@ -409,12 +420,9 @@ def linear_reduce_kernel(
     acc_t = OUT.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     if SPLITS_K1 > 0:
-        for s in tl.static_range(SPLITS_K1):
-            acc += tl.load(WS + s * M * N + tile, mask=ok, other=0.0)
+        acc = _splits_sum(WS, M * N, tile, ok, 0, SPLITS_K1)
         acc = acc * _read_norm_scale(SS, stride_ss, rm, m_ok, eps, N_SS, SS_COLS, SS_WIDTH)[:, None]
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    for s in tl.static_range(SPLITS_K1, SPLITS):
-        acc2 += tl.load(WS + s * M * N + tile, mask=ok, other=0.0)
+    acc2 = _splits_sum(WS, M * N, tile, ok, SPLITS_K1, SPLITS)
     if ROW_RMS:
         ss = tl.zeros((BLOCK_M,), dtype=acc_t)
         for s in tl.static_range(SPLITS):
@@ -696,13 +704,11 @@ def memory_forward_kernel(
 # ----------------------------------------------------------------- reverse, row-wise
 @triton.jit
 def _split_summed(P, split_stride, offsets, ok, SPLITS: tl.constexpr):
-    """The values at `offsets` of a split GEMM's output: its SPLITS partial products (each
-    `split_stride` elements after the last) summed in split order from zero, exactly as
-    `linear_reduce_kernel` sums them; with one split, P holds the output itself."""
+    """The values at `offsets` of a split GEMM's output: its SPLITS partial products summed
+    as `linear_reduce_kernel` sums them (`_splits_sum`); with one split, P holds the output
+    itself."""
     if SPLITS > 1:
-        acc = tl.zeros(offsets.shape, dtype=P.dtype.element_ty)
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(P + s * split_stride + offsets, mask=ok, other=0.0)
+        acc = _splits_sum(P, split_stride, offsets, ok, 0, SPLITS)
     else:
         acc = tl.load(P + offsets, mask=ok, other=0.0)
     return acc
@@ -754,10 +760,11 @@ def rev_row_kernel(
     acc_t = DN.dtype.element_ty
     if WHOLE_ROW:  # D <= BLOCK_D: the row's dn summed once, kept for the second pass
         rw = tl.arange(0, BLOCK_D)
-        x = tl.load(X + row + rw, mask=rw < D, other=0.0)
-        dn_row = _split_summed(DN, DN_SPLIT_STRIDE, row + rw, rw < D, DN_SPLITS)
+        w_ok = rw < D
+        x = tl.load(X + row + rw, mask=w_ok, other=0.0)
+        dn_row = _split_summed(DN, DN_SPLIT_STRIDE, row + rw, w_ok, DN_SPLITS)
         sx = tl.sum(x * x, axis=0)
-        sdn = tl.sum(dn_row * tl.load(N_ + row + rw, mask=rw < D, other=0.0), axis=0)
+        sdn = tl.sum(dn_row * tl.load(N_ + row + rw, mask=w_ok, other=0.0), axis=0)
     else:
         sx = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
         sdn = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
