@@ -61,12 +61,18 @@ class AtenRecorder(TorchDispatchMode):
         phase = phases.current_phase() or "outside the loop"
         if func.is_view or name in _NO_LAUNCH or (phase in SEQUENTIAL and not self.sequential):
             return out
-        tensors = [
-            t for t in _flat(args) + _flat(kwargs) + _flat(out) if isinstance(t, torch.Tensor)
-        ]
+        # What the kernel reads and writes: its inputs and its results. An `out=` tensor is
+        # written, not read (its result counts it); so is copy_'s destination.
+        written_only = _flat(kwargs.get("out")) + (list(args[:1]) if name == "copy_" else [])
+        reads = [t for t in _flat(args) + _flat(kwargs) if not _among(t, written_only)]
+        tensors = [t for t in reads + _flat(out) if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.ops.append(Op(name, phase, nbytes, _matmul_flops(name, args), False))
         return out
+
+
+def _among(t, tensors: list) -> bool:
+    return any(t is u for u in tensors)
 
 
 def _flat(x) -> list:
