@@ -226,21 +226,26 @@ def test_a_replay_copies_in_only_what_its_kernels_read():
     )
 
 
-def test_a_reverse_replay_neither_copies_nor_keeps_what_only_the_weight_gradients_read():
-    """`ChunkActs.hidden` (the down projection's input) feeds the weight gradients only: the
-    reverse graph keeps no static copy of it and a replay copies nothing of it in (the
-    cuda-graphs tests would fail if the sweep read it)."""
+def test_a_reverse_replay_copies_no_activation_but_the_carry_it_was_handed():
+    """The recompute writes every activation the sweep reads into the engine's workspaces
+    (`ChunkActs.BOUND`): a reverse graph binds them by address, keeps no static copy and a
+    replay copies none in. `hidden` feeds the weight gradients only: neither kept nor copied.
+    Only s_prev (the forward's carry, not the recompute's) is copied in."""
     from gpn_scale.ops.gpn_step.interface import ChunkActs
 
-    acts = ChunkActs(*([[torch.ones(2, 3)]] * 8), torch.ones(2), torch.ones(2), torch.ones(2))
+    one = lambda: torch.ones(2, 3)  # noqa: E731
+    acts = ChunkActs(*[[one()] for _ in range(8)], one(), one(), one())
+    acts.s_prev, acts.n_sprev, acts.k_pre, acts.k, acts.v = (torch.ones(2, 5), *(one() for _ in range(4)))
+    acts.beta, acts.U, acts.G, acts.pred, acts.rk = (one() for _ in range(5))
     static = graphs._static_like(acts)
-    assert static.hidden == [] and static.y[0] is not acts.y[0]
-    assert torch.equal(static.y[0], acts.y[0])
+    assert static.hidden == [] and static.y[0] is acts.y[0] and static.U is acts.U
+    assert static.s_prev is not acts.s_prev and torch.equal(static.s_prev, acts.s_prev)
     read = graphs._read_part(acts)
-    assert read.hidden == [] and read.c[0] is acts.c[0]
+    assert read.hidden == [] and read.c == [] and read.U is None and read.s_prev is acts.s_prev
     assert acts.hidden[0].shape == (2, 3)  # the caller's tree is left as it was
-    moved = graphs.replay_copy_bytes(acts, (), None)
-    assert moved == 2 * 4 * (7 * 6 + 3 * 2)  # seven of the eight lists, the three tensors
+    assert graphs.replay_copy_bytes(acts, (), None) == 2 * 4 * 10  # s_prev in
+    bound = {t.data_ptr() for t in graphs._bound_leaves(acts)}
+    assert len(bound) == 7 + 3 + 9 and acts.s_prev.data_ptr() not in bound
 
 
 @pytest.mark.slow

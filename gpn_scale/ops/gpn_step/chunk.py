@@ -24,6 +24,7 @@ Held equal to autograd through the step-by-step reference model by the tests
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -60,12 +61,21 @@ ChunkHook = Callable[[Tensor, int, int], None]  # (P, start, end) once P[:, star
 # --------------------------------------------------------------------- backward
 @torch.no_grad()
 def _recompute_chunk(
-    plan: StepPlan, W: LoopWeights, S: Tensor, s_prev: Tensor, M0: Tensor | None
+    plan: StepPlan,
+    W: LoopWeights,
+    S: Tensor,
+    s_prev: Tensor,
+    M0: Tensor | None,
+    ws: _Workspace,
 ) -> ChunkActs:
     """Given the states S (B, C, d) entering each step, the whole chunk at once.
 
     Every projection is ONE (C*B)-row matmul and the memory is the fully parallel chunk
-    form (`ops.memory`, use 1): no few-row matmul, no step loop.
+    form (`ops.memory`, use 1): no few-row matmul, no step loop. Every activation the reverse
+    sweep reads is written by the op that makes it into the workspace `ws` (one of the two
+    the chunks alternate between): the reverse graphs bind them by address
+    (`ChunkActs.BOUND`), so a replay copies none of them in (~2.8 GB a chunk at 130M and
+    B = 128).
     """
     B, C, d = S.shape
     H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
@@ -73,9 +83,13 @@ def _recompute_chunk(
     if mem:  # GPN+M: the decay rates and the chunk-start memory are given
         assert W.A is not None and M0 is not None
         A, M = W.A, M0
+
+    def kept(name: str, shape: tuple[int, ...], chunk_dim: int | None = 0) -> Tensor:
+        return ws.compact(f"act.{name}", shape, chunk_dim, S.dtype)
+
     # torch.split takes any sequence of sizes (its stub says list).
     splits = cast("tuple[list[int], ...]", plan.in_splits)
-    c = S.transpose(0, 1).contiguous()  # (C, B, d)
+    c = kept("c0", (C, B, d)).copy_(S.transpose(0, 1))
     cs: list[Tensor] = []
     ns: list[Tensor] = []
     ys: list[Tensor] = []
@@ -85,8 +99,8 @@ def _recompute_chunk(
     q_s: list[Tensor | None] = []
     rq_s: list[Tensor | None] = []
     for i in range(plan.n_layers):
-        n = _rms(c, eps)
-        y = _matmul(n, W.w_in[i], W.b_in[i])
+        n = _rms(c, eps, kept(f"n{i}", (C, B, d)))
+        y = _matmul(n, W.w_in[i], W.b_in[i], kept(f"y{i}", (C, B, W.w_in[i].shape[1])))
         cs.append(c)
         ns.append(n)
         ys.append(y)
@@ -94,17 +108,19 @@ def _recompute_chunk(
         if mem and i == 0:
             k_next_pre, v_pre, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
             k_cols = H * dk
-            n_sprev = _rms(s_prev, eps)
+            n_sprev = _rms(s_prev, eps, kept("n_sprev", tuple(s_prev.shape), None))
             k_first = _matmul(n_sprev, W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
-            k_pre = torch.cat([k_first[None], k_next_pre[:-1]], dim=0)
-            K = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk)))
-            V = _heads(v_pre.reshape(C, B, H, dv))
+            k_pre = torch.cat([k_first[None], k_next_pre[:-1]], 0, out=kept("k_pre", (C, B, k_cols)))
+            K = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk), kept("k", (C, B, H, dk))))
+            V = _heads(v_pre.reshape(C, B, H, dv))  # a view of y
             log_a = (-A * F.softplus(decay_pre)).permute(1, 2, 0)  # (B, H, C)
-            beta = torch.sigmoid(beta_pre).permute(1, 2, 0)
+            beta = torch.sigmoid(beta_pre, out=kept("beta", (C, B, H))).permute(1, 2, 0)
             U, G = chunk_errors(K, V, log_a, beta, M, "gpn")
-            U = U.contiguous()  # the solve returns it column-major; the sweep reads rows
-            rk = _step_major(K @ M)
-            pred = _step_major(_prediction(K, U, G, rk))
+            # (the solve returns U column-major; the sweep reads rows)
+            U = kept("U", tuple(U.shape), 2).copy_(U)
+            G = kept("G", tuple(G.shape), 2).copy_(G)
+            rk = _step_major(K @ M, kept("rk", (C, B, H, dv)))
+            pred = _step_major(_prediction(K, U, G, rk), kept("pred", (C, B, H, dv)))
         elif mem:
             q_pre, rg, ffn_in, pg = parts
         else:
@@ -112,11 +128,12 @@ def _recompute_chunk(
         a, b = ffn_in.chunk(2, dim=-1)
         hidden = F.silu(a) * b
         if mem:
-            q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk)))
+            q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk), kept(f"q{i}", (C, B, H, dk))))
             qM = q @ M  # once: the read below and the sweep (as rq) both need it
-            rq = _step_major(qM)
-            o = chunk_read(q, K, U, G, M, qM).permute(2, 0, 1, 3).reshape(C, B, H * dv)
-            ro = rms_wide(o, eps, plan)
+            rq = _step_major(qM, kept(f"rq{i}", (C, B, H, dv)))
+            o = kept(f"o{i}", (C, B, H * dv))
+            o.view(C, B, H, dv).copy_(chunk_read(q, K, U, G, M, qM).permute(2, 0, 1, 3))
+            ro = rms_wide(o, eps, plan, kept(f"ro{i}", (C, B, H * dv)))
             hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
             q_s.append(q)
             rq_s.append(rq)
@@ -127,10 +144,11 @@ def _recompute_chunk(
             rq_s.append(None)
             o_s.append(None)
             ro_s.append(None)
-        hiddens.append(hidden)
-        c = torch.sigmoid(pg) * c + reduce_rows(_matmul(hidden, W.w_out[i], None), plan)
-    n_p = _rms(c, eps)
-    gate = torch.sigmoid(_matmul(n_p, W.w_fg, W.b_fg))
+        hiddens.append(hidden)  # read by the weight gradients only: not kept
+        z = reduce_rows(_matmul(hidden, W.w_out[i], None), plan)
+        c = torch.add(torch.sigmoid(pg) * c, z, out=kept(f"c{i + 1}", (C, B, d)))
+    n_p = _rms(c, eps, kept("n_p", (C, B, d)))
+    gate = _matmul(n_p, W.w_fg, W.b_fg, kept("gate", (C, B, d))).sigmoid_()
     acts = ChunkActs(cs, ns, ys, hiddens, o_s, ro_s, q_s, rq_s, n_p, gate, c)
     if mem:
         acts.s_prev, acts.n_sprev, acts.k_pre, acts.k, acts.v = s_prev, n_sprev, k_pre, K, V
@@ -148,11 +166,11 @@ def _prediction(K: Tensor, U: Tensor, G: Tensor, rk: Tensor) -> Tensor:
     return G_prev.exp()[..., None] * rk + ((K @ K.mT) * expo.exp()) @ U
 
 
-def _step_major(x: Tensor) -> Tensor:
-    """(B, H, C, n) -> the same values as a (B, H, C, n) view of a (C, B, H, n) buffer: the
-    reverse sweep reads these one step at a time, and a step's rows for every head and batch
-    row then lie together (prefetchable) instead of C*n apart."""
-    return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+def _step_major(x: Tensor, out: Tensor) -> Tensor:
+    """(B, H, C, n) -> the same values as a (B, H, C, n) view of `out`, a (C, B, H, n) buffer:
+    the reverse sweep reads these one step at a time, and a step's rows for every head and
+    batch row then lie together (prefetchable) instead of C*n apart."""
+    return out.copy_(x.permute(2, 0, 1, 3)).permute(1, 2, 0, 3)
 
 
 def _heads(x: Tensor) -> Tensor:
@@ -348,6 +366,19 @@ class _Workspace:
         self.device = device
         self._buffers: dict[str, Tensor] = {}
 
+    def compact(
+        self, name: str, shape: tuple[int, ...], chunk_dim: int | None, dtype: torch.dtype
+    ) -> Tensor:
+        """A contiguous (possibly uninitialised) tensor of `shape` at the start of a flat
+        buffer sized for the longest chunk (`chunk_dim`: the dim that is the chunk's length;
+        None: none is), so a chunk of any length finds it at the same address."""
+        numel = math.prod(shape)
+        full = numel if chunk_dim is None else numel // shape[chunk_dim] * self.max_chunk
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != full or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(full, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
     def take(
         self,
         name: str,
@@ -445,9 +476,11 @@ def _backward_chunks(
     """The chunks in reverse, to the gradients of the window's start carry.
 
     The chunk-wide work runs as side work (overlap.py): the next chunk's recompute beside this
-    chunk's sweep, this chunk's weight gradients beside the next one's. The adjoints alternate
-    between two buffer sets, so the sweep of chunk k-1 never writes what the weight gradients
-    of chunk k still read; a set is reused once its weight gradients are done."""
+    chunk's sweep, this chunk's weight gradients beside the next one's. A chunk's activations
+    and adjoints live in buffer set k % 2, so the sweep of chunk k-1 never writes what the
+    weight gradients of chunk k still read; a set is reused once its weight gradients are
+    done. The recompute of chunk k-1 writes the set that chunk k+1's weight gradients read:
+    it is submitted after them to the same in-order side work, so runs once they are done."""
     device = dP.device
     side = side_work(device, plan.options.overlap_backward)
     longest = max(end - start for start, end in plan.spans)
@@ -458,7 +491,7 @@ def _backward_chunks(
         start, end = plan.spans[idx]
         _, s_prev, M = ctx.carries[idx]
         with _phase("parallel recompute", device):
-            return _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M)
+            return _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M, workspaces[idx % 2])
 
     last = len(plan.spans) - 1
     recomputed = side.submit(lambda: recompute(last), after=side.mark())

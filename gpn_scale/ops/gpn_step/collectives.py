@@ -47,12 +47,13 @@ def reduce_rows(partial: Tensor, plan: StepPlan) -> Tensor:
     return tp_sum_(partial.contiguous() if plan.tp_group is not None else partial, plan)
 
 
-def rms_wide(x: Tensor, eps: float, plan: StepPlan) -> Tensor:
-    """(2): RMSNorm over the full width when x holds this rank's 1/tp of the columns."""
+def rms_wide(x: Tensor, eps: float, plan: StepPlan, out: Tensor | None = None) -> Tensor:
+    """(2): RMSNorm over the full width when x holds this rank's 1/tp of the columns
+    (`out`: written in place)."""
     if plan.tp_group is None:
-        return rms(x, eps)
+        return rms(x, eps, out)
     ss = tp_sum_(x.pow(2).sum(-1, keepdim=True).contiguous(), plan)
-    return x * torch.rsqrt(ss / (x.shape[-1] * plan.tp_size) + eps)
+    return torch.mul(x, torch.rsqrt(ss / (x.shape[-1] * plan.tp_size) + eps), out=out)
 
 
 def reduce_down_with_norm(

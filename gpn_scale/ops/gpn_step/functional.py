@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def rms(x: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def rms(x: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """RMSNorm without a weight (`out`: written in place, its values the same)."""
+    return torch.mul(x, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), out=out)
 
 
-def l2n(x: Tensor) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+def l2n(x: Tensor, out: Tensor | None = None) -> Tensor:
+    return torch.mul(x, torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12), out=out)
 
 
 def rms_back(n: Tensor, x: Tensor, dn: Tensor, eps: float) -> Tensor:
@@ -37,14 +38,16 @@ def silu_back(x: Tensor, dy: Tensor) -> Tensor:
     return dy * sig * (1 + x * (1 - sig))
 
 
-def matmul(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
     """x @ weight (+ bias) in the weight's dtype (bf16 under autocast), result in x's dtype.
-    With the dtypes equal it is one GEMM launch (addmm with the bias), not cast + GEMM + add."""
+    With the dtypes equal it is one GEMM launch (addmm with the bias), not cast + GEMM + add.
+    `out`: a contiguous tensor of the result's shape the GEMM writes into."""
     if weight.dtype != x.dtype:
-        return linear_out(x.to(weight.dtype), weight, bias, x.dtype)
-    if bias is None:
-        return x @ weight
-    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return linear_out(x.to(weight.dtype), weight, bias, x.dtype, out)
+    x2 = x.reshape(-1, x.shape[-1])
+    out2 = None if out is None else out.view(x2.shape[0], -1)
+    y = torch.mm(x2, weight, out=out2) if bias is None else torch.addmm(bias, x2, weight, out=out2)
+    return y.view(*x.shape[:-1], -1)
 
 
 def mm_t(dy: Tensor, weight_t: Tensor) -> Tensor:
@@ -76,23 +79,32 @@ def _meta_gemm_takes_out_dtype() -> bool:
     return True
 
 
-def linear_out(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """x @ weight (+ bias) with x, weight in the matmul dtype and the result in `out_dtype`.
-    On CUDA one GEMM that accumulates and writes in out_dtype (cuBLAS's dtype overload);
-    elsewhere the GEMM in the matmul dtype, cast and bias added after."""
+def linear_out(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
+    """x @ weight (+ bias) with x, weight in the matmul dtype and the result in `out_dtype`
+    (`out`: a contiguous tensor of the result's shape to write it into). On CUDA one GEMM
+    that accumulates and writes in out_dtype (cuBLAS's dtype overload); elsewhere the GEMM in
+    the matmul dtype, cast and bias added after."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out2 = None if out is None else out.view(x2.shape[0], -1)
     if _gpu_path(x) and weight.dtype != out_dtype:
-        x2 = x.reshape(-1, x.shape[-1])
         if x.device.type == "meta" and not _meta_gemm_takes_out_dtype():
-            y = x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype)
+            y = x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype) if out2 is None else out2
             return y.view(*x.shape[:-1], -1)
         y = (
-            torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype)
+            torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype, out=out2)
             if bias is not None
-            else torch.mm(x2, weight, out_dtype=out_dtype)
+            else torch.mm(x2, weight, out_dtype=out_dtype, out=out2)
         )
         return y.view(*x.shape[:-1], -1)
     y = (x @ weight).to(out_dtype)
-    return y if bias is None else y + bias
+    y = y if bias is None else y + bias
+    return y if out is None else out.copy_(y)
 
 
 def add_product_(acc: Tensor, a: Tensor, b: Tensor) -> None:

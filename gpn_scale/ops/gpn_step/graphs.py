@@ -6,10 +6,11 @@ static buffers, the graph replays, and its outputs are copied out (the engine ke
 chunk's carry, so a static output is never handed out as is). Buffers the kernels write
 whole and never read (the interface's `WRITTEN_WHOLE` fields: the forward's P and S) are
 copied out only; the activations only the weight gradients read (`SWEEP_NEVER_READS`) not
-at all. The sweep's adjoints live in the engine's two workspaces, which stay where they are
-from chunk to chunk and call to call (`SweepAdjoints.BOUND`, ~1.8 GB a chunk at 130M and
-B = 128): a reverse graph binds them by address (its key holds them), so a replay copies
-none of them, and there is one reverse graph per workspace. The loop weights are copied
+at all. The sweep's adjoints and the recomputed activations it reads live in the engine's
+two workspaces, which stay where they are from chunk to chunk and call to call
+(`SweepAdjoints.BOUND`, ~1.8 GB a chunk at 130M and B = 128; `ChunkActs.BOUND`, ~2.8 GB): a
+reverse graph binds them by address (its key holds them), so a replay copies none of them,
+and there is one reverse graph per workspace. The loop weights are copied
 once per engine call (the engine passes the same `LoopWeights` object for every chunk of a
 call; a new object means new values). Scratch buffers the kernels allocate during capture
 live in one private memory pool.
@@ -18,8 +19,8 @@ A graph is keyed on the shapes and dtypes of its chunk (not the strides of the v
 given: the static copies are compact, so a new window length reuses the graphs of its
 chunk shape) and on its bound buffers' addresses, and the cache holds at most `max_graphs`
 of them, least recently used first out: the graphs of one chunk shape (a forward and two
-reverse) hold ~6 GiB of static copies at 130M and B = 128 (one reverse graph with copies of
-the adjoints held ~5), so a sweep over batch sizes must not keep them all; six hold the two
+reverse) held ~6 GiB of static copies at 130M and B = 128 while the reverse graphs copied
+the activations in (the bound buffers are not the graphs' own), so a sweep over batch sizes must not keep them all; six hold the two
 shapes of a window that a last partial chunk or a truncated-BPTT cut splits. `clear()`
 drops every graph (the device check calls it between models). Running out of memory during
 a capture is raised (the caller's batch is too large); any other capture failure turns

@@ -260,6 +260,14 @@ class ChunkActs:
     # reverse sweep: a graph replay neither copies it in nor keeps a static copy of it
     # (344 MB a chunk at 130M and B = 128).
     SWEEP_NEVER_READS: ClassVar[tuple[str, ...]] = ("hidden",)
+    # Written by the recompute into the engine's two workspaces (chunk.py `_Workspace`),
+    # which stay where they are from chunk to chunk and call to call: a reverse graph binds
+    # them by address (graphs.py), so a replay copies none of them in. (`v` is a view of `y`;
+    # `s_prev` is the forward's carry, copied.)
+    BOUND: ClassVar[tuple[str, ...]] = (
+        *("c", "n", "y", "o", "ro", "q", "rq", "n_p", "gate", "p"),
+        *("n_sprev", "k_pre", "k", "v", "beta", "U", "G", "pred", "rk"),
+    )
 
     def tensors(self) -> list[Tensor]:
         """Every tensor held (the overlapped backward hands them from stream to stream)."""
