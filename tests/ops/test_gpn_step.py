@@ -235,7 +235,8 @@ def test_a_reverse_replay_copies_no_activation_but_the_carry_it_was_handed():
 
     one = lambda: torch.ones(2, 3)  # noqa: E731
     acts = ChunkActs(*[[one()] for _ in range(8)], one(), one(), one())
-    acts.s_prev, acts.n_sprev, acts.k_pre, acts.k, acts.v = (torch.ones(2, 5), *(one() for _ in range(4)))
+    acts.s_prev = torch.ones(2, 5)
+    acts.n_sprev, acts.k_pre, acts.k, acts.v = (one() for _ in range(4))
     acts.beta, acts.U, acts.G, acts.pred, acts.rk = (one() for _ in range(5))
     static = graphs._static_like(acts)
     assert static.hidden == [] and static.y[0] is acts.y[0] and static.U is acts.U

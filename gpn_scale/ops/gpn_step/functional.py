@@ -94,7 +94,11 @@ def linear_out(
     out2 = None if out is None else out.view(x2.shape[0], -1)
     if _gpu_path(x) and weight.dtype != out_dtype:
         if x.device.type == "meta" and not _meta_gemm_takes_out_dtype():
-            y = x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype) if out2 is None else out2
+            y = (
+                x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype)
+                if out2 is None
+                else out2
+            )
             return y.view(*x.shape[:-1], -1)
         y = (
             torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype, out=out2)

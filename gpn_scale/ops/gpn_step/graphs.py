@@ -20,8 +20,9 @@ given: the static copies are compact, so a new window length reuses the graphs o
 chunk shape) and on its bound buffers' addresses, and the cache holds at most `max_graphs`
 of them, least recently used first out: the graphs of one chunk shape (a forward and two
 reverse) held ~6 GiB of static copies at 130M and B = 128 while the reverse graphs copied
-the activations in (the bound buffers are not the graphs' own), so a sweep over batch sizes must not keep them all; six hold the two
-shapes of a window that a last partial chunk or a truncated-BPTT cut splits. `clear()`
+the activations in (the bound buffers are not the graphs' own), so a sweep over batch
+sizes must not keep them all; six hold the two shapes of a window that a last partial
+chunk or a truncated-BPTT cut splits. `clear()`
 drops every graph (the device check calls it between models). Running out of memory during
 a capture is raised (the caller's batch is too large); any other capture failure turns
 graphs off for this backend, with one warning, and the chunks run eagerly.
