@@ -18,6 +18,7 @@ class TpRank:
     def __init__(self, backend, tp: int) -> None:
         self.backend, self.tp, self.name = backend, tp, backend.name
         self.row_alignment = backend.row_alignment
+        self.matmul_only_adjoints = backend.matmul_only_adjoints
 
     def forward_chunk(self, plan, W, chunk):
         return self.backend.forward_chunk(dataclasses.replace(plan, tp_size=self.tp), W, chunk)

@@ -108,7 +108,6 @@ FLOAT32_A_OPERANDS: dict[str, str] = {
     "fuse-gate GEMM": "its row RMS sums A's float32 squares while A streams through the K loop",
     "input dy W^T": "dY is a float32 adjoint: the bias gradient sums it (chunk.py)",
     "predict-gate dy W^T": "dY is a float32 adjoint: the bias gradient sums it (chunk.py)",
-    "down dy W^T": "dZ is a float32 adjoint of the interface (SweepAdjoints)",
     "fuse-gate dy W^T": "dYfg is a float32 adjoint: the bias gradient sums it (chunk.py)",
 }
 # Loops the accounting prices as software-pipelined (round_trips.py: a `tl.range(...,

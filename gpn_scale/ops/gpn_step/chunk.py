@@ -110,7 +110,9 @@ def _recompute_chunk(
             k_cols = H * dk
             n_sprev = _rms(s_prev, eps, kept("n_sprev", tuple(s_prev.shape), None))
             k_first = _matmul(n_sprev, W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
-            k_pre = torch.cat([k_first[None], k_next_pre[:-1]], 0, out=kept("k_pre", (C, B, k_cols)))
+            k_pre = torch.cat(
+                [k_first[None], k_next_pre[:-1]], 0, out=kept("k_pre", (C, B, k_cols))
+            )
             K = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk), kept("k", (C, B, H, dk))))
             V = _heads(v_pre.reshape(C, B, H, dv))  # a view of y
             log_a = (-A * F.softplus(decay_pre)).permute(1, 2, 0)  # (B, H, C)
@@ -238,7 +240,9 @@ def _chunk_backward(
     # (like the recompute), timed apart from the sequential sweep that follows it.
     device = dP.device
     with _phase("memory carry backward", device):
-        adjoints, dM0 = _sweep_adjoints(plan, Wt, acts, M0, dP, dM_end, d_fuse, workspace)
+        adjoints, dM0 = _sweep_adjoints(
+            plan, Wt, acts, M0, dP, dM_end, d_fuse, workspace, backend.matmul_only_adjoints
+        )
     with _phase("sequential backward", device):
         result = backend.reverse_sweep(
             plan, Wt, ReverseSweep(acts, M0, dP, ds_end, ds_prev_end, adjoints)
@@ -259,9 +263,11 @@ def _sweep_adjoints(
     dM_end: Tensor | None,
     d_fuse: Tensor,
     workspace: _Workspace,
+    matmul_only: tuple[str, ...] = (),
 ) -> tuple[SweepAdjoints, Tensor | None]:
     """The adjoint buffers the reverse sweep accumulates into, with the end-of-chunk
-    memory's gradient already pushed onto k, u and G; and the (partial) dM0."""
+    memory's gradient already pushed onto k, u and G; and the (partial) dM0. `matmul_only`:
+    those the backend writes in the matmul dtype (`StepBackend.matmul_only_adjoints`)."""
     C, B, d = acts.p.shape
     L = plan.n_layers
     mem = plan.memory
@@ -269,7 +275,8 @@ def _sweep_adjoints(
     ws = workspace
     # Written whole at every step (no zero fill needed); the memory adjoints accumulate.
     dY = [ws.take(f"dY{i}", y.shape, 0, dt) for i, y in enumerate(acts.y)]
-    dZ = [ws.take(f"dZ{i}", (C, B, d), 0, dt) for i in range(L)]
+    dt_z = plan.mm_dtype if "dZ" in matmul_only and plan.mm_dtype is not None else dt
+    dZ = [ws.take(f"dZ{i}", (C, B, d), 0, dt_z) for i in range(L)]
     dYfg = ws.take("dYfg", (C, B, d), 0, dt)
     if not mem:
         return SweepAdjoints(dY, dZ, dYfg, d_fuse, None, None, None, None, [], None), None

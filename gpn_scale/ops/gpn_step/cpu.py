@@ -19,6 +19,7 @@ from gpn_scale.ops.gpn_step.interface import (
 class CpuBackend:
     name = "cpu"
     row_alignment = 1
+    matmul_only_adjoints: tuple[str, ...] = ()
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module

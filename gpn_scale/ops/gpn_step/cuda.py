@@ -61,6 +61,10 @@ class CudaBackend:
     # 16 elements: Triton's JIT then knows every weight row starts 16-byte aligned (it
     # specialises ints divisible by 16), and streams the weights in 16-byte loads.
     row_alignment = 16
+    # dZ feeds only its step's down dy W^T GEMM and the down weight's gradient, both in the
+    # matmul dtype: the row kernel writes it in bf16 (the same rounding each GEMM did), so
+    # the GEMM's column tiles read half the A bytes and the weight gradient casts nothing.
+    matmul_only_adjoints: tuple[str, ...] = ("dZ",)
 
     def __init__(self) -> None:
         self.graphs = ChunkGraphs()

@@ -397,6 +397,9 @@ class StepBackend(Protocol):
     # The loop matrices' row strides this backend wants a multiple of (elements): the
     # engine pads its matmul copies of them to it (`LoopWeights.for_matmul`).
     row_alignment: int
+    # The `SweepAdjoints` fields this backend writes in the plan's matmul dtype (bf16 under
+    # autocast), where only matmuls read them (which cast them to it anyway): same values.
+    matmul_only_adjoints: tuple[str, ...]
 
     def forward_chunk(
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward

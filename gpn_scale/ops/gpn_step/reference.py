@@ -60,6 +60,7 @@ class ReferenceBackend:
 
     name = "reference"
     row_alignment = 1
+    matmul_only_adjoints: tuple[str, ...] = ()
 
     def forward_chunk(
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
