@@ -104,7 +104,7 @@ WEIGHT_OPERAND = {"linear_kernel": "W"}
 # loads A again (L2 -> SM bytes). Reported on every gate, not failed; a GEMM leaves this
 # list when its producer writes A in bf16 (the gate then fails until it is removed).
 FLOAT32_A_OPERANDS: dict[str, str] = {
-    "input GEMM": "its row RMS sums A's float32 squares while A streams through the K loop",
+    "first-step input GEMM": "a chunk's first state is the carry, in float32 (1 step of C)",
     "fuse-gate GEMM": "its row RMS sums A's float32 squares while A streams through the K loop",
     "input dy W^T": "dY is a float32 adjoint: the bias gradient sums it (chunk.py)",
     "predict-gate dy W^T": "dY is a float32 adjoint: the bias gradient sums it (chunk.py)",

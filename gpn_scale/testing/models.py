@@ -61,13 +61,16 @@ def perturbed_model(
     return model
 
 
-def bf16_errors(backend: str, device: torch.device | str = "cpu") -> tuple[float, float]:
+def bf16_errors(
+    backend: str, device: torch.device | str = "cpu", n_layers: int = 1
+) -> tuple[float, float]:
     """How far bf16 autocast takes the loss and gradients from the float32 model: (the
     PyTorch steps' error, `backend`'s), each the largest relative L2 error over the loss and
     every gradient, on one fixed case. A step backend's bf16 path is sound when its error is
     of the steps' order (the CPU test and the device check both hold it to twice). The case
-    has one layer: two perturbed layers amplify bf16 rounding ~30x in either path."""
-    cfg = tiny_config(n_layers=1, chunk_size=5, cuda_graphs=False)
+    has one layer (`n_layers`): two perturbed layers amplify bf16 rounding ~30x in either
+    path."""
+    cfg = tiny_config(n_layers=n_layers, chunk_size=5, cuda_graphs=False)
     tokens = torch.randint(0, cfg.vocab_size, (3, 13), generator=torch.Generator().manual_seed(3))
     tokens = tokens.to(device)
 

@@ -205,3 +205,11 @@ def test_cuda_backend_under_bf16_autocast_errs_as_the_pytorch_steps_do():
     steps_err, cuda_err = bf16_errors("cuda")
     assert 1e-3 < steps_err < 0.1  # bf16 rounding shows, and stays small
     assert cuda_err <= 2 * steps_err, (cuda_err, steps_err)
+
+
+@pytest.mark.slow
+def test_cuda_backend_under_bf16_autocast_with_two_layers_errs_as_the_pytorch_steps_do():
+    """Two layers: the lower layer's output reaches the upper input GEMM as the down GEMM's
+    bf16 copy with its sums of squares (`gemm.linear`'s `low`), not as float32 rows."""
+    steps_err, cuda_err = bf16_errors("cuda", n_layers=2)
+    assert cuda_err <= 2 * steps_err, (cuda_err, steps_err)

@@ -22,7 +22,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     splits_over_tp,
     tp_sum,
 )
-from gpn_scale.ops.gpn_step.gemm import SplitWorkspace, linear
+from gpn_scale.ops.gpn_step.gemm import SplitWorkspace, linear, low_sums_width
 from gpn_scale.ops.gpn_step.interface import (
     ChunkForward,
     ChunkForwardResult,
@@ -53,6 +53,22 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     scratch = [new(B, d), new(B, d)]
     ws = SplitWorkspace(fuse)
     split = splits_over_tp(plan)
+    # bf16 weights: what feeds an input GEMM (the fuse gate's next state, a layer's output)
+    # is also written in bf16 with its sums of squares per column block, and the GEMM reads
+    # those (`gemm.linear`'s `low`). The chunk's first state is the carry: its GEMM (named
+    # apart) reads it in float32, as under tp a deeper layer's does its input (the gated
+    # residual kernel writes that).
+    low_weights = W.w_in[0].dtype != fuse.dtype
+    # (the bf16 copy and the sums of the output of linear(a, w, ..., split=(ss, k1)))
+    low = lambda a, w, k1=0: (  # noqa: E731
+        fuse.new_empty((B, w.shape[1]), dtype=W.w_in[0].dtype),
+        new(B, low_sums_width(a, w, k1)),
+    )
+    if low_weights:
+        state_lows = [low(states[0], W.w_fg) for _ in range(2)]
+        deeper = L > 1 and not split
+        layer_lows = [low(hidden, W.w_out[0], H * dv if mem else 0) if deeper else None
+                      for _ in range(2)]  # fmt: skip
     # Under tp the row-parallel output before its sum; GPN+M: one buffer [ss | read part |
     # FFN part] summed by one all-reduce (collectives.reduce_down_with_norm).
     tp_flat = new(B * H + 2 * B * d) if split and mem else None
@@ -110,19 +126,16 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     s = states[0]
     for tau in range(C):
         c = s
+        c_low = state_lows[tau % 2] if low_weights and tau > 0 else None
         for i in range(L):
             y = ys[i]
-            linear(
-                c,
-                W.w_in[i],
-                y,
-                ph,
-                f"input GEMM {i}",
-                bias=W.b_in[i],
-                row_rms=True,
-                eps=eps,
-                workspace=ws,
-            )
+            if c_low is not None:
+                linear(c_low[0], W.w_in[i], y, ph, f"input GEMM {i}", bias=W.b_in[i],
+                       split=(c_low[1], d), eps=eps, workspace=ws)  # fmt: skip
+            else:
+                name = "first-step input GEMM 0" if i == 0 and tau == 0 else f"input GEMM {i}"
+                linear(c, W.w_in[i], y, ph, name, bias=W.b_in[i], row_rms=True, eps=eps,
+                       workspace=ws)  # fmt: skip
             _memory_forward(
                 plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A, grid_mem, blocks
             )
@@ -155,9 +168,11 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
                     epilogue=1,
                     pg=y[:, pg0 : pg0 + d],
                     res=c,
+                    low=layer_lows[i % 2] if low_weights and i < L - 1 else None,
                     workspace=ws,
                 )
             c = out
+            c_low = layer_lows[i % 2] if low_weights and i < L - 1 else None
         s_next = states[(tau + 1) % 2]
         linear(
             c,
@@ -172,6 +187,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             res=c,
             fuse=fuse[:, tau],
             out2=S[:, tau + 1] if S is not None and tau + 1 < C else None,
+            low=state_lows[(tau + 1) % 2] if low_weights else None,
             workspace=ws,
         )
         s = s_next

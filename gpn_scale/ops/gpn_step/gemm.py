@@ -20,6 +20,8 @@ from gpn_scale.ops.launch import launch as _launch
 from gpn_scale.ops.launch import nbytes as _nbytes
 
 MAX_SPLITS = 8
+# A split-K sum reads a few hundred KB: narrow column blocks spread it over the SMs.
+REDUCE_BLOCK_N = 16
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,16 @@ def linear(
     res: Tensor | None = None,
     fuse: Tensor | None = None,
     out2: Tensor | None = None,
+    low: tuple[Tensor, Tensor] | None = None,
     workspace: SplitWorkspace | None = None,
     sum_in_consumer: bool = False,
 ) -> Tensor | None:
     """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`.
+
+    `low` = (out_low (M, N) in the matmul dtype, sums (M, `epilogue_blocks(...)`)): the
+    result is also written there, and its float32 sums of squares per column block of the
+    launch that writes it, for the next GEMM to read as its A operand with split=(sums, N)
+    (half the bytes of a float32 A; the RMS scale from the sums).
 
     `sum_in_consumer` (a plain product: no bias, scale or epilogue): a split product's
     partials are not summed here; they are returned, (splits, M, N), for the next launch
@@ -167,15 +175,19 @@ def linear(
     assert not sum_in_consumer or (
         bias is None and not row_rms and split is None and epilogue == 0 and out2 is None
     ), "only a plain product's split-K sum moves into its consumer"
-    for t in (out, pg, res, fuse, out2):
+    low_out, low_ss = low if low is not None else (None, None)
+    for t in (out, pg, res, fuse, out2, low_out):
         assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
     ss, k1 = split if split is not None else (None, 0)
     assert not (row_rms and k1), "the read norm's split and a row RMS are not combined"
     plan = gemm_plan(M, N, K, a, k1, ieee=precision(w) == "ieee")
+    assert low_ss is None or low_ss.shape[1] == epilogue_blocks(plan, N), "sums' blocks"
     dummy = geometry.unused_pointer(out)
     # (tensor or the placeholder, its row stride or 0) for each epilogue operand
     epilogue_args = tuple(
-        x for t in (pg, res, fuse, out2) for x in ((dummy, 0) if t is None else (t, t.stride(0)))
+        x
+        for t in (pg, res, fuse, out2, low_out, low_ss)
+        for x in ((dummy, 0) if t is None else (t, t.stride(0)))
     )
     norm_meta = dict(
         N_SS=geometry.p2(ss.shape[1]) if ss is not None else 1,
@@ -186,8 +198,10 @@ def linear(
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         HAS_OUT2=out2 is not None,
+        HAS_LOW=low is not None,
+        WIDEN=_widened(w),
     )
-    epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2)
+    epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2, low_out, low_ss)
     ws = ws_ss = dummy
     if plan.splits > 1:
         ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
@@ -202,7 +216,7 @@ def linear(
         _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes), 2 * M * N * K,
         a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), bias_, out, out.stride(0),
         ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
-        **norm_meta, PRECISION=precision(w), WIDEN=_widened(w), SPLITS=plan.splits,
+        **norm_meta, PRECISION=precision(w), SPLITS=plan.splits,
         SPLITS_K1=plan.splits_k1, K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
     )  # fmt: skip
@@ -229,11 +243,9 @@ def _sum_splits(
 ) -> None:
     """A split GEMM's partial products summed in a fixed order (deterministic), then its
     scale and epilogue: `linear_reduce_kernel` with `args` as it takes them."""
-    # The sum reads a few hundred KB: narrower column blocks spread it over the SMs.
-    reduce_n = 16
     _launch(
         tk.linear_reduce_kernel,
-        (geometry.cdiv(M, plan.block_m), geometry.cdiv(N, reduce_n)),
+        (geometry.cdiv(M, plan.block_m), geometry.cdiv(N, REDUCE_BLOCK_N)),
         name,
         phase,
         nbytes,
@@ -243,9 +255,22 @@ def _sum_splits(
         SPLITS=plan.splits,
         SPLITS_K1=plan.splits_k1,
         BLOCK_M=plan.block_m,
-        BLOCK_N=reduce_n,
+        BLOCK_N=REDUCE_BLOCK_N,
         num_warps=plan.warps,
     )
+
+
+def low_sums_width(a: Tensor, w: Tensor, k1: int = 0) -> int:
+    """The columns of the `low` sums that `linear(a, w, ..., split=(ss, k1))` writes
+    (`epilogue_blocks`)."""
+    (M, K), N = a.shape, w.shape[1]
+    return epilogue_blocks(gemm_plan(M, N, K, a, k1, ieee=precision(w) == "ieee"), N)
+
+
+def epilogue_blocks(plan: GemmPlan, N: int) -> int:
+    """How many column blocks the launch applying a GEMM's epilogue has (the columns of
+    its `low` sums): the GEMM's own, or its split-K sum's."""
+    return geometry.cdiv(N, REDUCE_BLOCK_N if plan.splits > 1 else plan.block_n)
 
 
 def wave_fill(programs: int, sms: int) -> float:

@@ -85,13 +85,22 @@ def _linear_epilogue(
     stride_fuse,
     OUT2,
     stride_o2,
+    LOW,
+    stride_low,
+    SS_LOW,
+    stride_ss_low,
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_OUT2: tl.constexpr,
+    HAS_LOW: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """acc (+ bias), then EPILOGUE 0: store; 1: sigmoid(PG) * RES + acc (the gated
     residual); 2: the fuse gate, sigmoid(acc) * RES + FUSE (OUT2 gets a copy when HAS_OUT2);
-    3: RES + acc."""
+    3: RES + acc. HAS_LOW: LOW gets the result in its (matmul) dtype and SS_LOW[row, this
+    program's column block] its float32 sum of squares, for a GEMM that reads the row next:
+    it then loads half the bytes and takes its RMS scale from the sums (the `split` of
+    `gemm.linear`)."""
     m_ok = rm < M
     n_ok = rn < N
     if HAS_BIAS:
@@ -111,21 +120,43 @@ def _linear_epilogue(
         res = tl.load(RES + rm[:, None] * stride_res + rn[None, :], mask=ok, other=0.0)
         acc = res + acc
     tl.store(OUT + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
+    if HAS_LOW:
+        kept = tl.where(ok, acc, 0.0)
+        tl.store(
+            SS_LOW + rm * stride_ss_low + tl.program_id(1), tl.sum(kept * kept, axis=1), mask=m_ok
+        )
+        tl.store(LOW + rm[:, None] * stride_low + rn[None, :], _rounded(kept, WIDEN), mask=ok)
+
+
+@triton.jit
+def _rounded(x, WIDEN: tl.constexpr):
+    """x as a store to bf16 rounds it on the GPU (to nearest even); under the interpreter
+    (WIDEN), whose cast truncates, rounded so first (see `_mm_range`)."""
+    if WIDEN:
+        xb = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        xb = (xb + 0x7FFF + ((xb >> 16) & 1)) & 0xFFFF0000
+        return xb.to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
 def _read_norm_scale(
     SS, stride_ss, rm, m_ok, eps, N_SS: tl.constexpr, SS_COLS: tl.constexpr, SS_WIDTH: tl.constexpr
 ):
-    """rsqrt(sum(SS_row) / SS_WIDTH + eps) per row (the read's RMSNorm, its sums of squares
-    left by the memory kernel)."""
-    rs = tl.arange(0, N_SS)
-    part = tl.load(
-        SS + rm[:, None] * stride_ss + rs[None, :],
-        mask=m_ok[:, None] & (rs < SS_COLS)[None, :],
-        other=0.0,
-    )
-    return 1.0 / tl.sqrt(tl.sum(part, axis=1) / SS_WIDTH + eps)
+    """rsqrt(sum(SS_row) / SS_WIDTH + eps) per row (an RMSNorm whose sums of squares the
+    producing kernel left: the memory kernel's per head, an epilogue's per column block),
+    summed SS_BLOCK columns at a time (a tile of a few registers a thread)."""
+    SS_BLOCK: tl.constexpr = 32 if N_SS > 32 else N_SS
+    total = tl.zeros(rm.shape, dtype=SS.dtype.element_ty)
+    for j in tl.static_range(0, N_SS, SS_BLOCK):
+        rs = j + tl.arange(0, SS_BLOCK)
+        part = tl.load(
+            SS + rm[:, None] * stride_ss + rs[None, :],
+            mask=m_ok[:, None] & (rs < SS_COLS)[None, :],
+            other=0.0,
+        )
+        total += tl.sum(part, axis=1)
+    return 1.0 / tl.sqrt(total / SS_WIDTH + eps)
 
 
 @triton.jit
@@ -209,6 +240,10 @@ def linear_kernel(
     stride_fuse: tl.int64,  # EPILOGUE 2: the grounding input (M, N)
     OUT2,
     stride_o2: tl.int64,  # EPILOGUE 2: a second copy of the output (S_out)
+    LOW,
+    stride_low: tl.int64,  # HAS_LOW: the output in the matmul dtype (M, N)
+    SS_LOW,
+    stride_ss_low: tl.int64,  # HAS_LOW: its sums of squares per column block (M, blocks)
     WS,  # SPLITS > 1: (SPLITS, M, N) float32 partial products
     WS_SS,  # SPLITS > 1 and ROW_RMS: (SPLITS, M) partial sums of squares
     M,
@@ -224,6 +259,7 @@ def linear_kernel(
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_OUT2: tl.constexpr,
+    HAS_LOW: tl.constexpr,
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,  # the interpreter's bf16 products (see `_mm_range`)
     SPLITS: tl.constexpr,
@@ -357,9 +393,15 @@ def linear_kernel(
             stride_fuse,
             OUT2,
             stride_o2,
+            LOW,
+            stride_low,
+            SS_LOW,
+            stride_ss_low,
             HAS_BIAS,
             EPILOGUE,
             HAS_OUT2,
+            HAS_LOW,
+            WIDEN,
         )
 
 
@@ -391,6 +433,10 @@ def linear_reduce_kernel(
     stride_fuse: tl.int64,
     OUT2,
     stride_o2: tl.int64,
+    LOW,
+    stride_low: tl.int64,
+    SS_LOW,
+    stride_ss_low: tl.int64,
     M,
     N,
     K,
@@ -403,6 +449,8 @@ def linear_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_OUT2: tl.constexpr,
+    HAS_LOW: tl.constexpr,
+    WIDEN: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_K1: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -446,9 +494,15 @@ def linear_reduce_kernel(
         stride_fuse,
         OUT2,
         stride_o2,
+        LOW,
+        stride_low,
+        SS_LOW,
+        stride_ss_low,
         HAS_BIAS,
         EPILOGUE,
         HAS_OUT2,
+        HAS_LOW,
+        WIDEN,
     )
 
 
