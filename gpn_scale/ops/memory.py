@@ -101,11 +101,18 @@ def _chunk(
 
 
 def chunk_errors(
-    k: Tensor, v: Tensor, log_a: Tensor, b: Tensor, M0: Tensor, rule: str = "gpn"
+    k: Tensor,
+    v: Tensor,
+    log_a: Tensor,
+    b: Tensor,
+    M0: Tensor,
+    rule: str = "gpn",
+    kM0: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The chunk's write terms u_t (B, H, C, dv) and cumulative log decays G_t (B, H, C).
 
     U = (I + A)^{-1} diag(b) (V - diag(e^{G_err}) K M0), A strictly lower triangular.
+    `kM0`: k @ M0 when the caller has it already (the engine's recompute keeps it).
     """
     C = k.shape[2]
     G = torch.cumsum(log_a, dim=-1)
@@ -115,23 +122,45 @@ def chunk_errors(
     # exp of G_err_t - G_j on the strict lower triangle (<= 0 there); zero elsewhere.
     decay_err = _masked_exp(G_err[..., :, None] - G[..., None, :], strict)
     A = b[..., :, None] * (k @ k.transpose(-1, -2)) * decay_err
-    rhs = b[..., None] * (v - G_err.exp()[..., None] * (k @ M0))
+    if kM0 is None:
+        kM0 = k @ M0
+    rhs = b[..., None] * (v - G_err.exp()[..., None] * kM0)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     return U, G
 
 
 def chunk_read(
-    q: Tensor, k: Tensor, U: Tensor, G: Tensor, M0: Tensor, qM0: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    U: Tensor,
+    G: Tensor,
+    M0: Tensor,
+    qM0: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """o_t = M_t^T q_t for every step of the chunk (the read sees step t's write). `qM0`:
-    q @ M0 when the caller has it already (the engine's recompute keeps it for the sweep)."""
+    q @ M0 when the caller has it already (the engine's recompute keeps it for the sweep);
+    `out`: a (B, H, C, dv) tensor (any strides a batched GEMM writes) to write o into."""
     C = k.shape[2]
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device))
     decay_out = _masked_exp(G[..., :, None] - G[..., None, :], incl)
     if qM0 is None:
         qM0 = q @ M0
-    return G.exp()[..., None] * qM0 + ((q @ k.transpose(-1, -2)) * decay_out) @ U
+    within = (q @ k.transpose(-1, -2)) * decay_out
+    if out is None:
+        return G.exp()[..., None] * qM0 + within @ U
+    # the same sum, its product written by the GEMM, the decayed M0 read added in place
+    batched_mm(within, U, out)
+    return out.addcmul_(G.exp()[..., None], qM0)
+
+
+def batched_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """out = a @ b for (..., m, k) @ (..., k, n), the leading dims folded into one batch of
+    a GEMM that writes `out` where it lies (a strided view: no product copied there after)."""
+    fold = lambda t: t.flatten(0, -3) if t.dim() > 3 else t  # noqa: E731
+    torch.bmm(fold(a), fold(b), out=fold(out))
+    return out
 
 
 def chunk_advance(k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:
