@@ -110,8 +110,8 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
     from gpn_scale.models.gpn.parallelize import check_tp
     from gpn_scale.ops import launch
     from gpn_scale.ops.execution import execution
-    from gpn_scale.ops.gpn_step.chunk import release_workspaces
     from gpn_scale.ops.gpn_step.registry import ENV_VAR
+    from gpn_scale.ops.gpn_step.workspace import release_workspaces
 
     release_workspaces()  # each case records as a fresh process would
     cfg = model_config(case)

@@ -53,8 +53,8 @@ from gpn_scale.models.gpn.parallelize import check_tp
 from gpn_scale.ops import launch as launches_
 from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import phases
-from gpn_scale.ops.gpn_step.chunk import release_workspaces
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
+from gpn_scale.ops.gpn_step.workspace import release_workspaces
 
 GPUS: dict[str, Ceilings] = {key: ceilings.for_gpu(key) for key in ceilings.DEFAULTS}
 GRAPH_GAP_S = pricing.GRAPH_GAP_S

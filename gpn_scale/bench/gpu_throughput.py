@@ -22,8 +22,8 @@ from gpn_scale.bench.gpu_exactness import error_line
 from gpn_scale.core.hardware import device_peak_flops
 from gpn_scale.models.gpn import GPN, GPNConfig
 from gpn_scale.models.gpn.counts import count_parameters, flops_per_token
-from gpn_scale.ops.gpn_step.chunk import release_workspaces
 from gpn_scale.ops.gpn_step.registry import clear_cuda_graphs, cuda_graphs_status
+from gpn_scale.ops.gpn_step.workspace import release_workspaces
 
 
 def _clock() -> float:

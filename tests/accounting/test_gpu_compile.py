@@ -51,7 +51,8 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     rows = json.loads(out.read_text())
     assert {r["target"] for r in rows} == {"sm_90", "sm_80"}
     kernels = {r["kernel"] for r in rows}
-    # Every kernel of the step backend, the tp split points (the 1B rank) and the decode.
+    # Every kernel of the step backend, the tp split points (the 1B rank), the decode and
+    # the chunk-wide fused chains.
     assert kernels >= {
         "linear_kernel",
         "linear_reduce_kernel",
@@ -63,6 +64,11 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
         "gated_residual_kernel",
         "read_norm_sums_kernel",
         "softmax_xent_kernel",
+        # the recompute's and the weight gradients' fused chains (ops/gpn_step/fused.py)
+        "rms_rows_kernel",
+        "l2n_relu_rows_kernel",
+        "down_input_kernel",
+        "cast_column_sums_kernel",
     }
     assert all(r["ok"] and r["spill_stores"] == 0 and r["stack"] == 0 for r in rows)
     step_gemms = [

@@ -15,9 +15,9 @@ import torch
 
 from gpn_scale.models.gpn import GPNState
 from gpn_scale.ops.execution import execution
-from gpn_scale.ops.gpn_step import chunk as sequence_op
 from gpn_scale.ops.gpn_step import graphs, registry
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
+from gpn_scale.ops.gpn_step.workspace import release_workspaces
 from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
 
 CASES = gpn_cases(
@@ -182,7 +182,7 @@ def uninitialised_is_nan(monkeypatch):
     a buffer it was handed uninitialised (the interface's WRITTEN_WHOLE fields: P, S, the
     sweep's per-step adjoints) would carry the NaN into the loss or a gradient."""
     empty, new_empty = torch.empty, torch.Tensor.new_empty
-    sequence_op._WORKSPACES.clear()  # the kept adjoint workspaces are made again, poisoned
+    release_workspaces()  # the kept workspaces (activations, adjoints) are made again, poisoned
 
     def poisoned(t):
         return t.fill_(float("nan")) if t.is_floating_point() else t

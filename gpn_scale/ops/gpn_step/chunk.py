@@ -24,21 +24,16 @@ Held equal to autograd through the step-by-step reference model by the tests
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide, tp_sum_
-from gpn_scale.ops.gpn_step.functional import accumulate_mm
-from gpn_scale.ops.gpn_step.functional import l2n as _l2n
-from gpn_scale.ops.gpn_step.functional import matmul as _matmul
+from gpn_scale.ops.gpn_step import fused as _fused
+from gpn_scale.ops.gpn_step.collectives import tp_sum_
+from gpn_scale.ops.gpn_step.functional import accumulate_mm, gpu_path
 from gpn_scale.ops.gpn_step.functional import mm_t as _mm_t
-from gpn_scale.ops.gpn_step.functional import rms as _rms
 from gpn_scale.ops.gpn_step.functional import rms_back as _rms_back
 from gpn_scale.ops.gpn_step.interface import (
     ChunkActs,
@@ -51,135 +46,16 @@ from gpn_scale.ops.gpn_step.interface import (
 )
 from gpn_scale.ops.gpn_step.overlap import Future, side_work
 from gpn_scale.ops.gpn_step.phases import phase as _phase
+from gpn_scale.ops.gpn_step.recompute import recompute_chunk
 from gpn_scale.ops.gpn_step.registry import select_backend
-from gpn_scale.ops.memory import chunk_advance, chunk_errors, chunk_read
+from gpn_scale.ops.gpn_step.workspace import Workspace, workspaces
+from gpn_scale.ops.memory import chunk_advance
 
 Carry = tuple[Tensor, Tensor, "Tensor | None"]  # (s, s_prev, M): M is None without memory
 ChunkHook = Callable[[Tensor, int, int], None]  # (P, start, end) once P[:, start:end] is made
 
 
 # --------------------------------------------------------------------- backward
-@torch.no_grad()
-def _recompute_chunk(
-    plan: StepPlan,
-    W: LoopWeights,
-    S: Tensor,
-    s_prev: Tensor,
-    M0: Tensor | None,
-    ws: _Workspace,
-) -> ChunkActs:
-    """Given the states S (B, C, d) entering each step, the whole chunk at once.
-
-    Every projection is ONE (C*B)-row matmul and the memory is the fully parallel chunk
-    form (`ops.memory`, use 1): no few-row matmul, no step loop. Every activation the reverse
-    sweep reads is written by the op that makes it into the workspace `ws` (one of the two
-    the chunks alternate between): the reverse graphs bind them by address
-    (`ChunkActs.BOUND`), so a replay copies none of them in (~2.8 GB a chunk at 130M and
-    B = 128).
-    """
-    B, C, d = S.shape
-    H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
-    mem = plan.memory
-    if mem:  # GPN+M: the decay rates and the chunk-start memory are given
-        assert W.A is not None and M0 is not None
-        A, M = W.A, M0
-
-    def kept(name: str, shape: tuple[int, ...], chunk_dim: int | None = 0) -> Tensor:
-        return ws.compact(f"act.{name}", shape, chunk_dim, S.dtype)
-
-    # torch.split takes any sequence of sizes (its stub says list).
-    splits = cast("tuple[list[int], ...]", plan.in_splits)
-    c = kept("c0", (C, B, d)).copy_(S.transpose(0, 1))
-    cs: list[Tensor] = []
-    ns: list[Tensor] = []
-    ys: list[Tensor] = []
-    hiddens: list[Tensor] = []
-    o_s: list[Tensor | None] = []
-    ro_s: list[Tensor | None] = []
-    q_s: list[Tensor | None] = []
-    rq_s: list[Tensor | None] = []
-    for i in range(plan.n_layers):
-        n = _rms(c, eps, kept(f"n{i}", (C, B, d)))
-        y = _matmul(n, W.w_in[i], W.b_in[i], kept(f"y{i}", (C, B, W.w_in[i].shape[1])))
-        cs.append(c)
-        ns.append(n)
-        ys.append(y)
-        parts = torch.split(y, splits[i], dim=-1)
-        if mem and i == 0:
-            k_next_pre, v_pre, beta_pre, decay_pre, q_pre, rg, ffn_in, pg = parts
-            k_cols = H * dk
-            n_sprev = _rms(s_prev, eps, kept("n_sprev", tuple(s_prev.shape), None))
-            k_first = _matmul(n_sprev, W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])
-            k_pre = torch.cat(
-                [k_first[None], k_next_pre[:-1]], 0, out=kept("k_pre", (C, B, k_cols))
-            )
-            K = _heads(_l2n(F.relu(k_pre).view(C, B, H, dk), kept("k", (C, B, H, dk))))
-            V = _heads(v_pre.reshape(C, B, H, dv))  # a view of y
-            log_a = (-A * F.softplus(decay_pre)).permute(1, 2, 0)  # (B, H, C)
-            beta = torch.sigmoid(beta_pre, out=kept("beta", (C, B, H))).permute(1, 2, 0)
-            U, G = chunk_errors(K, V, log_a, beta, M, "gpn")
-            # (the solve returns U column-major; the sweep reads rows)
-            U = kept("U", tuple(U.shape), 2).copy_(U)
-            G = kept("G", tuple(G.shape), 2).copy_(G)
-            rk = _step_major(K @ M, kept("rk", (C, B, H, dv)))
-            pred = _step_major(_prediction(K, U, G, rk), kept("pred", (C, B, H, dv)))
-        elif mem:
-            q_pre, rg, ffn_in, pg = parts
-        else:
-            ffn_in, pg = parts
-        a, b = ffn_in.chunk(2, dim=-1)
-        hidden = F.silu(a) * b
-        if mem:
-            q = _heads(_l2n(F.relu(q_pre).view(C, B, H, dk), kept(f"q{i}", (C, B, H, dk))))
-            qM = q @ M  # once: the read below and the sweep (as rq) both need it
-            rq = _step_major(qM, kept(f"rq{i}", (C, B, H, dv)))
-            o = kept(f"o{i}", (C, B, H * dv))
-            o.view(C, B, H, dv).copy_(chunk_read(q, K, U, G, M, qM).permute(2, 0, 1, 3))
-            ro = rms_wide(o, eps, plan, kept(f"ro{i}", (C, B, H * dv)))
-            hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
-            q_s.append(q)
-            rq_s.append(rq)
-            o_s.append(o)
-            ro_s.append(ro)
-        else:
-            q_s.append(None)
-            rq_s.append(None)
-            o_s.append(None)
-            ro_s.append(None)
-        hiddens.append(hidden)  # read by the weight gradients only: not kept
-        z = reduce_rows(_matmul(hidden, W.w_out[i], None), plan)
-        c = torch.add(torch.sigmoid(pg) * c, z, out=kept(f"c{i + 1}", (C, B, d)))
-    n_p = _rms(c, eps, kept("n_p", (C, B, d)))
-    gate = _matmul(n_p, W.w_fg, W.b_fg, kept("gate", (C, B, d))).sigmoid_()
-    acts = ChunkActs(cs, ns, ys, hiddens, o_s, ro_s, q_s, rq_s, n_p, gate, c)
-    if mem:
-        acts.s_prev, acts.n_sprev, acts.k_pre, acts.k, acts.v = s_prev, n_sprev, k_pre, K, V
-        acts.beta, acts.U, acts.G, acts.pred, acts.rk = beta, U, G, pred, rk
-    return acts
-
-
-def _prediction(K: Tensor, U: Tensor, G: Tensor, rk: Tensor) -> Tensor:
-    """M_{t-1}^T k_t for every step (rk = M0^T k_t):
-    e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
-    G_prev = torch.cat([torch.zeros_like(G[..., :1]), G[..., :-1]], dim=-1)
-    C = G.shape[-1]
-    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device), diagonal=-1)
-    expo = torch.where(strict, G_prev[..., :, None] - G[..., None, :], float("-inf"))
-    return G_prev.exp()[..., None] * rk + ((K @ K.mT) * expo.exp()) @ U
-
-
-def _step_major(x: Tensor, out: Tensor) -> Tensor:
-    """(B, H, C, n) -> the same values as a (B, H, C, n) view of `out`, a (C, B, H, n) buffer:
-    the reverse sweep reads these one step at a time, and a step's rows for every head and
-    batch row then lie together (prefetchable) instead of C*n apart."""
-    return out.copy_(x.permute(2, 0, 1, 3)).permute(1, 2, 0, 3)
-
-
-def _heads(x: Tensor) -> Tensor:
-    """(C, B, H, n) -> (B, H, C, n)."""
-    return x.permute(1, 2, 0, 3)
-
-
 @dataclass
 class _Grads:
     """Weight-gradient accumulators of the whole window (float32 or float64)."""
@@ -225,14 +101,14 @@ def _chunk_backward(
     dM_end: Tensor | None,
     d_fuse: Tensor,
     backend: StepBackend,
-    workspace: _Workspace,
+    workspace: Workspace,
 ) -> tuple[tuple[Tensor, Tensor, Tensor | None], SweepAdjoints, Tensor | None]:
     """One chunk's backward: the hand-written reverse sweep over its steps, then the
     gradients of the chunk's start carry (s, s_prev, M0).
 
     The per-step work is the inherent input-gradient matmuls (dy @ W^T, few rows) and cheap
     elementwise/memory terms (the step backend's `reverse_sweep`); the activations come from
-    `_recompute_chunk`. Returns the start carry's gradients, the adjoints and dk_pre0, from
+    `recompute.recompute_chunk`. Returns the start carry's gradients, the adjoints and dk_pre0, from
     which `_chunk_weight_gradients` forms every weight gradient as one matmul over the chunk
     (beside the next chunk's sweep, overlap.py).
     """
@@ -262,7 +138,7 @@ def _sweep_adjoints(
     dP: Tensor,
     dM_end: Tensor | None,
     d_fuse: Tensor,
-    workspace: _Workspace,
+    workspace: Workspace,
     matmul_only: tuple[str, ...] = (),
 ) -> tuple[SweepAdjoints, Tensor | None]:
     """The adjoint buffers the reverse sweep accumulates into, with the end-of-chunk
@@ -288,7 +164,7 @@ def _sweep_adjoints(
     dK = ws.take("dK", K.shape, 2, dt, zero=not pushed)
     dU = ws.take("dU", U.shape, 2, dt, zero=not pushed)
     dG = ws.take("dG", G.shape, 2, dt, zero=not pushed)
-    step_major = (C, *U.shape[:2], U.shape[3])  # (C, B, H, dv), see _step_major
+    step_major = (C, *U.shape[:2], U.shape[3])  # (C, B, H, dv), see _step_major_view
     dRk = ws.take("dRk", step_major, 0, dt).permute(1, 2, 0, 3)
     dRq = [ws.take(f"dRq{i}", step_major, 0, dt).permute(1, 2, 0, 3) for i in range(L)]
     dA = torch.zeros_like(Wt.A)
@@ -300,11 +176,18 @@ def _sweep_adjoints(
         torch.mul(KdM, w[..., None], out=dU)
         wt = w * (KdM * U).sum(-1)
         torch.neg(wt, out=dG)
-        dG[..., -1] += wt.sum(-1) + G_end[..., 0].exp() * (dM_end * M0).sum((-2, -1))
+        dG[..., -1] += wt.sum(-1) + G_end[..., 0].exp() * _frobenius(dM_end, M0)
         dM0 = G_end[..., 0].exp()[..., None, None] * dM_end  # outlives the chunk
     else:
         dM0 = torch.zeros_like(M0)
     return SweepAdjoints(dY, dZ, dYfg, d_fuse, dK, dU, dG, dRk, dRq, dA), dM0
+
+
+def _frobenius(x: Tensor, y: Tensor) -> Tensor:
+    """sum(x * y) over the last two dims, as one GEMM per matrix pair: the elementwise
+    product would be written and read again (M0's size, 252 MB a chunk at 130M, B = 128)."""
+    lead, n = x.shape[:-2], x.shape[-2] * x.shape[-1]
+    return torch.bmm(x.reshape(-1, 1, n), y.reshape(-1, n, 1)).view(lead)
 
 
 def _start_carry_gradients(
@@ -327,9 +210,12 @@ def _start_carry_gradients(
     k_cols = plan.H * plan.dk
     dn_sprev = tp_sum_(_mm_t(dk_pre0, Wt.w_in[0][:k_cols]), plan)
     dsprev_start = _rms_back(m.n_sprev, m.s_prev, dn_sprev, plan.eps)
-    dM0 = dM0 + m.k.mT @ madj.dRk
+    # dM0 += k^T dRk + sum_i q_i^T dRq_i, each product added by its GEMM (beta = 1): a
+    # product the size of M0 written and added after would move it three times more.
+    flat = dM0.view(-1, *dM0.shape[-2:])
+    flat.baddbmm_(m.k.mT.flatten(0, 1), madj.dRk.flatten(0, 1))
     for i in range(plan.n_layers):
-        dM0 = dM0 + m.q[i].mT @ adj.dRq[i]
+        flat.baddbmm_(m.q[i].mT.flatten(0, 1), adj.dRq[i].flatten(0, 1))
     return dg, dsprev_start, dM0
 
 
@@ -347,11 +233,12 @@ def _chunk_weight_gradients(
     # these GEMMs are ~26% of the counted FLOPs), elsewhere in the state dtype.
     mm = plan.mm_dtype
     for i in range(L):
-        accumulate_mm(grads.w_in[i], rows(acts.n[i]).t(), rows(adj.dY[i]), mm)
-        grads.b_in[i] += rows(adj.dY[i]).sum(0)
+        n = acts.n_low[i] if acts.n_low else acts.n[i]  # the GEMM's operand
+        dY = _with_bias_grad(rows(adj.dY[i]), grads.b_in[i], mm)
+        accumulate_mm(grads.w_in[i], rows(n).t(), dY, mm)
         accumulate_mm(grads.w_out[i], rows(acts.hidden[i]).t(), rows(adj.dZ[i]), mm)
-    accumulate_mm(grads.w_fg, rows(acts.n_p).t(), rows(adj.dYfg), mm)
-    grads.b_fg += rows(adj.dYfg).sum(0)
+    n_p = acts.n_p_low if acts.n_p_low is not None else acts.n_p
+    accumulate_mm(grads.w_fg, rows(n_p).t(), _with_bias_grad(rows(adj.dYfg), grads.b_fg, mm), mm)
     if not plan.memory:
         return
     assert dk_pre0 is not None and grads.A is not None and acts.n_sprev is not None
@@ -360,70 +247,6 @@ def _chunk_weight_gradients(
     accumulate_mm(grads.w_in[0][:, :k_cols], acts.n_sprev.t(), dk_pre0, mm)
     grads.b_in[0][:k_cols] += dk_pre0.sum(0)
     grads.A += adj.dA
-
-
-class _Workspace:
-    """The sweep's adjoint buffers, reused from chunk to chunk and call to call (`_workspaces`).
-    Fresh allocations of this size come straight from mmap, and first-touching their pages
-    cost ~15 us per step at SMALL (measured): the sweep writes ~7 MB of adjoints per chunk;
-    and the CUDA graphs bind the buffers by address."""
-
-    def __init__(self, max_chunk: int, device: torch.device) -> None:
-        self.max_chunk = max_chunk
-        self.device = device
-        self._buffers: dict[str, Tensor] = {}
-
-    def compact(
-        self, name: str, shape: tuple[int, ...], chunk_dim: int | None, dtype: torch.dtype
-    ) -> Tensor:
-        """A contiguous (possibly uninitialised) tensor of `shape` at the start of a flat
-        buffer sized for the longest chunk (`chunk_dim`: the dim that is the chunk's length;
-        None: none is), so a chunk of any length finds it at the same address."""
-        numel = math.prod(shape)
-        full = numel if chunk_dim is None else numel // shape[chunk_dim] * self.max_chunk
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() != full or buf.dtype != dtype:
-            buf = self._buffers[name] = torch.empty(full, dtype=dtype, device=self.device)
-        return buf[:numel].view(shape)
-
-    def take(
-        self,
-        name: str,
-        shape: tuple[int, ...],
-        chunk_dim: int,
-        dtype: torch.dtype,
-        zero: bool = False,
-    ) -> Tensor:
-        """A (possibly uninitialised) tensor of `shape`, whose dim `chunk_dim` is the chunk's
-        length, viewed out of a buffer sized for the longest chunk."""
-        full = list(shape)
-        full[chunk_dim] = self.max_chunk
-        buf = self._buffers.get(name)
-        if buf is None or list(buf.shape) != full or buf.dtype != dtype:
-            buf = self._buffers[name] = torch.empty(full, dtype=dtype, device=self.device)
-        view = buf.narrow(chunk_dim, 0, shape[chunk_dim])
-        return view.zero_() if zero else view
-
-
-# The sweep's two adjoint workspaces per device, kept from call to call: the CUDA graphs
-# bind their buffers by address (graphs.py, `SweepAdjoints.BOUND`), so a replay copies no
-# adjoint in or out. A call of another longest chunk replaces them: a view out of a longer
-# buffer would have other strides than a fresh one, and the kernels' compiled variants
-# (which specialise on strides) would depend on what ran before.
-_WORKSPACES: dict[torch.device, tuple[_Workspace, _Workspace]] = {}
-
-
-def release_workspaces() -> None:
-    """Drop the kept adjoint workspaces (between models: the device check measures each
-    model's peak memory without the last one's)."""
-    _WORKSPACES.clear()
-
-
-def _workspaces(longest: int, device: torch.device) -> tuple[_Workspace, _Workspace]:
-    pair = _WORKSPACES.get(device)
-    if pair is None or pair[0].max_chunk != longest:
-        pair = _WORKSPACES[device] = (_Workspace(longest, device), _Workspace(longest, device))
-    return pair
 
 
 def _forward_chunks(
@@ -491,14 +314,14 @@ def _backward_chunks(
     device = dP.device
     side = side_work(device, plan.options.overlap_backward)
     longest = max(end - start for start, end in plan.spans)
-    workspaces = _workspaces(longest, device)
+    sets = workspaces(longest, device)
     reading: list[Future[None] | None] = [None, None]  # the weight gradients on each set
 
     def recompute(idx: int) -> ChunkActs:
         start, end = plan.spans[idx]
         _, s_prev, M = ctx.carries[idx]
         with _phase("parallel recompute", device):
-            return _recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M, workspaces[idx % 2])
+            return recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M, sets[idx % 2])
 
     last = len(plan.spans) - 1
     recomputed = side.submit(lambda: recompute(last), after=side.mark())
@@ -522,7 +345,7 @@ def _backward_chunks(
             *d_carry,
             d_fuse[:, start:end],
             ctx.backend,
-            workspaces[buffers],
+            sets[buffers],
         )
         reading[buffers] = side.submit(
             functools.partial(_weight_gradients, plan, acts, adj, dk_pre0, grads),
@@ -538,6 +361,15 @@ def _weight_gradients(
 ) -> None:
     with _phase("weight gradients", acts.p.device):
         _chunk_weight_gradients(plan, acts, adj, dk_pre0, grads)
+
+
+def _with_bias_grad(dy: Tensor, db: Tensor, mm: torch.dtype | None) -> Tensor:
+    """db += dy's column sums; returns the weight gradient's operand: on the GPU path under
+    autocast dy in the matmul dtype, made in the same pass (`fused.cast_with_sums`)."""
+    if mm is None or dy.dtype == mm or not gpu_path(dy):
+        db += dy.sum(0)
+        return dy
+    return _fused.cast_with_sums(dy, torch.empty(dy.shape, dtype=mm, device=dy.device), db)
 
 
 class _SequenceFunction(torch.autograd.Function):

@@ -53,22 +53,8 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     scratch = [new(B, d), new(B, d)]
     ws = SplitWorkspace(fuse)
     split = splits_over_tp(plan)
-    # bf16 weights: what feeds an input GEMM (the fuse gate's next state, a layer's output)
-    # is also written in bf16 with its sums of squares per column block, and the GEMM reads
-    # those (`gemm.linear`'s `low`). The chunk's first state is the carry: its GEMM (named
-    # apart) reads it in float32, as under tp a deeper layer's does its input (the gated
-    # residual kernel writes that).
     low_weights = W.w_in[0].dtype != fuse.dtype
-    # (the bf16 copy and the sums of the output of linear(a, w, ..., split=(ss, k1)))
-    low = lambda a, w, k1=0: (  # noqa: E731
-        fuse.new_empty((B, w.shape[1]), dtype=W.w_in[0].dtype),
-        new(B, low_sums_width(a, w, k1)),
-    )
-    if low_weights:
-        state_lows = [low(states[0], W.w_fg) for _ in range(2)]
-        deeper = L > 1 and not split
-        layer_lows = [low(hidden, W.w_out[0], H * dv if mem else 0) if deeper else None
-                      for _ in range(2)]  # fmt: skip
+    state_lows, layer_lows = _low_buffers(plan, W, states[0], hidden, bool(split))
     # Under tp the row-parallel output before its sum; GPN+M: one buffer [ss | read part |
     # FFN part] summed by one all-reduce (collectives.reduce_down_with_norm).
     tp_flat = new(B * H + 2 * B * d) if split and mem else None
@@ -129,13 +115,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         c_low = state_lows[tau % 2] if low_weights and tau > 0 else None
         for i in range(L):
             y = ys[i]
-            if c_low is not None:
-                linear(c_low[0], W.w_in[i], y, ph, f"input GEMM {i}", bias=W.b_in[i],
-                       split=(c_low[1], d), eps=eps, workspace=ws)  # fmt: skip
-            else:
-                name = "first-step input GEMM 0" if i == 0 and tau == 0 else f"input GEMM {i}"
-                linear(c, W.w_in[i], y, ph, name, bias=W.b_in[i], row_rms=True, eps=eps,
-                       workspace=ws)  # fmt: skip
+            _input_gemm(W, i, tau, c, c_low, y, eps, ws)
             _memory_forward(
                 plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A, grid_mem, blocks
             )
@@ -193,6 +173,56 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         s = s_next
     s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
     return ChunkForwardResult(s, s_prev, K, U, G)
+
+
+Low = tuple[Tensor, Tensor]  # a GEMM's A rows in bf16 and their sums of squares per block
+
+
+def _low_buffers(
+    plan: StepPlan, W: LoopWeights, state: Tensor, hidden: Tensor, split: bool
+) -> tuple[list[Low], list[Low | None]]:
+    """bf16 weights: what feeds an input GEMM (the fuse gate's next state, a layer's output)
+    is also written in bf16 with its sums of squares per column block, and the GEMM reads
+    those (`gemm.linear`'s `low`): two buffers each (by step parity, by layer parity). The
+    chunk's first state is the carry: its GEMM reads it in float32, as under tp a deeper
+    layer's does its input (the gated residual kernel writes that)."""
+    if W.w_in[0].dtype == state.dtype:
+        return [], [None, None]
+    B = state.shape[0]
+
+    def low(a: Tensor, w: Tensor, k1: int = 0) -> Low:  # linear(a, w, split=(ss, k1))'s
+        return (
+            state.new_empty((B, w.shape[1]), dtype=W.w_in[0].dtype),
+            state.new_empty((B, low_sums_width(a, w, k1))),
+        )
+
+    deeper = plan.n_layers > 1 and not split
+    k1 = plan.H * plan.dv if plan.memory else 0
+    return (
+        [low(state, W.w_fg) for _ in range(2)],
+        [low(hidden, W.w_out[0], k1) if deeper else None for _ in range(2)],
+    )
+
+
+def _input_gemm(
+    W: LoopWeights,
+    i: int,
+    tau: int,
+    c: Tensor,
+    c_low: Low | None,
+    y: Tensor,
+    eps: float,
+    ws: SplitWorkspace,
+) -> None:
+    """Layer i's input GEMM at step tau: from the rows' bf16 copy and sums where its
+    producer left them, else from the float32 rows (the chunk's first state: its own name)."""
+    if c_low is not None:
+        linear(c_low[0], W.w_in[i], y, "forward step", f"input GEMM {i}", bias=W.b_in[i],
+               split=(c_low[1], c.shape[1]), eps=eps, workspace=ws)  # fmt: skip
+        return
+    name = "first-step input GEMM 0" if i == 0 and tau == 0 else f"input GEMM {i}"
+    linear(c, W.w_in[i], y, "forward step", name, bias=W.b_in[i], row_rms=True, eps=eps,
+           workspace=ws)  # fmt: skip
 
 
 def _down_input(plan: StepPlan, W: LoopWeights, like: Tensor, B: int) -> Tensor:

@@ -38,12 +38,19 @@ def silu_back(x: Tensor, dy: Tensor) -> Tensor:
     return dy * sig * (1 + x * (1 - sig))
 
 
-def matmul(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """x @ weight (+ bias) in the weight's dtype (bf16 under autocast), result in x's dtype.
-    With the dtypes equal it is one GEMM launch (addmm with the bias), not cast + GEMM + add.
-    `out`: a contiguous tensor of the result's shape the GEMM writes into."""
-    if weight.dtype != x.dtype:
-        return linear_out(x.to(weight.dtype), weight, bias, x.dtype, out)
+def matmul(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    out: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """x @ weight (+ bias) in the weight's dtype (bf16 under autocast), result in x's dtype
+    (or `out_dtype`). With the dtypes equal it is one GEMM launch (addmm with the bias), not
+    cast + GEMM + add. `out`: a contiguous tensor of the result's shape the GEMM writes into."""
+    out_dtype = out_dtype or x.dtype
+    if weight.dtype != x.dtype or out_dtype != x.dtype:
+        return linear_out(x.to(weight.dtype), weight, bias, out_dtype, out)
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(x2.shape[0], -1)
     y = torch.mm(x2, weight, out=out2) if bias is None else torch.addmm(bias, x2, weight, out=out2)
@@ -58,7 +65,7 @@ def mm_t(dy: Tensor, weight_t: Tensor) -> Tensor:
     return (dy.to(weight_t.dtype) @ weight_t).to(dy.dtype)
 
 
-def _gpu_path(t: Tensor) -> bool:
+def gpu_path(t: Tensor) -> bool:
     """The CUDA code path: on CUDA tensors, and on meta ones (the launch accounting runs the
     CUDA path's code on meta tensors, gpn_scale.accounting.gpu_model)."""
     return t.device.type in ("cuda", "meta")
@@ -92,7 +99,7 @@ def linear_out(
     the matmul dtype, cast and bias added after."""
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(x2.shape[0], -1)
-    if _gpu_path(x) and weight.dtype != out_dtype:
+    if gpu_path(x) and weight.dtype != out_dtype:
         if x.device.type == "meta" and not _meta_gemm_takes_out_dtype():
             y = (
                 x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype)
@@ -121,7 +128,7 @@ def add_product_(acc: Tensor, a: Tensor, b: Tensor) -> None:
     before the sum. Elsewhere (CPU, equal dtypes) that form, unchanged."""
     # (torch 2.11's meta addmm refuses out_dtype: a dry run there records the three passes)
     meta_ok = acc.device.type != "meta" or _meta_gemm_takes_out_dtype()
-    if a.dtype != acc.dtype and _gpu_path(acc) and meta_ok:
+    if a.dtype != acc.dtype and gpu_path(acc) and meta_ok:
         accumulate_mm(acc, a, b, a.dtype)
         return
     acc += (a @ b).to(acc.dtype)
@@ -131,7 +138,7 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, mm_dtype: torch.dtype | Non
     """acc += a @ b, accumulated in acc's dtype. Under autocast on CUDA the operands go in the
     matmul dtype (bf16 tensor cores, fp32 accumulation straight into acc: cuBLAS beta = 1);
     otherwise in acc's dtype (float32 or float64: the exactness tests stay in IEEE)."""
-    if mm_dtype is not None and _gpu_path(acc):
+    if mm_dtype is not None and gpu_path(acc):
         if acc.device.type == "meta" and not _meta_gemm_takes_out_dtype():
             return  # nothing to add on meta tensors; see _meta_gemm_takes_out_dtype
         torch.addmm(acc, a.to(mm_dtype), b.to(mm_dtype), out_dtype=acc.dtype, out=acc)

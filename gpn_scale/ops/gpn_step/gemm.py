@@ -189,18 +189,7 @@ def linear(
         for t in (pg, res, fuse, out2, low_out, low_ss)
         for x in ((dummy, 0) if t is None else (t, t.stride(0)))
     )
-    norm_meta = dict(
-        N_SS=geometry.p2(ss.shape[1]) if ss is not None else 1,
-        SS_COLS=ss.shape[1] if ss is not None else 1,
-        SPLIT_K1=k1,
-        SS_WIDTH=ss_width or k1 or 1,
-        ROW_RMS=row_rms,
-        HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue,
-        HAS_OUT2=out2 is not None,
-        HAS_LOW=low is not None,
-        WIDEN=_widened(w),
-    )
+    norm_meta = _norm_meta(ss, k1, ss_width, row_rms, bias is not None, epilogue, out2, low, w)
     epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2, low_out, low_ss)
     ws = ws_ss = dummy
     if plan.splits > 1:
@@ -229,6 +218,32 @@ def linear(
         _sum_splits(plan, M, N, f"{name} (split-K sum)", phase, _nbytes(ws) + epilogue_bytes,
                     sum_args, norm_meta)  # fmt: skip
     return None
+
+
+def _norm_meta(
+    ss: Tensor | None,
+    k1: int,
+    ss_width: int | None,
+    row_rms: bool,
+    has_bias: bool,
+    epilogue: int,
+    out2: Tensor | None,
+    low: tuple[Tensor, Tensor] | None,
+    w: Tensor,
+) -> dict:
+    """The scale's and the epilogue's compile-time settings, shared by a GEMM and its sum."""
+    return dict(
+        N_SS=geometry.p2(ss.shape[1]) if ss is not None else 1,
+        SS_COLS=ss.shape[1] if ss is not None else 1,
+        SPLIT_K1=k1,
+        SS_WIDTH=ss_width or k1 or 1,
+        ROW_RMS=row_rms,
+        HAS_BIAS=has_bias,
+        EPILOGUE=epilogue,
+        HAS_OUT2=out2 is not None,
+        HAS_LOW=low is not None,
+        WIDEN=_widened(w),
+    )
 
 
 def _sum_splits(

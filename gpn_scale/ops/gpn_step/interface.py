@@ -256,11 +256,15 @@ class ChunkActs:
     G: Tensor | None = None
     pred: Tensor | None = None  # M_{t-1}^T k_t
     rk: Tensor | None = None  # M0^T k_t
-    # Read by the weight gradients only (the down projection's input), never by a backend's
-    # reverse sweep: a graph replay neither copies it in nor keeps a static copy of it
-    # (344 MB a chunk at 130M and B = 128).
-    SWEEP_NEVER_READS: ClassVar[tuple[str, ...]] = ("hidden",)
-    # Written by the recompute into the engine's two workspaces (chunk.py `_Workspace`),
+    # On the GPU path under autocast, n and n_p in the matmul dtype (the GEMMs' and the
+    # weight gradients' operand, written by the norm: `fused.rms`); else empty / None.
+    n_low: list[Tensor] = dataclasses.field(default_factory=list)
+    n_p_low: Tensor | None = None
+    # Read by the weight gradients only (the down projection's input, the low copies), never
+    # by a backend's reverse sweep: a graph replay neither copies them in nor keeps static
+    # copies of them (hidden: 344 MB a chunk at 130M and B = 128).
+    SWEEP_NEVER_READS: ClassVar[tuple[str, ...]] = ("hidden", "n_low", "n_p_low")
+    # Written by the recompute into the engine's two workspaces (`workspace.Workspace`),
     # which stay where they are from chunk to chunk and call to call: a reverse graph binds
     # them by address (graphs.py), so a replay copies none of them in. (`v` is a view of `y`;
     # `s_prev` is the forward's carry, copied.)
@@ -343,7 +347,7 @@ class SweepAdjoints:
     # engine takes them uninitialised from its workspace (chunk._sweep_adjoints) and a graph
     # replay does not copy them in. The memory adjoints dK, dU, dG, dA accumulate.
     WRITTEN_WHOLE: ClassVar[tuple[str, ...]] = ("dY", "dZ", "dYfg", "d_fuse", "dRk", "dRq")
-    # The engine's adjoint workspaces (chunk._workspaces: two sets, alternating by chunk,
+    # The engine's adjoint workspaces (workspace.workspaces: two sets, alternating by chunk,
     # kept from call to call): a graph binds them by address, no copy in or out. (d_fuse is
     # a view of the window's whole d_fuse; dA is made per chunk: copied.)
     BOUND: ClassVar[tuple[str, ...]] = ("dY", "dZ", "dYfg", "dK", "dU", "dG", "dRk", "dRq")

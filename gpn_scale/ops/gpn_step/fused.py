@@ -1,0 +1,315 @@
+"""The backward's chunk-wide recompute, its elementwise chains fused: the RMS norms (with the
+copy in the matmul dtype their GEMM and weight gradient read), the keys' and queries'
+l2n(relu) and the down projection's input, [silu(rg) * ro, silu(a) * b] (GPN: the FFN part
+alone).
+
+As PyTorch ops each chain is several passes over float32 rows: a norm is a power, a mean,
+a product and a cast; the down input two silu, two products, a concatenation and a cast, and
+the weight gradients cast the kept float32 copies once more (~3 GB a chunk at 130M and
+B = 128, the accounting's "parallel recompute"). Each kernel reads its operands once and
+writes each result once. Two forms behind one choice: PyTorch (the reference, and the path
+on CPU and in float64) and Triton (`chunk_kernels.py`; CUDA, and the dry launch accounting
+on meta tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
+from gpn_scale.ops.execution import current
+from gpn_scale.ops.gpn_step.functional import l2n
+from gpn_scale.ops.gpn_step.geometry import cdiv, p2
+from gpn_scale.ops.gpn_step.phases import current_phase
+from gpn_scale.ops.launch import is_dry, launch, nbytes
+
+ENV_VAR = "GPN_SCALE_CHUNK_FUSION"
+# The down input: rows x columns a program, and its warps (on a GPU; the interpreter's are
+# 2 x 16, one warp).
+DOWN_INPUT_BLOCK = (2, 1024)
+DOWN_INPUT_WARPS = 4
+# The norm: a row a program, its columns in blocks of at most this many.
+NORM_BLOCK = 4096
+# The weight gradients' adjoint cast: rows x columns a tile, pipelined over the rows.
+CAST_BLOCK = (16, 128)
+CAST_GROUP_ROWS = 1024
+CAST_STAGES = 3
+CAST_WARPS = 4
+NORM_WARPS = 4  # (8 spill some variants: the compiler caps them at 32 registers)
+
+
+class FusedBackendError(RuntimeError):
+    """A form of the recompute's fused chains was asked for that cannot serve here."""
+
+
+class Forms:
+    """One form of both chains (`torch_forms`, `triton_forms`)."""
+
+    def __init__(
+        self,
+        rms: Callable[[Tensor, float, Tensor, Tensor | None, Tensor | None], Tensor],
+        down_input: Callable[[Tensor | None, Tensor | None, Tensor, Tensor, torch.dtype], Tensor],
+        l2n_relu: Callable[[Tensor, Tensor], Tensor],
+        cast_with_sums: Callable[[Tensor, Tensor, Tensor], Tensor],
+    ) -> None:
+        self.rms = rms
+        self.down_input = down_input
+        self.l2n_relu = l2n_relu
+        self.cast_with_sums = cast_with_sums
+
+
+# ----------------------------------------------------------------------- PyTorch forms
+def torch_rms(
+    x: Tensor, eps: float, out: Tensor, low: Tensor | None = None, copy: Tensor | None = None
+) -> Tensor:
+    """out = x * rsqrt(mean(x^2) + eps) over the last dim (x: (..., n), any strides; out
+    compact); `low`: out again in its dtype (the matmul's); `copy`: x itself, compact."""
+    if copy is not None:
+        x = copy.copy_(x)
+    torch.mul(x, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), out=out)
+    if low is not None:
+        low.copy_(out)
+    return out
+
+
+def torch_down_input(
+    rg: Tensor | None, ro: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """In the operands' dtype, cast once at the end."""
+    hidden = F.silu(a) * b
+    if rg is not None and ro is not None:
+        hidden = torch.cat([F.silu(rg) * ro, hidden], dim=-1)
+    return hidden.to(dtype)
+
+
+def torch_l2n_relu(pre: Tensor, out: Tensor) -> Tensor:
+    """out (..., H, dk) = l2n(relu(pre)) per head of pre (..., H * dk)."""
+    return l2n(F.relu(pre).view(out.shape), out)
+
+
+def torch_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
+    """low = x in low's dtype (the weight gradient's GEMM operand); sums += x's column sums
+    (its bias gradient)."""
+    sums += x.sum(0)
+    return low.copy_(x)
+
+
+# ----------------------------------------------------------------------- Triton forms
+def _interpreting(t: Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _phase() -> str:
+    return current_phase() or "outside the loop"
+
+
+def triton_rms(
+    x: Tensor, eps: float, out: Tensor, low: Tensor | None = None, copy: Tensor | None = None
+) -> Tensor:
+    """One kernel: a row a program, float32 (or x's) sums, each result stored once."""
+    from gpn_scale.ops.gpn_step import chunk_kernels as k
+
+    assert out.is_contiguous() and x.dim() == 3, "(C, B, n) rows, compact results"
+    R1, R2, n = x.shape
+    interpreting = _interpreting(x)
+    block = 16 if interpreting else min(NORM_BLOCK, p2(n))
+    placeholder = out
+    launch(
+        k.rms_rows_kernel,
+        (R1 * R2,),
+        "recompute norm",
+        _phase(),
+        nbytes(x, out, low, copy),
+        3 * x.numel(),
+        x,
+        x.stride(0),
+        x.stride(1),
+        R2,
+        out,
+        low if low is not None else placeholder,
+        copy if copy is not None else placeholder,
+        n,
+        eps,
+        HAS_LOW=low is not None,
+        HAS_COPY=copy is not None,
+        WIDEN=interpreting and low is not None and low.dtype == torch.bfloat16,
+        BLOCK=block,
+        num_warps=1 if interpreting else NORM_WARPS,
+    )
+    return out
+
+
+def triton_down_input(
+    rg: Tensor | None, ro: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """One kernel: float32 products, one store in `dtype`."""
+    from gpn_scale.ops.gpn_step import chunk_kernels as k
+
+    lead, F_ = a.shape[:-1], a.shape[-1]
+    R = 0 if rg is None else rg.shape[-1]
+    rows2 = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (views: y's columns)
+    a2, b2 = rows2(a), rows2(b)
+    rg2 = a2 if rg is None else rows2(rg)
+    ro2 = a2 if ro is None else rows2(ro)
+    rows = a2.shape[0]
+    out = torch.empty((rows, R + F_), dtype=dtype, device=a.device)
+    interpreting = _interpreting(a)
+    block_m, block_n = (2, 16) if interpreting else DOWN_INPUT_BLOCK
+    launch(
+        k.down_input_kernel,
+        (cdiv(rows, block_m), cdiv(R + F_, block_n)),
+        "down input",
+        _phase(),
+        nbytes(a2, b2, out) + (2 * nbytes(rg2) if rg is not None else 0),
+        4 * rows * (R + F_),
+        rg2,
+        rg2.stride(0),
+        ro2,
+        ro2.stride(0),
+        a2,
+        a2.stride(0),
+        b2,
+        b2.stride(0),
+        out,
+        out.stride(0),
+        rows,
+        R,
+        F_,
+        WIDEN=interpreting and dtype == torch.bfloat16,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=1 if interpreting else DOWN_INPUT_WARPS,
+    )
+    return out.view(*lead, R + F_)
+
+
+def triton_l2n_relu(pre: Tensor, out: Tensor) -> Tensor:
+    """One kernel: a row's heads a program."""
+    from gpn_scale.ops.gpn_step import chunk_kernels as k
+
+    assert out.is_contiguous()
+    H, dk = out.shape[-2:]
+    pre2 = pre.reshape(-1, H * dk)  # a view: y's columns, or a compact buffer
+    launch(
+        k.l2n_relu_rows_kernel,
+        (pre2.shape[0],),
+        "recompute l2n",
+        _phase(),
+        nbytes(pre2, out),
+        4 * out.numel(),
+        pre2,
+        pre2.stride(0),
+        out,
+        H,
+        DK=dk,
+        BLOCK_H=p2(H),
+        BLOCK_DK=p2(dk),
+        num_warps=1 if _interpreting(pre) else 4,
+    )
+    return out
+
+
+def triton_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
+    """One pass over x: a program per (column block, group of rows) stores its tile in
+    low's dtype and sums its columns; the groups' sums are added in a fixed order."""
+    from gpn_scale.ops.gpn_step import chunk_kernels as k
+
+    rows, N = x.shape
+    interpreting = _interpreting(x)
+    block_m, block_n = (4, 16) if interpreting else CAST_BLOCK
+    group_rows = 8 if interpreting else CAST_GROUP_ROWS
+    parts = x.new_empty((cdiv(rows, group_rows), N))
+    launch(
+        k.cast_column_sums_kernel,
+        (cdiv(N, block_n), parts.shape[0]),
+        "adjoint cast and sums",
+        _phase(),
+        nbytes(x, low, parts),
+        x.numel(),
+        x,
+        x.stride(0),
+        low,
+        low.stride(0),
+        parts,
+        rows,
+        N,
+        group_rows,
+        WIDEN=interpreting and low.dtype == torch.bfloat16,
+        STAGES=1 if interpreting else CAST_STAGES,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=1 if interpreting else CAST_WARPS,
+    )
+    sums += parts.sum(0)
+    return low
+
+
+def _triton_missing() -> str | None:
+    why = import_error("triton")
+    return None if why is None else f"the recompute's fused kernels need Triton ({why})"
+
+
+TORCH = Forms(torch_rms, torch_down_input, torch_l2n_relu, torch_cast_with_sums)
+TRITON = Forms(triton_rms, triton_down_input, triton_l2n_relu, triton_cast_with_sums)
+BACKENDS = OpRegistry("chunk fusion", ENV_VAR, ENV_VAR, FusedBackendError)
+BACKENDS.register(
+    OpBackend(
+        "torch",
+        (ANY_DEVICE,),
+        0,
+        description="PyTorch ops: the reference",
+        build=lambda request: TORCH,
+    )
+)
+BACKENDS.register(
+    OpBackend(
+        "triton",
+        ("cuda",),
+        10,
+        _triton_missing,
+        description="one kernel a chain",
+        build=lambda request: TRITON,
+    )
+)
+
+
+def select(like: Tensor) -> Forms:
+    """The forms for operands like `like`: the kernels on CUDA, the PyTorch forms on CPU and
+    in float64. Under `execution(triton_anywhere=True)` (the interpreter in tests) and in
+    the dry launch accounting on meta tensors they are served as CUDA's would be.
+    GPN_SCALE_CHUNK_FUSION=torch keeps the PyTorch forms everywhere (bisecting)."""
+    if like.dtype == torch.float64:
+        return TORCH
+    device = like.device.type
+    if current().triton_anywhere or (device == "meta" and is_dry()):
+        device = "cuda"
+    return BACKENDS.select("auto", device)
+
+
+def rms(
+    x: Tensor, eps: float, out: Tensor, low: Tensor | None = None, copy: Tensor | None = None
+) -> Tensor:
+    """RMSNorm of x's rows into `out` (with `low`, `copy`: see `torch_rms`), by `select`."""
+    return select(x).rms(x, eps, out, low, copy)
+
+
+def l2n_relu(pre: Tensor, out: Tensor) -> Tensor:
+    """out (..., H, dk) = l2n(relu(pre)) per head of pre (..., H * dk), by `select`."""
+    return select(pre).l2n_relu(pre, out)
+
+
+def cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
+    """low = x in low's dtype, sums += x.sum(0) (an adjoint's weight-gradient operand and its
+    bias gradient), by `select`."""
+    return select(x).cast_with_sums(x, low, sums)
+
+
+def down_input(
+    rg: Tensor | None, ro: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """[silu(rg) * ro, silu(a) * b] in `dtype` (rg, ro None: silu(a) * b), by `select`."""
+    return select(a).down_input(rg, ro, a, b, dtype)
