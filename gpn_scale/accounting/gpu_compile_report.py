@@ -118,6 +118,7 @@ FLOAT32_A_OPERANDS: dict[str, str] = {
 PIPELINED_OPERANDS = {
     "memory_backward_kernel": ("m0_base", "tile_du", "u_base"),
     "memory_forward_kernel": ("kh_base", "m0_base", "uh_base"),
+    "softmax_xent_kernel": ("base",),
 }
 
 

@@ -22,6 +22,11 @@ from gpn_scale.ops.execution import current
 from gpn_scale.ops.launch import is_dry, launch, nbytes
 
 ENV_VAR = "GPN_SCALE_CROSS_ENTROPY"
+# The kernel's two passes over a row software-pipelined: the next blocks' logits in flight
+# while one is reduced (the gate checks they are copied asynchronously).
+XENT_STAGES = 3
+XENT_BLOCK = 2048  # logits a block (at most)
+XENT_WARPS = 4  # (4,096-wide pipelined blocks spill at 4 warps; at 8 priced slower)
 
 # (logits (rows, V) in the matmul dtype, targets (rows,), need_grad, acc) -> (the rows'
 # summed loss in acc, softmax - onehot in the logits' dtype or None). Either form may
@@ -116,7 +121,7 @@ def softmax_xent_(
     rows, V = logits.shape
     assert logits.stride(1) == 1
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    block = 16 if logits.device.type == "cpu" else min(4096, 1 << (V - 1).bit_length())
+    block = 16 if logits.device.type == "cpu" else min(XENT_BLOCK, 1 << (V - 1).bit_length())
     moved = nbytes(logits) * (3 if need_grad else 1) + nbytes(targets, loss)
     launch(
         k.softmax_xent_kernel,
@@ -132,5 +137,7 @@ def softmax_xent_(
         V,
         NEED_GRAD=need_grad,
         BLOCK_V=block,
+        STAGES=XENT_STAGES,
+        num_warps=1 if logits.device.type == "cpu" else XENT_WARPS,
     )
     return loss

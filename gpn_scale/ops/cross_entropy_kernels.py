@@ -8,7 +8,14 @@ import triton.language as tl
 
 @triton.jit
 def softmax_xent_kernel(
-    LOGITS, stride_row: tl.int64, TARGETS, LOSS, V, NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr
+    LOGITS,
+    stride_row: tl.int64,
+    TARGETS,
+    LOSS,
+    V,
+    NEED_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Grid (rows,): an online log-sum-exp over the row in blocks, then (NEED_GRAD) the row
     overwritten with softmax - onehot."""
@@ -17,7 +24,7 @@ def softmax_xent_kernel(
     tgt = tl.load(TARGETS + row).to(tl.int32)
     m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros((BLOCK_V,), dtype=tl.float32), axis=0)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         cols = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
@@ -26,7 +33,7 @@ def softmax_xent_kernel(
     picked = tl.load(base + tgt).to(tl.float32)
     tl.store(LOSS + row, m + tl.log(s) - picked)
     if NEED_GRAD:
-        for v0 in range(0, V, BLOCK_V):
+        for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
             cols = v0 + tl.arange(0, BLOCK_V)
             ok = cols < V
             x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
