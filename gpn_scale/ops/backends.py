@@ -233,3 +233,61 @@ class OpRegistry:
         if why is not None:
             return f"cannot run here ({why})"
         return None
+
+
+def torch_or_triton(
+    op: str,
+    env_var: str,
+    error: type[Exception],
+    torch_form: Any,
+    triton_form: Any,
+    triton_description: str,
+) -> OpRegistry:
+    """The registry of an op with two forms: PyTorch ops (the reference, any device) and
+    Triton kernels (CUDA, where Triton imports). The op's `select` is
+    `select_torch_or_triton`."""
+
+    def triton_missing() -> str | None:
+        why = import_error("triton")
+        return None if why is None else f"the {op} kernels need Triton ({why})"
+
+    registry = OpRegistry(op, env_var, env_var, error)
+    registry.register(
+        OpBackend(
+            "torch",
+            (ANY_DEVICE,),
+            0,
+            description="PyTorch ops: the reference",
+            build=lambda request: torch_form,
+        )
+    )
+    registry.register(
+        OpBackend(
+            "triton",
+            ("cuda",),
+            10,
+            triton_missing,
+            description=triton_description,
+            build=lambda request: triton_form,
+        )
+    )
+    return registry
+
+
+def select_torch_or_triton(registry: OpRegistry, like: Any, reference: Any) -> Any:
+    """The form for operands like `like` (a tensor): the kernels on CUDA, `reference` (the
+    PyTorch form) on CPU and in float64 (the kernels compute in float32). Under
+    `execution(triton_anywhere=True)` (the interpreter in tests) and in the dry launch
+    accounting on meta tensors they are served as CUDA's would be. The registry's variable
+    set to torch keeps the PyTorch form everywhere (bisecting)."""
+    import torch
+
+    from gpn_scale.ops.execution import current
+    from gpn_scale.ops.launch import is_dry
+
+    if like.dtype == torch.float64:
+        return reference
+    device = like.device.type
+    if current().triton_anywhere or (device == "meta" and is_dry()):
+        device = "cuda"
+    return registry.select("auto", device)

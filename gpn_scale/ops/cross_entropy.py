@@ -17,9 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
-from gpn_scale.ops.execution import current
-from gpn_scale.ops.launch import is_dry, launch, nbytes
+from gpn_scale.ops.backends import select_torch_or_triton, torch_or_triton
+from gpn_scale.ops.launch import launch, nbytes
 
 ENV_VAR = "GPN_SCALE_CROSS_ENTROPY"
 # The kernel's two passes over a row software-pipelined: the next blocks' logits in flight
@@ -65,45 +64,21 @@ def triton_softmax_xent(
     return total, (logits if need_grad else None)
 
 
-def _triton_missing() -> str | None:
-    why = import_error("triton")
-    return None if why is None else f"the cross-entropy kernel needs Triton ({why})"
-
-
-BACKENDS = OpRegistry("cross entropy", ENV_VAR, ENV_VAR, CrossEntropyBackendError)
-BACKENDS.register(
-    OpBackend(
-        "torch",
-        (ANY_DEVICE,),
-        0,
-        description="PyTorch ops: the reference",
-        build=lambda request: torch_softmax_xent,
-    )
-)
-BACKENDS.register(
-    OpBackend(
-        "triton",
-        ("cuda",),
-        10,
-        _triton_missing,
-        description="one fused kernel",
-        build=lambda request: triton_softmax_xent,
-    )
+BACKENDS = torch_or_triton(
+    "cross entropy",
+    ENV_VAR,
+    CrossEntropyBackendError,
+    torch_softmax_xent,
+    triton_softmax_xent,
+    "one fused kernel",
 )
 
 
 def select(logits: Tensor) -> SoftmaxXent:
-    """The form for a block of `logits`: the kernel on CUDA (float32/bf16/fp16), the PyTorch
-    form on CPU and in float64 (the kernel computes in float32). Under
-    `execution(triton_anywhere=True)` (the interpreter in tests) and in the dry launch
-    accounting on meta tensors the logits are served as CUDA's would be.
-    GPN_SCALE_CROSS_ENTROPY=torch keeps the PyTorch form everywhere (bisecting)."""
-    if logits.dtype == torch.float64:
-        return torch_softmax_xent
-    device = logits.device.type
-    if current().triton_anywhere or (device == "meta" and is_dry()):
-        device = "cuda"
-    return BACKENDS.select("auto", device)
+    """The form for a block of `logits` (`backends.select_torch_or_triton`): the kernel on
+    CUDA (float32/bf16/fp16), the PyTorch form on CPU and in float64 (the kernel computes
+    in float32). GPN_SCALE_CROSS_ENTROPY=torch keeps the PyTorch form everywhere."""
+    return select_torch_or_triton(BACKENDS, logits, torch_softmax_xent)
 
 
 def use_triton(logits: Tensor) -> bool:

@@ -1,5 +1,5 @@
 """The op-backend registry (gpn_scale/ops/backends.py): names and aliases, the environment
-override, `auto` by device and priority with the probes, and the three ops registered in it.
+override, `auto` by device and priority with the probes, and the ops registered in it.
 That each backend computes what its op's reference does is the op's own test, run over these
 registries (tests/ops/test_gpn_step.py, tests/models/test_gated_deltanet.py,
 tests/ops/test_cross_entropy.py)."""
@@ -12,6 +12,7 @@ from gpn_scale.ops import backends, cross_entropy
 from gpn_scale.ops import gated_delta_rule as gdr
 from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, Request
 from gpn_scale.ops.execution import execution
+from gpn_scale.ops.gpn_step import fused
 from gpn_scale.ops.gpn_step import registry as gpn_step
 
 
@@ -138,7 +139,7 @@ def test_a_name_is_registered_once():
         reg.register(OpBackend("auto", (ANY_DEVICE,)))
 
 
-def test_the_three_ops_and_what_auto_picks_on_each_device():
+def test_the_ops_and_what_auto_picks_on_each_device():
     """What the tests run over on this machine: the fused CPU kernels build here (a CI
     machine without g++ would silently test only the PyTorch steps, so that is a failure)."""
     assert [b.name for b in gpn_step.BACKENDS.available("cpu")] == ["cpu", "reference"]
@@ -148,6 +149,8 @@ def test_the_three_ops_and_what_auto_picks_on_each_device():
     assert gdr.BACKENDS.preferred("cuda").name == "fla"
     assert [b.name for b in cross_entropy.BACKENDS.available("cpu")] == ["torch"]
     assert cross_entropy.BACKENDS.preferred("cuda").name == "triton"
+    assert [b.name for b in fused.BACKENDS.available("cpu")] == ["torch"]
+    assert fused.BACKENDS.preferred("cuda").name == "triton"
 
 
 def test_the_cross_entropy_override(monkeypatch):

@@ -7,9 +7,10 @@ As PyTorch ops each chain is several passes over float32 rows: a norm is a power
 a product and a cast; the down input two silu, two products, a concatenation and a cast, and
 the weight gradients cast the kept float32 copies once more (~3 GB a chunk at 130M and
 B = 128, the accounting's "parallel recompute"). Each kernel reads its operands once and
-writes each result once. Two forms behind one choice: PyTorch (the reference, and the path
-on CPU and in float64) and Triton (`chunk_kernels.py`; CUDA, and the dry launch accounting
-on meta tensors).
+writes each result once. Two forms behind one choice (`backends.torch_or_triton`): PyTorch
+(the reference, and the path on CPU and in float64) and Triton (`chunk_kernels.py`; CUDA,
+and the dry launch accounting on meta tensors). GPN_SCALE_CHUNK_FUSION=torch keeps the
+PyTorch forms everywhere.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpn_scale.ops.backends import ANY_DEVICE, OpBackend, OpRegistry, import_error
-from gpn_scale.ops.execution import current
+from gpn_scale.ops.backends import select_torch_or_triton, torch_or_triton
 from gpn_scale.ops.gpn_step.functional import l2n
 from gpn_scale.ops.gpn_step.geometry import cdiv, p2
 from gpn_scale.ops.gpn_step.phases import current_phase
-from gpn_scale.ops.launch import is_dry, launch, nbytes
+from gpn_scale.ops.launch import launch, nbytes
 
 ENV_VAR = "GPN_SCALE_CHUNK_FUSION"
 # The down input: rows x columns a program, and its warps (on a GPU; the interpreter's are
@@ -248,46 +248,16 @@ def triton_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
     return low
 
 
-def _triton_missing() -> str | None:
-    why = import_error("triton")
-    return None if why is None else f"the recompute's fused kernels need Triton ({why})"
-
-
 TORCH = Forms(torch_rms, torch_down_input, torch_l2n_relu, torch_cast_with_sums)
 TRITON = Forms(triton_rms, triton_down_input, triton_l2n_relu, triton_cast_with_sums)
-BACKENDS = OpRegistry("chunk fusion", ENV_VAR, ENV_VAR, FusedBackendError)
-BACKENDS.register(
-    OpBackend(
-        "torch",
-        (ANY_DEVICE,),
-        0,
-        description="PyTorch ops: the reference",
-        build=lambda request: TORCH,
-    )
-)
-BACKENDS.register(
-    OpBackend(
-        "triton",
-        ("cuda",),
-        10,
-        _triton_missing,
-        description="one kernel a chain",
-        build=lambda request: TRITON,
-    )
+BACKENDS = torch_or_triton(
+    "chunk fusion", ENV_VAR, FusedBackendError, TORCH, TRITON, "one kernel a chain"
 )
 
 
 def select(like: Tensor) -> Forms:
-    """The forms for operands like `like`: the kernels on CUDA, the PyTorch forms on CPU and
-    in float64. Under `execution(triton_anywhere=True)` (the interpreter in tests) and in
-    the dry launch accounting on meta tensors they are served as CUDA's would be.
-    GPN_SCALE_CHUNK_FUSION=torch keeps the PyTorch forms everywhere (bisecting)."""
-    if like.dtype == torch.float64:
-        return TORCH
-    device = like.device.type
-    if current().triton_anywhere or (device == "meta" and is_dry()):
-        device = "cuda"
-    return BACKENDS.select("auto", device)
+    """The forms for operands like `like` (`backends.select_torch_or_triton`)."""
+    return select_torch_or_triton(BACKENDS, like, TORCH)
 
 
 def rms(
