@@ -1,6 +1,8 @@
 """One registry for the ops that have several implementations, and one rule that picks among
 them: the GPN step (`ops/gpn_step/registry.py`), the gated delta rule
-(`ops/gated_delta_rule.py`) and the decode's softmax cross-entropy (`ops/cross_entropy.py`).
+(`ops/gated_delta_rule.py`), the decode's softmax cross-entropy (`ops/cross_entropy.py`) and
+the recompute's fused chains (`ops/gpn_step/fused.py`); the last two are a PyTorch form and
+a Triton one (`torch_or_triton`).
 
 Each op declares its backends once. A backend carries its name (and aliases), the device
 types `auto` may pick it for, a priority, a probe that says why it cannot run in this process
