@@ -171,4 +171,4 @@ def chunk_advance(k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:
 
 def _masked_exp(x: Tensor, mask: Tensor) -> Tensor:
     # Mask before exp: above the diagonal the differences are positive and could overflow.
-    return torch.where(mask, x, torch.full_like(x, float("-inf"))).exp()
+    return torch.where(mask, x, float("-inf")).exp()

@@ -103,3 +103,41 @@ def test_every_form_of_the_adjoint_cast_equals_the_functional_one(backend):
         assert _form(backend).cast_with_sums(dy, low, db) is low
     assert torch.equal(low, dy.to(torch.bfloat16))
     torch.testing.assert_close(db, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", FORMS)
+def test_every_form_of_the_weighted_norm_and_its_backward_equals_autograd(backend):
+    """The decode's norm: rms(p) * w in bf16 with the rows' scales, and the gradient at p of
+    rms(p) * w given the one at its output, against autograd."""
+    g = torch.Generator().manual_seed(8)
+    p = torch.randn(5, 37, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(37, generator=g, dtype=torch.float64)
+    dy = torch.randn(5, 37, generator=g, dtype=torch.float64)
+    y = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    (want_dp,) = torch.autograd.grad(y, p, dy)
+    p32, w32 = p.detach().float(), w.float()
+    dp = torch.empty(5, 37)
+    with execution(triton_anywhere=True):
+        n, low, r = _form(backend).weighted_rms(p32, 1e-6, w32, torch.bfloat16)
+        assert _form(backend).rms_back(dy.float(), n, r, w32, dp) is dp
+    torch.testing.assert_close(n * w32, y.detach().float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(low, (n * w32).to(torch.bfloat16))
+    torch.testing.assert_close(r, torch.rsqrt(p32.pow(2).mean(-1) + 1e-6), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dp, want_dp.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", FORMS)
+def test_every_form_of_the_gated_residual_equals_the_functional_one(backend):
+    """sigmoid(pg) * res + x with pg the gate columns of fused input rows (a strided view)."""
+    g = torch.Generator().manual_seed(9)
+    y = torch.randn(3, 2, 40, generator=g)
+    pg, res, x = (
+        y[..., 7:30],
+        torch.randn(3, 2, 23, generator=g),
+        torch.randn(3, 2, 23, generator=g),
+    )
+    out = torch.empty(3, 2, 23)
+    with execution(triton_anywhere=True):
+        assert _form(backend).gated_residual(pg, res, x, out) is out
+    want = torch.sigmoid(pg) * res + x
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from gpn_scale.models.gpn.vocab_parallel import vocab_start
 from gpn_scale.models.linear_cross_entropy import cross_entropy_block
+from gpn_scale.ops.gpn_step import fused
 from gpn_scale.ops.gpn_step.functional import add_product_
 from gpn_scale.ops.gpn_step.overlap import Future, SideWork
 from gpn_scale.ops.gpn_step.phases import phase
@@ -101,9 +102,9 @@ class DecodePass:
         dw, dW, db, dE = self.grads if self.grads is not None else (None,) * 4
         for start in range(0, P.shape[0], self.rows):
             p = P[start : start + self.rows]
-            r = torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + self.eps)
-            n = p * r
-            nw = (n * self.norm_w).to(self.mm)
+            # n = rms(p), its rows' scales r, nw = n * norm_w in the matmul dtype: one kernel
+            # on CUDA (ops/gpn_step/fused.py), the PyTorch ops elsewhere
+            n, nw, r = fused.weighted_rms(p, self.eps, self.norm_w, self.mm)
             h = nw @ self.Wm.t()
             if self.b is not None:
                 h = h + self.b
@@ -125,8 +126,7 @@ class DecodePass:
             db += dh.sum(0).to(self.acc)
             dnw = (dh @ self.Wm).to(P.dtype)
             dw += (dnw * n).sum(0).to(self.acc)
-            dn = dnw * self.norm_w
-            dP[start : start + self.rows] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+            fused.rms_back(dnw, n, r, self.norm_w, dP[start : start + self.rows])
 
 
 class _DecodeCrossEntropy(torch.autograd.Function):

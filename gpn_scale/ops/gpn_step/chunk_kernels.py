@@ -58,12 +58,16 @@ def rms_rows_kernel(
     stride_x1: tl.int64,  # (R1, R2, n) rows, unit column stride
     R2,
     OUT,  # (R1 * R2, n) the normed rows
-    LOW,  # HAS_LOW: the same in the matmul dtype
+    LOW,  # HAS_LOW: the same in the matmul dtype (times WEIGHT where HAS_WEIGHT)
     COPY,  # HAS_COPY: the rows themselves
+    WEIGHT,  # HAS_WEIGHT: (n,) the norm's weight, applied to LOW only
+    SCALE,  # HAS_SCALE: (R1 * R2,) each row's rsqrt(mean(x^2) + eps)
     n,
     eps,
     HAS_LOW: tl.constexpr,
     HAS_COPY: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     WIDEN: tl.constexpr,  # the interpreter's bf16 store (see `triton_kernels._rounded`)
     BLOCK: tl.constexpr,
 ):
@@ -78,6 +82,8 @@ def rms_rows_kernel(
         x = tl.load(src + cols, mask=cols < n, other=0.0)
         acc += x * x
     r = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n + eps)
+    if HAS_SCALE:
+        tl.store(SCALE + row, r)
     for c0 in range(0, n, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         ok = cols < n
@@ -85,6 +91,8 @@ def rms_rows_kernel(
         y = x * r
         tl.store(OUT + dst + cols, y, mask=ok)
         if HAS_LOW:
+            if HAS_WEIGHT:
+                y = y * tl.load(WEIGHT + cols, mask=ok, other=0.0)
             tl.store(LOW + dst + cols, _rounded(y, WIDEN), mask=ok)
         if HAS_COPY:
             tl.store(COPY + dst + cols, x, mask=ok)
@@ -143,3 +151,38 @@ def cast_column_sums_kernel(
         tl.store(LOW + r * stride_low + rn[None, :], _rounded(x, WIDEN), mask=ok)
         acc += x
     tl.store(PARTS + group.to(tl.int64) * N + rn, tl.sum(acc, axis=0), mask=n_ok)
+
+
+@triton.jit
+def rms_back_rows_kernel(
+    DY,  # (rows, n) the gradient at the weighted norm's output
+    N_,  # (rows, n) the normed rows
+    SCALE,  # (rows,) their rsqrt(mean(x^2) + eps)
+    WEIGHT,  # (n,) the norm's weight
+    DX,  # (rows, n) the gradient at the rows
+    stride_dx: tl.int64,
+    n,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows,): dx = r (dn - n mean(dn n)) with dn = dy * weight, a row a program (the
+    second pass reads the row back from cache)."""
+    row = tl.program_id(0)
+    src = row.to(tl.int64) * n
+    acc = tl.zeros((BLOCK,), dtype=DX.dtype.element_ty)
+    for c0 in range(0, n, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < n
+        dn = tl.load(DY + src + cols, mask=ok, other=0.0) * tl.load(
+            WEIGHT + cols, mask=ok, other=0.0
+        )
+        acc += dn * tl.load(N_ + src + cols, mask=ok, other=0.0)
+    mean = tl.sum(acc, axis=0) / n
+    r = tl.load(SCALE + row)
+    for c0 in range(0, n, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < n
+        dn = tl.load(DY + src + cols, mask=ok, other=0.0) * tl.load(
+            WEIGHT + cols, mask=ok, other=0.0
+        )
+        x = tl.load(N_ + src + cols, mask=ok, other=0.0)
+        tl.store(DX + row.to(tl.int64) * stride_dx + cols, r * (dn - x * mean), mask=ok)

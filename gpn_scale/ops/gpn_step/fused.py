@@ -1,16 +1,18 @@
-"""The backward's chunk-wide recompute, its elementwise chains fused: the RMS norms (with the
-copy in the matmul dtype their GEMM and weight gradient read), the keys' and queries'
-l2n(relu) and the down projection's input, [silu(rg) * ro, silu(a) * b] (GPN: the FFN part
-alone).
+"""The chunk-wide work's elementwise chains fused: in the backward's recompute the RMS norms
+(with the copy in the matmul dtype their GEMM and weight gradient read), the keys' and
+queries' l2n(relu) and the down projection's input, [silu(rg) * ro, silu(a) * b] (GPN: the
+FFN part alone); the weight gradients' adjoint cast with its bias sums; the decode's
+weighted norm and its backward.
 
 As PyTorch ops each chain is several passes over float32 rows: a norm is a power, a mean,
 a product and a cast; the down input two silu, two products, a concatenation and a cast, and
 the weight gradients cast the kept float32 copies once more (~3 GB a chunk at 130M and
-B = 128, the accounting's "parallel recompute"). Each kernel reads its operands once and
-writes each result once. Two forms behind one choice (`backends.torch_or_triton`): PyTorch
-(the reference, and the path on CPU and in float64) and Triton (`chunk_kernels.py`; CUDA,
-and the dry launch accounting on meta tensors). GPN_SCALE_CHUNK_FUSION=torch keeps the
-PyTorch forms everywhere.
+B = 128, the accounting's "parallel recompute"); the decode's norm and its backward are
+~15 launches a block of rows. Each kernel reads its operands once and writes each result
+once. Two forms behind one choice (`backends.torch_or_triton`): PyTorch (the reference, and
+the path on CPU and in float64) and Triton (`chunk_kernels.py`; CUDA, and the dry launch
+accounting on meta tensors). GPN_SCALE_CHUNK_FUSION=torch keeps the PyTorch forms
+everywhere.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ DOWN_INPUT_WARPS = 4
 NORM_BLOCK = 4096
 # The weight gradients' adjoint cast: rows x columns a tile, pipelined over the rows.
 CAST_BLOCK = (16, 128)
-CAST_GROUP_ROWS = 1024
+CAST_GROUP_ROWS = 256
 CAST_STAGES = 3
 CAST_WARPS = 4
 NORM_WARPS = 4  # (8 spill some variants: the compiler caps them at 32 registers)
@@ -51,15 +53,21 @@ class Forms:
 
     def __init__(
         self,
-        rms: Callable[[Tensor, float, Tensor, Tensor | None, Tensor | None], Tensor],
+        rms: Callable[..., Tensor],
         down_input: Callable[[Tensor | None, Tensor | None, Tensor, Tensor, torch.dtype], Tensor],
         l2n_relu: Callable[[Tensor, Tensor], Tensor],
         cast_with_sums: Callable[[Tensor, Tensor, Tensor], Tensor],
+        rms_back: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
+        weighted_rms: Callable[..., tuple[Tensor, Tensor, Tensor]],
+        gated_residual: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
     ) -> None:
         self.rms = rms
         self.down_input = down_input
         self.l2n_relu = l2n_relu
         self.cast_with_sums = cast_with_sums
+        self.rms_back = rms_back
+        self.weighted_rms = weighted_rms
+        self.gated_residual = gated_residual
 
 
 # ----------------------------------------------------------------------- PyTorch forms
@@ -74,6 +82,30 @@ def torch_rms(
     if low is not None:
         low.copy_(out)
     return out
+
+
+def torch_weighted_rms(
+    x: Tensor, eps: float, weight: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(n = rms(x), n * weight in `dtype`, each row's rsqrt(mean(x^2) + eps)) of rows x
+    (rows, width)."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    n = x * r
+    return n, (n * weight).to(dtype), r.squeeze(-1)
+
+
+def torch_gated_residual(pg: Tensor, res: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    """out = sigmoid(pg) * res + x (the layer's output: the gated state plus the down
+    projection's)."""
+    return torch.add(torch.sigmoid(pg) * res, x, out=out)
+
+
+def torch_rms_back(dy: Tensor, n: Tensor, scale: Tensor, weight: Tensor, dx: Tensor) -> Tensor:
+    """dx = r (dn - n mean(dn n)) with dn = dy * weight: the gradient at x of
+    rms(x) * weight, given the normed rows n and their scales r (rows,)."""
+    dn = dy * weight
+    dx.copy_(scale[:, None] * (dn - n * (dn * n).mean(-1, keepdim=True)))
+    return dx
 
 
 def torch_down_input(
@@ -108,39 +140,123 @@ def _phase() -> str:
 
 
 def triton_rms(
-    x: Tensor, eps: float, out: Tensor, low: Tensor | None = None, copy: Tensor | None = None
+    x: Tensor,
+    eps: float,
+    out: Tensor,
+    low: Tensor | None = None,
+    copy: Tensor | None = None,
+    weight: Tensor | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """One kernel: a row a program, float32 (or x's) sums, each result stored once."""
     from gpn_scale.ops.gpn_step import chunk_kernels as k
 
-    assert out.is_contiguous() and x.dim() == 3, "(C, B, n) rows, compact results"
-    R1, R2, n = x.shape
+    x3 = x if x.dim() == 3 else x[None]
+    assert out.is_contiguous() and x3.dim() == 3 and x.stride(-1) == 1, "rows, compact results"
+    R1, R2, n = x3.shape
     interpreting = _interpreting(x)
     block = 16 if interpreting else min(NORM_BLOCK, p2(n))
     placeholder = out
     launch(
         k.rms_rows_kernel,
         (R1 * R2,),
-        "recompute norm",
+        "rms norm",
         _phase(),
-        nbytes(x, out, low, copy),
+        nbytes(x, out, low, copy, weight, scale),
         3 * x.numel(),
-        x,
-        x.stride(0),
-        x.stride(1),
+        x3,
+        x3.stride(0),
+        x3.stride(1),
         R2,
         out,
         low if low is not None else placeholder,
         copy if copy is not None else placeholder,
+        weight if weight is not None else placeholder,
+        scale if scale is not None else placeholder,
         n,
         eps,
         HAS_LOW=low is not None,
         HAS_COPY=copy is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_SCALE=scale is not None,
         WIDEN=interpreting and low is not None and low.dtype == torch.bfloat16,
         BLOCK=block,
         num_warps=1 if interpreting else NORM_WARPS,
     )
     return out
+
+
+def triton_weighted_rms(
+    x: Tensor, eps: float, weight: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`triton_rms` with the weight and the rows' scales."""
+    n = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    nw = torch.empty(x.shape, dtype=dtype, device=x.device)
+    r = x.new_empty(x.shape[0])
+    triton_rms(x, eps, n, nw, weight=weight, scale=r)
+    return n, nw, r
+
+
+def triton_gated_residual(pg: Tensor, res: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    """The step backend's gated residual kernel (`triton_kernels.gated_residual_kernel`,
+    without its read norm) over the chunk's rows."""
+    from gpn_scale.ops.gpn_step import triton_kernels as tk
+
+    rows2 = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (views: y's columns, rows)
+    pg2, res2, x2, out2 = rows2(pg), rows2(res), rows2(x), rows2(out)
+    width = out2.shape[1]
+    launch(
+        tk.gated_residual_kernel,
+        (out2.shape[0],),
+        "gated residual",
+        _phase(),
+        nbytes(pg2, res2, x2, out2),
+        4 * out2.numel(),
+        x2,
+        x2.stride(0),
+        pg2,
+        pg2.stride(0),
+        res2,
+        res2.stride(0),
+        out2,
+        out2.stride(0),
+        out2,
+        width,
+        0.0,
+        SS_WIDTH=1,
+        N_SS=1,
+        SS_COLS=1,
+        NORM=False,
+        BLOCK_D=16 if _interpreting(out) else min(NORM_BLOCK, p2(width)),
+        num_warps=1 if _interpreting(out) else NORM_WARPS,
+    )
+    return out
+
+
+def triton_rms_back(dy: Tensor, n: Tensor, scale: Tensor, weight: Tensor, dx: Tensor) -> Tensor:
+    """One kernel: a row a program."""
+    from gpn_scale.ops.gpn_step import chunk_kernels as k
+
+    assert dy.is_contiguous() and n.is_contiguous() and dx.stride(-1) == 1
+    rows, width = n.shape
+    launch(
+        k.rms_back_rows_kernel,
+        (rows,),
+        "norm backward",
+        _phase(),
+        nbytes(dy, n, scale, weight, dx),
+        6 * n.numel(),
+        dy,
+        n,
+        scale,
+        weight,
+        dx,
+        dx.stride(0),
+        width,
+        BLOCK=16 if _interpreting(n) else min(NORM_BLOCK, p2(width)),
+        num_warps=1 if _interpreting(n) else NORM_WARPS,
+    )
+    return dx
 
 
 def triton_down_input(
@@ -248,8 +364,24 @@ def triton_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
     return low
 
 
-TORCH = Forms(torch_rms, torch_down_input, torch_l2n_relu, torch_cast_with_sums)
-TRITON = Forms(triton_rms, triton_down_input, triton_l2n_relu, triton_cast_with_sums)
+TORCH = Forms(
+    torch_rms,
+    torch_down_input,
+    torch_l2n_relu,
+    torch_cast_with_sums,
+    torch_rms_back,
+    torch_weighted_rms,
+    torch_gated_residual,
+)
+TRITON = Forms(
+    triton_rms,
+    triton_down_input,
+    triton_l2n_relu,
+    triton_cast_with_sums,
+    triton_rms_back,
+    triton_weighted_rms,
+    triton_gated_residual,
+)
 BACKENDS = torch_or_triton(
     "chunk fusion", ENV_VAR, FusedBackendError, TORCH, TRITON, "one kernel a chain"
 )
@@ -265,6 +397,24 @@ def rms(
 ) -> Tensor:
     """RMSNorm of x's rows into `out` (with `low`, `copy`: see `torch_rms`), by `select`."""
     return select(x).rms(x, eps, out, low, copy)
+
+
+def weighted_rms(
+    x: Tensor, eps: float, weight: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(rms(x), rms(x) * weight in `dtype`, the rows' scales) (`torch_weighted_rms`), by
+    `select`."""
+    return select(x).weighted_rms(x, eps, weight, dtype)
+
+
+def gated_residual(pg: Tensor, res: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    """out = sigmoid(pg) * res + x, by `select`."""
+    return select(x).gated_residual(pg, res, x, out)
+
+
+def rms_back(dy: Tensor, n: Tensor, scale: Tensor, weight: Tensor, dx: Tensor) -> Tensor:
+    """dx: the gradient at x of rms(x) * weight (`torch_rms_back`), by `select`."""
+    return select(dy).rms_back(dy, n, scale, weight, dx)
 
 
 def l2n_relu(pre: Tensor, out: Tensor) -> Tensor:

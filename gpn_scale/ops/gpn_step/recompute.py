@@ -91,7 +91,7 @@ def recompute_chunk(
         hidden = _fused.down_input(rg if mem else None, ro_s[-1], a, b, low_h)
         hiddens.append(hidden)
         z = reduce_rows(_matmul(hidden, W.w_out[i], None, out_dtype=S.dtype), plan)
-        c = torch.add(torch.sigmoid(pg) * c, z, out=kept(f"c{i + 1}", (C, B, d)))
+        c = _fused.gated_residual(pg, c, z, kept(f"c{i + 1}", (C, B, d)))
     n_p, n_p_low = kept("n_p", (C, B, d)), low()
     _fused.rms(c, eps, n_p, n_p_low)
     a_fg = n_p if n_p_low is None else n_p_low
