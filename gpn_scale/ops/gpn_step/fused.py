@@ -18,6 +18,7 @@ everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,26 +49,17 @@ class FusedBackendError(RuntimeError):
     """A form of the recompute's fused chains was asked for that cannot serve here."""
 
 
+@dataclass(frozen=True)
 class Forms:
-    """One form of both chains (`torch_forms`, `triton_forms`)."""
+    """One form of every chain (`TORCH`, `TRITON`)."""
 
-    def __init__(
-        self,
-        rms: Callable[..., Tensor],
-        down_input: Callable[[Tensor | None, Tensor | None, Tensor, Tensor, torch.dtype], Tensor],
-        l2n_relu: Callable[[Tensor, Tensor], Tensor],
-        cast_with_sums: Callable[[Tensor, Tensor, Tensor], Tensor],
-        rms_back: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
-        weighted_rms: Callable[..., tuple[Tensor, Tensor, Tensor]],
-        gated_residual: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
-    ) -> None:
-        self.rms = rms
-        self.down_input = down_input
-        self.l2n_relu = l2n_relu
-        self.cast_with_sums = cast_with_sums
-        self.rms_back = rms_back
-        self.weighted_rms = weighted_rms
-        self.gated_residual = gated_residual
+    rms: Callable[..., Tensor]
+    down_input: Callable[[Tensor | None, Tensor | None, Tensor, Tensor, torch.dtype], Tensor]
+    l2n_relu: Callable[[Tensor, Tensor], Tensor]
+    cast_with_sums: Callable[[Tensor, Tensor, Tensor], Tensor]
+    rms_back: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+    weighted_rms: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    gated_residual: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 # ----------------------------------------------------------------------- PyTorch forms
