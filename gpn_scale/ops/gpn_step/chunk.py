@@ -32,7 +32,7 @@ from torch import Tensor
 
 from gpn_scale.ops.gpn_step import fused as _fused
 from gpn_scale.ops.gpn_step.collectives import tp_sum_
-from gpn_scale.ops.gpn_step.functional import accumulate_mm, gpu_path
+from gpn_scale.ops.gpn_step.functional import accumulate_mm, matmul_copy_dtype
 from gpn_scale.ops.gpn_step.functional import mm_t as _mm_t
 from gpn_scale.ops.gpn_step.functional import rms_back as _rms_back
 from gpn_scale.ops.gpn_step.interface import (
@@ -366,10 +366,11 @@ def _weight_gradients(
 def _with_bias_grad(dy: Tensor, db: Tensor, mm: torch.dtype | None) -> Tensor:
     """db += dy's column sums; returns the weight gradient's operand: on the GPU path under
     autocast dy in the matmul dtype, made in the same pass (`fused.cast_with_sums`)."""
-    if mm is None or dy.dtype == mm or not gpu_path(dy):
+    low = matmul_copy_dtype(dy, mm)
+    if low is None:
         db += dy.sum(0)
         return dy
-    return _fused.cast_with_sums(dy, torch.empty(dy.shape, dtype=mm, device=dy.device), db)
+    return _fused.cast_with_sums(dy, torch.empty(dy.shape, dtype=low, device=dy.device), db)
 
 
 class _SequenceFunction(torch.autograd.Function):

@@ -53,8 +53,8 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     scratch = [new(B, d), new(B, d)]
     ws = SplitWorkspace(fuse)
     split = splits_over_tp(plan)
-    low_weights = W.w_in[0].dtype != fuse.dtype
     state_lows, layer_lows = _low_buffers(plan, W, states[0], hidden, bool(split))
+    low_weights = bool(state_lows)
     # Under tp the row-parallel output before its sum; GPN+M: one buffer [ss | read part |
     # FFN part] summed by one all-reduce (collectives.reduce_down_with_norm).
     tp_flat = new(B * H + 2 * B * d) if split and mem else None

@@ -71,6 +71,14 @@ def gpu_path(t: Tensor) -> bool:
     return t.device.type in ("cuda", "meta")
 
 
+def matmul_copy_dtype(t: Tensor, mm_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the chunk-wide work keeps a copy of t's rows in for the GEMMs that read
+    them: the matmul dtype on the GPU path under autocast (there the GEMM would cast them
+    each time, and the kernel that makes them writes the copy in the same pass), else None
+    (elsewhere the GEMMs take the state dtype's rows, `accumulate_mm`)."""
+    return mm_dtype if mm_dtype is not None and mm_dtype != t.dtype and gpu_path(t) else None
+
+
 @functools.cache
 def _meta_gemm_takes_out_dtype() -> bool:
     """Whether this torch's meta kernels take addmm's out_dtype: torch 2.11's decomposition

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from gpn_scale.ops.backends import select_torch_or_triton, torch_or_triton
 from gpn_scale.ops.gpn_step.functional import l2n
-from gpn_scale.ops.gpn_step.geometry import cdiv, p2
+from gpn_scale.ops.gpn_step.functional import rms as _plain_rms
+from gpn_scale.ops.gpn_step.geometry import cdiv, interpreting, p2
 from gpn_scale.ops.gpn_step.phases import current_phase
 from gpn_scale.ops.launch import launch, nbytes
 
@@ -70,7 +71,7 @@ def torch_rms(
     compact); `low`: out again in its dtype (the matmul's); `copy`: x itself, compact."""
     if copy is not None:
         x = copy.copy_(x)
-    torch.mul(x, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), out=out)
+    _plain_rms(x, eps, out)
     if low is not None:
         low.copy_(out)
     return out
@@ -123,8 +124,17 @@ def torch_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------- Triton forms
-def _interpreting(t: Tensor) -> bool:
-    return t.device.type == "cpu"
+def _rows(t: Tensor) -> Tensor:
+    """(..., n) as (rows, n): a view for the recompute's operands (y's columns, buffers)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _row_meta(t: Tensor, width: int, block: str = "BLOCK") -> dict:
+    """A row-a-program kernel's block (columns at a time: its meta-parameter `block`) and
+    warps."""
+    if interpreting(t):
+        return {block: 16, "num_warps": 1}
+    return {block: min(NORM_BLOCK, p2(width)), "num_warps": NORM_WARPS}
 
 
 def _phase() -> str:
@@ -146,8 +156,6 @@ def triton_rms(
     x3 = x if x.dim() == 3 else x[None]
     assert out.is_contiguous() and x3.dim() == 3 and x.stride(-1) == 1, "rows, compact results"
     R1, R2, n = x3.shape
-    interpreting = _interpreting(x)
-    block = 16 if interpreting else min(NORM_BLOCK, p2(n))
     placeholder = out
     launch(
         k.rms_rows_kernel,
@@ -171,9 +179,8 @@ def triton_rms(
         HAS_COPY=copy is not None,
         HAS_WEIGHT=weight is not None,
         HAS_SCALE=scale is not None,
-        WIDEN=interpreting and low is not None and low.dtype == torch.bfloat16,
-        BLOCK=block,
-        num_warps=1 if interpreting else NORM_WARPS,
+        WIDEN=interpreting(x) and low is not None and low.dtype == torch.bfloat16,
+        **_row_meta(x, n),
     )
     return out
 
@@ -194,8 +201,7 @@ def triton_gated_residual(pg: Tensor, res: Tensor, x: Tensor, out: Tensor) -> Te
     without its read norm) over the chunk's rows."""
     from gpn_scale.ops.gpn_step import triton_kernels as tk
 
-    rows2 = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (views: y's columns, rows)
-    pg2, res2, x2, out2 = rows2(pg), rows2(res), rows2(x), rows2(out)
+    pg2, res2, x2, out2 = _rows(pg), _rows(res), _rows(x), _rows(out)
     width = out2.shape[1]
     launch(
         tk.gated_residual_kernel,
@@ -219,8 +225,7 @@ def triton_gated_residual(pg: Tensor, res: Tensor, x: Tensor, out: Tensor) -> Te
         N_SS=1,
         SS_COLS=1,
         NORM=False,
-        BLOCK_D=16 if _interpreting(out) else min(NORM_BLOCK, p2(width)),
-        num_warps=1 if _interpreting(out) else NORM_WARPS,
+        **_row_meta(out, width, "BLOCK_D"),
     )
     return out
 
@@ -245,8 +250,7 @@ def triton_rms_back(dy: Tensor, n: Tensor, scale: Tensor, weight: Tensor, dx: Te
         dx,
         dx.stride(0),
         width,
-        BLOCK=16 if _interpreting(n) else min(NORM_BLOCK, p2(width)),
-        num_warps=1 if _interpreting(n) else NORM_WARPS,
+        **_row_meta(n, width),
     )
     return dx
 
@@ -259,14 +263,13 @@ def triton_down_input(
 
     lead, F_ = a.shape[:-1], a.shape[-1]
     R = 0 if rg is None else rg.shape[-1]
-    rows2 = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (views: y's columns)
-    a2, b2 = rows2(a), rows2(b)
-    rg2 = a2 if rg is None else rows2(rg)
-    ro2 = a2 if ro is None else rows2(ro)
+    a2, b2 = _rows(a), _rows(b)
+    rg2 = a2 if rg is None else _rows(rg)
+    ro2 = a2 if ro is None else _rows(ro)
     rows = a2.shape[0]
     out = torch.empty((rows, R + F_), dtype=dtype, device=a.device)
-    interpreting = _interpreting(a)
-    block_m, block_n = (2, 16) if interpreting else DOWN_INPUT_BLOCK
+    tiny = interpreting(a)
+    block_m, block_n = (2, 16) if tiny else DOWN_INPUT_BLOCK
     launch(
         k.down_input_kernel,
         (cdiv(rows, block_m), cdiv(R + F_, block_n)),
@@ -287,10 +290,10 @@ def triton_down_input(
         rows,
         R,
         F_,
-        WIDEN=interpreting and dtype == torch.bfloat16,
+        WIDEN=tiny and dtype == torch.bfloat16,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=1 if interpreting else DOWN_INPUT_WARPS,
+        num_warps=1 if tiny else DOWN_INPUT_WARPS,
     )
     return out.view(*lead, R + F_)
 
@@ -301,7 +304,7 @@ def triton_l2n_relu(pre: Tensor, out: Tensor) -> Tensor:
 
     assert out.is_contiguous()
     H, dk = out.shape[-2:]
-    pre2 = pre.reshape(-1, H * dk)  # a view: y's columns, or a compact buffer
+    pre2 = _rows(pre)
     launch(
         k.l2n_relu_rows_kernel,
         (pre2.shape[0],),
@@ -316,7 +319,7 @@ def triton_l2n_relu(pre: Tensor, out: Tensor) -> Tensor:
         DK=dk,
         BLOCK_H=p2(H),
         BLOCK_DK=p2(dk),
-        num_warps=1 if _interpreting(pre) else 4,
+        num_warps=1 if interpreting(pre) else 4,
     )
     return out
 
@@ -327,9 +330,9 @@ def triton_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
     from gpn_scale.ops.gpn_step import chunk_kernels as k
 
     rows, N = x.shape
-    interpreting = _interpreting(x)
-    block_m, block_n = (4, 16) if interpreting else CAST_BLOCK
-    group_rows = 8 if interpreting else CAST_GROUP_ROWS
+    tiny = interpreting(x)
+    block_m, block_n = (4, 16) if tiny else CAST_BLOCK
+    group_rows = 8 if tiny else CAST_GROUP_ROWS
     parts = x.new_empty((cdiv(rows, group_rows), N))
     launch(
         k.cast_column_sums_kernel,
@@ -346,11 +349,11 @@ def triton_cast_with_sums(x: Tensor, low: Tensor, sums: Tensor) -> Tensor:
         rows,
         N,
         group_rows,
-        WIDEN=interpreting and low.dtype == torch.bfloat16,
-        STAGES=1 if interpreting else CAST_STAGES,
+        WIDEN=tiny and low.dtype == torch.bfloat16,
+        STAGES=1 if tiny else CAST_STAGES,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=1 if interpreting else CAST_WARPS,
+        num_warps=1 if tiny else CAST_WARPS,
     )
     sums += parts.sum(0)
     return low

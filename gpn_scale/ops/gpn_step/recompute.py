@@ -21,8 +21,8 @@ from torch import Tensor
 
 from gpn_scale.ops.gpn_step import fused as _fused
 from gpn_scale.ops.gpn_step.collectives import reduce_rows, rms_wide
-from gpn_scale.ops.gpn_step.functional import gpu_path
 from gpn_scale.ops.gpn_step.functional import matmul as _matmul
+from gpn_scale.ops.gpn_step.functional import matmul_copy_dtype
 from gpn_scale.ops.gpn_step.functional import rms as _rms
 from gpn_scale.ops.gpn_step.interface import ChunkActs, LoopWeights, StepPlan
 from gpn_scale.ops.gpn_step.workspace import Workspace
@@ -51,7 +51,7 @@ def recompute_chunk(
     splits = cast("tuple[list[int], ...]", plan.in_splits)
     # On the GPU path under autocast the norms also write their rows in the matmul dtype:
     # the GEMMs and the weight gradients read those (`fused.rms`).
-    low_dt = W.w_in[0].dtype if gpu_path(S) and W.w_in[0].dtype != S.dtype else None
+    low_dt = matmul_copy_dtype(S, plan.mm_dtype)
     low = lambda: None if low_dt is None else S.new_empty((C, B, d), dtype=low_dt)  # noqa: E731
     n_lows: list[Tensor] = []
     c = kept("c0", (C, B, d))
@@ -83,12 +83,10 @@ def recompute_chunk(
         read = _memory_read(plan, kept, i, q_pre, written, M0) if mem else (None,) * 4
         for acc, t in zip((q_s, rq_s, o_s, ro_s), read):
             acc.append(t)
-        # On the GPU path in the matmul dtype: what the down GEMM and its weight gradient
-        # read there (one kernel). Elsewhere the weight gradient multiplies the state
-        # dtype's (`accumulate_mm`). Read by the weight gradients only: not kept.
+        # In the dtype the down GEMM and its weight gradient read (one kernel on CUDA).
+        # Read by the weight gradients only: not kept.
         a, b = ffn_in.chunk(2, dim=-1)
-        low_h = W.w_out[i].dtype if gpu_path(a) else S.dtype
-        hidden = _fused.down_input(rg if mem else None, ro_s[-1], a, b, low_h)
+        hidden = _fused.down_input(rg if mem else None, ro_s[-1], a, b, low_dt or S.dtype)
         hiddens.append(hidden)
         z = reduce_rows(_matmul(hidden, W.w_out[i], None, out_dtype=S.dtype), plan)
         c = _fused.gated_residual(pg, c, z, kept(f"c{i + 1}", (C, B, d)))

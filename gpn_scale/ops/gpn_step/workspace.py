@@ -13,10 +13,11 @@ from torch import Tensor
 
 
 class Workspace:
-    """The sweep's adjoint buffers, reused from chunk to chunk and call to call (`workspaces`).
-    Fresh allocations of this size come straight from mmap, and first-touching their pages
-    cost ~15 us per step at SMALL (measured): the sweep writes ~7 MB of adjoints per chunk;
-    and the CUDA graphs bind the buffers by address."""
+    """One set of a chunk's backward buffers (its recomputed activations and the sweep's
+    adjoints), reused from chunk to chunk and call to call (`workspaces`). Fresh allocations
+    of this size come straight from mmap, and first-touching their pages cost ~15 us per
+    step at SMALL (measured): the sweep writes ~7 MB of adjoints per chunk; and the CUDA
+    graphs bind the buffers by address."""
 
     def __init__(self, max_chunk: int, device: torch.device) -> None:
         self.max_chunk = max_chunk
@@ -31,10 +32,7 @@ class Workspace:
         None: none is), so a chunk of any length finds it at the same address."""
         numel = math.prod(shape)
         full = numel if chunk_dim is None else numel // shape[chunk_dim] * self.max_chunk
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() != full or buf.dtype != dtype:
-            buf = self._buffers[name] = torch.empty(full, dtype=dtype, device=self.device)
-        return buf[:numel].view(shape)
+        return self._buffer(name, [full], dtype)[:numel].view(shape)
 
     def take(
         self,
@@ -48,23 +46,27 @@ class Workspace:
         length, viewed out of a buffer sized for the longest chunk."""
         full = list(shape)
         full[chunk_dim] = self.max_chunk
-        buf = self._buffers.get(name)
-        if buf is None or list(buf.shape) != full or buf.dtype != dtype:
-            buf = self._buffers[name] = torch.empty(full, dtype=dtype, device=self.device)
-        view = buf.narrow(chunk_dim, 0, shape[chunk_dim])
+        view = self._buffer(name, full, dtype).narrow(chunk_dim, 0, shape[chunk_dim])
         return view.zero_() if zero else view
 
+    def _buffer(self, name: str, shape: list[int], dtype: torch.dtype) -> Tensor:
+        """The kept buffer `name`, made anew when its shape or dtype changed."""
+        buf = self._buffers.get(name)
+        if buf is None or list(buf.shape) != shape or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
 
-# The sweep's two adjoint workspaces per device, kept from call to call: the CUDA graphs
-# bind their buffers by address (graphs.py, `SweepAdjoints.BOUND`), so a replay copies no
-# adjoint in or out. A call of another longest chunk replaces them: a view out of a longer
-# buffer would have other strides than a fresh one, and the kernels' compiled variants
-# (which specialise on strides) would depend on what ran before.
+
+# The two workspaces per device, kept from call to call: the CUDA graphs bind their buffers
+# by address (graphs.py, `ChunkActs.BOUND`, `SweepAdjoints.BOUND`), so a replay copies no
+# activation or adjoint in or out. A call of another longest chunk replaces them: a view
+# out of a longer buffer would have other strides than a fresh one, and the kernels'
+# compiled variants (which specialise on strides) would depend on what ran before.
 _WORKSPACES: dict[torch.device, tuple[Workspace, Workspace]] = {}
 
 
 def release_workspaces() -> None:
-    """Drop the kept adjoint workspaces (between models: the device check measures each
+    """Drop the kept workspaces (between models: the device check measures each
     model's peak memory without the last one's)."""
     _WORKSPACES.clear()
 
