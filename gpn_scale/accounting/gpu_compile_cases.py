@@ -101,10 +101,11 @@ def model_config(case: Case):
     return load_model_config(case.config, {"step_backend": "cuda", **overrides})
 
 
-def record_launches(case: Case, sm_count: int | None = None) -> list:
+def record_launches(case: Case, sm_count: int | None = None, arch: int | None = None) -> list:
     """Every kernel launch of one training step of `case` (meta tensors, nothing runs), with
     its kernel, arguments and meta-parameters; the GEMM grids sized for a GPU of
-    `sm_count` SMs (default: the CUDA backend's dry-run assumption, an H100/H200)."""
+    `sm_count` SMs and architecture `arch` (compute capability x 10; default: the CUDA
+    backend's dry-run assumption, an H100/H200)."""
     from gpn_scale.accounting.dry_run import as_tp_rank
     from gpn_scale.models.gpn import GPN
     from gpn_scale.models.gpn.parallelize import check_tp
@@ -127,6 +128,7 @@ def record_launches(case: Case, sm_count: int | None = None) -> list:
     settings = execution(
         matmul_dtype=torch.bfloat16 if case.dtype == "bf16" else None,
         assumed_sms=sm_count or None,
+        assumed_arch=arch,
     )
     previous = os.environ.pop(ENV_VAR, None)
     try:

@@ -142,15 +142,20 @@ class Row:
         """Programs of the smallest grid over the SMs (one wave: 1.0)."""
         return self.variant.min_programs() / self.target.sm_count
 
+    def kernel(self):
+        return getattr(importlib.import_module(self.variant.module), self.variant.kernel)
+
+    def meta(self) -> dict:
+        """The variant's constexprs by parameter name."""
+        names = list(inspect.signature(self.kernel().fn).parameters)
+        return {names[k[0]]: v for k, v in self.variant.constexprs.items() if k[0] < len(names)}
+
     def source_loops(self) -> tuple:
         """The run-time loops of the variant's source, its constexprs applied (what the
         accounting pairs with the compiled loops to count instructions)."""
         from gpn_scale.accounting import round_trips
 
-        kernel = getattr(importlib.import_module(self.variant.module), self.variant.kernel)
-        names = list(inspect.signature(kernel.fn).parameters)
-        meta = {names[k[0]]: v for k, v in self.variant.constexprs.items() if k[0] < len(names)}
-        return round_trips.loop_order(kernel, meta)
+        return round_trips.loop_order(self.kernel(), self.meta())
 
     def weight_load_bytes(self) -> int | None:
         operand = WEIGHT_OPERAND.get(self.variant.kernel)
@@ -232,11 +237,19 @@ class Row:
                 out.append(self.occupancy_text())
         step_gemm = v.kernel == "linear_kernel" and v.phases <= set(STEP_PHASES)
         if self.case.shipped and step_gemm:
-            from gpn_scale.ops.gpn_step.gemm import wave_fill
+            from gpn_scale.ops.gpn_step.gemm import MAX_SPLITS, wave_fill
 
             fill = wave_fill(v.min_programs(), t.sm_count)
-            split = v.constexprs.get("SPLITS", 1) > 1
-            if fill < MIN_WAVE_FILL and (split or v.min_programs() < t.sm_count):
+            splits = self.meta().get("SPLITS", 1)
+            # At the split cap a grid has too few column tiles to fill a wave: more splits
+            # would move more partials than the SMs they fill gain (the wide panels leave
+            # the rest to the reverse sweep's side work: gemm.WIDE_PANEL_N).
+            capped = splits >= MAX_SPLITS
+            if (
+                fill < MIN_WAVE_FILL
+                and not capped
+                and (splits > 1 or v.min_programs() < t.sm_count)
+            ):
                 out.append(
                     f"step GEMM grid of {v.min_programs()} programs fills {fill:.0%} of its "
                     f"waves on {t.sm_count} SMs ({', '.join(sorted(v.names))})"
@@ -264,7 +277,7 @@ def build_rows(
 ) -> list[Row]:
     per_case: list[tuple[Case, Target, Variant]] = []
     for case, target in ((c, t) for c in cases for t in targets):
-        launches = record_launches(case, target.sm_count)
+        launches = record_launches(case, target.sm_count, target.arch)
         if kernels:
             launches = [
                 r for r in launches if r.kernel is not None and r.kernel.fn.__name__ in kernels

@@ -207,22 +207,24 @@ def _probe(
     # that found the last one's would record fewer ops, and the two probes' difference
     # (the per-chunk cost) would go negative.
     release_workspaces()
+    from gpn_scale.accounting import gpu_compile, kernel_costs
+
+    target = gpu_compile.TARGETS[compiled or "sm_90"]
+    # the launches sized for the target the kernels are compiled for (its SMs, its arch)
+    sized = dict(assumed_sms=target.sm_count, assumed_arch=target.arch) if compiled else {}
     previous = os.environ.pop(ENV_VAR, None)
     try:
         with (
             launches_.recording(dry=True, keep_args=True) as launches,
             phases.phase_timer(),
             recorder,
-            execution(matmul_dtype=torch.bfloat16),
+            execution(matmul_dtype=torch.bfloat16, **sized),
             as_tp_rank(tp),
         ):
             model(tokens).loss.backward()
     finally:
         if previous is not None:
             os.environ[ENV_VAR] = previous
-    from gpn_scale.accounting import gpu_compile, kernel_costs
-
-    target = gpu_compile.TARGETS[compiled or "sm_90"]
     costs = kernel_costs.launch_costs(
         list(launches), target, jobs, compile=compiled is not None, recorded=facts
     )

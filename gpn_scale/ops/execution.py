@@ -38,6 +38,9 @@ class Execution:
     # The CUDA backend sizes its GEMM grids for a GPU of this many SMs (dry runs: the GPU is
     # not there to ask).
     assumed_sms: int | None = None
+    # ... and makes the choices that depend on the architecture for this one (compute
+    # capability x 10: 90 Hopper, 80 Ampere; the compile gate's targets).
+    assumed_arch: int | None = None
     # Every kernel launch of the GPU code paths is appended here (ops/launch.py) ...
     launches: list[Any] | None = None
     # ... and with `dry` none runs (the accounting runs the real code on meta tensors) ...

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from gpn_scale.accounting import gpu_compile as gc
 from gpn_scale.ops import launch
-from gpn_scale.ops.gpn_step.gemm import wave_fill
+from gpn_scale.ops.gpn_step.gemm import MAX_SPLITS, wave_fill
 from gpn_scale.ops.gpn_step.interface import LoopWeights, aligned_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,9 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
     assert len(step_gemms) >= 6
     for r in step_gemms:
         programs = min(a * b * (c[0] if c else 1) for a, b, *c in r["grids"])
-        assert wave_fill(programs, 132) >= gc.MIN_WAVE_FILL, r["names"]
+        # at the split cap (the wide panels: too few column tiles for a wave) exempt
+        capped = all(c and c[0] >= MAX_SPLITS for _, _, *c in r["grids"])
+        assert capped or wave_fill(programs, 132) >= gc.MIN_WAVE_FILL, r["names"]
         assert min(int(w) for w in r["loads"]["W"]) == 16, r["names"]
     # Every sequential kernel of the shipped configs keeps two programs per SM or 48 KB of
     # asynchronous copies in flight, but the ones the gate names as known misses.

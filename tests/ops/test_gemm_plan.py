@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import gemm, geometry
 
 
@@ -44,7 +45,7 @@ def test_split_grids_fill_their_waves_and_never_straddle_the_read_columns(
         assert grid[0] * grid[1] >= sms or K <= plan.block_k
         return
     assert plan.splits <= gemm.MAX_SPLITS + (1 if k1 else 0)
-    capped = plan.splits - plan.splits_k1 >= gemm.MAX_SPLITS  # too few tiles to fill a wave
+    capped = plan.splits >= gemm.MAX_SPLITS  # as many as allowed: too few tiles to fill a wave
     assert capped or gemm.wave_fill(programs, sms) >= 0.75, (plan, programs)
     assert plan.k_per_split % plan.block_k == 0
     # The ranges cover [0, K) once; the first splits_k1 end at k1 or inside it.
@@ -62,7 +63,8 @@ def test_a_split_never_leaves_a_nearly_empty_second_wave(on_gpu_sizes, monkeypat
     """Rounding the split count up (the old rule) put 20 column tiles x 7 = 140 programs on
     132 SMs: 8 programs in a second wave. Now one wave of 120."""
     monkeypatch.setattr(geometry, "sm_count", lambda t: 132)
-    plan = gemm.gemm_plan(128, 2496, 27358, torch.empty(0, device="meta"))
+    bf16_rows = torch.empty(0, device="meta", dtype=torch.bfloat16)
+    plan = gemm.gemm_plan(128, 2496, 27358, bf16_rows)
     assert (plan.block_n, plan.splits) == (128, 6)
     assert gemm.wave_fill(20 * 7, 132) < 0.6 < gemm.wave_fill(20 * 6, 132) == 120 / 132
 
@@ -83,4 +85,31 @@ def test_a_wide_short_gemm_takes_narrower_panels_where_a_split_moves_more_than_i
     assert small.block_n == 128 and small.splits > 1
     assert not gemm._partials_outweigh(small.splits, 16, 10496, 2496)
     # A d-wide output with a long K keeps its split: the partials are a few % of the weight.
-    assert gemm.gemm_plan(128, 2496, 27358, t).splits == 6
+    assert gemm.gemm_plan(128, 2496, 27358, t).splits > 1
+
+
+@pytest.mark.parametrize("M", [16, 64, 128, 256])
+def test_a_float32_operand_over_a_long_k_takes_wide_panels_with_the_same_weight_in_flight(
+    on_gpu_sizes, M, monkeypatch
+):
+    """The input GEMM's dy W^T (the float32 dY rows, K = 27,358 at 130M) re-reads its A rows
+    in every column panel: 256-wide panels read them half as often, in half the programs.
+    Where the accumulator takes 128 floats a thread, 32-deep K tiles and 5 stages; else
+    64-deep and 3: either way 64 KB of weight tiles ahead of the one in use."""
+    monkeypatch.setattr(geometry, "sm_count", lambda t: 132)
+    rows = torch.empty(0, device="meta", dtype=torch.float32)
+    plan = gemm.gemm_plan(M, 2496, 27358, rows)
+    assert plan.block_n == gemm.WIDE_PANEL_N and plan.splits > 1
+    per_thread = plan.block_m * plan.block_n // (32 * plan.warps)
+    assert (plan.block_k, plan.stages) == ((32, 5) if per_thread >= 128 else (64, 3))
+    assert (plan.stages - 1) * plan.block_k * plan.block_n * 2 == 64 * 1024
+    assert plan.k_per_split % plan.block_k == 0
+    if M == 128:
+        assert plan.grid(M, 2496) == (1, 10, 8)  # 80 programs: 52 SMs left to the side work
+    # bf16 rows (read once as they are), a short K or IEEE products: the 128-wide panels.
+    bf16_rows = torch.empty(0, device="meta", dtype=torch.bfloat16)
+    assert gemm.gemm_plan(M, 2496, 27358, bf16_rows).block_n == gemm.GEMM_BLOCK_N
+    assert gemm.gemm_plan(M, 2496, 2496, rows).block_n == gemm.GEMM_BLOCK_N
+    assert gemm.gemm_plan(M, 2496, 27358, rows, ieee=True).block_n < gemm.WIDE_PANEL_N
+    with execution(assumed_arch=80):  # mma.sync holds operand fragments in registers: spilled
+        assert gemm.gemm_plan(M, 2496, 27358, rows).block_n == gemm.GEMM_BLOCK_N

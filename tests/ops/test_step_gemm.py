@@ -67,3 +67,24 @@ def test_the_low_sums_must_have_the_writers_blocks():
     with pytest.raises(AssertionError, match="sums' blocks"):
         gemm.linear(a, w, state, "t", "fuse gate", bias=bias, row_rms=True, eps=1e-6,
                     epilogue=2, res=res, fuse=fuse, low=(low, torch.empty(3, 1)))  # fmt: skip
+
+
+@pytest.mark.parametrize("in_consumer", [False, True], ids=["summed", "partials"])
+@pytest.mark.parametrize(
+    "dtype, w_dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)]
+)
+def test_a_wide_panel_split_product_equals_the_matmul(in_consumer, dtype, w_dtype, monkeypatch):
+    """The wide-panel plan's tiles (`gemm.WIDE_PANEL_N` columns, 32-deep K, 5 stages), split
+    over K with a partial last range and a masked last panel, under the interpreter."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 200, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(200, 300, generator=g, dtype=torch.float64) / 200**0.5).to(w_dtype)
+    plan = gemm.GemmPlan(16, gemm.WIDE_PANEL_N, 32, 1, splits=3, k_per_split=96, stages=5)
+    monkeypatch.setattr(gemm, "gemm_plan", lambda *args, **kwargs: plan)
+    out = torch.full((3, 300), float("nan"), dtype=dtype)
+    partials = gemm.linear(a, w, out, "t", "input dy W^T", sum_in_consumer=in_consumer)
+    got = partials.sum(0) if in_consumer else out
+    # bf16 weights: the kernel's product of bf16-rounded A tiles, as the GPU's tensor cores
+    want = (a.to(w_dtype).double() @ w.double()).to(dtype)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

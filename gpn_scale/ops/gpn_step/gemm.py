@@ -35,6 +35,7 @@ class GemmPlan:
     splits: int = 1
     splits_k1: int = 0  # of the splits, those over [0, k1) (the read norm's columns)
     k_per_split: int = 0
+    stages: int = 3  # Triton's software pipeline depth (num_stages)
 
     def grid(self, M: int, N: int) -> tuple[int, ...]:
         g = (geometry.cdiv(M, self.block_m), geometry.cdiv(N, self.block_n))
@@ -56,7 +57,8 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
     k1), as many as fit in one wave: rounding up instead left 1.06-1.5 programs per SM, a
     second wave that a few SMs run alone (accounting/pricing.py's partial wave). Unless the
     split's partials would outweigh the weight (`PARTIALS_SHARE`) and half-width panels fill
-    the SMs unsplit: then those."""
+    the SMs unsplit: then those. A split float32 A operand over a long K takes
+    double-width panels (`WIDE_PANEL_N`)."""
     if geometry.interpreting(t):
         bm, bn, bk, warps = 16, 16, 16, 1
     elif ieee:
@@ -71,9 +73,16 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
     sms = geometry.sm_count(t)
     if programs >= sms or K <= bk:
         return GemmPlan(bm, bn, bk, warps)
+    stages = 3
+    if not ieee and t.element_size() == 4 and K >= WIDE_PANEL_MIN_K and geometry.arch(t) >= 90:
+        bn = WIDE_PANEL_N
+        bk, stages = (32, 5) if bm * bn // (32 * warps) >= 128 else (64, 3)
+        programs = geometry.cdiv(M, bm) * geometry.cdiv(N, bn)
     splits, s1, per = _wave_splits(programs, sms, K, k1, bk)
     if splits <= 1:
-        return GemmPlan(bm, bn, bk, warps)
+        return GemmPlan(bm, bn, bk, warps, stages=stages)
+    if bn == WIDE_PANEL_N:
+        return GemmPlan(bm, bn, bk, warps, splits, s1, per, stages)
     narrow = GEMM_BLOCK_N // 2
     if (
         not ieee
@@ -82,6 +91,21 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
     ):
         return GemmPlan(bm, narrow, bk, warps)
     return GemmPlan(bm, bn, bk, warps, splits, s1, per)
+
+
+# A split product with a float32 A operand over a long K (the input GEMM's dy W^T: the dY
+# rows, K = 27,358 at 130M) re-reads its A rows in every column panel: with 128-wide panels
+# twice the weight's bytes through L2, which bounds it there (accounting/pricing.py). 256-wide
+# panels halve that and need half the programs, which leaves SMs to the side work beside the
+# reverse sweep (ops/gpn_step/overlap.py): priced 49 -> 40 us a step at B = 128 and 96 -> 64
+# at B = 256. Their accumulator (128 floats a thread from 64 x 256 on 4 warps or 128 x 256
+# on 8) leaves registers for 32-deep K tiles only (64-deep spilled); 5 stages keep the same
+# 64 KB of weight tiles ahead as 3 of the 64-deep ones. Over a short K (the fuse-gate's
+# dy W^T, K = 2,496) the split's partials weigh on it: priced no faster, left narrow. Hopper
+# only: wgmma keeps the operands in shared memory; mma.sync (sm_80) holds fragments of both
+# in registers as well and spilled (8-20 B a thread, the compile gate).
+WIDE_PANEL_N = 256
+WIDE_PANEL_MIN_K = 8192
 
 
 # A split's float32 partials are written, then read by the sum: worth it while they move
@@ -208,6 +232,7 @@ def linear(
         **norm_meta, PRECISION=precision(w), SPLITS=plan.splits,
         SPLITS_K1=plan.splits_k1, K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
+        num_stages=plan.stages,
     )  # fmt: skip
     if plan.splits > 1 and sum_in_consumer:
         return ws.view(plan.splits, M, N)

@@ -1,5 +1,6 @@
 """What the CUDA step backend's launch sizes depend on: the interpreter or a GPU, how many SMs
-it has (or a dry run's assumed number), powers of two, and a placeholder pointer.
+it has and its architecture (or a dry run's assumed ones), powers of two, and a placeholder
+pointer.
 
 Tests monkeypatch `interpreting` and `sm_count` here to run the GPU's block sizes under
 Triton's interpreter; callers reach them as `geometry.interpreting(...)` so that they see it.
@@ -36,9 +37,20 @@ DRY_RUN_SMS = 132
 INTERPRETER_SMS = 16
 
 
+# The architecture a dry run sizes for unless told otherwise (compute capability x 10: the
+# H100/H200 the project trains on).
+DRY_RUN_ARCH = 90
+
+
 @functools.cache
 def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
 
 def sm_count(t: Tensor) -> int:
@@ -52,6 +64,17 @@ def sm_count(t: Tensor) -> int:
     if t.is_cuda:
         return _device_sms(t.device.index if t.device.index is not None else 0)
     return DRY_RUN_SMS
+
+
+def arch(t: Tensor) -> int:
+    """The compute capability x 10 of `t`'s device as the launches see it: the execution's
+    assumed one (dry runs), the device's, or a dry run's default (the interpreter's too)."""
+    assumed = current().assumed_arch
+    if assumed is not None:
+        return assumed
+    if t.is_cuda:
+        return _device_arch(t.device.index if t.device.index is not None else 0)
+    return DRY_RUN_ARCH
 
 
 _UNUSED: dict[tuple[torch.device, torch.dtype], Tensor] = {}
