@@ -231,8 +231,7 @@ def linear(
         ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
         **norm_meta, PRECISION=precision(w), SPLITS=plan.splits,
         SPLITS_K1=plan.splits_k1, K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
-        num_stages=plan.stages,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps, num_stages=plan.stages,
     )  # fmt: skip
     if plan.splits > 1 and sum_in_consumer:
         return ws.view(plan.splits, M, N)
