@@ -106,6 +106,9 @@ def test_json_prediction_has_the_step_the_floor_and_the_compiled_anchor(capsys):
         got["tokens_per_s"] / got["baseline_tokens_per_s"]
     )
     assert got["kernels"][0]["predicted_s"] >= got["kernels"][-1]["predicted_s"]
+    # a role's counted bytes over its time: never above the copy bandwidth it is priced at
+    assert all(0 <= k["bandwidth_share"] <= 1 + 1e-9 for k in got["kernels"]), got["kernels"]
+    assert any(k["bandwidth_share"] > 0 for k in got["kernels"])
     assert set(got["ceilings"]) >= set(ceilings.MEASURED_KEYS)
 
 
