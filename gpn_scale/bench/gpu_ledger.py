@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import statistics
@@ -54,24 +55,6 @@ from gpn_scale.ops.execution import execution
 # chunk's first, middle and last step.
 STEP_DEPENDENT = ("memory/FFN", "memory backward block flush")
 SLEEP_CYCLES_PER_LAUNCH = 200_000  # ~0.1 ms at 2 GHz: more than the host's binding per launch
-# Per kernel, the alternatives to its shipped launch settings that the accounting priced
-# worse (issue 34; ops/gpn_step/cuda_shared.py says why each was chosen). Every one is a
-# launch setting only: the kernel computes the same with any of them.
-WHAT_IFS: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
-    "memory_backward_kernel": (
-        ("16 value columns, 3 stages", {"BLOCK_DV": 16, "STAGES": 3}),
-        ("4 stages", {"STAGES": 4}),
-        ("8 warps", {"num_warps": 8}),
-        ("d_value loop not pipelined", {"STAGES": 1}),
-    ),
-    "memory_forward_kernel": (
-        ("3 stages", {"STAGES": 3}),
-        ("5 stages", {"STAGES": 5}),
-        ("loops not pipelined", {"STAGES": 1}),
-        ("8 rows of M0 a block", {"BLOCK_R": 8}),
-        ("16 history rows a block", {"BLOCK_J": 16}),
-    ),
-}
 
 
 @dataclass
@@ -85,6 +68,61 @@ class Recorded:
     @property
     def role(self) -> str:
         return self.launch.name
+
+
+def _gemm_plan_on_sm80(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]] | None:
+    """The input GEMM's dy W^T as the plan for sm_80 tiles it (128-wide panels: the wide ones
+    are Hopper's, `gemm.WIDE_PANEL_N`), as a change of meta-parameters and grid; None for
+    another GEMM, or where that plan needs more split partials than the launch's workspace
+    holds."""
+    from gpn_scale.ops.gpn_step import gemm
+
+    if not r.role.startswith("input dy W^T"):
+        return None
+    rec = r.launch
+    given = dict(zip(inspect.signature(rec.kernel.fn).parameters, rec.args))
+    a, M, N, K = given["A"], given["M"], given["N"], given["K"]
+    ieee = rec.meta["PRECISION"] == "ieee"
+    with execution(assumed_arch=80):
+        plan = gemm.gemm_plan(M, N, K, a, rec.meta["SPLIT_K1"], ieee)
+    if plan.splits > rec.meta["SPLITS"]:
+        return None
+    change = {
+        "BLOCK_M": plan.block_m,
+        "BLOCK_N": plan.block_n,
+        "BLOCK_K": plan.block_k,
+        "SPLITS": plan.splits,
+        "SPLITS_K1": plan.splits_k1,
+        "K_PER_SPLIT": plan.k_per_split,
+        "num_warps": plan.warps,
+        "num_stages": plan.stages,
+    }
+    return change, plan.grid(M, N)
+
+
+# A what-if: a change of a launch's meta-parameters, or a function of the launch giving one
+# and the grid it needs (None: not for this launch).
+WhatIf = dict[str, int] | Callable[[Recorded], tuple[dict[str, int], tuple[int, ...]] | None]
+# Per kernel, the alternatives to its shipped launch settings that the accounting priced
+# worse (issue 34; ops/gpn_step/cuda_shared.py and gemm.py say why each was chosen). Every
+# one is a launch setting only: the kernel computes the same product with any of them (a
+# GEMM's split ranges add in another order).
+WHAT_IFS: dict[str, tuple[tuple[str, WhatIf], ...]] = {
+    "memory_backward_kernel": (
+        ("16 value columns, 3 stages", {"BLOCK_DV": 16, "STAGES": 3}),
+        ("4 stages", {"STAGES": 4}),
+        ("8 warps", {"num_warps": 8}),
+        ("d_value loop not pipelined", {"STAGES": 1}),
+    ),
+    "memory_forward_kernel": (
+        ("3 stages", {"STAGES": 3}),
+        ("5 stages", {"STAGES": 5}),
+        ("loops not pipelined", {"STAGES": 1}),
+        ("8 rows of M0 a block", {"BLOCK_R": 8}),
+        ("16 history rows a block", {"BLOCK_J": 16}),
+    ),
+    "linear_kernel": (("128-wide panels (the sm_80 plan)", _gemm_plan_on_sm80),),
+}
 
 
 def record_step(cfg: GPNConfig, batch: int, device: torch.device, bf16: bool) -> list[Recorded]:
@@ -318,17 +356,26 @@ def what_ifs(
         name = r.launch.kernel.fn.__name__
         if name not in WHAT_IFS:
             continue
-        settings = [("shipped", {}), *WHAT_IFS[name]]
+        settings: list[tuple[str, WhatIf]] = [("shipped", {}), *WHAT_IFS[name]]
         timed = []
-        for label, change in settings:
-            alt = Recorded(
-                r.index, dataclasses.replace(r.launch, meta={**r.launch.meta, **change}), r.tau
-            )
+        for label, what_if in settings:
+            grid = r.launch.grid
+            if callable(what_if):
+                got = what_if(r)
+                if got is None:
+                    continue
+                change, grid = got
+            else:
+                change = what_if
+            meta = {**r.launch.meta, **change}
+            alt = Recorded(r.index, dataclasses.replace(r.launch, meta=meta, grid=grid), r.tau)
             compiled = _launch(alt)  # compile and warm
             alone = statistics.median(
                 timer.each([functools.partial(_launch, alt)] * repeats, before=flush)
             )
             timed.append((label, change, alone, compiled))
+        if len(timed) == 1:  # no alternative for this launch
+            continue
         shipped = timed[0][2]
         for label, change, alone, compiled in timed:
             rows.append(

@@ -453,3 +453,28 @@ def test_gdn_backend_comparison_sees_agreement_and_a_difference():
         torch.device("cpu"), "chunk", "recurrent", tolerance=0.0
     )
     assert not strict["ok"] or max(strict[k] for k in strict if k.endswith("_err")) == 0.0
+
+
+def test_the_input_gemms_dy_wt_what_if_is_the_narrow_plan_at_the_shipped_size():
+    """At 130M, B = 128 on an H100/H200 the input GEMM's dy W^T ships 256-wide panels (80
+    programs); its what-if is the plan sm_80 gets, 128-wide panels in 6 splits (120), which
+    the device check times beside it. Other GEMMs have none."""
+    from gpn_scale.accounting.gpu_compile_cases import Case, record_launches
+
+    launches = record_launches(Case("gpn_m_130m", 128, shipped=True), 132, 90)
+    gemms = [
+        r for r in launches if r.kernel is not None and r.kernel.fn.__name__ == "linear_kernel"
+    ]
+    (dy_wt,) = {r.name: r for r in gemms if r.name.startswith("input dy W^T")}.values()
+    assert (dy_wt.meta["BLOCK_N"], dy_wt.meta["SPLITS"], dy_wt.grid) == (256, 8, (1, 10, 8))
+    change, grid = gpu_ledger._gemm_plan_on_sm80(gpu_ledger.Recorded(0, dy_wt, None))
+    assert (change["BLOCK_N"], change["SPLITS"], change["num_stages"], grid) == (
+        128,
+        6,
+        3,
+        (1, 20, 6),
+    )
+    others = [r for r in gemms if not r.name.startswith("input dy W^T")]
+    assert others and all(
+        gpu_ledger._gemm_plan_on_sm80(gpu_ledger.Recorded(0, r, None)) is None for r in others
+    )
