@@ -53,7 +53,12 @@ def test_what_ifs_time_each_alternative_beside_the_shipped_settings():
         "memory_backward_kernel": "memory/FFN backward 0",
         "memory_forward_kernel": "memory/FFN 0",
     }
-    assert set(gpu_ledger.WHAT_IFS) == set(roles)
+    assert set(gpu_ledger.WHAT_IFS) == {*roles, "linear_kernel"}
+    # the GEMM's what-if is a function of the launch: for the input GEMM's dy W^T only,
+    # once a launch (the interpreter's tiles are the same either way)
+    gemm = [r for r in rows if r["kernel"] == "linear_kernel"]
+    assert {r["role"] for r in gemm} == {"input dy W^T 0"}
+    assert [r["setting"] for r in gemm] == ["shipped", "128-wide panels (the sm_80 plan)"]
     for kernel, role in roles.items():
         alternatives = gpu_ledger.WHAT_IFS[kernel]
         settings = ["shipped", *(label for label, _ in alternatives)]
