@@ -108,11 +108,13 @@ def chunk_errors(
     M0: Tensor,
     rule: str = "gpn",
     kM0: Tensor | None = None,
+    kk: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The chunk's write terms u_t (B, H, C, dv) and cumulative log decays G_t (B, H, C).
 
     U = (I + A)^{-1} diag(b) (V - diag(e^{G_err}) K M0), A strictly lower triangular.
-    `kM0`: k @ M0 when the caller has it already (the engine's recompute keeps it).
+    `kM0`, `kk`: k @ M0 and k @ k^T when the caller has them already (the engine's
+    recompute keeps the first and needs the second for its predictions too).
     """
     C = k.shape[2]
     G = torch.cumsum(log_a, dim=-1)
@@ -120,8 +122,10 @@ def chunk_errors(
     G_err = G - log_a if rule == "gpn" else G
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), diagonal=-1)
     # exp of G_err_t - G_j on the strict lower triangle (<= 0 there); zero elsewhere.
-    decay_err = _masked_exp(G_err[..., :, None] - G[..., None, :], strict)
-    A = b[..., :, None] * (k @ k.transpose(-1, -2)) * decay_err
+    decay_err = masked_exp(G_err[..., :, None] - G[..., None, :], strict)
+    if kk is None:
+        kk = k @ k.transpose(-1, -2)
+    A = b[..., :, None] * kk * decay_err
     if kM0 is None:
         kM0 = k @ M0
     rhs = b[..., None] * (v - G_err.exp()[..., None] * kM0)
@@ -144,7 +148,7 @@ def chunk_read(
     `out`: a (B, H, C, dv) tensor (any strides a batched GEMM writes) to write o into."""
     C = k.shape[2]
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device))
-    decay_out = _masked_exp(G[..., :, None] - G[..., None, :], incl)
+    decay_out = masked_exp(G[..., :, None] - G[..., None, :], incl)
     if qM0 is None:
         qM0 = q @ M0
     within = (q @ k.transpose(-1, -2)) * decay_out
@@ -169,6 +173,7 @@ def chunk_advance(k: Tensor, U: Tensor, G: Tensor, M0: Tensor) -> Tensor:
     return G_end.exp()[..., None] * M0 + (k * (G_end - G).exp()[..., None]).transpose(-1, -2) @ U
 
 
-def _masked_exp(x: Tensor, mask: Tensor) -> Tensor:
-    # Mask before exp: above the diagonal the differences are positive and could overflow.
+def masked_exp(x: Tensor, mask: Tensor) -> Tensor:
+    """exp(x) where `mask`, 0 elsewhere (a chunk's decays between two steps). Masked before
+    exp: above the diagonal the differences are positive and could overflow."""
     return torch.where(mask, x, float("-inf")).exp()

@@ -26,7 +26,7 @@ from gpn_scale.ops.gpn_step.functional import matmul_copy_dtype
 from gpn_scale.ops.gpn_step.functional import rms as _rms
 from gpn_scale.ops.gpn_step.interface import ChunkActs, LoopWeights, StepPlan
 from gpn_scale.ops.gpn_step.workspace import Workspace
-from gpn_scale.ops.memory import batched_mm, chunk_errors, chunk_read
+from gpn_scale.ops.memory import batched_mm, chunk_errors, chunk_read, masked_exp
 
 Kept = Callable[..., Tensor]  # (name, shape, chunk_dim=0) -> the workspace's tensor
 
@@ -123,11 +123,12 @@ def _memory_writes(
     beta = torch.sigmoid(beta_pre, out=kept("beta", (C, B, H))).permute(1, 2, 0)
     # k @ M0 once, by its GEMM straight into the sweep's step-major layout
     rk = batched_mm(K, M, _step_major_view(kept("rk", (C, B, H, dv))))
-    U, G = chunk_errors(K, V, log_a, beta, M, "gpn", kM0=rk)
+    kk = K @ K.mT  # once: the errors' solve and the predictions both need it
+    U, G = chunk_errors(K, V, log_a, beta, M, "gpn", kM0=rk, kk=kk)
     # (the solve returns U column-major; the sweep reads rows)
     U = kept("U", tuple(U.shape), 2).copy_(U)
     G = kept("G", tuple(G.shape), 2).copy_(G)
-    pred = _prediction(K, U, G, rk, _step_major_view(kept("pred", (C, B, H, dv))))
+    pred = _prediction(kk, U, G, rk, _step_major_view(kept("pred", (C, B, H, dv))))
     return n_sprev, k_pre, K, V, beta, U, G, pred, rk
 
 
@@ -157,14 +158,13 @@ def _memory_read(
     return q, rq, o, ro
 
 
-def _prediction(K: Tensor, U: Tensor, G: Tensor, rk: Tensor, out: Tensor) -> Tensor:
-    """M_{t-1}^T k_t for every step (rk = M0^T k_t) into `out`:
+def _prediction(kk: Tensor, U: Tensor, G: Tensor, rk: Tensor, out: Tensor) -> Tensor:
+    """M_{t-1}^T k_t for every step (rk = M0^T k_t, kk = K K^T) into `out`:
     e^{G_{t-1}} M0^T k_t + sum_{j<t} e^{G_{t-1}-G_j}(k_t.k_j) u_j."""
     G_prev = torch.cat([torch.zeros_like(G[..., :1]), G[..., :-1]], dim=-1)
     C = G.shape[-1]
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device), diagonal=-1)
-    expo = torch.where(strict, G_prev[..., :, None] - G[..., None, :], float("-inf"))
-    batched_mm((K @ K.mT) * expo.exp(), U, out)
+    batched_mm(kk * masked_exp(G_prev[..., :, None] - G[..., None, :], strict), U, out)
     return out.addcmul_(G_prev.exp()[..., None], rk)
 
 
