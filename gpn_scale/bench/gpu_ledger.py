@@ -87,17 +87,7 @@ def _gemm_plan_on_sm80(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]] | 
         plan = gemm.gemm_plan(M, N, K, a, rec.meta["SPLIT_K1"], ieee)
     if plan.splits > rec.meta["SPLITS"]:
         return None
-    change = {
-        "BLOCK_M": plan.block_m,
-        "BLOCK_N": plan.block_n,
-        "BLOCK_K": plan.block_k,
-        "SPLITS": plan.splits,
-        "SPLITS_K1": plan.splits_k1,
-        "K_PER_SPLIT": plan.k_per_split,
-        "num_warps": plan.warps,
-        "num_stages": plan.stages,
-    }
-    return change, plan.grid(M, N)
+    return plan.meta(), plan.grid(M, N)
 
 
 # A what-if: a change of a launch's meta-parameters, or a function of the launch giving one

@@ -41,6 +41,14 @@ class GemmPlan:
         g = (geometry.cdiv(M, self.block_m), geometry.cdiv(N, self.block_n))
         return (*g, self.splits) if self.splits > 1 else g
 
+    def meta(self) -> dict[str, int]:
+        """`linear_kernel`'s meta-parameters for this plan."""
+        return dict(
+            SPLITS=self.splits, SPLITS_K1=self.splits_k1, K_PER_SPLIT=self.k_per_split,
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            num_warps=self.warps, num_stages=self.stages,
+        )  # fmt: skip
+
 
 # bf16 weight panels 128 columns wide: each program keeps twice the weight bytes in flight
 # (2 x 16 KB with Triton's 3 stages: 4.3 MB over the SMs, the copy bandwidth x latency an
@@ -229,9 +237,7 @@ def linear(
         _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes), 2 * M * N * K,
         a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), bias_, out, out.stride(0),
         ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
-        **norm_meta, PRECISION=precision(w), SPLITS=plan.splits,
-        SPLITS_K1=plan.splits_k1, K_PER_SPLIT=plan.k_per_split, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps, num_stages=plan.stages,
+        **norm_meta, PRECISION=precision(w), **plan.meta(),
     )  # fmt: skip
     if plan.splits > 1 and sum_in_consumer:
         return ws.view(plan.splits, M, N)
