@@ -205,10 +205,8 @@ def _mm_range(
         if WIDEN:
             # A rounded to bf16 to nearest even, as the GPU's cast does (the interpreter's
             # own cast truncates), kept in float32.
-            ab = a.to(tl.float32).to(tl.uint32, bitcast=True)
-            ab = (ab + 0x7FFF + ((ab >> 16) & 1)) & 0xFFFF0000
             acc = tl.dot(
-                ab.to(tl.float32, bitcast=True),
+                _rounded(a, WIDEN),
                 w.to(tl.float32),
                 acc,
                 input_precision="ieee",
