@@ -4,7 +4,8 @@ the launch accounting switch on around a block of code.
     with execution(matmul_dtype=torch.bfloat16, assumed_sms=132):
         ...  # the engine's matmuls as under bf16 autocast; GEMM grids sized for 132 SMs
 
-Training never sets any of it (the defaults are what a run on a GPU or CPU does). One
+Training sets none of it but what an engine option asks of the launches (the defaults are
+what a run on a GPU or CPU does). One
 process-wide object, not a ContextVar: autograd runs CUDA backwards on its own device
 threads, which see module state but not the caller's context variables.
 """
@@ -49,6 +50,10 @@ class Execution:
     keep_args: bool = False
     # Time per engine phase is accumulated here (ops/gpn_step/phases.py).
     phases: Any | None = None
+    # The time steps' Triton kernels are launched with programmatic dependent launch where
+    # the GPU has it (ops/gpn_step/geometry.py); the CUDA backend sets this from the engine
+    # option `dependent_launch` around its chunks.
+    dependent_launch: bool = True
     # "deferred": the backward's side work (ops/gpn_step/overlap.py) runs as late as its
     # results are waited for, on any device (tests of the overlapped order on CPU).
     side_work: str | None = None

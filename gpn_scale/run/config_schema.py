@@ -88,6 +88,7 @@ class EngineSection:
     cuda_graphs: bool | None = None  # CUDA backend: capture each chunk as CUDA graphs
     overlap_backward: bool | None = None  # CUDA: chunk-wide backward work on a second stream
     overlap_decode: bool | None = None  # CUDA: each chunk's decode + loss on a second stream
+    dependent_launch: bool | None = None  # CUDA, Hopper on: step kernels launched as dependents
 
     def given(self) -> dict[str, Any]:
         """The options this run sets (the rest stay the model config's)."""

@@ -36,6 +36,7 @@ tensors at the real sizes to count launches, bytes and FLOPs per step.
 
 from __future__ import annotations
 
+from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step.cuda_forward import forward_chunk_eager
 from gpn_scale.ops.gpn_step.cuda_reverse import reverse_sweep_eager
 from gpn_scale.ops.gpn_step.graphs import ChunkGraphs, replay_copy_bytes, unbound
@@ -73,6 +74,18 @@ class CudaBackend:
     def forward_chunk(
         self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
     ) -> ChunkForwardResult:
+        with execution(dependent_launch=plan.options.dependent_launch):
+            return self._forward_chunk(plan, W, chunk)
+
+    def reverse_sweep(
+        self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
+    ) -> ReverseSweepResult:
+        with execution(dependent_launch=plan.options.dependent_launch):
+            return self._reverse_sweep(plan, Wt, sweep)
+
+    def _forward_chunk(
+        self, plan: StepPlan, W: LoopWeights, chunk: ChunkForward
+    ) -> ChunkForwardResult:
         if is_dry() and plan.options.cuda_graphs:  # what a replay costs besides its kernels
             result = forward_chunk_eager(plan, W, chunk)
             moved = replay_copy_bytes(chunk, (chunk.P, chunk.S), result)
@@ -82,7 +95,7 @@ class CudaBackend:
             return self.graphs.forward(plan, W, chunk, forward_chunk_eager)
         return forward_chunk_eager(plan, W, chunk)
 
-    def reverse_sweep(
+    def _reverse_sweep(
         self, plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep
     ) -> ReverseSweepResult:
         if is_dry() and plan.options.cuda_graphs:

@@ -106,6 +106,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             kcur.stride(1),
             DK=dk,
             BLOCK_DK=geometry.p2(dk),
+            **geometry.dependent_launch(key),
         )
     else:
         M0 = K = U = G = kcur = gprev = ss = None
@@ -289,6 +290,7 @@ def _down_split(
         SS_COLS=ss.shape[1] if ss is not None else 1,
         NORM=plan.memory,
         BLOCK_D=BD,
+        **geometry.dependent_launch(out),
     )
 
 
@@ -342,6 +344,7 @@ def _memory_forward(
         STAGES=MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_MAXNREG,
+        **geometry.dependent_launch(y),
     )
 
 

@@ -82,6 +82,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
         HAS_DS=ds_end is not None,
         BLOCK_D=BD,
         num_warps=ROW_WARPS,
+        **geometry.dependent_launch(dP),
     )
     mb = _sweep_memory(plan, sweep, pc) if mem else _SweepMemory.none(L)
     for tau in range(C - 1, -1, -1):
@@ -194,6 +195,7 @@ def _read_norm_sums(
         HV=plan.H * plan.dv,
         BLOCK_HV=blocks["BLOCK_HV"],
         num_warps=ROW_WARPS,
+        **geometry.dependent_launch(o),
     )
     if splits_over_tp(plan):
         tp_sum(SUMS, plan, f"read norm backward sums {i}", ph)
@@ -298,6 +300,7 @@ def _rev_row(
         DN_SPLITS=splits,
         WHOLE_ROW=d <= BD,
         num_warps=ROW_WARPS,
+        **geometry.dependent_launch(DN),
     )
 
 
@@ -393,6 +396,7 @@ def _memory_backward(
         num_warps=MEMORY_BACKWARD_WARPS,
         # the cap that lets four programs share an SM (ptxas alone takes ~150: three)
         maxnreg=MEMORY_BACKWARD_MAXNREG,
+        **geometry.dependent_launch(y),
     )
     S = _sweep_block(y)
     if mem and tau % S == 0 and tau > 0:
@@ -450,6 +454,7 @@ def _flush_block(
         BLOCK_S=S,
         num_warps=FLUSH_WARPS,
         maxnreg=FLUSH_MAXNREG,
+        **geometry.dependent_launch(dob),
     )
 
 

@@ -41,6 +41,15 @@ class GemmPlan:
         g = (geometry.cdiv(M, self.block_m), geometry.cdiv(N, self.block_n))
         return (*g, self.splits) if self.splits > 1 else g
 
+    def prefetch_meta(self, w: Tensor) -> dict[str, int]:
+        """What a dependent launch prefetches into L2 while the kernel before it finishes:
+        the weight rows its pipeline loads before the first product (its first
+        num_stages - 1 K tiles, a power of two), one address a 128-byte line of `w`'s."""
+        return dict(
+            PREFETCH_K=geometry.p2(max(1, self.stages - 1) * self.block_k),
+            PREFETCH_LINE=min(self.block_n, 128 // w.element_size()),
+        )
+
     def meta(self) -> dict[str, int]:
         """`linear_kernel`'s meta-parameters for this plan."""
         return dict(
@@ -232,12 +241,14 @@ def linear(
         bias if bias is not None else dummy, ss if ss is not None else dummy,
         ss.stride(0) if ss is not None else 0,
     )  # fmt: skip
+    dependent = geometry.dependent_launch(a)
     _launch(
         tk.linear_kernel, plan.grid(M, N), name, phase,
         _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes), 2 * M * N * K,
         a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), bias_, out, out.stride(0),
         ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
         **norm_meta, PRECISION=precision(w), **plan.meta(),
+        **dependent, **(plan.prefetch_meta(w) if dependent["PDL"] else {}),
     )  # fmt: skip
     if plan.splits > 1 and sum_in_consumer:
         return ws.view(plan.splits, M, N)
@@ -302,6 +313,7 @@ def _sum_splits(
         BLOCK_M=plan.block_m,
         BLOCK_N=REDUCE_BLOCK_N,
         num_warps=plan.warps,
+        **geometry.dependent_launch(args[0]),
     )
 
 

@@ -1,6 +1,6 @@
-"""What the CUDA step backend's launch sizes depend on: the interpreter or a GPU, how many SMs
-it has and its architecture (or a dry run's assumed ones), powers of two, and a placeholder
-pointer.
+"""What the CUDA step backend's launch sizes and settings depend on: the interpreter or a GPU,
+how many SMs it has and its architecture (or a dry run's assumed ones), whether its kernels
+launch as dependents, powers of two, and a placeholder pointer.
 
 Tests monkeypatch `interpreting` and `sm_count` here to run the GPU's block sizes under
 Triton's interpreter; callers reach them as `geometry.interpreting(...)` so that they see it.
@@ -75,6 +75,32 @@ def arch(t: Tensor) -> int:
     if t.is_cuda:
         return _device_arch(t.device.index if t.device.index is not None else 0)
     return DRY_RUN_ARCH
+
+
+@functools.cache
+def _grid_dependency_control() -> bool:
+    """Whether this Triton can wait for a predecessor grid (`griddepcontrol`, triton >= 3.2)."""
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dependent_launch(t: Tensor) -> dict[str, bool]:
+    """The launch settings that make a time-step kernel on `t`'s device a programmatic
+    dependent launch (PDL: it starts while the kernel before it finishes, and waits for it
+    inside, `triton_kernels._await_predecessor`): on Hopper and later (a dry run's assumed
+    arch too; sm_80 has no griddepcontrol), never in the interpreter (CPU tensors, whatever
+    block sizes a test gives them), with a Triton that has grid dependency control, unless
+    the engine turned it off (`engine.dependent_launch`)."""
+    on = (
+        current().dependent_launch
+        and t.device.type in ("cuda", "meta")
+        and arch(t) >= 90
+        and _grid_dependency_control()
+    )
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 _UNUSED: dict[tuple[torch.device, torch.dtype], Tensor] = {}

@@ -45,6 +45,10 @@ class EngineOptions:
     # beside the next chunk's forward steps (models/gpn/loss.py's ChunkFeed). Bit-identical;
     # off under tensor parallelism (its collectives stay on one stream).
     overlap_decode: bool = True
+    # CUDA, Hopper and later: the time steps' kernels as programmatic dependent launches,
+    # each starting while the one before finishes and waiting for it before its first read
+    # (triton_kernels.py). Bit-identical.
+    dependent_launch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "loss_chunk_tokens"):
@@ -58,7 +62,7 @@ class EngineOptions:
                 f"step_backend: expected {', '.join(STEP_BACKENDS[:-1])} or "
                 f"{STEP_BACKENDS[-1]}, got {self.step_backend!r}"
             )
-        for name in ("cuda_graphs", "overlap_backward", "overlap_decode"):
+        for name in ("cuda_graphs", "overlap_backward", "overlap_decode", "dependent_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
 

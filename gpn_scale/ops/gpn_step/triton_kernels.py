@@ -14,6 +14,12 @@ they compute). Three kinds:
 - `rev_row_kernel`: the reverse sweep's row-wise pieces (an RMSNorm backward, which needs the
   whole row, then the next layer's start or the step's end), one program per row.
 
+Every kernel of the time steps takes `PDL` (programmatic dependent launch, Hopper on; off
+in the interpreter): launched with `launch_pdl`, it may start while the kernel before it in
+the stream finishes, and waits for it (`_await_predecessor`) before its first read; each
+program lets the next kernel start launching once only its final stores are left
+(`_release_dependents`).
+
 Accumulation is in the output's dtype (float32 under bf16 autocast: operands in bf16, the
 state, the memory and every sum in float32). Under TRITON_INTERPRET=1 they run on CPU tensors
 (float32 / float64; the interpreter has no bf16), which is how CI holds them to the reference.
@@ -23,6 +29,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+try:  # Grid dependency control (triton >= 3.2); `geometry.dependent_launch` checks for it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: PDL is never asked for
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
@@ -59,6 +70,41 @@ def _l2n_relu_back(pre, dy):
     rho = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) + 1e-12)
     y = x * rho
     return tl.where(pre > 0.0, rho * (dy - y * tl.sum(y * dy, axis=0)), 0.0)
+
+
+# ------------------------------------------------------------ dependent launch (PDL)
+# A kernel launched with `launch_pdl` may run beside the last programs of the kernel before it
+# in the stream. Before `_await_predecessor` it must read and write nothing that kernel or an
+# earlier one wrote or reads: only L2 prefetches (hints that change no value) go there.
+@triton.jit
+def _await_predecessor(PDL: tl.constexpr):
+    """Wait until the kernel before this one in the stream has finished and its writes are
+    visible (a no-op in a kernel launched without PDL)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _release_dependents(PDL: tl.constexpr):
+    """Let the next kernel in the stream start launching (it waits for this one to finish
+    before its own reads): called once only the program's final stores are left, so that its
+    programs do not sit on the SMs the side stream's work runs on."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, ok):
+    """Ask for the lines at `ptrs` to be fetched into L2 (PTX prefetch.global.L2; where
+    `ok` is false the address is not touched)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, ok.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -266,6 +312,9 @@ def linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PREFETCH_K: tl.constexpr = 0,
+    PREFETCH_LINE: tl.constexpr = 64,
 ):
     """OUT = epilogue(scale * (A @ W) + bias); see `_linear_epilogue`.
 
@@ -280,6 +329,9 @@ def linear_kernel(
     them in a fixed order (deterministic) and applies scale and epilogue. A few-row GEMM
     whose output is narrow (N = d) would otherwise run on N / BLOCK_N programs, a third of
     the SMs, while it streams most of a step's weight bytes.
+    PDL: the first PREFETCH_K rows of the program's weight tiles (what the pipeline's first
+    stages load) are prefetched into L2 while the kernel before finishes: no step writes
+    a weight.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -293,14 +345,27 @@ def linear_kernel(
     acc_t = OUT.dtype.element_ty
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     ss = tl.zeros((BLOCK_M,), dtype=acc_t)
+    s = tl.program_id(2)
     if SPLITS > 1:
-        s = tl.program_id(2)
         if s < SPLITS_K1:
             k_lo = s * K_PER_SPLIT
             k_hi = tl.minimum(k_lo + K_PER_SPLIT, SPLIT_K1)
         else:
             k_lo = SPLIT_K1 + (s - SPLITS_K1) * K_PER_SPLIT
             k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    else:
+        k_lo = 0
+        k_hi = K
+    if PDL and PREFETCH_K > 0:
+        rp = k_lo + tl.arange(0, PREFETCH_K)
+        # one address a 128-byte line (PREFETCH_LINE elements): the columns are contiguous
+        rl = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // PREFETCH_LINE) * PREFETCH_LINE
+        _prefetch_l2(
+            W + rp[:, None] * stride_wk + rl[None, :] * stride_wn,
+            (rp < k_hi)[:, None] & (rl < NW)[None, :],
+        )
+    _await_predecessor(PDL)
+    if SPLITS > 1:
         acc, ss = _mm_range(
             A,
             stride_am,
@@ -321,6 +386,7 @@ def linear_kernel(
             WIDEN,
             BLOCK_K,
         )
+        _release_dependents(PDL)
         ok = m_ok[:, None] & (rn < N)[None, :]
         tl.store(WS + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=ok)
         if ROW_RMS:
@@ -374,6 +440,7 @@ def linear_kernel(
         if ROW_RMS:
             acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
         acc = acc + acc2
+        _release_dependents(PDL)
         _linear_epilogue(
             acc,
             rm,
@@ -453,9 +520,11 @@ def linear_reduce_kernel(
     SPLITS_K1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The split-K sum of `linear_kernel`'s partials, in split order, then its scale and
     epilogue (what the kernel does itself without splits)."""
+    _await_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -475,6 +544,7 @@ def linear_reduce_kernel(
             ss += tl.load(WS_SS + s * M + rm, mask=m_ok, other=0.0)
         acc2 = acc2 * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     acc = acc + acc2
+    _release_dependents(PDL)
     _linear_epilogue(
         acc,
         rm,
@@ -523,12 +593,15 @@ def gated_residual_kernel(
     SS_COLS: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """OUT = sigmoid(PG) * RES + X, grid (B,): the down-projection's gated residual once
     its row-parallel output X (B, D) has been summed over the tp group. NORM (GPN+M): X is
     (B, 2 D), the read part (unnormalised) then the FFN part, summed in one all-reduce with
     SS; the read norm's scale r = rsqrt(sum(SS row) / SS_WIDTH + eps) applies here:
     OUT = sigmoid(PG) * RES + r * X[:, :D] + X[:, D:]."""
+    _await_predecessor(PDL)
+    _release_dependents(PDL)
     b = tl.program_id(0)
     r = 1.0
     if NORM:
@@ -559,9 +632,12 @@ def read_norm_sums_kernel(
     COL_RGATE: tl.constexpr,
     HV: tl.constexpr,
     BLOCK_HV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The read norm backward's row sums over this rank's columns, grid (B,): summed over
     the tp group, then `memory_backward_kernel` reads them."""
+    _await_predecessor(PDL)
+    _release_dependents(PDL)
     b = tl.program_id(0)
     acc_t = SUMS.dtype.element_ty
     sx = tl.sum(tl.zeros((BLOCK_HV,), dtype=acc_t), axis=0)
@@ -582,9 +658,18 @@ def read_norm_sums_kernel(
 # ------------------------------------------------------------------ first key of a chunk
 @triton.jit
 def l2n_relu_kernel(
-    X, stride_x, OUT, stride_ob, stride_oh, DK: tl.constexpr, BLOCK_DK: tl.constexpr
+    X,
+    stride_x,
+    OUT,
+    stride_ob,
+    stride_oh,
+    DK: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """OUT[b, h] = l2n(relu(X[b, h*DK:(h+1)*DK])): grid (B, H)."""
+    _await_predecessor(PDL)
+    _release_dependents(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     rk = tl.arange(0, BLOCK_DK)
@@ -643,6 +728,7 @@ def memory_forward_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_F: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
     write at layer 0, then the read); the others one block of FFN columns.
@@ -652,6 +738,7 @@ def memory_forward_kernel(
     are accumulated elementwise in (BLOCK_R, BLOCK_DV) tiles and summed over the rows once,
     after both loops: a sum over rows in every iteration crossed the warps (shared memory
     and barriers) and its shuffles took most of the loop's instructions."""
+    _await_predecessor(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     if h >= H:
@@ -740,6 +827,7 @@ def memory_forward_kernel(
                 ck = tl.where(r_ok, tl.sum(Kh * k[None, :], axis=1) * tl.exp(Gp - Gj), 0.0)
                 hist_e += ck[:, None] * Uh
         o += tl.sum(hist_o, axis=0)
+        _release_dependents(PDL)  # (the FFN programs release when they end)
         if WRITE:
             u = beta * (v - (err + tl.sum(hist_e, axis=0)))
             o = o + tl.sum(q * k, axis=0) * u
@@ -801,12 +889,14 @@ def rev_row_kernel(
     BLOCK_D: tl.constexpr,
     DN_SPLITS: tl.constexpr,
     WHOLE_ROW: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """dc = base + rms_back(n, x, dn) (+ extra); then layer start (dZ = dc, the predict
     gate's input gradient, dc_in = dc * sigmoid(pg)) or step end (dg = dc; d_fuse and the
     fuse gate's input gradient of the previous step). Grid (B,). Dense (B, D) buffers share
     `stride_row` = D unless given their own stride. dn is the output of a split-K GEMM
     summed here (DN_SPLITS > 1), in its sum kernel's order: one launch fewer a GEMM."""
+    _await_predecessor(PDL)
     b = tl.program_id(0)
     row = b * stride_row
     acc_t = DN.dtype.element_ty
@@ -829,6 +919,7 @@ def rev_row_kernel(
             sdn += tl.sum(dn * tl.load(N_ + row + rd, mask=ok, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(sx / D + eps)
     mean_dn = sdn / D
+    _release_dependents(PDL)  # the second pass is what is left
     for d0 in range(0, D, BLOCK_D):
         rd = d0 + tl.arange(0, BLOCK_D)
         ok = rd < D
@@ -871,8 +962,11 @@ def rev_start_kernel(
     D,
     HAS_DS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The chunk's last step: dg = ds_end (or 0), d_fuse and the fuse gate's input gradient."""
+    _await_predecessor(PDL)
+    _release_dependents(PDL)
     b = tl.program_id(0)
     for d0 in range(0, D, BLOCK_D):
         rd = d0 + tl.arange(0, BLOCK_D)
@@ -997,6 +1091,7 @@ def memory_backward_kernel(
     NORM_WIDTH: tl.constexpr,
     BLOCK_S: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step.
     A head program first forms the step's value-column adjoints (do, dpred and their
@@ -1025,6 +1120,7 @@ def memory_backward_kernel(
     No later block reads what an earlier block stores (other columns, or Y not DY), so the
     pipeliner may issue the loads ahead of the stores; what the loop reads of the value
     adjoints was stored before it, behind a barrier of the whole program."""
+    _await_predecessor(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     y_row = Y + b * stride_y
@@ -1153,6 +1249,7 @@ def memory_backward_kernel(
                 acc_dk += m0 * (eGp * dp_b)[None, :]
                 dU_add += coef2[:, None] * dp_b[None, :]
             tl.store(tile_du, du_rows + dU_add, mask=ok_push)
+        _release_dependents(PDL)  # (the FFN programs release when they end)
         dsd = tl.sum(acc_dsd, axis=1)  # sum_v u_j * do, then times w_j
         dq = tl.sum(acc_dq, axis=1)  # M0 drq
         if WRITE:
@@ -1281,6 +1378,7 @@ def memory_backward_flush_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The deferred pushes of the steps [b0, b0 + BLOCK_S) onto the rows j < b0 (see
     `memory_backward_kernel`): with W[j, s] = e^{G_s - G_j} (q_s.k_j) the read's weights
@@ -1293,6 +1391,10 @@ def memory_backward_flush_kernel(
     key tile (which took half the registers). Grid (B, H); launched after the memory
     backward of a block's first step b0 > 0 (its own kernel: inside the step kernel its
     tiles spilled both)."""
+    _await_predecessor(PDL)
+    # (its stores run to the end; at 2 programs per SM its grid is several waves, and the
+    # next kernel launches only once the last wave's programs have all released)
+    _release_dependents(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     kept = (b.to(tl.int64) * H + h) * BLOCK_S * DV
