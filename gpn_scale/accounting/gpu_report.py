@@ -238,13 +238,14 @@ def against(
     if not rows:
         models = [k for k, v in blob.get("summary", {}).items() if isinstance(v, dict)]
         raise ValueError(f"{run}: no measured rows for {config} (models: {', '.join(models)})")
-    cfg = load_model_config(config)
+    # A run from before an engine option existed ran without it (the 2026-12-04 run: no side
+    # streams, no dependent launches).
+    cfg = load_model_config(config).replace(dependent_launch=meta.get("dependent_launch", False))
     if chunk_size is not None:
         cfg = cfg.replace(chunk_size=chunk_size)
     seq_len = int(meta.get("seq_len", 2048))
     graphs = meta.get("cuda_graphs", True)
-    # The side streams the run's engine used; a run from before an option existed ran
-    # without it (the 2026-12-04 run: neither).
+    # The side streams the run's engine used.
     overlap = meta.get("overlap_backward", False)
     decode = meta.get("overlap_decode", False)
     ledger = device_runs.ledger_rows(blob, config)

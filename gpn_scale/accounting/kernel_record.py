@@ -42,6 +42,7 @@ class Op:
     collective: bool = False  # an all-reduce of the tp group (not a kernel of ours)
     cost: Any = None  # accounting.kernel_costs.KernelCost: the compiled variant's facts (or None)
     efficiency: float | None = None  # share of the dense peak its FLOPs run at (default EFF_FLOPS)
+    dependent: bool = False  # a programmatic dependent launch (engine.dependent_launch)
 
 
 class AtenRecorder(TorchDispatchMode):

@@ -20,7 +20,8 @@ Three kinds of launch, three physical models (the ceilings and their sources:
 - **An ATen op** (the chunk-wide work, outside the sequential steps): its bytes at the copy
   bandwidth or its FLOPs at the GEMM rate (flash attention at its own share of the peak).
 
-Graphed launches pay the GPU-side gap between kernels; eager ones at least the host's time.
+Graphed launches pay the GPU-side gap between kernels (a dependent launch a shorter one);
+eager ones at least the host's time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from gpn_scale.accounting.ceilings import Ceilings
 from gpn_scale.accounting.kernel_record import Op
 
 GRAPH_GAP_S = 1.3e-6  # between two kernels of a replayed graph, on the GPU (Hazy Research)
+# ... before a programmatic dependent launch (engine.dependent_launch): its programs are
+# already on the SMs, waiting, when the kernel before ends; what is left is that kernel's
+# completion reaching them. Assumed, not measured: the device check times the engine with
+# dependent launches off beside on.
+DEPENDENT_GAP_S = 0.5e-6
 HOST_LAUNCH_S = 5e-6  # host time to issue one eager ATen launch (dispatch included)
 # An eager Triton launch costs the host its argument binding, measured
 # (kernel_costs.binding_seconds: 16 us a GEMM, 45-85 us the memory backward's 93 arguments,
@@ -68,10 +74,15 @@ def price(op: Op, c: Ceilings, graphed: bool, graphs_on: bool = True) -> Price:
         )
         t, bound = max((hbm, "hbm"), (op.flops / rate, "flops"))
         host = HOST_LAUNCH_S
-    t += GRAPH_GAP_S
+    t += gap_s(op)
     if not graphed and host > t:
         return Price(host, "host", hbm)
     return Price(t, bound, hbm)
+
+
+def gap_s(op: Op) -> float:
+    """The GPU-side gap before a launch: a dependent launch's or a graph's."""
+    return DEPENDENT_GAP_S if op.dependent else GRAPH_GAP_S
 
 
 def _triton(op: Op, c: Ceilings) -> tuple[float, str]:

@@ -239,6 +239,7 @@ def _probe(
             True,
             launch.name.startswith(launches_.COLLECTIVE),
             cost,
+            dependent=bool(launch.meta.get("PDL")),
         )
         for launch, cost in zip(launches, costs)
     ]
@@ -393,7 +394,8 @@ def _spare(ops: list[Op], sweep: str, c: Ceilings, op_time) -> float:
         if op.cost is not None and op.cost.blocks_per_sm:
             busy = min(c.sm_count, math.ceil(op.cost.programs / op.cost.blocks_per_sm))
             free = 1 - busy / c.sm_count
-        total += GRAPH_GAP_S + max(0.0, op_time(op) - GRAPH_GAP_S) * free
+        gap = pricing.gap_s(op)
+        total += gap + max(0.0, op_time(op) - gap) * free
     return total
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpn_scale.accounting import gpu_compile
+from gpn_scale.accounting import gpu_compile, pricing
+from gpn_scale.accounting.kernel_record import Op
 from gpn_scale.core.config import ConfigError
 from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import geometry
@@ -135,3 +136,14 @@ def test_dependent_launch_option_is_a_bool():
     assert EngineOptions().dependent_launch is True
     with pytest.raises(ConfigError, match="dependent_launch: expected true or false"):
         EngineOptions(dependent_launch="yes")
+
+
+def test_a_dependent_launch_is_priced_with_the_shorter_gap():
+    from gpn_scale.accounting.step_model import gpu_ceilings
+
+    h200 = gpu_ceilings("h200")
+    plain = Op("reverse step: row", "sequential backward", 10**6, 0, False)
+    dependent = Op("reverse step: row", "sequential backward", 10**6, 0, False, dependent=True)
+    saved = pricing.price(plain, h200, True).seconds - pricing.price(dependent, h200, True).seconds
+    assert saved == pytest.approx(pricing.GRAPH_GAP_S - pricing.DEPENDENT_GAP_S)
+    assert 0 < pricing.DEPENDENT_GAP_S < pricing.GRAPH_GAP_S
