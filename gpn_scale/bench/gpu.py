@@ -242,10 +242,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-ceilings", action="store_true", help="skip the ceilings")
     parser.add_argument(
-        "--no-overlap-ab",
+        "--no-engine-ab",
         action="store_true",
-        help="skip the first config with both side streams off (engine.overlap_backward and "
-        "overlap_decode false, at the last ledger batch)",
+        help="skip the first config with each of gpu_throughput.ENGINE_AB's engine options off "
+        "(the side streams; dependent launches), at the last ledger batch",
     )
     return parser
 
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seq_len,
         transformer=not args.no_transformer,
         compiled=device.type == "cuda",  # inductor on a CPU is the tests' business (tests/train)
-        overlap_ab_batch=None if args.no_overlap_ab else ledger_batches[-1],
+        ab_batch=None if args.no_engine_ab else ledger_batches[-1],
     )
     results = Results(out, _meta(args, device, candidates, t0))
     results.save()
@@ -355,10 +355,11 @@ def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, 
         bf16=not args.fp32,
         step_form=_step_form(device),
         cuda_graphs=True,
-        # the engine's side streams (their A/B row says otherwise for itself); the
-        # accounting prices a run with the options it ran under (gpu_report.against)
+        # the engine's options (each A/B row says otherwise for itself); the accounting
+        # prices a run with the options it ran under (gpu_report.against)
         overlap_backward=True,
         overlap_decode=True,
+        dependent_launch=True,
         max_seconds=args.max_seconds,
         params={c.name: c.params for c in candidates},
         _t0=t0,

@@ -49,29 +49,40 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
             name += ", CUDA graphs " + ("on" if graphs else "off")
         yield guarded(name, _engine_against_reference, device, tokens, dtype, graphs, name)
     yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
-    yield guarded(OVERLAP_CHECK, _overlap_bit_identical, device, tokens)
+    yield guarded(OVERLAP_CHECK, _bit_identical, device, tokens, OVERLAP_CHECK, OVERLAP)
+    yield guarded(DEPENDENT_CHECK, _bit_identical, device, tokens, DEPENDENT_CHECK, DEPENDENT)
 
 
+# Engine options that change how the steps run, never a value: each on against off, bit for bit.
+# The side streams (`engine.overlap_backward` and `overlap_decode`, ops/gpn_step/overlap.py)
+# over several chunks and decode pieces: the CPU tests hold the order, this the streams,
+# events and record_stream on the device.
 OVERLAP_CHECK = "overlapped backward and decode == plain, bit for bit"
+OVERLAP = ("overlap_backward", "overlap_decode")
+# The step kernels as programmatic dependent launches (`engine.dependent_launch`): the CPU
+# tests hold each kernel's wait before its first read; this, that none reads early on the
+# device, eagerly and in graphs.
+DEPENDENT_CHECK = "dependent launches == plain, bit for bit"
+DEPENDENT = ("dependent_launch",)
 
 
-def _overlap_bit_identical(device: torch.device, tokens: torch.Tensor) -> dict:
-    """The side streams (`engine.overlap_backward` and `overlap_decode`, ops/gpn_step/
-    overlap.py) give the plain order's loss and gradients exactly, over several chunks and
-    decode pieces (the CPU tests hold the order; this holds the streams, events and
-    record_stream on the device)."""
-    results = []
-    for overlap in (False, True):
-        cfg = TINY.replace(
-            chunk_size=4, loss_chunk_tokens=8, overlap_backward=overlap, overlap_decode=overlap
-        )
-        model = perturbed_model(cfg, torch.float32).to(device)
-        out = model(tokens)
-        results.append([out.loss, *torch.autograd.grad(out.loss, list(model.parameters()))])
-    differing = sum(not torch.equal(a, b) for a, b in zip(*results))
-    return dict(
-        check=OVERLAP_CHECK, tensors=len(results[0]), differing=differing, ok=differing == 0
-    )
+def _bit_identical(
+    device: torch.device, tokens: torch.Tensor, name: str, options: tuple[str, ...]
+) -> dict:
+    """The loss and every gradient with `options` off and on (float32, graphs on and off
+    for the step options): equal bit for bit."""
+    results: dict[bool, list[torch.Tensor]] = {}
+    for on in (False, True):
+        results[on] = []
+        for graphs in (True, False):
+            cfg = TINY.replace(
+                chunk_size=4, loss_chunk_tokens=8, cuda_graphs=graphs, **dict.fromkeys(options, on)
+            )
+            model = perturbed_model(cfg, torch.float32).to(device)
+            out = model(tokens)
+            results[on] += [out.loss, *torch.autograd.grad(out.loss, list(model.parameters()))]
+    differing = sum(not torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    return dict(check=name, tensors=len(results[True]), differing=differing, ok=differing == 0)
 
 
 def _engine_against_reference(

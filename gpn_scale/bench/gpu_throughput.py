@@ -166,29 +166,35 @@ def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
     )
 
 
+# The engine options the device check also times the first config without, one row each at
+# the last ledger batch (issue 34): what each is predicted to save, measured beside it.
+ENGINE_AB = (
+    ("overlap off", dict(overlap_backward=False, overlap_decode=False)),
+    ("dependent launch off", dict(dependent_launch=False)),
+)
+
+
 def candidates(
     configs: list[GPNConfig],
     seq_len: int,
     transformer: bool,
     compiled: bool,
-    overlap_ab_batch: int | None,
+    ab_batch: int | None,
 ) -> tuple[list[Candidate], dict[str, list[int]]]:
-    """The device check's models in order (each GPN config; the first again with both side
-    streams off, the backward's and the decode's, at `overlap_ab_batch` only; the
-    Transformer++ of the first config's size, eager and `compiled`), and the batches of
-    those measured at a few only."""
+    """The device check's models in order (each GPN config; the first again with each of
+    `ENGINE_AB`'s options off, at `ab_batch` only; the Transformer++ of the first config's
+    size, eager and `compiled`), and the batches of those measured at a few only."""
     found = [gpn_candidate(cfg, seq_len) for cfg in configs]
     only_at: dict[str, list[int]] = {}
-    if overlap_ab_batch is not None:  # engine.overlap_* A/B (issue 34 item 4)
-        off = configs[0].replace(overlap_backward=False, overlap_decode=False)
-        plain = gpn_candidate(off, seq_len)
-        plain = dataclasses.replace(
-            plain,
-            name=f"{plain.name} (overlap off)",
-            config=f"{plain.config} engine.overlap_backward=false engine.overlap_decode=false",
-        )
-        found.insert(1, plain)
-        only_at[plain.name] = [overlap_ab_batch]
+    if ab_batch is not None:
+        for i, (label, off) in enumerate(ENGINE_AB, start=1):
+            plain = gpn_candidate(configs[0].replace(**off), seq_len)
+            flags = " ".join(f"engine.{k}={str(v).lower()}" for k, v in off.items())
+            plain = dataclasses.replace(
+                plain, name=f"{plain.name} ({label})", config=f"{plain.config} {flags}"
+            )
+            found.insert(i, plain)
+            only_at[plain.name] = [ab_batch]
     if transformer:
         found.append(transformer_candidate(configs[0], seq_len))
         if compiled:

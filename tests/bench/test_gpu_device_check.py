@@ -36,7 +36,7 @@ SMOKE = [
 ]
 # The tests of the throughput's bookkeeping leave the decision data out (the first test runs
 # it all).
-FAST = [*SMOKE, "--no-ledger", "--no-ceilings", "--no-overlap-ab"]
+FAST = [*SMOKE, "--no-ledger", "--no-ceilings", "--no-engine-ab"]
 
 
 def test_device_check_runs_and_records(tmp_path):
@@ -83,24 +83,28 @@ def test_device_check_runs_and_records(tmp_path):
     assert (out / result["trace"]["trace"]).stat().st_size > 0
     runs = result["runs"]
     tpp = [r["model"] for r in runs if r["family"] == "transformer++"]
-    # the first config again with the backward's side stream off, at the last ledger batch
+    # the first config again with each engine A/B option off, at the last ledger batch
     plain = f"{cfg.name} (overlap off)"
-    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [plain] + ["tiny_2l"] * 2 + tpp[
-        :1
-    ] * 2
-    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 4, 2, 4]  # increasing order
+    independent = f"{cfg.name} (dependent launch off)"
+    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [plain, independent] + [
+        "tiny_2l"
+    ] * 2 + tpp[:1] * 2
+    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 4, 2, 4]  # increasing order
     assert result["summary"][plain]["config"] == (
         "tiny_c4 engine.overlap_backward=false engine.overlap_decode=false"
     )
-    (side,) = [c for c in checks if c["check"].startswith("overlapped backward")]
-    assert side["ok"] and side["differing"] == 0 and side["tensors"] > 10
+    assert result["summary"][independent]["config"] == "tiny_c4 engine.dependent_launch=false"
+    for name in ("overlapped backward", "dependent launches"):
+        (same,) = [c for c in checks if c["check"].startswith(name)]
+        assert same["ok"] and same["differing"] == 0 and same["tensors"] > 20
     for r in runs:
         assert r["tokens_per_s"] > 0 and r["mfu"] is None  # no peak on a CPU
         assert r["peak_allocated_gb"] is None and r["peak_reserved_gb"] is None
         assert r["gpu_busy_fraction"] is None and r["kernels_per_step"] == 0
         assert r["profiled_seq_len"] == 16
     # the engine options the accounting prices a run with (gpu_report.against)
-    assert result["meta"]["overlap_backward"] is True and result["meta"]["overlap_decode"] is True
+    meta = result["meta"]
+    assert meta["overlap_backward"] and meta["overlap_decode"] and meta["dependent_launch"]
     params = result["meta"]["params"]
     assert abs(params[tpp[0]] / params["tiny_c4"] - 1) < 0.1  # same size, side by side
     summary = result["summary"]
@@ -228,7 +232,7 @@ def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch
             "auto",
             "--no-ledger",
             "--no-ceilings",
-            "--no-overlap-ab",
+            "--no-engine-ab",
             "--out",
             str(tmp_path),
         ]
