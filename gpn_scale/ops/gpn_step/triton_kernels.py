@@ -797,15 +797,15 @@ def memory_forward_kernel(
             )
             # the key rows' q and k read again (L1 hits): a register tensor cannot be sliced
             qb = tl.load(y_row + COL_QUERY + h * DK + rows, mask=r_ok, other=0.0)
-            acc_o += (tl.maximum(qb, 0.0) * q_scale_eG)[:, None] * m0
+            acc_o += tl.maximum(qb, 0.0)[:, None] * m0  # scaled once, after the loop
             if WRITE:
                 kb = tl.load(kcur + rows, mask=r_ok, other=0.0)
-                acc_e += (kb * eGp)[:, None] * m0
+                acc_e += kb[:, None] * m0
         # the history's rows in blocks of their own (a row of it is 1.5 times one of M0)
-        o = tl.sum(acc_o, axis=0)
+        o = q_scale_eG * tl.sum(acc_o, axis=0)
         hist_o = tl.zeros((BLOCK_J, BLOCK_DV), dtype=acc_t)
         if WRITE:
-            err = tl.sum(acc_e, axis=0)
+            err = eGp * tl.sum(acc_e, axis=0)
             hist_e = tl.zeros((BLOCK_J, BLOCK_DV), dtype=acc_t)
         for c0 in tl.range(0, n_hist, BLOCK_J, num_stages=STAGES):
             rows = c0 + tl.arange(0, BLOCK_J)
@@ -1142,7 +1142,7 @@ def memory_backward_kernel(
         r = 1.0 / tl.sqrt(sx / NORM_WIDTH + eps)
         mean_dn = sdn / NORM_WIDTH
         rk = tl.arange(0, BLOCK_DK)
-        k_ok = rk < DK
+        k_ok = (rk < DK) | (DK == BLOCK_DK)  # constant where whole (no mask in the loop)
         rc = tl.arange(0, BLOCK_C)
         read_ok = rc <= tau
         is_t = rc == tau
@@ -1224,7 +1224,7 @@ def memory_backward_kernel(
             acc_dsd2 = tl.zeros((BLOCK_C, BLOCK_DV), dtype=acc_t)
         for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
             rv = v0 + tl.arange(0, BLOCK_DV)
-            v_ok = rv < DV
+            v_ok = (rv < DV) | (DV % BLOCK_DV == 0)
             ok_v = read_ok[:, None] & v_ok[None, :]
             # The block's rows of the chunk's u adjoints (the rest: the block's flush).
             tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
@@ -1242,19 +1242,19 @@ def memory_backward_kernel(
             if WRITE:
                 dp_b = tl.load(DPB + kept + slot * DV + rv, mask=v_ok, other=0.0)
             acc_dsd += Uh * do_b[None, :]
-            acc_dq += m0 * (eG * do_b)[None, :]
-            dU_add = coef[:, None] * do_b[None, :]
+            acc_dq += m0 * do_b[None, :]
+            du_rows += coef[:, None] * do_b[None, :]
             if WRITE:
                 acc_dsd2 += Uh * dp_b[None, :]
-                acc_dk += m0 * (eGp * dp_b)[None, :]
-                dU_add += coef2[:, None] * dp_b[None, :]
-            tl.store(tile_du, du_rows + dU_add, mask=ok_push)
+                acc_dk += m0 * dp_b[None, :]
+                du_rows += coef2[:, None] * dp_b[None, :]
+            tl.store(tile_du, du_rows, mask=ok_push)
         _release_dependents(PDL)  # (the FFN programs release when they end)
         dsd = tl.sum(acc_dsd, axis=1)  # sum_v u_j * do, then times w_j
-        dq = tl.sum(acc_dq, axis=1)  # M0 drq
+        dq = eG * tl.sum(acc_dq, axis=1)  # M0 drq (drq = e^{G_t} do)
         if WRITE:
             dsd2 = tl.sum(acc_dsd2, axis=1)
-            dk = tl.sum(acc_dk, axis=1)  # M0 drk
+            dk = eGp * tl.sum(acc_dk, axis=1)  # M0 drk (drk = e^{G_{t-1}} dpred)
         # q_t and k_t are only needed from here (their products with the keys are the Gram
         # rows): read with the keys, not held over the loop; so are the keys themselves
         # (held over the loop they would take the registers its pipelined tiles need).
