@@ -900,13 +900,27 @@ def rev_row_kernel(
     b = tl.program_id(0)
     row = b * stride_row
     acc_t = DN.dtype.element_ty
-    if WHOLE_ROW:  # D <= BLOCK_D: the row's dn summed once, kept for the second pass
-        rw = tl.arange(0, BLOCK_D)
-        w_ok = rw < D
-        x = tl.load(X + row + rw, mask=w_ok, other=0.0)
-        dn_row = _split_summed(DN, DN_SPLIT_STRIDE, row + rw, w_ok, DN_SPLITS)
-        sx = tl.sum(x * x, axis=0)
-        sdn = tl.sum(dn_row * tl.load(N_ + row + rw, mask=w_ok, other=0.0), axis=0)
+    if WHOLE_ROW:
+        # D <= BLOCK_D: every load of the row issued at once, before the sums (the second
+        # pass's loads after them, and after its first store, were two more round trips)
+        rd = tl.arange(0, BLOCK_D)
+        ok = rd < D
+        x = tl.load(X + row + rd, mask=ok, other=0.0)
+        dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
+        n = tl.load(N_ + row + rd, mask=ok, other=0.0)
+        base, gate, dg, extra, pg, c_in, p, g = _rev_row_inputs(
+            b, row, rd, ok, BASE, stride_base, GATE, DG, EXTRA, PG, stride_pg, CIN, P_PREV,
+            GATE_PREV, BASE_GROUND, HAS_EXTRA, THEN_LAYER, HAS_PREV,
+        )  # fmt: skip
+        rest = base + gate * dg + extra  # (one tensor held over the sums, not four)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        mean_dn = tl.sum(dn * n, axis=0) / D
+        _release_dependents(PDL)  # only the stores are left
+        dc = r * (dn - n * mean_dn) + rest
+        _rev_row_outputs(
+            b, row, rd, ok, dc, pg, c_in, p, g, DZ, DPG, stride_dpg, DCIN, DG, DFUSE_PREV,
+            stride_df, DYFG_PREV, THEN_LAYER, HAS_PREV,
+        )  # fmt: skip
     else:
         sx = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
         sdn = tl.sum(tl.zeros((BLOCK_D,), dtype=acc_t), axis=0)
@@ -917,37 +931,69 @@ def rev_row_kernel(
             sx += tl.sum(x * x, axis=0)
             dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
             sdn += tl.sum(dn * tl.load(N_ + row + rd, mask=ok, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt(sx / D + eps)
-    mean_dn = sdn / D
-    _release_dependents(PDL)  # the second pass is what is left
-    for d0 in range(0, D, BLOCK_D):
-        rd = d0 + tl.arange(0, BLOCK_D)
-        ok = rd < D
-        if WHOLE_ROW:
-            dn = dn_row
-        else:
+        r = 1.0 / tl.sqrt(sx / D + eps)
+        mean_dn = sdn / D
+        _release_dependents(PDL)  # the second pass is what is left
+        for d0 in range(0, D, BLOCK_D):
+            rd = d0 + tl.arange(0, BLOCK_D)
+            ok = rd < D
             dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
-        n = tl.load(N_ + row + rd, mask=ok, other=0.0)
-        dc = r * (dn - n * mean_dn) + tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
-        if BASE_GROUND:
-            dc += tl.load(GATE + row + rd, mask=ok, other=0.0) * tl.load(
-                DG + row + rd, mask=ok, other=0.0
-            )
-        if HAS_EXTRA:
-            dc += tl.load(EXTRA + row + rd, mask=ok, other=0.0)
-        if THEN_LAYER:
-            tl.store(DZ + row + rd, dc, mask=ok)
-            sg = _sigmoid(tl.load(PG + b * stride_pg + rd, mask=ok, other=0.0))
-            c_in = tl.load(CIN + row + rd, mask=ok, other=0.0)
-            tl.store(DPG + b * stride_dpg + rd, dc * c_in * sg * (1.0 - sg), mask=ok)
-            tl.store(DCIN + row + rd, dc * sg, mask=ok)
-        else:
-            tl.store(DG + row + rd, dc, mask=ok)
-            if HAS_PREV:
-                tl.store(DFUSE_PREV + b * stride_df + rd, dc, mask=ok)
-                p = tl.load(P_PREV + row + rd, mask=ok, other=0.0)
-                g = tl.load(GATE_PREV + row + rd, mask=ok, other=0.0)
-                tl.store(DYFG_PREV + row + rd, dc * p * g * (1.0 - g), mask=ok)
+            n = tl.load(N_ + row + rd, mask=ok, other=0.0)
+            base, gate, dg, extra, pg, c_in, p, g = _rev_row_inputs(
+                b, row, rd, ok, BASE, stride_base, GATE, DG, EXTRA, PG, stride_pg, CIN,
+                P_PREV, GATE_PREV, BASE_GROUND, HAS_EXTRA, THEN_LAYER, HAS_PREV,
+            )  # fmt: skip
+            dc = r * (dn - n * mean_dn) + base + gate * dg + extra
+            _rev_row_outputs(
+                b, row, rd, ok, dc, pg, c_in, p, g, DZ, DPG, stride_dpg, DCIN, DG, DFUSE_PREV,
+                stride_df, DYFG_PREV, THEN_LAYER, HAS_PREV,
+            )  # fmt: skip
+
+
+@triton.jit
+def _rev_row_inputs(
+    b, row, rd, ok, BASE, stride_base, GATE, DG, EXTRA, PG, stride_pg, CIN, P_PREV, GATE_PREV,
+    BASE_GROUND: tl.constexpr, HAS_EXTRA: tl.constexpr, THEN_LAYER: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+):  # fmt: skip
+    """What `rev_row_kernel` reads of a block of the row besides the norm's rows: base, the
+    ground's gate and dg (zeros without it), the extra term, and what the layer start (pg,
+    c_in) or the step's end (the previous step's p and gate) needs (zeros otherwise)."""
+    zero = tl.zeros(rd.shape, dtype=DG.dtype.element_ty)
+    base = tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
+    gate, dg, extra, pg, c_in, p, g = zero, zero, zero, zero, zero, zero, zero
+    if BASE_GROUND:
+        gate = tl.load(GATE + row + rd, mask=ok, other=0.0)
+        dg = tl.load(DG + row + rd, mask=ok, other=0.0)
+    if HAS_EXTRA:
+        extra = tl.load(EXTRA + row + rd, mask=ok, other=0.0)
+    if THEN_LAYER:
+        pg = tl.load(PG + b * stride_pg + rd, mask=ok, other=0.0)
+        c_in = tl.load(CIN + row + rd, mask=ok, other=0.0)
+    elif HAS_PREV:
+        p = tl.load(P_PREV + row + rd, mask=ok, other=0.0)
+        g = tl.load(GATE_PREV + row + rd, mask=ok, other=0.0)
+    return base, gate, dg, extra, pg, c_in, p, g
+
+
+@triton.jit
+def _rev_row_outputs(
+    b, row, rd, ok, dc, pg, c_in, p, g, DZ, DPG, stride_dpg, DCIN, DG, DFUSE_PREV, stride_df,
+    DYFG_PREV, THEN_LAYER: tl.constexpr, HAS_PREV: tl.constexpr,
+):  # fmt: skip
+    """What `rev_row_kernel` writes of a block of the row from its dc: the layer start's dZ,
+    the predict gate's input gradient and dc_in, or the step end's dg and the previous
+    step's d_fuse and fuse-gate input gradient."""
+    if THEN_LAYER:
+        tl.store(DZ + row + rd, dc, mask=ok)
+        sg = _sigmoid(pg)
+        tl.store(DPG + b * stride_dpg + rd, dc * c_in * sg * (1.0 - sg), mask=ok)
+        tl.store(DCIN + row + rd, dc * sg, mask=ok)
+    else:
+        tl.store(DG + row + rd, dc, mask=ok)
+        if HAS_PREV:
+            tl.store(DFUSE_PREV + b * stride_df + rd, dc, mask=ok)
+            tl.store(DYFG_PREV + row + rd, dc * p * g * (1.0 - g), mask=ok)
 
 
 @triton.jit
