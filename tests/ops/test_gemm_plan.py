@@ -113,3 +113,28 @@ def test_a_float32_operand_over_a_long_k_takes_wide_panels_with_the_same_weight_
     assert gemm.gemm_plan(M, 2496, 27358, rows, ieee=True).block_n < gemm.WIDE_PANEL_N
     with execution(assumed_arch=80):  # mma.sync holds operand fragments in registers: spilled
         assert gemm.gemm_plan(M, 2496, 27358, rows).block_n == gemm.GEMM_BLOCK_N
+
+
+@pytest.mark.parametrize(
+    "shape", [(27358, 2496, 0), (2496, 3840 + 6656, 3840), (3840 + 6656, 2496, 0)]
+)
+@pytest.mark.parametrize("M", [64, 128, 256])
+def test_bf16_rows_in_128_row_blocks_keep_more_weight_tiles_ahead(on_gpu_sizes, shape, M):
+    """From 128-row blocks of bf16 A: 32-deep K tiles 6 stages deep, the shared memory of
+    64-deep ones 3 deep (as many programs per SM) with 5 weight tiles ahead of the one in use
+    instead of 2; float32 A rows and fewer rows keep 64-deep tiles 3 stages deep."""
+    N, K, k1 = shape
+    bf16_rows = torch.empty(0, device="meta", dtype=torch.bfloat16)
+    plan = gemm.gemm_plan(M, N, K, bf16_rows, k1)
+    deep = plan.block_m == 128
+    assert deep == (M >= 128)
+    assert (plan.block_k, plan.stages) == (gemm.DEEP_PIPELINE if deep else (64, 3))
+
+    def ring(bk: int, stages: int) -> int:  # the pipeline's shared memory: A and W tiles
+        return stages * (plan.block_m * bk + bk * plan.block_n) * 2
+
+    assert ring(plan.block_k, plan.stages) == ring(64, 3)
+    assert (plan.stages - 1) * plan.block_k > 2 * 64 or not deep
+    assert plan.k_per_split % plan.block_k == 0
+    float32_rows = torch.empty(0, device="meta", dtype=torch.float32)
+    assert gemm.gemm_plan(M, N, K, float32_rows, k1).stages != gemm.DEEP_PIPELINE[1]

@@ -86,11 +86,13 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
         # bytes: accounting/pricing.py); 8 warps hold its 128-row accumulator and A tiles
         bm = min(128 if M >= 128 else 64, max(16, geometry.p2(M)))
         bn, bk, warps = GEMM_BLOCK_N, 64, 8 if bm == 128 else 4
+    stages = 3
+    if not ieee and bm == 128 and t.element_size() == 2:
+        bk, stages = DEEP_PIPELINE
     programs = geometry.cdiv(M, bm) * geometry.cdiv(N, bn)
     sms = geometry.sm_count(t)
     if programs >= sms or K <= bk:
-        return GemmPlan(bm, bn, bk, warps)
-    stages = 3
+        return GemmPlan(bm, bn, bk, warps, stages=stages)
     if not ieee and t.element_size() == 4 and K >= WIDE_PANEL_MIN_K and geometry.arch(t) >= 90:
         bn = WIDE_PANEL_N
         bk, stages = (32, 5) if bm * bn // (32 * warps) >= 128 else (64, 3)
@@ -106,8 +108,18 @@ def gemm_plan(M: int, N: int, K: int, t: Tensor, k1: int = 0, ieee: bool = False
         and _partials_outweigh(splits, M, N, K)
         and geometry.cdiv(M, bm) * geometry.cdiv(N, narrow) >= sms
     ):
-        return GemmPlan(bm, narrow, bk, warps)
-    return GemmPlan(bm, bn, bk, warps, splits, s1, per)
+        return GemmPlan(bm, narrow, bk, warps, stages=stages)
+    return GemmPlan(bm, bn, bk, warps, splits, s1, per, stages)
+
+
+# bf16 A rows in 128-row blocks (the input GEMM, the down GEMM and its dy W^T from B = 128):
+# 32-deep K tiles 6 stages deep take the shared memory of 64-deep ones 3 deep (and so as many
+# programs per SM) but keep 5 weight tiles ahead of the one in use instead of 2: 20-40 KB a
+# program, where the 64-wide panels of the down GEMM's dy W^T drew 62% of the copy bandwidth
+# (Little's law, accounting/pricing.py). Priced at B = 128 / 256: 1.215 -> 1.201 / 2.493 ->
+# 2.456 s a step. A float32 A tile is twice the bytes: more stages of it would cost programs
+# per SM; fewer rows (B < 128) priced slower this deep.
+DEEP_PIPELINE = (32, 6)
 
 
 # A split product with a float32 A operand over a long K (the input GEMM's dy W^T: the dY
