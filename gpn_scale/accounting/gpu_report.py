@@ -238,8 +238,7 @@ def against(
     if not rows:
         models = [k for k, v in blob.get("summary", {}).items() if isinstance(v, dict)]
         raise ValueError(f"{run}: no measured rows for {config} (models: {', '.join(models)})")
-    # A run from before an engine option existed ran without it (the 2026-12-04 run: no side
-    # streams, no dependent launches).
+    # A run from before an engine option ran without it (2026-12-04: no side streams, no PDL).
     cfg = load_model_config(config).replace(dependent_launch=meta.get("dependent_launch", False))
     if chunk_size is not None:
         cfg = cfg.replace(chunk_size=chunk_size)
