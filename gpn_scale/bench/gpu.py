@@ -139,10 +139,18 @@ def default_triton_cache() -> Path:
 
 
 def prebuild_triton_cache(
-    cache_dir: Path, configs: list[str], seq_len: int, arch: str, log: Path, timeout_s: float
+    cache_dir: Path,
+    configs: list[str],
+    seq_len: int,
+    arch: str,
+    log: Path,
+    timeout_s: float,
+    ab_batch: int | None = None,
 ) -> dict:
     """Compile the check's kernel variants into `cache_dir` (a Triton cache) in parallel
-    processes (accounting/gpu_compile.py --triton-cache); what it did, for results.json."""
+    processes (accounting/gpu_compile.py --triton-cache); what it did, for results.json.
+    `ab_batch`: also the first config's launches without dependent launches there (its A/B
+    row: other variants, which the timed process would otherwise compile one by one)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     batches = ",".join(map(str, PREBUILD_BATCHES))
     runs = [
@@ -150,6 +158,11 @@ def prebuild_triton_cache(
         ["testing_tiny", "--set", "n_layers=2", "--dtype", "fp32", "--batch", "3"],
         [*configs, "--batch", batches, "--seq-len", str(seq_len)],
     ]
+    if ab_batch is not None:
+        runs.append(
+            [configs[0], "--set", "dependent_launch=false", "--batch", str(ab_batch)]
+            + ["--seq-len", str(seq_len)]
+        )
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with open(log, "w") as out:
@@ -297,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     results.save()
     print(f"device check on {results.meta['device_name']} (torch {torch.__version__})", flush=True)
     if device.type == "cuda":
-        _prebuild(args, results, names)
+        _prebuild(args, results, names, None if args.no_engine_ab else ledger_batches[-1])
     for row in [*exactness.check_exactness(device), *exactness.check_gated_deltanet_fla(device)]:
         results.checks.append(row)
         results.save()
@@ -366,7 +379,7 @@ def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, 
     )
 
 
-def _prebuild(args, results: Results, names: list[str]) -> None:
+def _prebuild(args, results: Results, names: list[str], ab_batch: int | None) -> None:
     if not args.no_prebuild:
         major, minor = torch.cuda.get_device_capability()
         results.meta["triton_prebuild"] = prebuild_triton_cache(
@@ -376,6 +389,7 @@ def _prebuild(args, results: Results, names: list[str]) -> None:
             f"sm_{major}{minor}",
             Path(args.out) / "triton-prebuild.log",
             timeout_s=args.max_seconds / 4,
+            ab_batch=ab_batch,
         )
         print(f"  Triton kernels prebuilt: {results.meta['triton_prebuild']}", flush=True)
         results.save()
