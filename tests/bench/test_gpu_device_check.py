@@ -482,3 +482,30 @@ def test_the_input_gemms_dy_wt_what_if_is_the_narrow_plan_at_the_shipped_size():
     assert others and all(
         gpu_ledger._gemm_plan_on_sm80(gpu_ledger.Recorded(0, r, None)) is None for r in others
     )
+
+
+def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch):
+    """The prebuild's gpu_compile runs (each a process; recorded here, not run): the tiny
+    exactness configs, every config at the check's batches, and the first config without
+    dependent launches at the A/B batch (its PDL=False variants), each into the cache."""
+    commands: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        commands.append(cmd)
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(gpu.subprocess, "run", run)
+    cache = tmp_path / "cache"
+    got = gpu.prebuild_triton_cache(
+        cache, ["gpn_m_130m", "gpn_m_130m_2l"], 2048, "sm_90", tmp_path / "log", 60.0, 128
+    )
+    assert got["ok"] and cache.is_dir()
+    assert all(c[1:3] == ["-m", "gpn_scale.accounting.gpu_compile"] for c in commands)
+    assert all(c[c.index("--triton-cache") + 1] == str(cache) for c in commands)
+    assert all(c[c.index("--arch") + 1] == "sm_90" for c in commands)
+    (plain,) = [c for c in commands if "dependent_launch=false" in c]
+    assert plain[3] == "gpn_m_130m" and plain[plain.index("--batch") + 1] == "128"
+    assert plain[plain.index("--seq-len") + 1] == "2048"
+    commands.clear()
+    gpu.prebuild_triton_cache(cache, ["gpn_m_130m"], 2048, "sm_90", tmp_path / "log", 60.0)
+    assert len(commands) == 3 and not any("dependent_launch=false" in c for c in commands)
