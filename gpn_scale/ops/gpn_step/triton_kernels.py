@@ -908,11 +908,10 @@ def rev_row_kernel(
         x = tl.load(X + row + rd, mask=ok, other=0.0)
         dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
         n = tl.load(N_ + row + rd, mask=ok, other=0.0)
-        base, gate, dg, extra, pg, c_in, p, g = _rev_row_inputs(
+        rest, pg, c_in, p, g = _rev_row_inputs(
             b, row, rd, ok, BASE, stride_base, GATE, DG, EXTRA, PG, stride_pg, CIN, P_PREV,
             GATE_PREV, BASE_GROUND, HAS_EXTRA, THEN_LAYER, HAS_PREV,
         )  # fmt: skip
-        rest = base + gate * dg + extra  # (one tensor held over the sums, not four)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         mean_dn = tl.sum(dn * n, axis=0) / D
         _release_dependents(PDL)  # only the stores are left
@@ -939,11 +938,11 @@ def rev_row_kernel(
             ok = rd < D
             dn = _split_summed(DN, DN_SPLIT_STRIDE, row + rd, ok, DN_SPLITS)
             n = tl.load(N_ + row + rd, mask=ok, other=0.0)
-            base, gate, dg, extra, pg, c_in, p, g = _rev_row_inputs(
+            rest, pg, c_in, p, g = _rev_row_inputs(
                 b, row, rd, ok, BASE, stride_base, GATE, DG, EXTRA, PG, stride_pg, CIN,
                 P_PREV, GATE_PREV, BASE_GROUND, HAS_EXTRA, THEN_LAYER, HAS_PREV,
             )  # fmt: skip
-            dc = r * (dn - n * mean_dn) + base + gate * dg + extra
+            dc = r * (dn - n * mean_dn) + rest
             _rev_row_outputs(
                 b, row, rd, ok, dc, pg, c_in, p, g, DZ, DPG, stride_dpg, DCIN, DG, DFUSE_PREV,
                 stride_df, DYFG_PREV, THEN_LAYER, HAS_PREV,
@@ -956,24 +955,26 @@ def _rev_row_inputs(
     BASE_GROUND: tl.constexpr, HAS_EXTRA: tl.constexpr, THEN_LAYER: tl.constexpr,
     HAS_PREV: tl.constexpr,
 ):  # fmt: skip
-    """What `rev_row_kernel` reads of a block of the row besides the norm's rows: base, the
-    ground's gate and dg (zeros without it), the extra term, and what the layer start (pg,
-    c_in) or the step's end (the previous step's p and gate) needs (zeros otherwise)."""
+    """What `rev_row_kernel` reads of a block of the row besides the norm's rows: the terms
+    of dc that need no sum (base, the ground's gate * dg, the extra term: one tensor held
+    over the sums, not four), and what the layer start (pg, c_in) or the step's end (the
+    previous step's p and gate) needs (zeros otherwise)."""
     zero = tl.zeros(rd.shape, dtype=DG.dtype.element_ty)
-    base = tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
-    gate, dg, extra, pg, c_in, p, g = zero, zero, zero, zero, zero, zero, zero
+    rest = tl.load(BASE + b * stride_base + rd, mask=ok, other=0.0)
+    pg, c_in, p, g = zero, zero, zero, zero
     if BASE_GROUND:
-        gate = tl.load(GATE + row + rd, mask=ok, other=0.0)
-        dg = tl.load(DG + row + rd, mask=ok, other=0.0)
+        rest += tl.load(GATE + row + rd, mask=ok, other=0.0) * tl.load(
+            DG + row + rd, mask=ok, other=0.0
+        )
     if HAS_EXTRA:
-        extra = tl.load(EXTRA + row + rd, mask=ok, other=0.0)
+        rest += tl.load(EXTRA + row + rd, mask=ok, other=0.0)
     if THEN_LAYER:
         pg = tl.load(PG + b * stride_pg + rd, mask=ok, other=0.0)
         c_in = tl.load(CIN + row + rd, mask=ok, other=0.0)
     elif HAS_PREV:
         p = tl.load(P_PREV + row + rd, mask=ok, other=0.0)
         g = tl.load(GATE_PREV + row + rd, mask=ok, other=0.0)
-    return base, gate, dg, extra, pg, c_in, p, g
+    return rest, pg, c_in, p, g
 
 
 @triton.jit
@@ -1270,7 +1271,7 @@ def memory_backward_kernel(
             acc_dsd2 = tl.zeros((BLOCK_C, BLOCK_DV), dtype=acc_t)
         for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
             rv = v0 + tl.arange(0, BLOCK_DV)
-            v_ok = (rv < DV) | (DV % BLOCK_DV == 0)
+            v_ok = (rv < DV) | (DV % BLOCK_DV == 0)  # constant where whole blocks
             ok_v = read_ok[:, None] & v_ok[None, :]
             # The block's rows of the chunk's u adjoints (the rest: the block's flush).
             tile_du = du_base + rc[:, None] * s_duc + rv[None, :]
