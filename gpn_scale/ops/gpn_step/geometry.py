@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from gpn_scale.ops.execution import current
+from gpn_scale.ops.gpn_step import triton_kernels as tk
 
 
 def interpreting(t: Tensor) -> bool:
@@ -77,16 +78,6 @@ def arch(t: Tensor) -> int:
     return DRY_RUN_ARCH
 
 
-@functools.cache
-def _grid_dependency_control() -> bool:
-    """Whether this Triton can wait for a predecessor grid (`griddepcontrol`, triton >= 3.2)."""
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def dependent_launch(t: Tensor) -> dict[str, bool]:
     """The launch settings that make a time-step kernel on `t`'s device a programmatic
     dependent launch (PDL: it starts while the kernel before it finishes, and waits for it
@@ -98,7 +89,7 @@ def dependent_launch(t: Tensor) -> dict[str, bool]:
         current().dependent_launch
         and t.device.type in ("cuda", "meta")
         and arch(t) >= 90
-        and _grid_dependency_control()
+        and tk.gdc_wait is not None  # this Triton has grid dependency control
     )
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
