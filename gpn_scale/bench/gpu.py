@@ -299,18 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.config.split(",")
     configs = [load_model_config(name) for name in names]
+    ab_batch = None if args.no_engine_ab else ledger_batches[-1]  # the engine A/B rows' batch
     candidates, only_at = throughput.candidates(
         configs,
         args.seq_len,
         transformer=not args.no_transformer,
         compiled=device.type == "cuda",  # inductor on a CPU is the tests' business (tests/train)
-        ab_batch=None if args.no_engine_ab else ledger_batches[-1],
+        ab_batch=ab_batch,
     )
     results = Results(out, _meta(args, device, candidates, t0))
     results.save()
     print(f"device check on {results.meta['device_name']} (torch {torch.__version__})", flush=True)
     if device.type == "cuda":
-        _prebuild(args, results, names, None if args.no_engine_ab else ledger_batches[-1])
+        _prebuild(args, results, names, ab_batch)
     for row in [*exactness.check_exactness(device), *exactness.check_gated_deltanet_fla(device)]:
         results.checks.append(row)
         results.save()
