@@ -79,6 +79,31 @@ def model_rows(blob: dict, config: str) -> list[dict]:
     return []
 
 
+def engine_ab_rows(blob: dict, config: str) -> list[tuple[str, dict[str, Any], list[dict]]]:
+    """The rows of `config` the run also timed with engine options changed (the device
+    check's `gpu_throughput.ENGINE_AB`: a summary entry "<model> (<label>)" built from
+    "<config> engine.<option>=<value> ..."): (label, the options as that row ran, its rows)."""
+    out = []
+    for name, entry in blob.get("summary", {}).items():
+        if not isinstance(entry, dict) or "rows" not in entry:
+            continue
+        words = str(entry.get("config", "")).split()
+        flags = words[1:]
+        if not flags or words[0] != config or not all(_is_flag(w) for w in flags):
+            continue
+        options: dict[str, Any] = {}
+        for flag in flags:
+            key, value = flag.removeprefix("engine.").split("=", 1)
+            options[key] = {"true": True, "false": False}.get(value, value)
+        label = name[name.rfind("(") + 1 : -1] if name.endswith(")") else name
+        out.append((label, options, list(entry["rows"])))
+    return out
+
+
+def _is_flag(word: str) -> bool:
+    return word.startswith("engine.") and "=" in word
+
+
 def ledger_rows(blob: dict, config: str) -> list[dict]:
     """The run's per-launch ledger rows of `config` ({"batch", "role", "us_per_step", ...}),
     or [] where the run kept no ledger."""

@@ -19,8 +19,11 @@ from typing import Any
 from gpn_scale.accounting import ceilings, device_runs, pricing, recorded
 from gpn_scale.accounting.step_model import (
     GPUS,
+    PACKED,
+    PLACEMENTS,
     SEQUENTIAL,
     SIDE_WORK,
+    SPREAD,
     Accounting,
     Baseline,
     account,
@@ -170,6 +173,7 @@ def _basis_lines(acc: Accounting, cfg: GPNConfig, gpus: list[str]) -> list[str]:
 
 def _side_work_lines(acc: Accounting, cfg: GPNConfig, gpu: str) -> list[str]:
     p = predict(acc, gpu, graphs=True, cfg=cfg)
+    spread = predict(acc, gpu, graphs=True, cfg=cfg, placement=SPREAD)
     side = sum(p.per_phase_seconds.get(ph, 0.0) for ph in SIDE_WORK)
     return [
         "",
@@ -179,6 +183,12 @@ def _side_work_lines(acc: Accounting, cfg: GPNConfig, gpu: str) -> list[str]:
         f"Decode beside the forward steps (engine.overlap_decode, predicted): "
         f"{p.decode_overlapped_seconds:.3f} s of {p.per_phase_seconds.get('decode', 0.0):.3f} s "
         "hidden.",
+        f"Both assume the side work fits in the slots a sweep launch leaves on the SMs it holds "
+        f"(step_model._spare, '{PACKED}'). Were each sweep program alone on an SM "
+        f"('{SPREAD}'): {spread.overlapped_seconds:.3f} s and "
+        f"{spread.decode_overlapped_seconds:.3f} s hidden, {spread.seconds:.3f} s a step "
+        f"({acc.batch * acc.seq_len / spread.seconds:,.0f} tokens/s). Not yet measured: the "
+        "device check's overlap A/B decides (`--against`).",
     ]
 
 
@@ -200,6 +210,7 @@ def prediction_json(acc: Accounting, cfg: GPNConfig, gpu: str, baseline: Baselin
             "backward side work": p.overlapped_seconds,
             "decode": p.decode_overlapped_seconds,
         },
+        "spread_placement": _spread_json(acc, cfg, gpu),
         "kernels": top_kernels(acc, gpu, True, n=len(p.per_role_seconds)),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)}
@@ -219,6 +230,65 @@ def prediction_json(acc: Accounting, cfg: GPNConfig, gpu: str, baseline: Baselin
     return out
 
 
+def _spread_json(acc: Accounting, cfg: GPNConfig, gpu: str) -> dict[str, float]:
+    """The prediction were each sweep program alone on an SM (step_model._spare)."""
+    p = predict(acc, gpu, graphs=True, cfg=cfg, placement=SPREAD)
+    return {
+        "predicted_s": p.seconds,
+        "backward side work hidden_s": p.overlapped_seconds,
+        "decode hidden_s": p.decode_overlapped_seconds,
+    }
+
+
+def engine_ab(
+    run, blob: dict, config: str, cfg: GPNConfig, c, graphs: bool, batches: list[int] | None
+) -> list[dict[str, Any]]:
+    """The run's rows of `config` timed with an engine option changed (the device check's
+    engine A/B) beside its shipped rows at the same batch: the time each option saves,
+    measured and predicted (both priced from this tree's launches with the run's compiled
+    facts). Side work is priced under each placement (step_model._spare), so the measured
+    saving of the side streams says which holds."""
+    meta = blob.get("meta", {})
+    shipped = {r["batch"]: r["step_s"] for r in device_runs.model_rows(blob, config)}
+    on = dict(
+        overlap=meta.get("overlap_backward", False),
+        overlap_decode=meta.get("overlap_decode", False),
+    )
+    seq_len = int(meta.get("seq_len", 2048))
+    out = []
+    for label, options, rows in device_runs.engine_ab_rows(blob, config):
+        for row in rows:
+            b = row["batch"]
+            if b not in shipped or (batches is not None and b not in batches):
+                continue
+            facts = device_runs.kernel_facts(run, config, b) or None
+            cfg_off = cfg.replace(**options)
+            off = dict(
+                overlap=options.get("overlap_backward", on["overlap"]),
+                overlap_decode=options.get("overlap_decode", on["overlap_decode"]),
+            )
+            acc_on = account(cfg, b, seq_len, config, facts=facts)
+            acc_off = account(cfg_off, b, seq_len, config, facts=facts)
+            out.append(
+                {
+                    "label": label,
+                    "batch": b,
+                    "options": options,
+                    "measured_s": {"shipped": shipped[b], "changed": row["step_s"]},
+                    "predicted_s": {
+                        **{
+                            f"shipped, {pl}": predict(
+                                acc_on, c, graphs, cfg, placement=pl, **on
+                            ).seconds
+                            for pl in PLACEMENTS
+                        },
+                        "changed": predict(acc_off, c, graphs, cfg_off, **off).seconds,
+                    },
+                }
+            )
+    return out
+
+
 def against(
     config: str,
     run_arg: str,
@@ -226,8 +296,8 @@ def against(
     batches: list[int] | None = None,
 ) -> dict[str, Any]:
     """The accounting beside a committed device run: per measured batch of `config` the
-    predicted and measured step, and per launch role where the run kept a ledger. The run's
-    own ceilings (where it measured them) and its recorded kernel facts are priced with."""
+    predicted and measured step, per launch role where the run kept a ledger, and its engine
+    A/B (`engine_ab`). Priced with the run's ceilings and its recorded kernel facts."""
     run = device_runs.resolve(run_arg)
     blob = device_runs.read_results(run)
     meta = blob.get("meta", {})
@@ -238,15 +308,14 @@ def against(
     if not rows:
         models = [k for k, v in blob.get("summary", {}).items() if isinstance(v, dict)]
         raise ValueError(f"{run}: no measured rows for {config} (models: {', '.join(models)})")
-    # A run from before an engine option ran without it (2026-12-04: no side streams, no PDL).
+    # A run from before an engine option ran without it (2026-12-04: no side streams, no PDL);
+    # the side streams below are those the run's engine used.
     cfg = load_model_config(config).replace(dependent_launch=meta.get("dependent_launch", False))
     if chunk_size is not None:
         cfg = cfg.replace(chunk_size=chunk_size)
     seq_len = int(meta.get("seq_len", 2048))
     graphs = meta.get("cuda_graphs", True)
-    # The side streams the run's engine used.
-    overlap = meta.get("overlap_backward", False)
-    decode = meta.get("overlap_decode", False)
+    overlap, decode = meta.get("overlap_backward", False), meta.get("overlap_decode", False)
     ledger = device_runs.ledger_rows(blob, config)
     steps, kernels = [], []
     c = ceilings.with_measured(
@@ -293,6 +362,7 @@ def against(
         "seq_len": seq_len,
         "graphs": graphs,
         "priced": priced,
+        "engine_ab": engine_ab(run, blob, config, cfg, c, graphs, batches),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
         },
@@ -323,6 +393,7 @@ def against_table(result: dict[str, Any]) -> str:
         ]
     else:
         lines += ["", "The run kept no per-launch ledger: steps only."]
+    lines += _engine_ab_lines(result["engine_ab"])
     lines += ["", "Ceilings:"] + [
         f"- {k}: {v['value']:.4g} ({v['source']})" for k, v in result["ceilings"].items()
     ]
@@ -422,3 +493,25 @@ def main(argv: list[str] | None = None) -> int:
     before = account(cfg, args.batch, args.seq_len, args.config, backend="reference", tp=args.tp)
     print(report(acc, cfg, gpus, before, baseline))
     return 0
+
+
+def _engine_ab_lines(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["", "The run timed no engine A/B (`bench.gpu --no-engine-ab`, or before it)."]
+    lines = [
+        "",
+        "Engine A/B: seconds a step with the shipped options and with the row's changed "
+        f"(the side work priced {PACKED} / {SPREAD}, step_model._spare):",
+        "",
+        "| change | batch | measured shipped | measured changed | predicted shipped "
+        f"({PACKED} / {SPREAD}) | predicted changed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m, p = r["measured_s"], r["predicted_s"]
+        lines.append(
+            f"| {r['label']} | {r['batch']} | {m['shipped']:.3f} | {m['changed']:.3f} | "
+            f"{p[f'shipped, {PACKED}']:.3f} / {p[f'shipped, {SPREAD}']:.3f} | "
+            f"{p['changed']:.3f} |"
+        )
+    return lines

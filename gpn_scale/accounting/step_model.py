@@ -258,6 +258,11 @@ def _in_widths(cfg: GPNConfig) -> list[int]:
     return [sum(engine.input_column_blocks(cfg, i)) for i in range(cfg.n_layers)]
 
 
+# Where the side streams' work is taken to find room beside a sweep launch (`_spare`).
+PACKED, SPREAD = "packed", "spread"
+PLACEMENTS = (PACKED, SPREAD)
+
+
 @dataclass
 class Prediction:
     gpu: Ceilings
@@ -292,10 +297,12 @@ def predict(
     cfg: GPNConfig | None = None,
     overlap: bool | None = None,
     overlap_decode: bool | None = None,
+    placement: str = PACKED,
 ) -> Prediction:
     """The step's predicted time on `gpu` (its ceilings; see `pricing.py`), per phase and per
     launch role, beside the floor and the MFU (model FLOPs of `cfg`). `overlap`,
-    `overlap_decode`: the engine options (None: `cfg`'s, else on)."""
+    `overlap_decode`: the engine options (None: `cfg`'s, else on); `placement`: where the side
+    streams' work finds room beside a sweep launch (`_spare`)."""
     c = gpu_ceilings(gpu)
     if overlap is None:  # the engine option of the config (default on)
         overlap = cfg.engine.overlap_backward if cfg is not None else True
@@ -315,10 +322,10 @@ def predict(
         r: acc.at_seq_len(lambda ops, r=r: sum(op_time(op) for op in ops if role(op.name) == r))
         for r in roles
     }
-    hidden = overlapped(acc, c, per_phase, op_time) if overlap else 0.0
+    hidden = overlapped(acc, c, per_phase, op_time, placement) if overlap else 0.0
     rows = cfg.engine.loss_chunk_tokens if cfg is not None else 1024
     hidden_decode = (
-        decode_overlapped(acc, c, per_phase, op_time, rows)
+        decode_overlapped(acc, c, per_phase, op_time, rows, placement)
         if overlap_decode and acc.tp == 1  # under tp the engine decodes inline
         else 0.0
     )
@@ -351,14 +358,17 @@ def predict(
 SIDE_WORK = ("parallel recompute", "weight gradients")
 
 
-def overlapped(acc: Accounting, c: Ceilings, per_phase: dict[str, float], op_time) -> float:
+def overlapped(
+    acc: Accounting, c: Ceilings, per_phase: dict[str, float], op_time, placement: str = PACKED
+) -> float:
     """Seconds of side work hidden behind the reverse sweep: up to the SM time its launches
     leave free (`_spare`), but the first chunk's recompute and the last one's weight
     gradients, which nothing runs beside. Predicted, not yet measured: the device check
     times the first config with overlap off beside it."""
     chunks = max(1, math.ceil(acc.seq_len / acc.chunk))
     side = sum(per_phase.get(ph, 0.0) for ph in SIDE_WORK) * (chunks - 1) / chunks
-    return min(side, acc.at_seq_len(lambda ops: _spare(ops, "sequential backward", c, op_time)))
+    spare = acc.at_seq_len(lambda ops: _spare(ops, "sequential backward", c, op_time, placement))
+    return min(side, spare)
 
 
 def decode_pieces(batch: int, seq_len: int, chunk: int, rows: int) -> int:
@@ -371,28 +381,42 @@ def decode_pieces(batch: int, seq_len: int, chunk: int, rows: int) -> int:
 
 
 def decode_overlapped(
-    acc: Accounting, c: Ceilings, per_phase: dict[str, float], op_time, rows: int
+    acc: Accounting,
+    c: Ceilings,
+    per_phase: dict[str, float],
+    op_time,
+    rows: int,
+    placement: str = PACKED,
 ) -> float:
     """Seconds of the decode hidden behind the forward steps (engine.overlap_decode): each
     piece but the last runs beside the next chunks' steps, up to the SM time they leave free.
     Predicted, not yet measured: the device check times it off beside on."""
     pieces = decode_pieces(acc.batch, acc.seq_len, acc.chunk, rows)
     side = per_phase.get("decode", 0.0) * (pieces - 1) / pieces
-    return min(side, acc.at_seq_len(lambda ops: _spare(ops, "sequential forward", c, op_time)))
+    spare = acc.at_seq_len(lambda ops: _spare(ops, "sequential forward", c, op_time, placement))
+    return min(side, spare)
 
 
-def _spare(ops: list[Op], sweep: str, c: Ceilings, op_time) -> float:
+def _spare(ops: list[Op], sweep: str, c: Ceilings, op_time, placement: str = PACKED) -> float:
     """The SM time a sweep's launches leave to side work. Its GEMMs are taken to run only on
     SMs no program of the sweep's current launch holds (a sweep program keeps most of an SM's
     registers: memory backward at 2 programs per SM uses all of them), and in the gaps
-    between the sweep's launches; what does not fit there is added to the step."""
+    between the sweep's launches; what does not fit there is added to the step. Which SMs a
+    launch holds (`placement`): PACKED, its programs at their programs per SM on as few SMs
+    as they fill (what this has priced since the side streams came; the free slots of the
+    SMs they hold, by another name); SPREAD, one SM per program up to all of them, as a
+    block scheduler that fills the SMs breadth-first places them, and no side work beside a
+    sweep program. The device check's overlap A/B measures which (`gpu_report.engine_ab`)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement: expected one of {', '.join(PLACEMENTS)}, got {placement!r}")
     total = 0.0
     for op in ops:
         if op.phase != sweep:
             continue
         free = 0.0
         if op.cost is not None and op.cost.blocks_per_sm:
-            busy = min(c.sm_count, math.ceil(op.cost.programs / op.cost.blocks_per_sm))
+            packed = math.ceil(op.cost.programs / op.cost.blocks_per_sm)
+            busy = min(c.sm_count, packed if placement == PACKED else op.cost.programs)
             free = 1 - busy / c.sm_count
         gap = pricing.gap_s(op)
         total += gap + max(0.0, op_time(op) - gap) * free

@@ -72,6 +72,71 @@ def test_against_reads_a_run_folder_with_its_ceilings_and_ledger(tmp_path, capsy
     assert "no results.json" in capsys.readouterr().err
 
 
+def test_against_sets_the_engine_ab_rows_beside_the_shipped_ones(tmp_path, capsys):
+    """The device check times the first config with each engine option of
+    gpu_throughput.ENGINE_AB changed: `--against` reads those rows back, prices the changed
+    options beside the shipped ones, and prices the side streams under both placements."""
+    run = tmp_path / "2027-01-01-h200"
+    run.mkdir()
+
+    def rows(step_s):
+        return [{"batch": 2, "tokens_per_s": 16 / step_s, "step_s": step_s, "mfu": None}]
+
+    blob = {
+        "meta": {"device_name": "NVIDIA H200", "seq_len": 8, "cuda_graphs": True,
+                 "overlap_backward": True, "overlap_decode": True, "dependent_launch": True},
+        "summary": {
+            "tiny": {"config": "tiny", "rows": rows(0.016)},
+            "tiny (overlap off)": {
+                "config": "tiny engine.overlap_backward=false engine.overlap_decode=false",
+                "rows": rows(0.020),
+            },
+            "tiny (dependent launch off)": {
+                "config": "tiny engine.dependent_launch=false", "rows": rows(0.017)
+            },
+            "transformer++ (x)": {"config": "transformer++ L1", "rows": rows(0.01)},
+            device_runs.HEADLINE: None,
+        },
+    }  # fmt: skip
+    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    result = gpu_report.against("tiny", str(run))
+    ab = {r["label"]: r for r in result["engine_ab"]}
+    assert set(ab) == {"overlap off", "dependent launch off"}
+    overlap = ab["overlap off"]
+    assert overlap["options"] == {"overlap_backward": False, "overlap_decode": False}
+    assert overlap["measured_s"] == {"shipped": 0.016, "changed": 0.020}
+    p = overlap["predicted_s"]
+    # off hides nothing; spread programs leave side work less room than packed ones
+    assert p["changed"] >= p["shipped, spread"] >= p["shipped, packed"] > 0
+    assert ab["dependent launch off"]["options"] == {"dependent_launch": False}
+    assert gpu_model.main(["tiny", "--against", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| overlap off | 2 | 0.016 | 0.020 |" in out
+    assert "| dependent launch off | 2 | 0.016 | 0.017 |" in out
+
+
+def test_spread_sweep_programs_leave_the_side_work_less_room_than_packed_ones():
+    """A sweep launch of 66 programs at 2 per SM: packed they hold 33 of the H200's 132 SMs
+    and leave 3/4 of its time to side work; spread, one per SM, they leave half. The gap
+    before the launch is the side work's either way."""
+    from gpn_scale.accounting import pricing, step_model
+    from gpn_scale.accounting.kernel_costs import KernelCost
+    from gpn_scale.accounting.kernel_record import Op
+
+    c = step_model.gpu_ceilings("h200")
+    cost = KernelCost("k", 66, 2, 128, 0, 0, 0.0)
+    ops = [Op("reverse step: k", "sequential backward", 0, 0, True, cost=cost)]
+    gap = pricing.gap_s(ops[0])
+    spare = {
+        pl: step_model._spare(ops, "sequential backward", c, lambda op: gap + 1e-3, pl)
+        for pl in step_model.PLACEMENTS
+    }
+    assert spare[step_model.PACKED] == pytest.approx(gap + 0.75e-3)
+    assert spare[step_model.SPREAD] == pytest.approx(gap + 0.5e-3)
+    with pytest.raises(ValueError, match="placement: expected one of packed, spread"):
+        step_model._spare(ops, "sequential backward", c, lambda op: 1.0, "scattered")
+
+
 def test_ceilings_come_from_the_newest_run_that_measured_them(tmp_path):
     base = ceilings.for_gpu("h200", tmp_path)
     assert base == ceilings.DEFAULTS["h200"]
