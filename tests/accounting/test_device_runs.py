@@ -175,6 +175,8 @@ def test_json_prediction_has_the_step_the_floor_and_the_compiled_anchor(capsys):
     assert all(0 <= k["bandwidth_share"] <= 1 + 1e-9 for k in got["kernels"]), got["kernels"]
     assert any(k["bandwidth_share"] > 0 for k in got["kernels"])
     assert set(got["ceilings"]) >= set(ceilings.MEASURED_KEYS)
+    # the side streams priced were each sweep program alone on an SM too: never faster
+    assert got["spread_placement"]["predicted_s"] >= got["predicted_s"]
 
 
 def test_a_run_is_priced_with_the_side_streams_it_ran_with(tmp_path):
