@@ -254,9 +254,37 @@ def clean_stale_streaming_shm(
     owner record names a dead process is removed at once. `our_locals`: the caller's cache
     directories; unmapped prefixes registering one of them are removed whatever their age.
     Returns the names removed.
+
+    It holds the machine's registration lock file (`registration_lock`) while it judges and
+    removes: a job registering meanwhile could take a prefix number that a dead job's record
+    still names (streaming takes the first number without a `_locals` segment), and lose its
+    fresh segments to a judgement made before they existed. (Seen in the full suite: one
+    xdist worker's loader cleaned another's just-registered prefix; that job's second rank
+    then found no `/000000_locals`.) Never call it inside `registration_lock`.
     """
     if not SHM_DIR.is_dir():
         return []
+    with _machine_lock():
+        return _clean(tmp_dir, our_locals, min_age_s)
+
+
+@contextlib.contextmanager
+def _machine_lock() -> Iterator[None]:
+    """The registration lock file held (blocking) by this process alone; unlocked where it
+    cannot be opened (another user's, unreadable), as `registration_lock` does."""
+    try:
+        fd = os.open(SHM_DIR / REGISTRATION_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _clean(tmp_dir: str | None, our_locals: list[str] | None, min_age_s: float) -> list[str]:
     in_use = _prefixes_in_use()
     if in_use is None:
         return []

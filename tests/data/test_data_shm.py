@@ -384,3 +384,39 @@ def test_two_multi_node_jobs_on_the_same_nodes_do_not_deadlock_on_the_locks(tmp_
     finally:
         for proc in procs.values():
             proc.kill()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+def test_the_cleaner_judges_and_removes_under_the_registration_lock(private_shm, monkeypatch):
+    """A job registering a prefix while another job's loader cleans could take a number that a
+    dead job's record still names, and lose its fresh segments to the cleaner's judgement
+    made before they existed (a full suite's run: the job's second rank found no
+    `/000000_locals`). So the cleaner holds the lock registrations take, from its judgement to
+    its last removal; with the lock held elsewhere it would wait."""
+    import fcntl
+
+    from gpn_scale.data import shm
+
+    held: list[bool] = []
+    judge = shm._prefixes_in_use
+
+    def probing():
+        fd = os.open(private_shm / shm.REGISTRATION_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return judge()
+
+    monkeypatch.setattr(shm, "_prefixes_in_use", probing)
+    clean_stale_streaming_shm()
+    assert held == [True]
+    # and it is let go after
+    fd = os.open(private_shm / shm.REGISTRATION_LOCK, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
