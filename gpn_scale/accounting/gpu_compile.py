@@ -57,6 +57,7 @@ from gpn_scale.accounting.gpu_compile_cases import (
     Case,
     Target,
     model_config,
+    plain_twin,
     record_launches,
 )
 from gpn_scale.accounting.gpu_compile_facts import (
@@ -130,6 +131,7 @@ __all__ = [
     "narrow_offsets",
     "parse_ptx_loads",
     "parse_ptxas_log",
+    "plain_twin",
     "problems",
     "ptx_instructions",
     "record_launches",
@@ -162,8 +164,9 @@ def _override(text: str) -> tuple[str, Any]:
     if low in ("true", "false"):
         parsed = low == "true"
     else:
-        with contextlib.suppress(ValueError):
-            parsed = int(value)
+        for kind in (float, int):  # an int where it is one
+            with contextlib.suppress(ValueError):
+                parsed = kind(value)
     return key, parsed
 
 

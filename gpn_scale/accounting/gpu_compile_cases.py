@@ -5,6 +5,7 @@ and every kernel launch of one case's step, recorded on meta tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,15 @@ def model_config(case: Case):
 
         return tiny_config(step_backend="cuda", **overrides)
     return load_model_config(case.config, {"step_backend": "cuda", **overrides})
+
+
+def plain_twin(rec: Any) -> Any:
+    """A launch of the memory backward that leaves SMs to the side stream (RESERVED_SMS > 0)
+    as its plain grid (None for any other launch): the accounting prices its items as that
+    grid's programs (kernel_costs), and the gate compiles both."""
+    if rec.kernel is None or not rec.meta.get("RESERVED_SMS", 0):
+        return None
+    return dataclasses.replace(rec, meta={**rec.meta, "RESERVED_SMS": 0, "EMULATED_SMS": 0})
 
 
 def record_launches(case: Case, sm_count: int | None = None, arch: int | None = None) -> list:

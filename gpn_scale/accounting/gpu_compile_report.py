@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpn_scale.accounting.gpu_compile_cases import Case, Target, record_launches
+from gpn_scale.accounting.gpu_compile_cases import Case, Target, plain_twin, record_launches
 from gpn_scale.accounting.gpu_compile_facts import Facts, FactsCache, compile_variants
 from gpn_scale.accounting.gpu_compile_variants import Variant, specialise
 
@@ -216,8 +216,13 @@ class Row:
             out.append(f"shared memory {f.shared} B over {t.name}'s {t.smem_per_block} B")
         if self.blocks_per_sm() < 1:
             out.append("does not fit on an SM")
-        if self.case.shipped and v.kernel != "linear_kernel":
-            # (tiny test shapes: LLVM unrolls one-trip loops; only the shipped sizes matter)
+        # (tiny test shapes: LLVM unrolls one-trip loops; only the shipped sizes matter; the
+        # memory backward's item queue is priced as its plain twin, compiled here beside it)
+        if (
+            self.case.shipped
+            and v.kernel != "linear_kernel"
+            and not self.meta().get("RESERVED_SMS")
+        ):
             compiled, source = len(f.loop_instructions), len(self.source_loops())
             if compiled != source:
                 out.append(
@@ -289,6 +294,7 @@ def build_rows(
                 else r
                 for r in launches
             ]
+        launches += [t for r in launches if (t := plain_twin(r)) is not None]
         per_case += [(case, target, v) for v in specialise(launches, target)]
     facts = compile_variants([(v, t) for _, t, v in per_case], jobs, cache, triton_cache, progress)
     return [Row(c, t, v, facts[(v.key, t.name)]) for c, t, v in per_case]

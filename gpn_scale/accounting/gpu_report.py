@@ -289,6 +289,16 @@ def engine_ab(
     return out
 
 
+def _run_config(config: str, meta: dict, chunk_size: int | None) -> GPNConfig:
+    """`config` with the engine options a run's meta says it ran under. A run from before an
+    option ran without it (2026-12-04: no side streams, no PDL, no SMs left to them)."""
+    cfg = load_model_config(config).replace(
+        dependent_launch=meta.get("dependent_launch", False),
+        side_work_sm_share=meta.get("side_work_sm_share", 0.0),
+    )
+    return cfg if chunk_size is None else cfg.replace(chunk_size=chunk_size)
+
+
 def against(
     config: str,
     run_arg: str,
@@ -308,11 +318,7 @@ def against(
     if not rows:
         models = [k for k, v in blob.get("summary", {}).items() if isinstance(v, dict)]
         raise ValueError(f"{run}: no measured rows for {config} (models: {', '.join(models)})")
-    # A run from before an engine option ran without it (2026-12-04: no side streams, no PDL);
-    # the side streams below are those the run's engine used.
-    cfg = load_model_config(config).replace(dependent_launch=meta.get("dependent_launch", False))
-    if chunk_size is not None:
-        cfg = cfg.replace(chunk_size=chunk_size)
+    cfg = _run_config(config, meta, chunk_size)  # the side streams: those the run used
     seq_len = int(meta.get("seq_len", 2048))
     graphs = meta.get("cuda_graphs", True)
     overlap, decode = meta.get("overlap_backward", False), meta.get("overlap_decode", False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpn_scale.accounting import device_runs, gpu_compile, round_trips
@@ -42,6 +42,8 @@ class KernelCost:
     l2_bytes: int = 0  # GEMMs: A and W tiles read from L2 by all programs
     m_blocks: int = 1  # GEMMs: programs reading the same weight tile (grid axis 0)
     facts: str = "compiled"  # where occupancy came from: compiled | device run | assumed
+    # SMs its programs leave to the side stream (the memory backward's RESERVED_SMS)
+    reserved_sms: int = 0
 
 
 def gemm_geometry(rec: Any, w_pipelined: bool, num_stages: int) -> tuple[int, int, int]:
@@ -114,14 +116,21 @@ def launch_costs(
         # Triton's interpreter (the tests): no binder to specialise with and nothing to
         # compile; occupancy from a run's facts or the assumption, no host binding.
         newest = given or device_runs.newest_kernel_facts()[0]
-        return [
-            None
-            if r.kernel is None
-            else _cost(r, _Unspecialised(r.meta), None, _row(newest, r), target, {})
-            for r in records
-        ]
+        out_: list[KernelCost | None] = []
+        for r in records:
+            twin = gpu_compile.plain_twin(r)
+            cost = None
+            if r.kernel is not None:
+                cost = _cost(twin or r, _Unspecialised(r.meta), None, _row(newest, r), target, {})
+                if twin is not None:
+                    cost = _reserved(r, cost, None, None, 0, target)
+            out_.append(cost)
+        return out_
+    twins = [gpu_compile.plain_twin(r) for r in records]
+    extra = [t for t in twins if t is not None]
     keys: list[str | None] = []
-    variants = {v.key: v for v in gpu_compile.specialise(records, target, keys)}
+    variants = {v.key: v for v in gpu_compile.specialise(records + extra, target, keys)}
+    keys, twin_keys = keys[: len(records)], iter(keys[len(records) :])
     cache = cache if cache is not None else gpu_compile.FactsCache(gpu_compile.default_cache_path())
     if compile:
         facts = gpu_compile.compile_variants(
@@ -132,7 +141,7 @@ def launch_costs(
     newest = {} if compile or recorded else device_runs.newest_kernel_facts()[0]
     binding = binding_seconds(records)
     out: list[KernelCost | None] = []
-    for rec, key in zip(records, keys):
+    for rec, key, twin in zip(records, keys, twins):
         if key is None:
             out.append(None)
             continue
@@ -140,8 +149,33 @@ def launch_costs(
         f = None if row is not None else facts.get((key, target.name))
         if row is None and f is None:
             row = _row(newest, rec)
-        out.append(_cost(rec, variants[key], f, row, target, binding))
+        if twin is None:
+            out.append(_cost(rec, variants[key], f, row, target, binding))
+            continue
+        twin_key = next(twin_keys) or key
+        tf = facts.get((twin_key, target.name))
+        plain = _cost(twin, variants[twin_key], tf, row, target, binding)
+        out.append(_reserved(rec, plain, f, tf, variants[key].num_warps, target))
     return out
+
+
+def _reserved(rec: Any, plain: KernelCost, f, tf, num_warps: int, target) -> KernelCost:
+    """The memory backward's item queue (`triton_kernels.memory_backward_kernel`, RESERVED_SMS
+    > 0) runs each item as its plain grid's program, in a loop: priced as those programs (the
+    plain variant's walk and instructions, `plain`), their instructions scaled by the two
+    compiled variants' (the loop recomputes per item what a program computes once; its own
+    instructions are not matched loop by loop), at the queue variant's occupancy, on the SMs
+    it does not leave. Without both variants' facts, as the plain grid's."""
+    out = replace(plain, reserved_sms=int(rec.meta["RESERVED_SMS"]))
+    if f is None or tf is None or not tf.instructions:
+        return out
+    scale = f.instructions / tf.instructions
+    return replace(
+        out,
+        blocks_per_sm=max(1, target.blocks_per_sm(f.registers, num_warps, f.shared)),
+        spill_bytes=f.spill_stores + f.spill_loads,
+        issued=tuple(x * scale for x in plain.issued),
+    )
 
 
 def _row(facts: dict[tuple[str, str], dict], rec: Any) -> dict | None:

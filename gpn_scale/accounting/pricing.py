@@ -16,7 +16,8 @@ Three kinds of launch, three physical models (the ceilings and their sources:
 - **Any other Triton kernel** runs at the latency of its memory accesses: each program's
   dependent round trips (`round_trips.py`, from the kernel's source) x the latency, its
   programs placed on the resident slots (SMs x programs per SM) as the block scheduler
-  does, plus its bytes at what the SMs it occupies can draw (and spill traffic).
+  does, plus its bytes at what the SMs it occupies can draw (and spill traffic); a memory
+  backward that leaves SMs to the side stream, on the SMs it keeps.
 - **An ATen op** (the chunk-wide work, outside the sequential steps): its bytes at the copy
   bandwidth or its FLOPs at the GEMM rate (flash attention at its own share of the peak).
 
@@ -89,7 +90,8 @@ def _triton(op: Op, c: Ceilings) -> tuple[float, str]:
     k = op.cost
     if k.in_flight:
         return _gemm(op, c)
-    slots = c.sm_count * k.blocks_per_sm
+    sms = max(1, c.sm_count - k.reserved_sms)  # those it does not leave to the side stream
+    slots = sms * k.blocks_per_sm
     per_class = tuple(
         t * c.latency_s
         + (issue_seconds(k, k.issued[j], c) if j < len(k.issued) else 0.0)
@@ -98,7 +100,7 @@ def _triton(op: Op, c: Ceilings) -> tuple[float, str]:
     )
     durations = tuple(round_trips.program_durations(per_class, k.grid or (k.programs,), 1.0))
     latency = round_trips.makespan(durations, slots)
-    active = min(c.sm_count, k.programs)
+    active = min(sms, k.programs)
     draw = min(c.copy_bytes_per_s, active * c.l2_one_sm_bytes_per_s)
     moved = op.bytes + k.programs * k.threads * k.spill_bytes
     transfer = moved / draw

@@ -166,6 +166,11 @@ def _loop_order(fn: Any, known: tuple[tuple[str, Any], ...]) -> tuple[tuple[str,
             walk(f, child, constexprs)
 
     node, _ = _parsed(fn)
+    # a constexpr the launch leaves at its default has that value (as the walk takes it)
+    params = node.args.args[len(node.args.args) - len(node.args.defaults) :]
+    for param, default in zip(params, node.args.defaults):
+        if isinstance(default, ast.Constant):
+            values.setdefault(param.arg, default.value)
     walk(fn, node, set(_constexpr_params(node)))
     return tuple(out)
 

@@ -416,7 +416,8 @@ def _spare(ops: list[Op], sweep: str, c: Ceilings, op_time, placement: str = PAC
         free = 0.0
         if op.cost is not None and op.cost.blocks_per_sm:
             packed = math.ceil(op.cost.programs / op.cost.blocks_per_sm)
-            busy = min(c.sm_count, packed if placement == PACKED else op.cost.programs)
+            kept = c.sm_count - op.cost.reserved_sms  # a launch that leaves SMs keeps these
+            busy = min(kept, packed if placement == PACKED else op.cost.programs)
             free = 1 - busy / c.sm_count
         gap = pricing.gap_s(op)
         total += gap + max(0.0, op_time(op) - gap) * free

@@ -6,7 +6,7 @@ CUDA graph captures this function (`graphs.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -121,6 +121,10 @@ class _SweepMemory:
     DKPRE0: Tensor | None
     kept: list[tuple[Tensor | None, Tensor | None]]
     grams: list[tuple[Tensor | None, Tensor | None]]
+    # The memory backward's item queue and its launch settings, where its programs leave SMs
+    # to the side stream (`_side_work_queue`); else None and {}.
+    queue: Tensor | None = None
+    reserve: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def none(n_layers: int) -> _SweepMemory:
@@ -145,7 +149,27 @@ def _sweep_memory(plan: StepPlan, sweep: ReverseSweep, phase: str) -> _SweepMemo
         (new(B, H, S, dv), new(B, H, S, dv) if i == 0 else None) for i in range(L)
     ]
     M0 = sweep.M0.contiguous()
-    return _SweepMemory(M0, DGS, DA_ROWS, new(B, H * dk), kept, chunk_gram(plan, sweep.acts, phase))
+    gram = chunk_gram(plan, sweep.acts, phase)
+    mb = _SweepMemory(M0, DGS, DA_ROWS, new(B, H * dk), kept, gram)
+    mb.queue, mb.reserve = _side_work_queue(plan, sweep.dP, sweep.acts.p.shape[0], phase)
+    return mb
+
+
+def _side_work_queue(
+    plan: StepPlan, like: Tensor, C: int, phase: str
+) -> tuple[Tensor | None, dict]:
+    """Where the side stream runs the backward's chunk-wide work beside the sweep
+    (engine.overlap_backward), the memory backward leaves it a share of the SMs
+    (engine.side_work_sm_share): its programs there leave at once and the rest take the grid's
+    items from a counter (`triton_kernels.memory_backward_kernel`). The chunk's counters, one
+    per step and layer, zero; and the launch settings. None and {} where nothing is left."""
+    share = plan.options.side_work_sm_share if plan.options.overlap_backward else 0.0
+    reserve = geometry.reserved_sms(like, share)
+    if not reserve["RESERVED_SMS"]:
+        return None, {}
+    queue = torch.zeros((C, plan.n_layers, tk.QUEUE_STRIDE), dtype=torch.int32, device=like.device)
+    _aten("zero the memory backward's item counters", phase, _nbytes(queue))
+    return queue, reserve
 
 
 def chunk_gram(plan: StepPlan, acts, phase: str) -> list[tuple[Tensor | None, Tensor | None]]:
@@ -335,8 +359,7 @@ def _memory_backward(
         )
         flops = B * H * ((4 if write else 2) * dk * dv + 12 * (tau + 1) * (dk + dv))
     else:
-        ro = None
-        stride_o = 0
+        ro, stride_o = None, 0
         reads = [None] * 11
         nbytes, flops = _nbytes(y, dy, DH), 0
     # (B, H, n) per-step tensors pass 2 strides, (B, H, C, n) chunk tensors 3 (last stride 1).
@@ -379,8 +402,8 @@ def _memory_backward(
         *write_args,
         A if mem else dummy,
         sums if sums is not None else dummy,
-        kept[0] if kept[0] is not None else dummy,
-        kept[1] if kept[1] is not None else dummy,
+        *(t if t is not None else dummy for t in kept),  # the block's do and dpred
+        mb.queue[tau, i] if mb.queue is not None else dummy,
         tau,
         int(tau == C - 1),
         eps,
@@ -396,6 +419,7 @@ def _memory_backward(
         num_warps=MEMORY_BACKWARD_WARPS,
         # the cap that lets four programs share an SM (ptxas alone takes ~150: three)
         maxnreg=MEMORY_BACKWARD_MAXNREG,
+        **mb.reserve,
         **geometry.dependent_launch(y),
     )
     S = _sweep_block(y)

@@ -94,6 +94,17 @@ def dependent_launch(t: Tensor) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+def reserved_sms(t: Tensor, share: float) -> dict[str, int]:
+    """The memory backward's launch settings that leave `share` of the SMs of `t`'s device to
+    the side stream (`triton_kernels.memory_backward_kernel`): RESERVED_SMS, how many, and
+    EMULATED_SMS, the SMs the interpreter's programs pretend to stand on (it has no %smid: CPU
+    tensors, whatever block sizes a test gives them; 0 on a GPU or a dry run's meta tensors)."""
+    n = sm_count(t)
+    reserved = int(n * share)
+    emulated = n if t.device.type == "cpu" and reserved else 0
+    return {"RESERVED_SMS": reserved, "EMULATED_SMS": emulated}
+
+
 _UNUSED: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 

@@ -49,6 +49,10 @@ class EngineOptions:
     # each starting while the one before finishes and waiting for it before its first read
     # (triton_kernels.py). Bit-identical.
     dependent_launch: bool = True
+    # CUDA, with overlap_backward: the share of the SMs the memory backward leaves to the side
+    # stream's work (its programs there leave at once; the rest take its items from a queue:
+    # triton_kernels.memory_backward_kernel). 0: none. Bit-identical.
+    side_work_sm_share: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "loss_chunk_tokens"):
@@ -65,6 +69,12 @@ class EngineOptions:
         for name in ("cuda_graphs", "overlap_backward", "overlap_decode", "dependent_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        share = self.side_work_sm_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+            raise ConfigError(
+                f"side_work_sm_share: expected a number in [0, 1) (0.25: a quarter of the SMs, "
+                f"0: none), got {share!r}"
+            )
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

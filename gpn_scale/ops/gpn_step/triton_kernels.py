@@ -34,6 +34,7 @@ try:  # Grid dependency control (triton >= 3.2); `geometry.dependent_launch` che
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton: PDL is never asked for
     gdc_launch_dependents = gdc_wait = None
+from triton.language.extra.cuda import smid
 
 
 @triton.jit
@@ -1031,8 +1032,49 @@ def rev_start_kernel(
 
 
 # ------------------------------------------------------------------ memory, reverse
-@triton.jit(do_not_specialize=["tau", "is_last"])
-def memory_backward_kernel(
+# The memory backward's item queue (`memory_backward_kernel` with RESERVED_SMS > 0,
+# engine.side_work_sm_share): one int32 counter per launch, zero before it (a chunk's sweep
+# zeroes one per step and layer at once: `cuda_reverse._side_work_queue`), each on its own
+# 128-byte line (atomics on one address queue up at its L2 slice). Nothing resets it.
+QUEUE_STRIDE = 32
+
+
+@triton.jit
+def _sm_id(EMULATED_SMS: tl.constexpr):
+    """The SM this program runs on. The interpreter has no %smid: with EMULATED_SMS > 0 (the
+    tests) program i stands on SM i mod EMULATED_SMS."""
+    if EMULATED_SMS > 0:
+        return (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) % EMULATED_SMS
+    else:
+        return smid()
+
+
+@triton.jit
+def _first_item(QUEUE, items, RESERVED_SMS: tl.constexpr, EMULATED_SMS: tl.constexpr):
+    """This program's first item, or `items` (none): a program on one of the first
+    RESERVED_SMS SMs leaves its SM to the side stream's work, except the grid's last program
+    (whatever the block scheduler does, it runs and takes what the others have not; the grid
+    has one program per item, so items = programs)."""
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    item = items
+    if (_sm_id(EMULATED_SMS) >= RESERVED_SMS) | (pid + 1 == items):
+        item = tl.atomic_add(QUEUE, 1)
+    return item
+
+
+@triton.jit
+def _indices(zero, N: tl.constexpr):
+    """0, 1, ..., N - 1, plus `zero` (0; see `_memory_backward_program`). The hints restore
+    what the compiler knew of the plain range (contiguous, starting at a multiple of N), which
+    its loads are vectorised by."""
+    return tl.max_contiguous(tl.multiple_of(zero + tl.arange(0, N), N), N)
+
+
+@triton.jit
+def _memory_backward_program(
+    b,
+    h,
+    zero,
     Y,
     stride_y: tl.int64,  # (B, width) the layer's input-GEMM output at this step
     DY,
@@ -1138,42 +1180,18 @@ def memory_backward_kernel(
     NORM_WIDTH: tl.constexpr,
     BLOCK_S: tl.constexpr,
     STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
+    RELEASE: tl.constexpr,
 ):
-    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step.
-    A head program first forms the step's value-column adjoints (do, dpred and their
-    terms) over all BLOCK_DVW value columns at once, stores them, and then walks M0, the
-    history's u_j and their adjoints over d_value in BLOCK_DV blocks, reading do and dpred
-    back (a whole head's M0 and history tiles in registers at once spilled most of the
-    kernel at dk 128 / dv 256: accounting/gpu_compile.py). Head programs fill the read's
-    (and at layer 0 the write's) columns of DY and add to the chunk's dK, dU, dG; FFN
-    programs fill the FFN columns.
-
-    The history's adjoints are pushed at once only into the rows of the current block of
-    BLOCK_S steps [b0, t] (the rows this and the block's earlier-processed steps still
-    read: du_t, dk_t and dG_t must be complete at step t); what a step adds to the rows
-    before its block is deferred: the step keeps its do (and dpred), and after the block's
-    first step b0 one flush (`memory_backward_flush_kernel`) adds the whole block's share
-    to rows j < b0, its coefficients recomputed from the Gram matrices and decays.
-    Per step the chunk's dK, dU, dG are then read and written over at most BLOCK_S rows, not
-    all t + 1 (the pushes were ~2/3 of the kernel's history traffic).
-
-    The d_value loop is software-pipelined (STAGES): the next blocks' tiles are copied into
-    shared memory (cp.async) while this block computes, instead of one dependent round trip
-    per block. Its registers come from the products q_t . k_j and k_t . k_j, read as rows of
-    the chunk's Gram matrices (`chunk_gram`, one batched matmul before the sweep) rather than
-    reduced here from the (C, DK) key tile, and from the k adjoint's update over the block's
-    BLOCK_S rows rather than all C (the two held the kernel at 255 registers; now 128).
-    No later block reads what an earlier block stores (other columns, or Y not DY), so the
-    pipeliner may issue the loads ahead of the stores; what the loop reads of the value
-    adjoints was stored before it, behind a barrier of the whole program."""
-    _await_predecessor(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    """One (row, head or FFN block) item of `memory_backward_kernel`; RELEASE: it lets the
+    next kernel launch once its own loop is done (plain grids). `zero` is 0: a literal for a
+    plain grid (its code is unchanged), and in the item queue's loop a value the compiler
+    cannot see is 0, added to tau and to every index vector (`_indices`) so that what they
+    give is computed per item, not once before the loop and held across it."""
+    tau = tau + zero
     y_row = Y + b * stride_y
     dy_row = DY + b * stride_dy
     if h >= H:
-        rf = (h - H) * BLOCK_F + tl.arange(0, BLOCK_F)
+        rf = (h - H) * BLOCK_F + _indices(zero, BLOCK_F)
         f_ok = rf < F
         fa = tl.load(y_row + COL_FFN + rf, mask=f_ok, other=0.0)
         fb = tl.load(y_row + COL_FFN + F + rf, mask=f_ok, other=0.0)
@@ -1188,9 +1206,9 @@ def memory_backward_kernel(
         sdn = tl.load(SUMS + b * 2 + 1)
         r = 1.0 / tl.sqrt(sx / NORM_WIDTH + eps)
         mean_dn = sdn / NORM_WIDTH
-        rk = tl.arange(0, BLOCK_DK)
+        rk = _indices(zero, BLOCK_DK)
         k_ok = (rk < DK) | (DK == BLOCK_DK)  # constant where whole (no mask in the loop)
-        rc = tl.arange(0, BLOCK_C)
+        rc = _indices(zero, BLOCK_C)
         read_ok = rc <= tau
         is_t = rc == tau
         b0 = tau - tau % BLOCK_S  # the block's first step
@@ -1230,7 +1248,7 @@ def memory_backward_kernel(
         # columns of DY, dG_t's and dG_{t-1}'s own terms). Inside the loop below, whose
         # (rows, BLOCK_DV) tiles lay a column's values across the rows' threads, each of
         # these was computed by every thread of a row (32 times over).
-        rw = tl.arange(0, BLOCK_DVW)
+        rw = _indices(zero, BLOCK_DVW)
         w_ok = rw < DV
         col_w = h * DV + rw
         dh_read = tl.load(DH + b * stride_dh + col_w, mask=w_ok, other=0.0)
@@ -1270,7 +1288,7 @@ def memory_backward_kernel(
             acc_dk = tl.zeros((BLOCK_DK, BLOCK_DV), dtype=acc_t)
             acc_dsd2 = tl.zeros((BLOCK_C, BLOCK_DV), dtype=acc_t)
         for v0 in tl.range(0, DV, BLOCK_DV, num_stages=STAGES):
-            rv = v0 + tl.arange(0, BLOCK_DV)
+            rv = v0 + _indices(zero, BLOCK_DV)
             v_ok = (rv < DV) | (DV % BLOCK_DV == 0)  # constant where whole blocks
             ok_v = read_ok[:, None] & v_ok[None, :]
             # The block's rows of the chunk's u adjoints (the rest: the block's flush).
@@ -1296,7 +1314,7 @@ def memory_backward_kernel(
                 acc_dk += m0 * dp_b[None, :]
                 du_rows += coef2[:, None] * dp_b[None, :]
             tl.store(tile_du, du_rows, mask=ok_push)
-        _release_dependents(PDL)  # (the FFN programs release when they end)
+        _release_dependents(RELEASE)  # (the FFN programs release when they end)
         dsd = tl.sum(acc_dsd, axis=1)  # sum_v u_j * do, then times w_j
         dq = eG * tl.sum(acc_dq, axis=1)  # M0 drq (drq = e^{G_t} do)
         if WRITE:
@@ -1328,7 +1346,7 @@ def memory_backward_kernel(
         # of the rows [b0, b0 + BLOCK_S), not (C, DK): the whole-chunk tile held the
         # kernel's register peak.
         q_pre = tl.load(y_row + COL_QUERY + h * DK + rk, mask=k_ok, other=0.0)
-        rb = b0 + tl.arange(0, BLOCK_S)
+        rb = b0 + _indices(zero, BLOCK_S)
         tile_dk = DKA + b * s_dkb + h * s_dkh + rb[:, None] * s_dkc + rk[None, :]
         ok_push_k = (rb <= tau)[:, None] & k_ok[None, :]
         dK_new = tl.load(tile_dk, mask=ok_push_k, other=0.0)
@@ -1373,6 +1391,387 @@ def memory_backward_kernel(
                 tl.store(DY_PREV + b * stride_dy + COL_KEY + h * DK + rk, dk_pre, mask=k_ok)
             else:
                 tl.store(DKPRE0 + b * H * DK + h * DK + rk, dk_pre, mask=k_ok)
+
+
+@triton.jit(do_not_specialize=["tau", "is_last"])
+def memory_backward_kernel(
+    Y,
+    stride_y: tl.int64,  # (B, width) the layer's input-GEMM output at this step
+    DY,
+    stride_dy: tl.int64,  # (B, width) its gradient at this step (filled here)
+    DY_PREV,  # WRITE: the gradient row of the step before (its key columns)
+    DH,
+    stride_dh: tl.int64,  # (B, H*DV + F) gradient of the down-projection's input
+    RO,
+    stride_o: tl.int64,  # (B, H*DV) the read output's RMSNorm
+    QA,
+    s_qb: tl.int64,
+    s_qh,
+    s_qc,  # (B, H, C, DK) the chunk's read queries
+    RQ,
+    s_rqb: tl.int64,
+    s_rqh,  # (B, H, DV) M0^T q
+    DRQ,
+    s_drqb: tl.int64,
+    s_drqh,  # (B, H, DV) out: its gradient
+    KA,
+    s_kb: tl.int64,
+    s_kh,
+    s_kc,  # (B, H, C, DK) the chunk's keys
+    UA,
+    s_ub: tl.int64,
+    s_uh,
+    s_uc,  # (B, H, C, DV) the chunk's errors
+    GA,
+    s_gb: tl.int64,
+    s_gh,
+    s_gc,  # (B, H, C) cumulative log-decays
+    DKA,
+    s_dkb: tl.int64,
+    s_dkh,
+    s_dkc,  # (B, H, C, DK) adjoints, added to
+    DUA,
+    s_dub: tl.int64,
+    s_duh,
+    s_duc,  # (B, H, C, DV)
+    DGA,
+    s_dgb: tl.int64,
+    s_dgh,
+    s_dgc,  # (B, H, C)
+    M0,
+    s_m0b: tl.int64,
+    s_m0h,
+    s_m0k,  # (B, H, DK, DV)
+    QK,
+    s_qkb: tl.int64,
+    s_qkh,
+    s_qkc,  # (B, H, C, C) the chunk's Gram rows q_t . k_j (`chunk_gram`)
+    # WRITE only (layer 0): this step's write activations and outputs
+    KPRE,
+    stride_kpre: tl.int64,  # (B, H*DK) pre-activation of k_t
+    V,
+    s_vb: tl.int64,
+    s_vh,  # (B, H, DV)
+    BETA,
+    s_bb: tl.int64,
+    s_bh,  # (B, H)
+    PRED,
+    s_pb: tl.int64,
+    s_ph,  # (B, H, DV) M_{t-1}^T k_t
+    RK,
+    s_rkb: tl.int64,
+    s_rkh,  # (B, H, DV) M0^T k_t
+    DRK,
+    s_drkb: tl.int64,
+    s_drkh,  # (B, H, DV) out
+    DGS,  # (B, H) running suffix sum of dG (d log a)
+    DA_ROWS,  # (B, H) dA accumulated per row
+    DKPRE0,  # (B, H*DK) out at t = 0: gradient of k_0's pre-activation
+    KK,
+    s_kkb: tl.int64,
+    s_kkh,
+    s_kkc,  # (B, H, C, C) the chunk's Gram rows k_t . k_j
+    A,
+    SUMS,  # (B, 2) the read norm's row sums (`read_norm_sums_kernel`; under tp, the group's)
+    DOB,  # (B, H, BLOCK_S, DV) the block's do (the read's output gradient), by step
+    DPB,  # WRITE: (B, H, BLOCK_S, DV) the block's dpred (the write's prediction gradient)
+    QUEUE,  # RESERVED_SMS > 0: this launch's item counter (`QUEUE_STRIDE`), zero
+    tau,
+    is_last,
+    eps,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    F: tl.constexpr,
+    HV: tl.constexpr,
+    COL_KEY: tl.constexpr,
+    COL_VALUE: tl.constexpr,
+    COL_BETA: tl.constexpr,
+    COL_DECAY: tl.constexpr,
+    COL_QUERY: tl.constexpr,
+    COL_RGATE: tl.constexpr,
+    COL_FFN: tl.constexpr,
+    WRITE: tl.constexpr,
+    MEMORY: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DVW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    NORM_WIDTH: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr,
+    RESERVED_SMS: tl.constexpr = 0,
+    EMULATED_SMS: tl.constexpr = 0,  # the interpreter's stand-in for %smid (`_sm_id`)
+    PDL: tl.constexpr = False,
+):
+    """Grid (B, H + ceil(F / BLOCK_F)): the reverse of `memory_forward_kernel` at one step.
+    A head program first forms the step's value-column adjoints (do, dpred and their
+    terms) over all BLOCK_DVW value columns at once, stores them, and then walks M0, the
+    history's u_j and their adjoints over d_value in BLOCK_DV blocks, reading do and dpred
+    back (a whole head's M0 and history tiles in registers at once spilled most of the
+    kernel at dk 128 / dv 256: accounting/gpu_compile.py). Head programs fill the read's
+    (and at layer 0 the write's) columns of DY and add to the chunk's dK, dU, dG; FFN
+    programs fill the FFN columns.
+
+    The history's adjoints are pushed at once only into the rows of the current block of
+    BLOCK_S steps [b0, t] (the rows this and the block's earlier-processed steps still
+    read: du_t, dk_t and dG_t must be complete at step t); what a step adds to the rows
+    before its block is deferred: the step keeps its do (and dpred), and after the block's
+    first step b0 one flush (`memory_backward_flush_kernel`) adds the whole block's share
+    to rows j < b0, its coefficients recomputed from the Gram matrices and decays.
+    Per step the chunk's dK, dU, dG are then read and written over at most BLOCK_S rows, not
+    all t + 1 (the pushes were ~2/3 of the kernel's history traffic).
+
+    The d_value loop is software-pipelined (STAGES): the next blocks' tiles are copied into
+    shared memory (cp.async) while this block computes, instead of one dependent round trip
+    per block. Its registers come from the products q_t . k_j and k_t . k_j, read as rows of
+    the chunk's Gram matrices (`chunk_gram`, one batched matmul before the sweep) rather than
+    reduced here from the (C, DK) key tile, and from the k adjoint's update over the block's
+    BLOCK_S rows rather than all C (the two held the kernel at 255 registers; now 128).
+    No later block reads what an earlier block stores (other columns, or Y not DY), so the
+    pipeliner may issue the loads ahead of the stores; what the loop reads of the value
+    adjoints was stored before it, behind a barrier of the whole program.
+
+    RESERVED_SMS > 0 (engine.side_work_sm_share): the programs that land on the first
+    RESERVED_SMS SMs leave at once, so that the side stream's recompute and weight gradients
+    have whole SMs (a smaller grid would just be spread over all of them), and the others
+    take the grid's items from a counter (`_first_item`) until it runs out, each claiming the
+    next while it runs its current one. Each item is computed as its own program would be:
+    the results are bit-identical. The item body adds `zero` (0, from the item, which the
+    compiler cannot see is 0) to its index vectors and tau: else the compiler computes what
+    does not change from item to item once, before the loop, and holds it across the loop
+    (296 B of spills at 128 registers; now none, 4 programs per SM as the plain grid)."""
+    _await_predecessor(PDL)
+    if RESERVED_SMS == 0:
+        _memory_backward_program(
+            tl.program_id(0),
+            tl.program_id(1),
+            0,
+            Y,
+            stride_y,
+            DY,
+            stride_dy,
+            DY_PREV,
+            DH,
+            stride_dh,
+            RO,
+            stride_o,
+            QA,
+            s_qb,
+            s_qh,
+            s_qc,
+            RQ,
+            s_rqb,
+            s_rqh,
+            DRQ,
+            s_drqb,
+            s_drqh,
+            KA,
+            s_kb,
+            s_kh,
+            s_kc,
+            UA,
+            s_ub,
+            s_uh,
+            s_uc,
+            GA,
+            s_gb,
+            s_gh,
+            s_gc,
+            DKA,
+            s_dkb,
+            s_dkh,
+            s_dkc,
+            DUA,
+            s_dub,
+            s_duh,
+            s_duc,
+            DGA,
+            s_dgb,
+            s_dgh,
+            s_dgc,
+            M0,
+            s_m0b,
+            s_m0h,
+            s_m0k,
+            QK,
+            s_qkb,
+            s_qkh,
+            s_qkc,
+            KPRE,
+            stride_kpre,
+            V,
+            s_vb,
+            s_vh,
+            BETA,
+            s_bb,
+            s_bh,
+            PRED,
+            s_pb,
+            s_ph,
+            RK,
+            s_rkb,
+            s_rkh,
+            DRK,
+            s_drkb,
+            s_drkh,
+            DGS,
+            DA_ROWS,
+            DKPRE0,
+            KK,
+            s_kkb,
+            s_kkh,
+            s_kkc,
+            A,
+            SUMS,
+            DOB,
+            DPB,
+            tau,
+            is_last,
+            eps,
+            H,
+            DK,
+            DV,
+            F,
+            HV,
+            COL_KEY,
+            COL_VALUE,
+            COL_BETA,
+            COL_DECAY,
+            COL_QUERY,
+            COL_RGATE,
+            COL_FFN,
+            WRITE,
+            MEMORY,
+            BLOCK_DK,
+            BLOCK_DV,
+            BLOCK_DVW,
+            BLOCK_C,
+            BLOCK_F,
+            NORM_WIDTH,
+            BLOCK_S,
+            STAGES,
+            PDL,
+        )
+    else:
+        per_row = tl.num_programs(1)
+        items = tl.num_programs(0) * per_row
+        item = _first_item(QUEUE, items, RESERVED_SMS, EMULATED_SMS)
+        while item < items:
+            claimed = tl.atomic_add(QUEUE, 1)  # the next, while this one runs
+            _memory_backward_program(
+                item // per_row,
+                item % per_row,
+                item >> 31,  # 0: the item is never negative
+                Y,
+                stride_y,
+                DY,
+                stride_dy,
+                DY_PREV,
+                DH,
+                stride_dh,
+                RO,
+                stride_o,
+                QA,
+                s_qb,
+                s_qh,
+                s_qc,
+                RQ,
+                s_rqb,
+                s_rqh,
+                DRQ,
+                s_drqb,
+                s_drqh,
+                KA,
+                s_kb,
+                s_kh,
+                s_kc,
+                UA,
+                s_ub,
+                s_uh,
+                s_uc,
+                GA,
+                s_gb,
+                s_gh,
+                s_gc,
+                DKA,
+                s_dkb,
+                s_dkh,
+                s_dkc,
+                DUA,
+                s_dub,
+                s_duh,
+                s_duc,
+                DGA,
+                s_dgb,
+                s_dgh,
+                s_dgc,
+                M0,
+                s_m0b,
+                s_m0h,
+                s_m0k,
+                QK,
+                s_qkb,
+                s_qkh,
+                s_qkc,
+                KPRE,
+                stride_kpre,
+                V,
+                s_vb,
+                s_vh,
+                BETA,
+                s_bb,
+                s_bh,
+                PRED,
+                s_pb,
+                s_ph,
+                RK,
+                s_rkb,
+                s_rkh,
+                DRK,
+                s_drkb,
+                s_drkh,
+                DGS,
+                DA_ROWS,
+                DKPRE0,
+                KK,
+                s_kkb,
+                s_kkh,
+                s_kkc,
+                A,
+                SUMS,
+                DOB,
+                DPB,
+                tau,
+                is_last,
+                eps,
+                H,
+                DK,
+                DV,
+                F,
+                HV,
+                COL_KEY,
+                COL_VALUE,
+                COL_BETA,
+                COL_DECAY,
+                COL_QUERY,
+                COL_RGATE,
+                COL_FFN,
+                WRITE,
+                MEMORY,
+                BLOCK_DK,
+                BLOCK_DV,
+                BLOCK_DVW,
+                BLOCK_C,
+                BLOCK_F,
+                NORM_WIDTH,
+                BLOCK_S,
+                STAGES,
+                False,
+            )
+            item = claimed
+        _release_dependents(PDL)
 
 
 @triton.jit(do_not_specialize=["b0", "n_steps"])
