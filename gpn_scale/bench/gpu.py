@@ -60,6 +60,7 @@ from gpn_scale.bench import gpu_throughput as throughput
 from gpn_scale.bench.gpu_exactness import error_line
 from gpn_scale.bench.gpu_results_md import markdown
 from gpn_scale.models.gpn import load_model_config
+from gpn_scale.ops.gpn_step.options import EngineOptions
 
 EXIT_NO_CUDA = 2
 
@@ -132,6 +133,9 @@ class Results:
 
 # ------------------------------------------------------------------ kernels compiled first
 PREBUILD_BATCHES = (8, 16, 32, 64, 128, 256, 512)
+# The engine A/B rows' kernel variants (gpu_throughput.ENGINE_AB): the side streams off take
+# the plain memory backward too, as its side-work SMs off does.
+PREBUILD_AB = ("dependent_launch=false", "side_work_sm_share=0.0")
 
 
 def default_triton_cache() -> Path:
@@ -158,11 +162,11 @@ def prebuild_triton_cache(
         ["testing_tiny", "--set", "n_layers=2", "--dtype", "fp32", "--batch", "3"],
         [*configs, "--batch", batches, "--seq-len", str(seq_len)],
     ]
-    if ab_batch is not None:
-        runs.append(
-            [configs[0], "--set", "dependent_launch=false", "--batch", str(ab_batch)]
-            + ["--seq-len", str(seq_len)]
-        )
+    if ab_batch is not None:  # the rows' other variants (with the side streams off, too)
+        runs += [
+            [configs[0], "--set", flag, "--batch", str(ab_batch), "--seq-len", str(seq_len)]
+            for flag in PREBUILD_AB
+        ]
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with open(log, "w") as out:
@@ -374,6 +378,7 @@ def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, 
         overlap_backward=True,
         overlap_decode=True,
         dependent_launch=True,
+        side_work_sm_share=EngineOptions().side_work_sm_share,
         max_seconds=args.max_seconds,
         params={c.name: c.params for c in candidates},
         _t0=t0,

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from gpn_scale.models.gpn.reference import reference_forward
+from gpn_scale.ops.gpn_step.options import EngineOptions
 from gpn_scale.testing.models import bf16_errors, perturbed_model, tiny_config
 
 TINY = tiny_config(n_layers=2)
@@ -51,6 +52,9 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
     yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
     yield guarded(OVERLAP_CHECK, _bit_identical, device, tokens, OVERLAP_CHECK, OVERLAP)
     yield guarded(DEPENDENT_CHECK, _bit_identical, device, tokens, DEPENDENT_CHECK, DEPENDENT)
+    yield guarded(
+        SIDE_SMS_CHECK, _bit_identical, device, tokens, SIDE_SMS_CHECK, SIDE_SMS, SIDE_SMS_VALUES
+    )
 
 
 # Engine options that change how the steps run, never a value: each on against off, bit for bit.
@@ -64,19 +68,31 @@ OVERLAP = ("overlap_backward", "overlap_decode")
 # device, eagerly and in graphs.
 DEPENDENT_CHECK = "dependent launches == plain, bit for bit"
 DEPENDENT = ("dependent_launch",)
+# The memory backward leaving SMs to the side stream (`engine.side_work_sm_share`): the CPU
+# tests hold its item queue on emulated SMs; this, on the device's own (%smid) and atomics.
+SIDE_SMS_CHECK = "memory backward leaving SMs == plain, bit for bit"
+SIDE_SMS = ("side_work_sm_share",)
+SIDE_SMS_VALUES = (0.0, EngineOptions().side_work_sm_share)
 
 
 def _bit_identical(
-    device: torch.device, tokens: torch.Tensor, name: str, options: tuple[str, ...]
+    device: torch.device,
+    tokens: torch.Tensor,
+    name: str,
+    options: tuple[str, ...],
+    values: tuple[Any, Any] = (False, True),
 ) -> dict:
-    """The loss and every gradient with `options` off and on (float32, graphs on and off
-    for the step options): equal bit for bit."""
+    """The loss and every gradient with `options` off and on (`values`: what off and on set
+    them to; float32, graphs on and off for the step options): equal bit for bit."""
     results: dict[bool, list[torch.Tensor]] = {}
     for on in (False, True):
         results[on] = []
         for graphs in (True, False):
             cfg = TINY.replace(
-                chunk_size=4, loss_chunk_tokens=8, cuda_graphs=graphs, **dict.fromkeys(options, on)
+                chunk_size=4,
+                loss_chunk_tokens=8,
+                cuda_graphs=graphs,
+                **dict.fromkeys(options, values[on]),
             )
             model = perturbed_model(cfg, torch.float32).to(device)
             out = model(tokens)

@@ -168,9 +168,10 @@ def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
 
 # The engine options the device check also times the first config without, one row each at
 # the last ledger batch (issue 34): what each is predicted to save, measured beside it.
-ENGINE_AB = (
+ENGINE_AB: tuple[tuple[str, dict[str, Any]], ...] = (
     ("overlap off", dict(overlap_backward=False, overlap_decode=False)),
     ("dependent launch off", dict(dependent_launch=False)),
+    ("side-work SMs off", dict(side_work_sm_share=0.0)),
 )
 
 

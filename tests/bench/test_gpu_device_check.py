@@ -86,15 +86,17 @@ def test_device_check_runs_and_records(tmp_path):
     # the first config again with each engine A/B option off, at the last ledger batch
     plain = f"{cfg.name} (overlap off)"
     independent = f"{cfg.name} (dependent launch off)"
-    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [plain, independent] + [
+    all_sms = f"{cfg.name} (side-work SMs off)"
+    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [plain, independent, all_sms] + [
         "tiny_2l"
     ] * 2 + tpp[:1] * 2
-    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 4, 2, 4]  # increasing order
+    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 2, 4, 2, 4]  # increasing order
     assert result["summary"][plain]["config"] == (
         "tiny_c4 engine.overlap_backward=false engine.overlap_decode=false"
     )
     assert result["summary"][independent]["config"] == "tiny_c4 engine.dependent_launch=false"
-    for name in ("overlapped backward", "dependent launches"):
+    assert result["summary"][all_sms]["config"] == "tiny_c4 engine.side_work_sm_share=0.0"
+    for name in ("overlapped backward", "dependent launches", "memory backward leaving SMs"):
         (same,) = [c for c in checks if c["check"].startswith(name)]
         assert same["ok"] and same["differing"] == 0 and same["tensors"] > 20
     for r in runs:
@@ -105,6 +107,7 @@ def test_device_check_runs_and_records(tmp_path):
     # the engine options the accounting prices a run with (gpu_report.against)
     meta = result["meta"]
     assert meta["overlap_backward"] and meta["overlap_decode"] and meta["dependent_launch"]
+    assert meta["side_work_sm_share"] == 0.25
     params = result["meta"]["params"]
     assert abs(params[tpp[0]] / params["tiny_c4"] - 1) < 0.1  # same size, side by side
     summary = result["summary"]
@@ -487,7 +490,8 @@ def test_the_input_gemms_dy_wt_what_if_is_the_narrow_plan_at_the_shipped_size():
 def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch):
     """The prebuild's gpu_compile runs (each a process; recorded here, not run): the tiny
     exactness configs, every config at the check's batches, and the first config without
-    dependent launches at the A/B batch (its PDL=False variants), each into the cache."""
+    dependent launches and without SMs left to side work at the A/B batch (their PDL=False
+    and plain memory backward variants), each into the cache."""
     commands: list[list[str]] = []
 
     def run(cmd, **kwargs):
@@ -503,9 +507,10 @@ def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch)
     assert all(c[1:3] == ["-m", "gpn_scale.accounting.gpu_compile"] for c in commands)
     assert all(c[c.index("--triton-cache") + 1] == str(cache) for c in commands)
     assert all(c[c.index("--arch") + 1] == "sm_90" for c in commands)
-    (plain,) = [c for c in commands if "dependent_launch=false" in c]
-    assert plain[3] == "gpn_m_130m" and plain[plain.index("--batch") + 1] == "128"
-    assert plain[plain.index("--seq-len") + 1] == "2048"
+    for flag in ("dependent_launch=false", "side_work_sm_share=0.0"):
+        (plain,) = [c for c in commands if flag in c]
+        assert plain[3] == "gpn_m_130m" and plain[plain.index("--batch") + 1] == "128"
+        assert plain[plain.index("--seq-len") + 1] == "2048"
     commands.clear()
     gpu.prebuild_triton_cache(cache, ["gpn_m_130m"], 2048, "sm_90", tmp_path / "log", 60.0)
-    assert len(commands) == 3 and not any("dependent_launch=false" in c for c in commands)
+    assert len(commands) == 3 and not any(f in c for c in commands for f in gpu.PREBUILD_AB)
