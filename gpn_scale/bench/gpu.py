@@ -12,7 +12,9 @@ measured; the format: accounting/device_runs.py):
    Every Triton variant the check launches is compiled into --triton-cache first, one
    process per CPU core (accounting/gpu_compile.py; best effort).
 1. Exactness on the device (bench/gpu_exactness.py): the engine against the step-by-step
-   reference (float64; float32 with and without CUDA graphs; a bf16 step), and Gated
+   reference (float64; float32 with and without CUDA graphs; a bf16 step), the engine
+   options that change no value each on against off, bit for bit (the side streams,
+   dependent launches, the memory backward leaving SMs to the side work), and Gated
    DeltaNet's fla kernels against our chunkwise op.
 2. The ledger (bench/gpu_ledger.py): the first config at --ledger-batches (64, 128), every
    launch of one forward and one reverse chunk timed in sequence and alone, with its bytes,
@@ -27,7 +29,9 @@ measured; the format: accounting/device_runs.py):
 5. Nsight Compute on the ledger's replay of the top kernels, and a gzipped Chrome trace of a
    64-step window (best effort, one line each on failure).
 6. Throughput (bench/gpu_throughput.py): each --config (1- and 2-layer GPN+M) at --batches,
-   and the Transformer++ of the first config's size, eager and compiled (compile.enable),
+   the first config again with each of its engine A/B options off at the last ledger batch
+   (gpu_throughput.ENGINE_AB), and the Transformer++ of the first config's size, eager and
+   compiled (compile.enable),
    all at --seq-len, bf16 autocast, fused AdamW; each row's GPU busy fraction over a full
    profiled window. The headline: GPN+M / compiled Transformer++, each at its best batch.
 
