@@ -89,7 +89,7 @@ class EngineSection:
     overlap_backward: bool | None = None  # CUDA: chunk-wide backward work on a second stream
     overlap_decode: bool | None = None  # CUDA: each chunk's decode + loss on a second stream
     dependent_launch: bool | None = None  # CUDA, Hopper on: step kernels launched as dependents
-    side_work_sm_share: float | None = None  # CUDA: SMs the memory backward leaves to side work
+    side_work_sm_share: float | None = None  # CUDA: SMs the memory kernels leave to side work
 
     def given(self) -> dict[str, Any]:
         """The options this run sets (the rest stay the model config's)."""

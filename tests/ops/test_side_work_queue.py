@@ -1,9 +1,9 @@
-"""The memory backward leaving SMs to the side stream (`engine.side_work_sm_share`): its
-programs on the reserved SMs leave at once and the others take the grid's items from a queue
-(`triton_kernels.memory_backward_kernel`). Under the interpreter program i stands on SM
-i mod 16 (`geometry.reserved_sms`): the gradients are bit-identical to the plain grid's
-whichever programs leave, the last program to arrive never leaves, and each launch leaves the
-queue's counters at zero for the next step's. On the GPU the device check compares both
+"""The memory kernels leaving SMs to the side streams (`engine.side_work_sm_share`): their
+programs on the reserved SMs leave at once and the others take the grid's items from a
+counter (`triton_kernels.memory_backward_kernel`, `memory_forward_kernel`). Under the
+interpreter program i stands on SM i mod 16 (`geometry.reserved_sms`): the gradients are
+bit-identical to the plain grids' whichever programs leave, the grid's last program never
+leaves, and each launch has its own counter. On the GPU the device check compares both
 (bench/gpu_exactness.py) and times them (bench/gpu_throughput.py)."""
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _grads(share: float, monkeypatch, overlap: bool = True) -> tuple[list, list,
     with recording(keep_args=True) as launches:
         loss = model(tokens).loss
         grads = torch.autograd.grad(loss, list(model.parameters()))
-    memory = [r for r in launches if r.kernel is tk.memory_backward_kernel]
+    kernels = (tk.memory_backward_kernel, tk.memory_forward_kernel)
+    memory = [r for r in launches if r.kernel in kernels]
     return [loss, *grads], memory, queues
 
 
@@ -57,8 +58,9 @@ def test_the_queue_gives_the_plain_grids_gradients_bit_for_bit(share, monkeypatc
     assert all(r.meta["EMULATED_SMS"] == geometry.INTERPRETER_SMS for r in queued)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    # Each step's and layer's launch had its own counter: every item claimed once, and one
-    # claim past the end by each program that took items (at least one, at most all).
+    assert {r.kernel for r in queued} == {tk.memory_backward_kernel, tk.memory_forward_kernel}
+    # Each step's and layer's backward launch had its own counter: every item claimed once,
+    # and one claim past the end by each program that took items (at least one, at most all).
     items = queued[0].grid[0] * queued[0].grid[1]
     assert all(r.grid == queued[0].grid for r in queued)
     assert queues and all(q is not None for q in queues)
@@ -75,18 +77,26 @@ def test_nothing_is_reserved_without_the_side_stream_or_with_a_share_of_zero():
         "RESERVED_SMS": 33,
         "EMULATED_SMS": 0,
     }
-    for overrides in ({"overlap_backward": False}, {"side_work_sm_share": 0.0}):
+    # each memory kernel leaves SMs only beside its own side stream
+    for overrides, kernel in (
+        ({"overlap_backward": False}, tk.memory_backward_kernel),
+        ({"overlap_decode": False}, tk.memory_forward_kernel),
+        ({"side_work_sm_share": 0.0}, tk.memory_backward_kernel),
+        ({"side_work_sm_share": 0.0}, tk.memory_forward_kernel),
+    ):
         case = gpu_compile.Case("testing_tiny", 3, dtype="bf16", overrides=tuple(overrides.items()))
         records = gpu_compile.record_launches(case, sm_count=132, arch=90)
-        memory = [r for r in records if r.kernel is tk.memory_backward_kernel]
+        memory = [r for r in records if r.kernel is kernel]
         assert memory and all(r.meta.get("RESERVED_SMS", 0) == 0 for r in memory)
 
 
 def test_a_dry_run_reserves_the_share_of_its_sms():
     case = gpu_compile.Case("testing_tiny", 3, dtype="bf16")
     records = gpu_compile.record_launches(case, sm_count=132, arch=90)
-    memory = [r for r in records if r.kernel is tk.memory_backward_kernel]
-    assert memory and all(r.meta["RESERVED_SMS"] == 33 for r in memory)
+    kernels = (tk.memory_backward_kernel, tk.memory_forward_kernel)
+    memory = [r for r in records if r.kernel in kernels]
+    assert {r.kernel for r in memory} == set(kernels)
+    assert all(r.meta["RESERVED_SMS"] == 33 for r in memory)
     assert all(r.meta["EMULATED_SMS"] == 0 for r in memory)
 
 

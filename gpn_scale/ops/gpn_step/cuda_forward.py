@@ -5,6 +5,8 @@ and how many a step takes; a CUDA graph captures this function (`graphs.py`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import geometry
@@ -12,6 +14,7 @@ from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.cuda_shared import (
     MEMORY_FORWARD_HISTORY_BLOCK,
     MEMORY_FORWARD_MAXNREG,
+    MEMORY_FORWARD_QUEUE_MAXNREG_SM80,
     MEMORY_FORWARD_ROW_BLOCK,
     MEMORY_FORWARD_STAGES,
     MEMORY_FORWARD_WARPS,
@@ -19,6 +22,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     layer_meta,
     mem_blocks,
     pointers,
+    side_work_queue,
     splits_over_tp,
     tp_sum,
 )
@@ -38,7 +42,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     """The chunk's steps as launches (what a graph captures)."""
     fuse, P, S = chunk.fuse, chunk.P, chunk.S
     B, C, d = fuse.shape
-    H, dk, dv, L, eps = plan.H, plan.dk, plan.dv, plan.n_layers, plan.eps
+    H, dv, L, eps = plan.H, plan.dv, plan.n_layers, plan.eps
     mem = plan.memory
     new = lambda *shape: fuse.new_empty(shape)  # noqa: E731
     ph, pc = "forward step", "forward chunk"
@@ -64,52 +68,8 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     BD = min(geometry.p2(d), 16 if geometry.interpreting(fuse) else 1024)
     blocks = mem_blocks(plan, fuse, C)
     grid_mem = (B, (H if mem else 0) + ffn_programs(plan, blocks["BLOCK_F"]))
-    # GPN+M's memory buffers (None for GPN).
-    M0: Tensor | None
-    K: Tensor | None
-    U: Tensor | None
-    G: Tensor | None
-    kcur: Tensor | None
-    gprev: Tensor | None
-    ss: Tensor | None
-    if mem:
-        assert chunk.M0 is not None  # GPN+M
-        M0 = chunk.M0.contiguous()
-        K, U, G = new(B, H, C, dk), new(B, H, C, dv), new(B, H, C)
-        kcur, gprev = new(B, H, dk), new(B, H)
-        ss = tp_flat[: B * H].view(B, H) if tp_flat is not None else new(B, H)
-        gprev.zero_()
-        _aten("zero G", pc, _nbytes(gprev))
-        key = new(B, H * dk)
-        linear(
-            chunk.s_prev,
-            W.w_in[0][:, : H * dk],
-            key,
-            pc,
-            "first key GEMM",
-            bias=W.b_in[0][: H * dk],
-            row_rms=True,
-            eps=eps,
-            workspace=ws,
-        )
-        _launch(
-            tk.l2n_relu_kernel,
-            (B, H),
-            "first key l2n",
-            pc,
-            2 * _nbytes(key),
-            4 * key.numel(),
-            key,
-            key.stride(0),
-            kcur,
-            kcur.stride(0),
-            kcur.stride(1),
-            DK=dk,
-            BLOCK_DK=geometry.p2(dk),
-            **geometry.dependent_launch(key),
-        )
-    else:
-        M0 = K = U = G = kcur = gprev = ss = None
+    fm = _chunk_memory(plan, W, chunk, tp_flat, ws) if mem else _ChunkMemory()
+    ss = fm.ss
     s = states[0]
     for tau in range(C):
         c = s
@@ -117,9 +77,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         for i in range(L):
             y = ys[i]
             _input_gemm(W, i, tau, c, c_low, y, eps, ws)
-            _memory_forward(
-                plan, i, tau, y, hidden, ss, kcur, gprev, M0, K, U, G, W.A, grid_mem, blocks
-            )
+            _memory_forward(plan, i, tau, y, hidden, fm, W.A, grid_mem, blocks)
             out = P[:, tau] if i == L - 1 else scratch[i % 2]
             pg0 = plan.columns[i].predict_gate[0]
             if split:
@@ -173,7 +131,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
         )
         s = s_next
     s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
-    return ChunkForwardResult(s, s_prev, K, U, G)
+    return ChunkForwardResult(s, s_prev, fm.K, fm.U, fm.G)
 
 
 Low = tuple[Tensor, Tensor]  # a GEMM's A rows in bf16 and their sums of squares per block
@@ -294,23 +252,85 @@ def _down_split(
     )
 
 
+@dataclass
+class _ChunkMemory:
+    """GPN+M's buffers of one chunk's forward steps (None for GPN): M0; the chunk's keys,
+    errors and cumulative log-decays (K, U, G); the current key and G_{t-1}; the read's
+    per-head sums of squares; and the memory forward's item counters and their launch
+    settings where its programs leave SMs to the decode (`cuda_shared.side_work_queue`)."""
+
+    M0: Tensor | None = None
+    K: Tensor | None = None
+    U: Tensor | None = None
+    G: Tensor | None = None
+    kcur: Tensor | None = None
+    gprev: Tensor | None = None
+    ss: Tensor | None = None
+    queue: Tensor | None = None
+    reserve: dict[str, int] = field(default_factory=dict)
+
+
+def _chunk_memory(
+    plan: StepPlan, W: LoopWeights, chunk: ChunkForward, tp_flat: Tensor | None, ws
+) -> _ChunkMemory:
+    """The chunk's memory buffers, and its first key (from the carried state before it)."""
+    assert chunk.M0 is not None  # GPN+M
+    fuse = chunk.fuse
+    B, C, _ = fuse.shape
+    H, dk, dv, eps = plan.H, plan.dk, plan.dv, plan.eps
+    new = lambda *shape: fuse.new_empty(shape)  # noqa: E731
+    pc = "forward chunk"
+    fm = _ChunkMemory(M0=chunk.M0.contiguous())
+    fm.K, fm.U, fm.G = new(B, H, C, dk), new(B, H, C, dv), new(B, H, C)
+    fm.kcur, fm.gprev = new(B, H, dk), new(B, H)
+    fm.ss = tp_flat[: B * H].view(B, H) if tp_flat is not None else new(B, H)
+    fm.gprev.zero_()
+    _aten("zero G", pc, _nbytes(fm.gprev))
+    key = new(B, H * dk)
+    linear(
+        chunk.s_prev,
+        W.w_in[0][:, : H * dk],
+        key,
+        pc,
+        "first key GEMM",
+        bias=W.b_in[0][: H * dk],
+        row_rms=True,
+        eps=eps,
+        workspace=ws,
+    )
+    _launch(
+        tk.l2n_relu_kernel,
+        (B, H),
+        "first key l2n",
+        pc,
+        2 * _nbytes(key),
+        4 * key.numel(),
+        key,
+        key.stride(0),
+        fm.kcur,
+        fm.kcur.stride(0),
+        fm.kcur.stride(1),
+        DK=dk,
+        BLOCK_DK=geometry.p2(dk),
+        **geometry.dependent_launch(key),
+    )
+    share = plan.options.side_work_sm_share if plan.options.overlap_decode else 0.0
+    fm.queue, fm.reserve = side_work_queue(plan, fuse, C, share, pc)
+    return fm
+
+
 def _memory_forward(
     plan: StepPlan,
     i: int,
     tau: int,
     y: Tensor,
     hidden: Tensor,
-    ss: Tensor | None,
-    kcur: Tensor | None,
-    gprev: Tensor | None,
-    M0: Tensor | None,
-    K: Tensor | None,
-    U: Tensor | None,
-    G: Tensor | None,
+    fm: _ChunkMemory,
     A: Tensor | None,
     grid: tuple[int, int],
     blocks: dict[str, int],
 ) -> None:
+    ss, kcur, gprev, M0, K, U, G = fm.ss, fm.kcur, fm.gprev, fm.M0, fm.K, fm.U, fm.G
     H, dk, dv = plan.H, plan.dk, plan.dv
     mem = plan.memory
     B = y.shape[0]
@@ -334,6 +354,7 @@ def _memory_forward(
         *pointers(
             [ss, kcur, gprev, M0, K, U, G, A] if mem else [None] * 8, [0, 0, 0, 3, 3, 3, 2, 0], y
         ),
+        fm.queue[tau, i] if fm.queue is not None else y,
         tau,
         **layer_meta(plan, i),
         BLOCK_DV=geometry.p2(max(dv, 1)),
@@ -343,7 +364,10 @@ def _memory_forward(
         BLOCK_F=blocks["BLOCK_F"],
         STAGES=MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
-        maxnreg=MEMORY_FORWARD_MAXNREG,
+        maxnreg=MEMORY_FORWARD_QUEUE_MAXNREG_SM80
+        if fm.reserve and geometry.arch(y) < 90
+        else MEMORY_FORWARD_MAXNREG,
+        **fm.reserve,
         **geometry.dependent_launch(y),
     )
 

@@ -28,6 +28,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     layer_meta,
     mem_blocks,
     pointers,
+    side_work_queue,
     splits_over_tp,
     tp_sum,
 )
@@ -164,12 +165,7 @@ def _side_work_queue(
     items from a counter (`triton_kernels.memory_backward_kernel`). The chunk's counters, one
     per step and layer, zero; and the launch settings. None and {} where nothing is left."""
     share = plan.options.side_work_sm_share if plan.options.overlap_backward else 0.0
-    reserve = geometry.reserved_sms(like, share)
-    if not reserve["RESERVED_SMS"]:
-        return None, {}
-    queue = torch.zeros((C, plan.n_layers, tk.QUEUE_STRIDE), dtype=torch.int32, device=like.device)
-    _aten("zero the memory backward's item counters", phase, _nbytes(queue))
-    return queue, reserve
+    return side_work_queue(plan, like, C, share, phase)
 
 
 def chunk_gram(plan: StepPlan, acts, phase: str) -> list[tuple[Tensor | None, Tensor | None]]:

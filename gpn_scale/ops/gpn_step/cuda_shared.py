@@ -5,13 +5,16 @@ arguments, and the tp group's fixed points as recorded collectives."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import geometry
+from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.collectives import tp_sum_
 from gpn_scale.ops.gpn_step.interface import StepPlan
 from gpn_scale.ops.launch import is_dry
 from gpn_scale.ops.launch import nbytes as _nbytes
+from gpn_scale.ops.launch import record_aten as _aten
 from gpn_scale.ops.launch import record_collective as _record_collective
 
 # The memory kernels' blocks, warps, stages and register cap on the GPU: what
@@ -47,6 +50,10 @@ MEMORY_FORWARD_HISTORY_BLOCK = 8
 MEMORY_FORWARD_WARPS = 4
 MEMORY_FORWARD_STAGES = 4
 MEMORY_FORWARD_MAXNREG = 128
+# ... for its item queue on sm_80 (side_work_sm_share): there its shared memory holds it to 3
+# programs per SM whatever its registers, which leave 168 a thread; at 128 the queue's loop
+# spilled 4 B at the 1B's tp = 8 rank.
+MEMORY_FORWARD_QUEUE_MAXNREG_SM80 = 168
 FLUSH_BLOCK_DV = 64
 FLUSH_WARPS = 8
 FLUSH_MAXNREG = 128
@@ -127,3 +134,18 @@ def pointers(tensors: list[Tensor | None], strides: list[int], dummy: Tensor) ->
     for t, n in zip(tensors, strides):
         args += [dummy, *(0,) * n] if t is None else [t, *t.stride()[:n]]
     return tuple(args)
+
+
+def side_work_queue(
+    plan: StepPlan, like: Tensor, C: int, share: float, phase: str
+) -> tuple[Tensor | None, dict[str, int]]:
+    """A memory kernel that leaves `share` of the SMs to a side stream's work (its programs
+    there leave at once; the rest take the grid's items from a counter: `triton_kernels.
+    _first_item`): the chunk's counters, one per step and layer, zero, and the launch
+    settings; None and {} where nothing is left (share 0, or too few SMs for a whole one)."""
+    reserve = geometry.reserved_sms(like, share)
+    if not reserve["RESERVED_SMS"]:
+        return None, {}
+    queue = torch.zeros((C, plan.n_layers, tk.QUEUE_STRIDE), dtype=torch.int32, device=like.device)
+    _aten("zero the memory kernel's item counters", phase, _nbytes(queue))
+    return queue, reserve

@@ -49,9 +49,10 @@ class EngineOptions:
     # each starting while the one before finishes and waiting for it before its first read
     # (triton_kernels.py). Bit-identical.
     dependent_launch: bool = True
-    # CUDA, with overlap_backward: the share of the SMs the memory backward leaves to the side
-    # stream's work (its programs there leave at once; the rest take its items from a queue:
-    # triton_kernels.memory_backward_kernel). 0: none. Bit-identical.
+    # CUDA: the share of the SMs the memory kernels leave to the side streams' work (the
+    # backward's beside overlap_backward, the forward's beside overlap_decode): their programs
+    # there leave at once; the rest take the items from a counter (triton_kernels.
+    # memory_backward_kernel). 0: none. Bit-identical.
     side_work_sm_share: float = 0.25
 
     def __post_init__(self) -> None:

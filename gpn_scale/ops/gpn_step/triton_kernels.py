@@ -679,12 +679,54 @@ def l2n_relu_kernel(
     tl.store(OUT + b * stride_ob + h * stride_oh + rk, _l2n_relu(pre), mask=ok)
 
 
+# ------------------------------------------------------------ memory kernels' item queue
+# The memory kernels' item queue (with RESERVED_SMS > 0, engine.side_work_sm_share): one int32
+# counter per launch, zero before it (a chunk zeroes one per step and layer at once:
+# `cuda_shared.side_work_queue`), each on its own 128-byte line (atomics on one address queue
+# up at its L2 slice). Nothing resets it.
+QUEUE_STRIDE = 32
+
+
+@triton.jit
+def _sm_id(EMULATED_SMS: tl.constexpr):
+    """The SM this program runs on. The interpreter has no %smid: with EMULATED_SMS > 0 (the
+    tests) program i stands on SM i mod EMULATED_SMS."""
+    if EMULATED_SMS > 0:
+        return (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) % EMULATED_SMS
+    else:
+        return smid()
+
+
+@triton.jit
+def _first_item(QUEUE, items, RESERVED_SMS: tl.constexpr, EMULATED_SMS: tl.constexpr):
+    """This program's first item, or `items` (none): a program on one of the first
+    RESERVED_SMS SMs leaves its SM to the side stream's work, except the grid's last program
+    (whatever the block scheduler does, it runs and takes what the others have not; the grid
+    has one program per item, so items = programs)."""
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    item = items
+    if (_sm_id(EMULATED_SMS) >= RESERVED_SMS) | (pid + 1 == items):
+        item = tl.atomic_add(QUEUE, 1)
+    return item
+
+
+@triton.jit
+def _indices(zero, N: tl.constexpr):
+    """0, 1, ..., N - 1, plus `zero` (0; see `_memory_backward_program`). The hints restore
+    what the compiler knew of the plain range (contiguous, starting at a multiple of N), which
+    its loads are vectorised by."""
+    return tl.max_contiguous(tl.multiple_of(zero + tl.arange(0, N), N), N)
+
+
 # ------------------------------------------------------------------- memory, forward
 # The step index is an argument, not a specialisation: Triton's JIT would otherwise compile
 # separate variants for tau == 1 and for tau % 16 == 0 (three compiles of the largest
 # kernels, minutes on first use).
-@triton.jit(do_not_specialize=["tau"])
-def memory_forward_kernel(
+@triton.jit
+def _memory_forward_program(
+    b,
+    h,
+    zero,
     Y,
     stride_y: tl.int64,  # (B, width) this layer's input-GEMM output at this step
     HID,
@@ -729,32 +771,24 @@ def memory_forward_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_F: tl.constexpr,
     STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
+    RELEASE: tl.constexpr,
 ):
-    """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
-    write at layer 0, then the read); the others one block of FFN columns.
-
-    A head program holds all DV (BLOCK_DV) value columns and walks the rows of M0 and of
-    the chunk's history in blocks of BLOCK_R, both loops software-pipelined. The products
-    are accumulated elementwise in (BLOCK_R, BLOCK_DV) tiles and summed over the rows once,
-    after both loops: a sum over rows in every iteration crossed the warps (shared memory
-    and barriers) and its shuffles took most of the loop's instructions."""
-    _await_predecessor(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    """One (row, head or FFN block) item of `memory_forward_kernel`; `zero` and RELEASE as
+    for `_memory_backward_program`."""
+    tau = tau + zero
     if h >= H:
-        rf = (h - H) * BLOCK_F + tl.arange(0, BLOCK_F)
+        rf = (h - H) * BLOCK_F + _indices(zero, BLOCK_F)
         f_ok = rf < F
         fa = tl.load(Y + b * stride_y + COL_FFN + rf, mask=f_ok, other=0.0)
         fb = tl.load(Y + b * stride_y + COL_FFN + F + rf, mask=f_ok, other=0.0)
         tl.store(HID + b * stride_hid + HV + rf, _silu(fa) * fb, mask=f_ok)
     elif MEMORY:
         acc_t = SS.dtype.element_ty
-        rk = tl.arange(0, BLOCK_DK)
+        rk = _indices(zero, BLOCK_DK)
         k_ok = rk < DK
-        rv = tl.arange(0, BLOCK_DV)
+        rv = _indices(zero, BLOCK_DV)
         v_ok = rv < DV
-        rr = tl.arange(0, BLOCK_R)
+        rr = _indices(zero, BLOCK_R)
         y_row = Y + b * stride_y
         kh_base = KH + b * s_khb + h * s_khh
         uh_base = UH + b * s_uhb + h * s_uhh
@@ -809,7 +843,7 @@ def memory_forward_kernel(
             err = eGp * tl.sum(acc_e, axis=0)
             hist_e = tl.zeros((BLOCK_J, BLOCK_DV), dtype=acc_t)
         for c0 in tl.range(0, n_hist, BLOCK_J, num_stages=STAGES):
-            rows = c0 + tl.arange(0, BLOCK_J)
+            rows = c0 + _indices(zero, BLOCK_J)
             r_ok = rows < n_hist
             Kh = tl.load(
                 kh_base + rows[:, None] * s_khc + rk[None, :],
@@ -828,7 +862,7 @@ def memory_forward_kernel(
                 ck = tl.where(r_ok, tl.sum(Kh * k[None, :], axis=1) * tl.exp(Gp - Gj), 0.0)
                 hist_e += ck[:, None] * Uh
         o += tl.sum(hist_o, axis=0)
-        _release_dependents(PDL)  # (the FFN programs release when they end)
+        _release_dependents(RELEASE)  # (the FFN programs release when they end)
         if WRITE:
             u = beta * (v - (err + tl.sum(hist_e, axis=0)))
             o = o + tl.sum(q * k, axis=0) * u
@@ -843,6 +877,182 @@ def memory_forward_kernel(
 
 
 # ----------------------------------------------------------------- reverse, row-wise
+
+
+@triton.jit(do_not_specialize=["tau"])
+def memory_forward_kernel(
+    Y,
+    stride_y: tl.int64,  # (B, width) this layer's input-GEMM output at this step
+    HID,
+    stride_hid: tl.int64,  # (B, H*DV + F) the down-projection's input
+    SS,  # (B, H) per-head sums of squares of the read output
+    KCUR,  # (B, H, DK) the current key (WRITE: replaced by the next)
+    GPREV,  # (B, H) G_{t-1} (WRITE: replaced by G_t)
+    M0,
+    s_m0b: tl.int64,
+    s_m0h,
+    s_m0k,  # (B, H, DK, DV) chunk-start memory (unit last stride)
+    KH,
+    s_khb: tl.int64,
+    s_khh,
+    s_khc,  # (B, H, C, DK) the chunk's keys
+    UH,
+    s_uhb: tl.int64,
+    s_uhh,
+    s_uhc,  # (B, H, C, DV) the chunk's errors u_j
+    GH,
+    s_ghb: tl.int64,
+    s_ghh,  # (B, H, C) the chunk's cumulative log-decays
+    A,  # (H,) decay rates exp(A_log)
+    QUEUE,  # RESERVED_SMS > 0: this launch's item counter (`QUEUE_STRIDE`), zero
+    tau,  # the step within the chunk
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    F: tl.constexpr,
+    HV: tl.constexpr,
+    COL_KEY: tl.constexpr,
+    COL_VALUE: tl.constexpr,
+    COL_BETA: tl.constexpr,
+    COL_DECAY: tl.constexpr,
+    COL_QUERY: tl.constexpr,
+    COL_RGATE: tl.constexpr,
+    COL_FFN: tl.constexpr,
+    WRITE: tl.constexpr,
+    MEMORY: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    STAGES: tl.constexpr,
+    RESERVED_SMS: tl.constexpr = 0,
+    EMULATED_SMS: tl.constexpr = 0,  # the interpreter's stand-in for %smid (`_sm_id`)
+    PDL: tl.constexpr = False,
+):
+    """Grid (B, H + ceil(F / BLOCK_F)): program (b, h < H) runs head h of the memory (the
+    write at layer 0, then the read); the others one block of FFN columns.
+
+    A head program holds all DV (BLOCK_DV) value columns and walks the rows of M0 and of
+    the chunk's history in blocks of BLOCK_R, both loops software-pipelined. The products
+    are accumulated elementwise in (BLOCK_R, BLOCK_DV) tiles and summed over the rows once,
+    after both loops: a sum over rows in every iteration crossed the warps (shared memory
+    and barriers) and its shuffles took most of the loop's instructions.
+    RESERVED_SMS > 0 (engine.side_work_sm_share, with the decode beside the steps): the
+    programs that land on the first RESERVED_SMS SMs leave them to the decode, and the others
+    take the grid's items from a counter, as `memory_backward_kernel` does."""
+    _await_predecessor(PDL)
+    if RESERVED_SMS == 0:
+        _memory_forward_program(
+            tl.program_id(0),
+            tl.program_id(1),
+            0,
+            Y,
+            stride_y,
+            HID,
+            stride_hid,
+            SS,
+            KCUR,
+            GPREV,
+            M0,
+            s_m0b,
+            s_m0h,
+            s_m0k,
+            KH,
+            s_khb,
+            s_khh,
+            s_khc,
+            UH,
+            s_uhb,
+            s_uhh,
+            s_uhc,
+            GH,
+            s_ghb,
+            s_ghh,
+            A,
+            tau,
+            H,
+            DK,
+            DV,
+            F,
+            HV,
+            COL_KEY,
+            COL_VALUE,
+            COL_BETA,
+            COL_DECAY,
+            COL_QUERY,
+            COL_RGATE,
+            COL_FFN,
+            WRITE,
+            MEMORY,
+            BLOCK_DK,
+            BLOCK_DV,
+            BLOCK_R,
+            BLOCK_J,
+            BLOCK_F,
+            STAGES,
+            PDL,
+        )
+    else:
+        per_row = tl.num_programs(1)
+        items = tl.num_programs(0) * per_row
+        item = _first_item(QUEUE, items, RESERVED_SMS, EMULATED_SMS)
+        while item < items:
+            claimed = tl.atomic_add(QUEUE, 1)  # the next, while this one runs
+            _memory_forward_program(
+                item // per_row,
+                item % per_row,
+                item >> 31,
+                Y,
+                stride_y,
+                HID,
+                stride_hid,
+                SS,
+                KCUR,
+                GPREV,
+                M0,
+                s_m0b,
+                s_m0h,
+                s_m0k,
+                KH,
+                s_khb,
+                s_khh,
+                s_khc,
+                UH,
+                s_uhb,
+                s_uhh,
+                s_uhc,
+                GH,
+                s_ghb,
+                s_ghh,
+                A,
+                tau,
+                H,
+                DK,
+                DV,
+                F,
+                HV,
+                COL_KEY,
+                COL_VALUE,
+                COL_BETA,
+                COL_DECAY,
+                COL_QUERY,
+                COL_RGATE,
+                COL_FFN,
+                WRITE,
+                MEMORY,
+                BLOCK_DK,
+                BLOCK_DV,
+                BLOCK_R,
+                BLOCK_J,
+                BLOCK_F,
+                STAGES,
+                False,
+            )
+            item = claimed
+        _release_dependents(PDL)
+
+
 @triton.jit
 def _split_summed(P, split_stride, offsets, ok, SPLITS: tl.constexpr):
     """The values at `offsets` of a split GEMM's output: its SPLITS partial products summed
@@ -1032,44 +1242,6 @@ def rev_start_kernel(
 
 
 # ------------------------------------------------------------------ memory, reverse
-# The memory backward's item queue (`memory_backward_kernel` with RESERVED_SMS > 0,
-# engine.side_work_sm_share): one int32 counter per launch, zero before it (a chunk's sweep
-# zeroes one per step and layer at once: `cuda_reverse._side_work_queue`), each on its own
-# 128-byte line (atomics on one address queue up at its L2 slice). Nothing resets it.
-QUEUE_STRIDE = 32
-
-
-@triton.jit
-def _sm_id(EMULATED_SMS: tl.constexpr):
-    """The SM this program runs on. The interpreter has no %smid: with EMULATED_SMS > 0 (the
-    tests) program i stands on SM i mod EMULATED_SMS."""
-    if EMULATED_SMS > 0:
-        return (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) % EMULATED_SMS
-    else:
-        return smid()
-
-
-@triton.jit
-def _first_item(QUEUE, items, RESERVED_SMS: tl.constexpr, EMULATED_SMS: tl.constexpr):
-    """This program's first item, or `items` (none): a program on one of the first
-    RESERVED_SMS SMs leaves its SM to the side stream's work, except the grid's last program
-    (whatever the block scheduler does, it runs and takes what the others have not; the grid
-    has one program per item, so items = programs)."""
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    item = items
-    if (_sm_id(EMULATED_SMS) >= RESERVED_SMS) | (pid + 1 == items):
-        item = tl.atomic_add(QUEUE, 1)
-    return item
-
-
-@triton.jit
-def _indices(zero, N: tl.constexpr):
-    """0, 1, ..., N - 1, plus `zero` (0; see `_memory_backward_program`). The hints restore
-    what the compiler knew of the plain range (contiguous, starting at a multiple of N), which
-    its loads are vectorised by."""
-    return tl.max_contiguous(tl.multiple_of(zero + tl.arange(0, N), N), N)
-
-
 @triton.jit
 def _memory_backward_program(
     b,
