@@ -420,3 +420,51 @@ def test_the_cleaner_judges_and_removes_under_the_registration_lock(private_shm,
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
+
+
+AGREEING_RANK = r"""
+import sys, types
+from pathlib import Path
+import torch.distributed as dist
+from gpn_scale.data import streaming_compat
+
+rank, root = int(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=3)
+prefix = streaming_compat.import_streaming().base.shared.prefix
+# Each rank's scan of /dev/shm found another first free prefix (another job freed some
+# between them); ranks 0-1 are node 0 (leader 0), rank 2 is node 1 (its own leader).
+found = {0: 5, 1: 3, 2: 7}[rank]
+prefix._check_and_find_retrying = lambda *args, **kwargs: found
+world = types.SimpleNamespace(node=rank // 2, is_local_leader=rank in (0, 2))
+
+
+def registration(streams_local, streams_remote, world, retry):
+    # what streaming's get_shm_prefix registers or opens: the number its scan gives
+    return prefix._check_and_find_retrying(streams_local, streams_remote, "x", retry)
+
+
+got = streaming_compat._agreed_shm_prefix(registration, ["/l"], [None], world, 1)
+print("PREFIX", got, prefix._check_and_find_retrying() == found, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_of_a_node_register_their_local_leaders_prefix(tmp_path):
+    """streaming has every rank scan /dev/shm for the first free prefix on its own; when
+    another job frees one between two ranks' scans they found different numbers, and the
+    non-leader then found no `_locals` segment (the suite's FSDP2 test: 'shared memory
+    prefix=0 was not registered by local leader'). Each rank now takes its node's leader's
+    number, and the scan is streaming's own again afterwards."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGREEING_RANK, str(rank), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    got = [out.split("PREFIX", 1)[1].split() for out, _ in outs]
+    assert got == [["5", "True"], ["5", "True"], ["7", "True"]]
