@@ -14,7 +14,8 @@ downloader ignores our retries. Those patches use names streaming does not promi
 - the patches: `patched_dataset_class()` (six StreamingDataset overrides), the
   `SharedMemory.__init__` hook and the handle release it serves, `shut_down()`,
   `install_s3_downloader()` (streaming's `s3://` downloader swapped for one whose transfers
-  are gpn_scale.io's, data/s3_download.py).
+  are gpn_scale.io's, data/s3_download.py), and the shared-memory prefix a node's ranks
+  agree on (data/streaming_prefix.py, installed with the dataset class).
 
 The loader's own `TokenStreamingDataset.__iter__` (error translation, loader.py) overrides
 only public API and stays there. `streaming_import.py` keeps the cheap import (its stand-ins
@@ -155,21 +156,21 @@ PRIVATE: tuple[Private, ...] = (
         ("dirnames", "prefix_int"),
         used_by="shm._registered_locals",
     ),  # fmt: skip
-    # The prefix a node's ranks agree on (`_agreed_shm_prefix`): the dataset's registration
+    # The prefix a node's ranks agree on (`streaming_prefix`): the dataset's registration
     # reads the first free prefix through this scan, on every rank.
     Private(
         "streaming.base.shared.prefix",
         "get_shm_prefix",
         ("streams_local", "streams_remote", "world", "retry"),
         ("_check_and_find_retrying", "SHM_TO_CLEAN"),
-        "streaming_compat._agreed_shm_prefix",
+        "streaming_prefix.agreed_shm_prefix",
     ),  # fmt: skip
-    Private(_DS, "get_shm_prefix", used_by="streaming_compat._install_agreed_shm_prefix"),
+    Private(_DS, "get_shm_prefix", used_by="streaming_prefix.install_agreed_shm_prefix"),
     Private(
         "streaming.base.shared.prefix",
         "_check_and_find_retrying",
         ("streams_local", "streams_remote", "shm_name", "retry"),
-        used_by="streaming_compat._agreed_shm_prefix",
+        used_by="streaming_prefix.agreed_shm_prefix",
     ),  # fmt: skip
     Private("streaming.base.constant", "LOCALS", used_by="shm (the _locals segment)"),
     Private("streaming.base.constant", "BARRIER_FILELOCK", used_by="shm (filelocks)"),
@@ -309,7 +310,9 @@ def _make_patched_dataset_class() -> type:
     import_streaming()
     from streaming import StreamingDataset
 
-    _install_agreed_shm_prefix()
+    from gpn_scale.data.streaming_prefix import install_agreed_shm_prefix
+
+    install_agreed_shm_prefix()
 
     class PatchedStreamingDataset(StreamingDataset):
         """StreamingDataset that remembers failures of its download threads (whose exceptions
@@ -402,57 +405,6 @@ def patched_dataset_class() -> type:
         if _DATASET_CLASS is None:
             _DATASET_CLASS = _make_patched_dataset_class()
         return _DATASET_CLASS
-
-
-# --------------------------------------------------------------------------------------------
-# The shared-memory prefix of a node's ranks.
-#
-# streaming's get_shm_prefix has every rank scan /dev/shm for the first free prefix on its own;
-# the local leader then creates that prefix's `_locals` segment and the node's other ranks open
-# the one their own scan found. A prefix another job frees between two ranks' scans gives them
-# different numbers, and the other rank finds no segment ("shared memory prefix=0 was not
-# registered by local leader": the suite's FSDP2 test met it while other workers' runs ended).
-# So every rank still scans (streaming's checks of its local directories run there), and then
-# takes its local leader's number.
-def _install_agreed_shm_prefix() -> None:
-    dataset_module = importlib.import_module(_DS)
-    original = dataset_module.get_shm_prefix
-    if getattr(original, "_gpn_scale_agreed", False):
-        return
-
-    def get_shm_prefix(streams_local, streams_remote, world, retry=100):  # noqa: ANN001
-        return _agreed_shm_prefix(original, streams_local, streams_remote, world, retry)
-
-    get_shm_prefix._gpn_scale_agreed = True  # type: ignore[attr-defined]
-    setattr(dataset_module, "get_shm_prefix", get_shm_prefix)  # noqa: B010
-
-
-def _agreed_shm_prefix(original, streams_local, streams_remote, world, retry):  # noqa: ANN001
-    """streaming's get_shm_prefix, every rank taking its local leader's scan."""
-    prefix = importlib.import_module("streaming.base.shared.prefix")
-    scan = prefix._check_and_find_retrying
-    mine = max(
-        scan(streams_local, streams_remote, shm_name=name, retry=retry)
-        for name in prefix.SHM_TO_CLEAN
-    )
-    agreed = _local_leaders(mine, world)
-    prefix._check_and_find_retrying = lambda *args, **kwargs: agreed
-    try:
-        return original(streams_local, streams_remote, world, retry)
-    finally:
-        prefix._check_and_find_retrying = scan
-
-
-def _local_leaders(mine: int, world: Any) -> int:
-    """The prefix number this rank's local leader found (this rank's own without
-    torch.distributed): every rank of the job gathers (node, leader?, number)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return mine
-    votes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(votes, (world.node, world.is_local_leader, mine))
-    return next((n for node, leader, n in votes if leader and node == world.node), mine)
 
 
 def registered_prefix(dataset: Any) -> int:

@@ -426,7 +426,7 @@ AGREEING_RANK = r"""
 import sys, types
 from pathlib import Path
 import torch.distributed as dist
-from gpn_scale.data import streaming_compat
+from gpn_scale.data import streaming_compat, streaming_prefix
 
 rank, root = int(sys.argv[1]), Path(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=3)
@@ -443,7 +443,7 @@ def registration(streams_local, streams_remote, world, retry):
     return prefix._check_and_find_retrying(streams_local, streams_remote, "x", retry)
 
 
-got = streaming_compat._agreed_shm_prefix(registration, ["/l"], [None], world, 1)
+got = streaming_prefix.agreed_shm_prefix(registration, ["/l"], [None], world, 1)
 print("PREFIX", got, prefix._check_and_find_retrying() == found, flush=True)
 dist.destroy_process_group()
 """
