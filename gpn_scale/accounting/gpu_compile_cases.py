@@ -103,7 +103,7 @@ def model_config(case: Case):
 
 
 def plain_twin(rec: Any) -> Any:
-    """A launch of the memory backward that leaves SMs to the side stream (RESERVED_SMS > 0)
+    """A launch of a memory kernel that leaves SMs to a side stream (RESERVED_SMS > 0)
     as its plain grid (None for any other launch): the accounting prices its items as that
     grid's programs (kernel_costs), and the gate compiles both."""
     if rec.kernel is None or not rec.meta.get("RESERVED_SMS", 0):

@@ -42,7 +42,7 @@ class KernelCost:
     l2_bytes: int = 0  # GEMMs: A and W tiles read from L2 by all programs
     m_blocks: int = 1  # GEMMs: programs reading the same weight tile (grid axis 0)
     facts: str = "compiled"  # where occupancy came from: compiled | device run | assumed
-    # SMs its programs leave to the side stream (the memory backward's RESERVED_SMS)
+    # SMs its programs leave to the side stream (a memory kernel's RESERVED_SMS)
     reserved_sms: int = 0
 
 
@@ -160,12 +160,13 @@ def launch_costs(
 
 
 def _reserved(rec: Any, plain: KernelCost, f, tf, num_warps: int, target) -> KernelCost:
-    """The memory backward's item queue (`triton_kernels.memory_backward_kernel`, RESERVED_SMS
-    > 0) runs each item as its plain grid's program, in a loop: priced as those programs (the
-    plain variant's walk and instructions, `plain`), their instructions scaled by the two
-    compiled variants' (the loop recomputes per item what a program computes once; its own
-    instructions are not matched loop by loop), at the queue variant's occupancy, on the SMs
-    it does not leave. Without both variants' facts, as the plain grid's."""
+    """A memory kernel's item queue (`triton_kernels.memory_backward_kernel`,
+    `memory_forward_kernel`, RESERVED_SMS > 0) runs each item as its plain grid's program, in a
+    loop: priced as those programs (the plain variant's walk and instructions, `plain`), their
+    instructions scaled by the two compiled variants' (the loop recomputes per item what a
+    program computes once; its own instructions are not matched loop by loop), at the queue
+    variant's occupancy, on the SMs it does not leave. Without both variants' facts, as the
+    plain grid's."""
     out = replace(plain, reserved_sms=int(rec.meta["RESERVED_SMS"]))
     if f is None or tf is None or not tf.instructions:
         return out
