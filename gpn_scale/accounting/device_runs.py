@@ -6,8 +6,9 @@ A run folder holds:
   `runs` (one row per model and batch), `summary` (per model a `rows` list of
   `{"batch", "tokens_per_s", "step_s", "mfu"}`, and the headline
   `gpn_over_compiled_transformer`), and where measured `ceilings` (copy, L2, latency, GEMM
-  rates: `accounting/ceilings.py` prices with them), `phases` (seconds per engine phase) and
-  `ledger` (per launch role: measured and predicted microseconds);
+  rates: `accounting/ceilings.py` prices with them), `phases` (seconds per engine phase),
+  `ledger` (per launch role: measured and predicted microseconds) and `placement` (the block
+  scheduler's, `bench/gpu_placement.py`: its `placement` is what `_spare` prices with);
 - `results.md`: the same for people;
 - `kernels.json` (optional): the compiled facts of the kernels that ran (registers, warps,
   shared memory, resident programs per SM, cp.async operands, instruction counts) as that
@@ -120,6 +121,17 @@ def ledger_rows(blob: dict, config: str) -> list[dict]:
     """The run's per-launch ledger rows of `config` ({"batch", "role", "us_per_step", ...}),
     or [] where the run kept no ledger."""
     return [r for r in blob.get("ledger", {}).get("rows", []) if r.get("config") == config]
+
+
+def placement(blob: dict) -> str | None:
+    """Where the run's block scheduler put a grid's programs (packed / spread, as
+    `accounting/step_model.PLACEMENTS` names them), or None where it did not measure it or
+    the probe's grids did not agree."""
+    measured = blob.get("placement")
+    if not isinstance(measured, dict) or measured.get("emulated"):
+        return None
+    value = measured.get("placement")
+    return value if isinstance(value, str) else None
 
 
 def kernel_facts(run: Path, config: str | None = None, batch: int | None = None) -> dict:

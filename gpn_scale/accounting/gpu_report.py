@@ -241,13 +241,21 @@ def _spread_json(acc: Accounting, cfg: GPNConfig, gpu: str) -> dict[str, float]:
 
 
 def engine_ab(
-    run, blob: dict, config: str, cfg: GPNConfig, c, graphs: bool, batches: list[int] | None
+    run,
+    blob: dict,
+    config: str,
+    cfg: GPNConfig,
+    c,
+    graphs: bool,
+    batches: list[int] | None,
+    placement: str = PACKED,
 ) -> list[dict[str, Any]]:
     """The run's rows of `config` timed with an engine option changed (the device check's
     engine A/B) beside its shipped rows at the same batch: the time each option saves,
     measured and predicted (both priced from this tree's launches with the run's compiled
-    facts). Side work is priced under each placement (step_model._spare), so the measured
-    saving of the side streams says which holds."""
+    facts). The shipped rows' side work is priced under each placement (step_model._spare),
+    so the measured saving of the side streams says which holds; the changed rows' under
+    `placement` (the run's measured one, where it has it)."""
     meta = blob.get("meta", {})
     shipped = {r["batch"]: r["step_s"] for r in device_runs.model_rows(blob, config)}
     on = dict(
@@ -282,7 +290,9 @@ def engine_ab(
                             ).seconds
                             for pl in PLACEMENTS
                         },
-                        "changed": predict(acc_off, c, graphs, cfg_off, **off).seconds,
+                        "changed": predict(
+                            acc_off, c, graphs, cfg_off, placement=placement, **off
+                        ).seconds,
                     },
                 }
             )
@@ -307,7 +317,8 @@ def against(
 ) -> dict[str, Any]:
     """The accounting beside a committed device run: per measured batch of `config` the
     predicted and measured step, per launch role where the run kept a ledger, and its engine
-    A/B (`engine_ab`). Priced with the run's ceilings and its recorded kernel facts."""
+    A/B (`engine_ab`). Priced with the run's ceilings, its recorded kernel facts and the
+    block scheduler's placement it measured (packed where it did not)."""
     run = device_runs.resolve(run_arg)
     blob = device_runs.read_results(run)
     meta = blob.get("meta", {})
@@ -327,22 +338,14 @@ def against(
     c = ceilings.with_measured(
         ceilings.DEFAULTS[gpu], blob.get("ceilings") or {}, f"measured, {run.name}"
     )
+    measured_placement = device_runs.placement(blob)
+    placement = measured_placement if measured_placement in PLACEMENTS else PACKED
     priced = ""
     for row in sorted(rows, key=lambda r: r["batch"]):
         if batches is not None and row["batch"] not in batches:
             continue
-        acc = recorded.read(run, config, row["batch"], seq_len)
-        if acc is not None:  # the launches that ran there, as counted then
-            priced = f"{run.name}/{recorded.OPS}"
-        else:  # this tree's launches, with the run's compiled facts where it has them
-            facts = device_runs.kernel_facts(run, config, row["batch"])
-            acc = account(cfg, row["batch"], seq_len, config, facts=facts or None)
-            priced = (
-                f"this tree's launches, {run.name}/{device_runs.KERNELS}"
-                if facts
-                else ("this tree's launches and compiled kernels")
-            )
-        p = predict(acc, c, graphs=graphs, cfg=cfg, overlap=overlap, overlap_decode=decode)
+        acc, priced = _run_accounting(run, config, row["batch"], seq_len, cfg)
+        p = predict(acc, c, graphs, cfg, overlap, decode, placement=placement)
         steps.append(
             {
                 "batch": row["batch"],
@@ -368,13 +371,30 @@ def against(
         "seq_len": seq_len,
         "graphs": graphs,
         "priced": priced,
-        "engine_ab": engine_ab(run, blob, config, cfg, c, graphs, batches),
+        "placement": {"measured": measured_placement, "priced": placement},
+        "engine_ab": engine_ab(run, blob, config, cfg, c, graphs, batches, placement),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
         },
         "steps": steps,
         "kernels": kernels,
     }
+
+
+def _run_accounting(
+    run, config: str, batch: int, seq_len: int, cfg: GPNConfig
+) -> tuple[Accounting, str]:
+    """A run's launches at `batch` and what priced them: the launches that ran there, as
+    counted then, where the run recorded them; else this tree's, with the run's compiled
+    facts where it has them."""
+    acc = recorded.read(run, config, batch, seq_len)
+    if acc is not None:
+        return acc, f"{run.name}/{recorded.OPS}"
+    facts = device_runs.kernel_facts(run, config, batch)
+    acc = account(cfg, batch, seq_len, config, facts=facts or None)
+    if facts:
+        return acc, f"this tree's launches, {run.name}/{device_runs.KERNELS}"
+    return acc, "this tree's launches and compiled kernels"
 
 
 def against_table(result: dict[str, Any]) -> str:
@@ -399,6 +419,7 @@ def against_table(result: dict[str, Any]) -> str:
         ]
     else:
         lines += ["", "The run kept no per-launch ledger: steps only."]
+    lines += _placement_lines(result.get("placement") or {})
     lines += _engine_ab_lines(result["engine_ab"])
     lines += ["", "Ceilings:"] + [
         f"- {k}: {v['value']:.4g} ({v['source']})" for k, v in result["ceilings"].items()
@@ -499,6 +520,15 @@ def main(argv: list[str] | None = None) -> int:
     before = account(cfg, args.batch, args.seq_len, args.config, backend="reference", tp=args.tp)
     print(report(acc, cfg, gpus, before, baseline))
     return 0
+
+
+def _placement_lines(placement: dict[str, Any]) -> list[str]:
+    measured, priced = placement.get("measured"), placement.get("priced", PACKED)
+    if measured is None:
+        said = "The run did not measure the block scheduler's placement (bench/gpu_placement.py)"
+    else:
+        said = f"The run measured the block scheduler's placement: {measured}"
+    return ["", f"{said}; the side work is priced {priced} (step_model._spare)."]
 
 
 def _engine_ab_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -25,7 +25,10 @@ measured; the format: accounting/device_runs.py):
 3. The phase split (bench/gpu_profile.py): one step by engine phase, at the same batches.
 4. Ceilings (bench/gpu_ceilings.py): copy, L2 over all SMs and one SM, dependent-load
    latency idle and under load, cuBLAS at the step GEMMs' shapes: what the accounting
-   prices with once this run is committed.
+   prices with once this run is committed. Beside them the block scheduler's placement
+   (bench/gpu_placement.py): whether a grid that fits at once is packed onto few SMs or
+   spread over all, and whether a second stream's kernel runs beside the first's; the
+   accounting prices the side streams with it (`gpu_model --against`).
 5. Nsight Compute on the ledger's replay of the top kernels, and a gzipped Chrome trace of a
    64-step window (best effort, one line each on failure).
 6. Throughput (bench/gpu_throughput.py): each --config (1- and 2-layer GPN+M) at --batches,
@@ -261,7 +264,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the ledger, phases, Nsight Compute and the trace (a throughput-only rerun)",
     )
-    parser.add_argument("--no-ceilings", action="store_true", help="skip the ceilings")
+    parser.add_argument(
+        "--no-ceilings", action="store_true", help="skip the ceilings and the placement probe"
+    )
     parser.add_argument(
         "--no-engine-ab",
         action="store_true",
@@ -421,7 +426,7 @@ def _decision_data(
 ) -> None:
     """The ledger, the phase split, the ceilings, the accounting's prediction for each
     ledger row, Nsight Compute's counters and a trace, in that order (steps 2-5)."""
-    from gpn_scale.bench import gpu_ceilings, gpu_ledger, gpu_profile
+    from gpn_scale.bench import gpu_ceilings, gpu_ledger, gpu_placement, gpu_profile
 
     bf16 = not args.fp32
     rows: list[dict] = []
@@ -459,6 +464,8 @@ def _decision_data(
     if not args.no_ceilings:
         scale = "full" if device.type == "cuda" else "tiny"
         results.extra["ceilings"] = _guard("ceilings", gpu_ceilings.measure_ceilings, device, scale)
+        results.save()
+        results.extra["placement"] = _guard("placement", gpu_placement.measure_placement, device)
         results.save()
     if args.no_ledger:
         return

@@ -1,6 +1,7 @@
 """results.md of the device check (bench/gpu.py): the same figures as its results.json
 (the format: accounting/device_runs.py), as tables and lists for people: the checks, the
-ledger by launch role, the phase split, the ceilings, the throughput runs and the headline."""
+ledger by launch role, the phase split, the ceilings and the block scheduler's placement, the
+throughput runs and the headline."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from gpn_scale.accounting import device_runs
 from gpn_scale.bench import gpu_throughput as throughput
+from gpn_scale.bench.gpu_placement import markdown as placement_md
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -37,6 +39,8 @@ def markdown(blob: dict) -> str:
         detail = {k: v for k, v in c.items() if k not in ("check", "ok")}
         lines.append(f"| {c['check']} | {detail} | {'yes' if c['ok'] else '**NO**'} |")
     lines += _ledger_md(blob) + _phases_md(blob) + _ceilings_md(blob)
+    if blob.get("placement"):
+        lines += placement_md(blob["placement"])
     for key in ("ncu", "trace"):
         if key in blob:
             lines += ["", f"{key}: {blob[key]}"]

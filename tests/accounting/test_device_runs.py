@@ -193,3 +193,30 @@ def test_a_run_is_priced_with_the_side_streams_it_ran_with(tmp_path):
     (run / device_runs.RESULTS).write_text(json.dumps(blob))
     overlapped = gpu_report.against("gpn_m_130m", str(run), batches=[64])["steps"][0]
     assert overlapped["predicted_s"] < plain
+
+
+def test_a_run_that_measured_the_placement_has_its_side_work_priced_so(tmp_path, capsys):
+    """A run whose probe (bench/gpu_placement.py) found grids spread over the SMs prices its
+    side work spread, which hides less than the packed default: a longer predicted step."""
+    run = tmp_path / "2027-01-01-h200"
+    src = device_runs.resolve(RUN)
+    for name in src.iterdir():
+        (run / name.name).parent.mkdir(exist_ok=True)
+        (run / name.name).write_bytes(name.read_bytes())
+    blob = json.loads((run / device_runs.RESULTS).read_text())
+    blob["meta"].update(overlap_backward=True, overlap_decode=True)
+    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    packed = gpu_report.against("gpn_m_130m", str(run), batches=[64])
+    assert packed["placement"] == {"measured": None, "priced": "packed"}
+    blob["placement"] = {"placement": "spread", "emulated": False, "grids": []}
+    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    spread = gpu_report.against("gpn_m_130m", str(run), batches=[64])
+    assert spread["placement"] == {"measured": "spread", "priced": "spread"}
+    assert spread["steps"][0]["predicted_s"] > packed["steps"][0]["predicted_s"]
+    blob["placement"]["placement"] = "mixed"  # the grids disagreed: the default stands
+    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    mixed = gpu_report.against("gpn_m_130m", str(run), batches=[64])
+    assert mixed["steps"][0]["predicted_s"] == packed["steps"][0]["predicted_s"]
+    assert gpu_model.main(["gpn_m_130m", "--against", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "The run measured the block scheduler's placement: mixed; the side work is " in out

@@ -42,7 +42,8 @@ FAST = [*SMOKE, "--no-ledger", "--no-ceilings", "--no-engine-ab"]
 def test_device_check_runs_and_records(tmp_path):
     """Everything the device check does, in its CPU smoke mode: the ledger (every launch of
     the recorded step has a row with its role, bytes and FLOPs), the phase split, the
-    ceilings, the trace, the throughput and the device-run summary the accounting reads."""
+    ceilings and the placement probe, the trace, the throughput and the device-run summary
+    the accounting reads."""
     model = tmp_path / "tiny_c4.yaml"  # a 4-step chunk: the interpreter replays every launch
     model.write_text(_tiny_yaml(chunk_size=4, vocab_size=64, name="tiny_c4"))
     out = tmp_path / "out"
@@ -80,6 +81,8 @@ def test_device_check_runs_and_records(tmp_path):
     assert "sequential forward" in result["phases"][0]["phases_s"]
     ceilings = result["ceilings"]
     assert all(ceilings[k] > 0 for k in ("copy_bytes_per_s", "latency_s", "l2_bytes_per_s"))
+    placement = result["placement"]  # the block scheduler's, on the interpreter's emulated SMs
+    assert placement["emulated"] and placement["grids"] and "beside" in placement
     assert (out / result["trace"]["trace"]).stat().st_size > 0
     runs = result["runs"]
     tpp = [r["model"] for r in runs if r["family"] == "transformer++"]
@@ -121,6 +124,7 @@ def test_device_check_runs_and_records(tmp_path):
     md = (out / "results.md").read_text()
     assert "| 4 |" in md and "peak reserved GB" in md and "GPU busy" in md
     assert "Where the step goes" in md and "Ceilings measured" in md
+    assert "Block scheduler placement" in md
     assert "GPN / Transformer++ tokens/s, each at its best batch" in md
 
 
