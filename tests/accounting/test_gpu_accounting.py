@@ -375,3 +375,16 @@ def test_a_gemm_grid_pays_for_its_partial_last_wave_and_its_most_loaded_sm():
     one_sm = 2 * 1_000_000 / h200.l2_one_sm_bytes_per_s
     all_sms = l2 / h200.l2_bytes_per_s
     assert got == pytest.approx(max(one_sm, all_sms, 146e6 / h200.copy_bytes_per_s))
+
+
+def test_the_meta_gemm_probe_is_no_launch_of_the_step_it_first_runs_in():
+    """functional._meta_gemm_takes_out_dtype runs an addmm on meta tensors once a process:
+    inside the accounting's recorder that was a 16-FLOP launch of whichever step came first
+    (the Transformer++ baseline's FLOPs were exact only after a GPN had been accounted)."""
+    from gpn_scale.accounting.kernel_record import AtenRecorder
+    from gpn_scale.ops.gpn_step import functional
+
+    functional._meta_gemm_takes_out_dtype.cache_clear()
+    with AtenRecorder(sequential=True) as recorder:
+        functional._meta_gemm_takes_out_dtype()
+    assert recorder.ops == []

@@ -85,12 +85,17 @@ def _meta_gemm_takes_out_dtype() -> bool:
     passes it on as `beta` (TypeError; the H200 image's torch, where the device check's
     kernel prebuild runs the CUDA path on meta tensors). Where they do not, a meta result
     of the right shape and dtype stands in: the Triton launches, not this GEMM, are what
-    the prebuild records."""
+    the prebuild records. The probe runs below any dispatch mode: the accounting's recorder
+    (accounting/kernel_record.AtenRecorder) would count it as a launch of the step it first
+    ran in."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     x = torch.empty(2, 2, device="meta", dtype=torch.bfloat16)
-    try:
-        torch.addmm(torch.empty(2, device="meta"), x, x, out_dtype=torch.float32)
-    except (TypeError, RuntimeError):
-        return False
+    with _disable_current_modes():
+        try:
+            torch.addmm(torch.empty(2, device="meta"), x, x, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            return False
     return True
 
 
