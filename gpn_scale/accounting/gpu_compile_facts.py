@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpn_scale.accounting.gpu_compile_cases import Target
 from gpn_scale.accounting.gpu_compile_ptx import (
+    line_instructions,
     parse_ptx_loads,
     parse_ptxas_log,
     ptx_instructions,
@@ -53,6 +54,11 @@ class Facts:
     # warp issues
     instructions: int = 0
     loop_instructions: list[int] = field(default_factory=list)
+    # [count, *lines] of the instructions outside loops, by the kernel's source file's lines
+    # they stand on (inlined helpers: each call site too): a skipped branch arm's are not a
+    # program's
+    line_instructions: list[list[int]] = field(default_factory=list)
+    source_file: str = ""  # the file those lines are of
     local_accesses: int = 0  # ld.local / st.local in the PTX
     compile_s: float = 0.0
     logged: bool = True  # False: a Triton cache hit, no ptxas log (registers, spills unknown)
@@ -106,6 +112,8 @@ def _compile_into(job: dict, cache_dir: str) -> dict:
     facts.loads = parse_ptx_loads(ptx, source_operands(path), path, asynchronous)
     facts.async_operands = sorted(asynchronous)
     facts.instructions, facts.loop_instructions = ptx_instructions(ptx)
+    facts.line_instructions = line_instructions(ptx, path) if path else []
+    facts.source_file = path
     facts.wgmma = "wgmma" in ptx
     facts.mma_sync = "mma.sync" in ptx
     facts.local_accesses = len(re.findall(r"\b(?:ld|st)\.local", ptx))
@@ -126,7 +134,7 @@ def _job(v: Variant, target: Target, triton_cache: str | None) -> dict:
 
 
 # Bumped when Facts gains a field: entries written before lack it and are compiled again.
-FACTS_SCHEMA = 5
+FACTS_SCHEMA = 6
 
 
 class FactsCache:

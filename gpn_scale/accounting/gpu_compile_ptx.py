@@ -112,10 +112,9 @@ _LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
 
-def ptx_instructions(ptx: str) -> tuple[int, list[int]]:
-    """(instructions in the PTX, each loop's own instructions), loops found by their
-    backward branches and listed by where they start; a nested loop's instructions are its
-    own, not its parent's."""
+def _instructions_and_loops(ptx: str) -> tuple[list[str], list[bool], list[tuple[int, int]]]:
+    """The PTX's lines (stripped), which are instructions, and each loop's (first, last)
+    line: a label and the backward branch to it, sorted by where they start."""
     lines = [line.strip() for line in ptx.splitlines()]
     is_instr = [
         bool(t) and not t.startswith((".", "//", "{", "}", "(", ")", "$")) and not t.endswith(":")
@@ -127,6 +126,62 @@ def ptx_instructions(ptx: str) -> tuple[int, list[int]]:
         for i, t in enumerate(lines)
         if (m := _BRANCH.search(t)) and m.group(1) in labels and labels[m.group(1)] < i
     )
+    return lines, is_instr, spans
+
+
+_LOC = re.compile(r"^\.loc\s+(\d+)\s+(\d+)\s+\d+(?:,.*?\binlined_at\s+(\d+)\s+(\d+))?")
+
+
+def line_instructions(ptx: str, source_file: str) -> list[list[int]]:
+    """Instructions outside every loop by the lines of `source_file` they stand on (their
+    `.loc` line and each call site it was inlined at, outermost first), as [count, *lines]
+    rows; those of other files, or before any `.loc`, left out. What a program skips of them
+    when it does not take a branch arm: kernel_costs.skipped_instructions.
+
+    A helper inlined into a helper shows as a chain of `.loc` directives, each inlined at
+    the line before it (`.loc 1371 at 1719`, `.loc 58 at 1371`, `.loc 42 at 58`); a later one
+    inlined at a line of the chain goes on from there."""
+    files = {
+        int(m.group(1)): m.group(2)
+        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
+    }
+    wanted = {n for n, path in files.items() if _same_file(path, source_file)}
+    lines, is_instr, spans = _instructions_and_loops(ptx)
+    in_loop = [False] * len(lines)
+    for a, b in spans:
+        in_loop[a : b + 1] = [True] * (b + 1 - a)
+    counts: dict[tuple[int, ...], int] = defaultdict(int)
+    chain: tuple[int, ...] = ()
+    for i, t in enumerate(lines):
+        m = _LOC.match(t)
+        if m:
+            here = int(m.group(2)) if int(m.group(1)) in wanted and int(m.group(2)) else 0
+            at = int(m.group(4)) if m.group(3) and int(m.group(3)) in wanted else 0
+            if not here:
+                chain = ()
+            elif not at:
+                chain = (here,)
+            elif at in chain:
+                chain = chain[: chain.index(at) + 1] + (here,)
+            else:
+                chain = (at, here)
+        elif is_instr[i] and not in_loop[i] and chain:
+            counts[chain] += 1
+    return [[n, *chain] for chain, n in sorted(counts.items())]
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def ptx_instructions(ptx: str) -> tuple[int, list[int]]:
+    """(instructions in the PTX, each loop's own instructions), loops found by their
+    backward branches and listed by where they start; a nested loop's instructions are its
+    own, not its parent's."""
+    lines, is_instr, spans = _instructions_and_loops(ptx)
     own = []
     for a, b in spans:
         inner = sum(

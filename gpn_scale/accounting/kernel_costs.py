@@ -13,6 +13,7 @@ resident program per SM and pipelined GEMM tiles. `KernelCost.facts` says which.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -196,11 +197,13 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
     name = rec.kernel.fn.__name__
     stages = int(v.options.get("num_stages", 3))
     instructions, loops = 0, []
+    by_line: tuple[str, list[list[int]]] = ("", [])
     if f is not None:
         blocks = target.blocks_per_sm(f.registers, v.num_warps, f.shared)
         spills, source = f.spill_stores + f.spill_loads, "compiled"
         w_pipelined = "W" in f.async_operands
         instructions, loops = f.instructions, f.loop_instructions
+        by_line = (f.source_file, f.line_instructions)
     elif row is not None:
         blocks = target.blocks_per_sm(row["registers"], row["num_warps"], row["shared"])
         spills, source = row.get("spill_stores", 0) + row.get("spill_loads", 0), "device run"
@@ -224,7 +227,10 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
         programs_ = round_trips.programs_along_axis1(rec.kernel, rec.args, rec.meta, g1)
         trips = tuple(p.trips for p in programs_)
         issued = tuple(
-            v.num_warps * issued_instructions(instructions, loops, p.loop_executions)
+            v.num_warps
+            * issued_instructions(
+                instructions, loops, p.loop_executions, skipped_instructions(by_line, p.skipped)
+            )
             for p in programs_
         )
         pipelined = tuple(
@@ -253,10 +259,37 @@ def _cost(rec, v, f, row: dict | None, target, binding: dict) -> KernelCost:
     )
 
 
-def issued_instructions(total: int, loops: list[int], executions: tuple[float, ...]) -> float:
-    """Instructions one warp of a program issues: the code outside loops once (both arms of
-    a branch: an upper bound), each loop's own body as many times as it runs. Where the
-    compiled loops do not match the source's (a loop unrolled or split), 0: unknown."""
+def issued_instructions(
+    total: int, loops: list[int], executions: tuple[float, ...], skipped: int = 0
+) -> float:
+    """Instructions one warp of a program issues: the code outside loops once but the
+    `skipped` instructions of the branch arms it never takes (`skipped_instructions`; the
+    arms of a branch it cannot resolve both count: an upper bound), each loop's own body as
+    many times as it runs. Where the compiled loops do not match the source's (a loop
+    unrolled or split), 0: unknown."""
     if not total or len(loops) != len(executions):
         return 0.0
-    return total - sum(loops) + sum(n * e for n, e in zip(loops, executions))
+    return total - sum(loops) - skipped + sum(n * e for n, e in zip(loops, executions))
+
+
+def skipped_instructions(
+    by_line: tuple[str, list[list[int]]], arms: tuple[tuple[str, int, int], ...]
+) -> int:
+    """The compiled instructions outside loops (`by_line`: the source file and its [count,
+    *lines] rows, gpu_compile_ptx.line_instructions) that belong to the branch arms a program
+    skips (`round_trips.Program.skipped`): on a line of one, or inlined from a helper called
+    on one. Facts without lines (a device run's): 0."""
+    path, rows = by_line
+    spans = [(lo, hi) for file, lo, hi in arms if path and _same_path(file, path)]
+    if not spans:
+        return 0
+    return sum(
+        row[0] for row in rows if any(lo <= line <= hi for line in row[1:] for lo, hi in spans)
+    )
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a == b

@@ -84,6 +84,9 @@ class Program:
     # Its path's decisions on tl.program_id(1), each a plain comparison of the id, with their
     # outcomes; None where one is not (see `programs_along_axis1`).
     pid1_trace: tuple[tuple[tuple[type, Any, bool], bool], ...] | None = ()
+    # The arms of run-time branches it never takes, as (source file, first line, last line):
+    # their instructions outside loops are not its (kernel_costs.skipped_instructions).
+    skipped: tuple[tuple[str, int, int], ...] = ()
 
     def followed_by(self, pid1: int) -> bool:
         """Whether program `pid1` of the same launch takes this program's path: every
@@ -121,7 +124,15 @@ def analyse(
     )
     trace = tuple(walk.pid1_trace) if walk.pid1_trace is not None else None
     trips = max(walk.state.barrier, walk.state.stall)
-    return Program(trips, loops, walk.branches_on_pid1, pipelined=pipelined, pid1_trace=trace)
+    skipped = tuple(sorted(walk.arms_skipped - walk.arms_taken))
+    return Program(
+        trips,
+        loops,
+        walk.branches_on_pid1,
+        pipelined=pipelined,
+        pid1_trace=trace,
+        skipped=skipped,
+    )
 
 
 def round_trips(

@@ -50,6 +50,8 @@ class _Frame:
     constexprs: set[str] = field(default_factory=set)  # names whose branches resolve at compile
     returned: _Value | None = None
     fn_name: str = ""
+    path: str = ""  # its source file, and the file line of its source's first line
+    first_line: int = 1
 
 
 class _Return(Exception):
@@ -91,13 +93,21 @@ class _Walk:
         # None once one is not a plain comparison of the id (then no other program may be
         # taken to follow the same path: see round_trips.programs_along_axis1).
         self.pid1_trace: list[tuple[tuple[type, Any, bool], bool]] | None = []
+        # Arms of run-time branches this program skipped / took, as (file, first line, last
+        # line): its instructions leave out those of an arm it never takes (kernel_costs).
+        self.arms_skipped: set[tuple[str, int, int]] = set()
+        self.arms_taken: set[tuple[str, int, int]] = set()
 
     # ------------------------------------------------------------------ functions
     def call_function(
         self, fn: Any, args: list[_Value], kwargs: dict[str, _Value], top: bool = False
     ) -> _Value:
         node, module_globals = _parsed(fn)
-        frame = _Frame(fn_name=fn.__name__)
+        frame = _Frame(
+            fn_name=fn.__name__,
+            path=inspect.getsourcefile(fn) or "",
+            first_line=fn.__code__.co_firstlineno,
+        )
         params = node.args.args
         defaults = node.args.defaults
         first_default = len(params) - len(defaults)
@@ -191,6 +201,7 @@ class _Walk:
             if not compile_time:
                 self.state.use(cond.ready)
                 self.state.boundary()
+                self._arms(taken, stmt.orelse if cond.known else stmt.body, frame)
             self.block(taken, frame)
             if not compile_time:
                 self.state.boundary()
@@ -206,6 +217,13 @@ class _Walk:
             self.state.boundary()
             ends.append(self.state)
         self.state = max(ends, key=lambda s: s.barrier)
+
+    def _arms(self, taken: list[ast.stmt], skipped: list[ast.stmt], frame: _Frame) -> None:
+        for arm, seen in ((taken, self.arms_taken), (skipped, self.arms_skipped)):
+            if arm:
+                last = max(s.end_lineno or s.lineno for s in arm)
+                shift = frame.first_line - 1  # the parsed source starts at the file's first_line
+                seen.add((frame.path, arm[0].lineno + shift, last + shift))
 
     def loop(self, stmt: ast.For, frame: _Frame) -> None:
         it = stmt.iter

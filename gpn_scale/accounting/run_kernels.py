@@ -85,7 +85,10 @@ def kernel_rows(
         entry = out.get(r.variant.key)
         if entry is None:
             f = dataclasses.asdict(r.facts)
-            f.pop("compile_s", None)
+            # this machine's: the compile time, and the source lines (of this checkout's
+            # file) that only a compile of the same tree may read (kernel_costs)
+            for local in ("compile_s", "line_instructions", "source_file"):
+                f.pop(local, None)
             entry = out[r.variant.key] = dict(
                 kernel=r.variant.kernel,
                 key=r.variant.key,

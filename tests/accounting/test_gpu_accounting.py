@@ -377,6 +377,23 @@ def test_a_gemm_grid_pays_for_its_partial_last_wave_and_its_most_loaded_sm():
     assert got == pytest.approx(max(one_sm, all_sms, 146e6 / h200.copy_bytes_per_s))
 
 
+def test_a_programs_instructions_leave_out_the_branch_arms_it_skips():
+    """gpu_compile_ptx.line_instructions' rows ([count, *lines]) against the arms a program
+    skips (round_trips.Program.skipped): an instruction on a skipped line, or inlined from a
+    call on one, is not the program's; facts of another file, or without lines, skip none."""
+    from gpn_scale.accounting import kernel_costs
+
+    path = __file__
+    rows = [[5, 10], [3, 10, 20, 30], [7, 99, 50], [2, 60]]
+    assert kernel_costs.skipped_instructions((path, rows), ((path, 20, 25),)) == 3
+    assert kernel_costs.skipped_instructions((path, rows), ((path, 50, 60),)) == 9
+    assert kernel_costs.skipped_instructions((path, rows), (("/elsewhere.py", 1, 100),)) == 0
+    assert kernel_costs.skipped_instructions(("", []), ((path, 1, 100),)) == 0
+    # outside loops 100 - 10 - 30 skipped, the loop's 10 four times
+    assert kernel_costs.issued_instructions(100, [10], (4.0,), skipped=30) == 100.0
+    assert kernel_costs.issued_instructions(100, [10], (), skipped=30) == 0.0  # unmatched loops
+
+
 def test_the_meta_gemm_probe_is_no_launch_of_the_step_it_first_runs_in():
     """functional._meta_gemm_takes_out_dtype runs an addmm on meta tensors once a process:
     inside the accounting's recorder that was a 16-FLOP launch of whichever step came first

@@ -203,6 +203,44 @@ def test_ptx_loads_are_attributed_to_their_source_operand(tmp_path):
     assert loads == {"W": {2: 2}, "X": {16: 2}}
 
 
+def test_instructions_outside_loops_are_counted_by_the_lines_they_stand_on(tmp_path):
+    """Each instruction outside the loops under its `.loc` line and every line it was
+    inlined at (a chain of `.loc`s for a helper in a helper); none of another file's, none
+    before the first `.loc`, none in a loop."""
+    from gpn_scale.accounting.gpu_compile_ptx import line_instructions
+
+    src, other = tmp_path / "k.py", tmp_path / "o.py"
+    src.write_text("\n" * 100)
+    other.write_text("")
+    ptx = f"""
+	.file	1 "{src}"
+	.file	2 "{other}"
+	ld.param.b64 	%rd1, [k_param_0];
+	.loc	1 10 4
+	add.s32 	%r1, %r2, 1;
+	add.s32 	%r1, %r2, 1;
+	.loc	1 20 4, function_name $L__info_string0, inlined_at 1 10 4
+	.loc	1 30 5, function_name $L__info_string0, inlined_at 1 20 4
+	mul.f32 	%r3, %r4, %r5;
+	.loc	1 31 5, function_name $L__info_string0, inlined_at 1 20 4
+	mul.f32 	%r3, %r4, %r5;
+$L__BB0_1:
+	.loc	1 40 4
+	add.s32 	%r6, %r6, 1;
+	@%p1 bra 	$L__BB0_1;
+	.loc	2 5 1
+	mov.u32 	%r7, 0;
+	.loc	1 50 4, function_name $L__info_string0, inlined_at 1 99 1
+	mov.u32 	%r8, 0;
+"""
+    assert line_instructions(ptx, str(src)) == [
+        [2, 10],
+        [1, 10, 20, 30],
+        [1, 10, 20, 31],
+        [1, 99, 50],
+    ]
+
+
 def test_blocks_per_sm_follow_registers_warps_and_shared_memory():
     h100 = gc.TARGETS["sm_90"]
     assert h100.blocks_per_sm(255, 8, 4096) == 1  # 8 warps x 32 x 256 registers: one block

@@ -4,6 +4,8 @@ count by hand, and on the CUDA backend's own kernels at the shipped sizes."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import triton
 import triton.language as tl
@@ -102,6 +104,20 @@ def _loop_per_program(X, Y):
         tl.store(Y, acc)
 
 
+@triton.jit
+def _pick(P, first):
+    if first > 0:
+        tl.store(P, 1.0)
+    else:
+        tl.store(P + 1, 2.0)
+
+
+@triton.jit
+def _both_arms(X):
+    _pick(X, 1)
+    _pick(X, 0)
+
+
 def trips(kernel, args, meta=None, pid=(0, 0, 0)):
     return round_trips.round_trips(kernel, args, meta or {}, pid)
 
@@ -143,6 +159,25 @@ def test_programs_along_axis_1_walk_each_path_once_and_equal_every_programs_own_
     assert walked(_loop_per_program, {}, 5) == 5
     one = round_trips.analyse(_load_store, (None, None), {})
     assert not one.branches_on_pid1 and one.followed_by(9)
+
+
+def _line_of(kernel, text: str) -> int:
+    """The file line of the first line of `kernel`'s source that holds `text`."""
+    lines, start = inspect.getsourcelines(kernel.fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_program_skips_the_arms_of_run_time_branches_it_never_takes():
+    meta = {"H": 2, "WIDE": False}
+    ffn = round_trips.analyse(_branches, (None, None), meta, (0, 2, 0))
+    head = round_trips.analyse(_branches, (None, None), meta, (0, 1, 0))
+    path = inspect.getsourcefile(_branches.fn)
+    body = _line_of(_branches, "tl.store(Y, tl.load(X))")
+    orelse = (_line_of(_branches, "a = _helper(X)"), _line_of(_branches, "tl.store(Y + 2, c)"))
+    assert ffn.skipped == ((path, *orelse),)
+    assert head.skipped == ((path, body, body),)  # WIDE's arm: the compiler's, not the walk's
+    # an arm one call of a helper takes and another skips is the program's
+    assert round_trips.analyse(_both_arms, (None,), {}).skipped == ()
 
 
 def test_loop_executions_line_up_with_the_loops_the_compiler_keeps():
