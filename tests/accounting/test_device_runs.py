@@ -179,18 +179,24 @@ def test_json_prediction_has_the_step_the_floor_and_the_compiled_anchor(capsys):
     assert got["spread_placement"]["predicted_s"] >= got["predicted_s"]
 
 
+def _overlapped_copy(tmp_path) -> tuple:
+    """A copy of the 2026-12-04 run that says it ran with both side streams, and its
+    results.json as a dict."""
+    run = tmp_path / "2027-01-01-h200"
+    run.mkdir()
+    for path in device_runs.resolve(RUN).iterdir():
+        (run / path.name).write_bytes(path.read_bytes())
+    blob = json.loads((run / device_runs.RESULTS).read_text())
+    blob["meta"].update(overlap_backward=True, overlap_decode=True)
+    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    return run, blob
+
+
 def test_a_run_is_priced_with_the_side_streams_it_ran_with(tmp_path):
     """The 2026-12-04 run predates both side streams: priced without them. A run that says
     it overlapped is priced with them, so the same launches predict a shorter step."""
     plain = gpu_report.against("gpn_m_130m", RUN, batches=[64])["steps"][0]["predicted_s"]
-    run = tmp_path / "2027-01-01-h200"
-    src = device_runs.resolve(RUN)
-    for name in src.iterdir():
-        (run / name.name).parent.mkdir(exist_ok=True)
-        (run / name.name).write_bytes(name.read_bytes())
-    blob = json.loads((run / device_runs.RESULTS).read_text())
-    blob["meta"].update(overlap_backward=True, overlap_decode=True)
-    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    run, _ = _overlapped_copy(tmp_path)
     overlapped = gpu_report.against("gpn_m_130m", str(run), batches=[64])["steps"][0]
     assert overlapped["predicted_s"] < plain
 
@@ -198,14 +204,7 @@ def test_a_run_is_priced_with_the_side_streams_it_ran_with(tmp_path):
 def test_a_run_that_measured_the_placement_has_its_side_work_priced_so(tmp_path, capsys):
     """A run whose probe (bench/gpu_placement.py) found grids spread over the SMs prices its
     side work spread, which hides less than the packed default: a longer predicted step."""
-    run = tmp_path / "2027-01-01-h200"
-    src = device_runs.resolve(RUN)
-    for name in src.iterdir():
-        (run / name.name).parent.mkdir(exist_ok=True)
-        (run / name.name).write_bytes(name.read_bytes())
-    blob = json.loads((run / device_runs.RESULTS).read_text())
-    blob["meta"].update(overlap_backward=True, overlap_decode=True)
-    (run / device_runs.RESULTS).write_text(json.dumps(blob))
+    run, blob = _overlapped_copy(tmp_path)
     packed = gpu_report.against("gpn_m_130m", str(run), batches=[64])
     assert packed["placement"] == {"measured": None, "priced": "packed"}
     blob["placement"] = {"placement": "spread", "emulated": False, "grids": []}
