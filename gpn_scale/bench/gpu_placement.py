@@ -18,6 +18,12 @@ resident at once):
   kernels share the GPU (and its SMs) here at all (CUDA_DEVICE_MAX_CONNECTIONS=1, as
   Megatron-LM sets it, or MPS limits can serialise them); the accounting assumes they do.
 
+- **green context**: the same grid of one program per SM launched on a stream of a CUDA green
+  context of GREEN_SMS SMs (`torch.cuda.green_contexts`, by the API this torch has): whether
+  a Triton kernel launches there at all, and whether its programs stay on that many SMs. A
+  partition of the SMs between the sweep and the side streams would need no item queue in
+  the memory kernels (`engine.side_work_sm_share`); this says whether the GPU image allows it.
+
 What it does not say: whether a given side kernel's registers and shared memory fit beside a
 given sweep program (the probe's programs take little of either); the accounting's SPREAD
 assumes they do not.
@@ -54,6 +60,7 @@ SPIN_NS = 200_000  # each placement program spins this long: the grid's launch t
 LONG_SPIN_NS = 2_000_000  # the beside probe's first grid
 SHORT_SPIN_NS = 20_000  # ... and its second
 EMULATED_SMS = 8  # the interpreter's stand-in SMs
+GREEN_SMS = 32  # the green context's SMs: a multiple of 8 (Hopper's partition granularity)
 NEITHER = "neither"  # a grid held as many SMs as neither placement gives
 MIXED = "mixed"  # the grids disagree
 EXIT_BAD_INPUT = 2
@@ -168,6 +175,51 @@ def _beside(device: torch.device, sm_count: int) -> dict[str, Any]:
     }
 
 
+def green_context_runner(sms: int, device_id: int) -> contextlib.AbstractContextManager:
+    """A context in which this process's CUDA work runs on a green context of `sms` SMs:
+    torch >= 2.12 makes one with keyword arguments and gives it streams (`Stream()`);
+    earlier ones (the GPU image's 2.11) take them positionally and push the context
+    (`set_context` / `pop_context`)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    create: Any = GreenContext.create  # its signature is the torch version's
+    try:
+        ctx = create(num_sms=sms, device_id=device_id)
+    except TypeError:  # the positional one
+        ctx = create(sms, device_id)
+    if hasattr(ctx, "Stream"):
+        return torch.cuda.stream(ctx.Stream())
+    return _pushed(ctx)
+
+
+@contextlib.contextmanager
+def _pushed(ctx: Any):
+    ctx.set_context()
+    try:
+        yield ctx
+    finally:
+        ctx.pop_context()
+
+
+def _green(device: torch.device, sm_count: int) -> dict[str, Any]:
+    """One program per SM on a green context of GREEN_SMS SMs: the SMs they held."""
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA"}
+    try:
+        with green_context_runner(GREEN_SMS, device.index or 0):
+            got = probe(sm_count, SPIN_NS, device)
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - an image without green contexts is a finding
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+    held = len(set(_lists(got)["sm"]))
+    return {
+        "requested_sms": GREEN_SMS,
+        "programs": sm_count,
+        "sms_held": held,
+        "confined": held <= GREEN_SMS,
+    }
+
+
 def measure_placement(device: torch.device) -> dict[str, Any]:
     """Both probes on `device` (see the module docstring); on CPU under the interpreter."""
     if device.type == "cpu" and not _interpreting():
@@ -185,6 +237,7 @@ def measure_placement(device: torch.device) -> dict[str, Any]:
             got = probe(programs, SPIN_NS, device)
             grids.append(_grid_row(programs, _lists(got), sm_count))
         beside = _beside(device, sm_count)
+        green = _green(device, sm_count)
     return {
         "placement": verdict(grids),
         "sm_count": sm_count,
@@ -192,6 +245,7 @@ def measure_placement(device: torch.device) -> dict[str, Any]:
         "per_sm": PER_SM,
         "grids": grids,
         "beside": beside,
+        "green_context": green,
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "emulated": device.type != "cuda",
     }
@@ -223,6 +277,14 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"them on SMs it held (CUDA_DEVICE_MAX_CONNECTIONS: "
         f"{result.get('cuda_device_max_connections') or 'unset'}).",
     ]
+    g = result.get("green_context") or {}
+    if "sms_held" in g:
+        lines.append(
+            f"On a green context of {g['requested_sms']} SMs, {g['programs']} programs held "
+            f"{g['sms_held']} SMs ({'confined' if g['confined'] else '**not confined**'})."
+        )
+    elif g:
+        lines.append(f"Green context: {g.get('error') or g.get('skipped')}.")
     return lines
 
 

@@ -4,6 +4,7 @@ written here for each answer a GPU could give."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -102,3 +103,58 @@ def test_the_command_writes_placement_json_and_refuses_a_device_it_cannot_probe(
     err = capsys.readouterr().err
     assert err.strip() == "gpu_placement: --device mps: use cuda or cpu"
     assert not (tmp_path / "x").exists()
+
+
+def test_green_context_runner_speaks_both_torch_apis(monkeypatch):
+    """torch 2.11 (the GPU image's) creates a green context from positional arguments and
+    pushes it as the current context; torch >= 2.12 takes keywords and gives it streams."""
+    from torch.cuda import green_contexts
+
+    calls = []
+
+    class Older:
+        @staticmethod
+        def create(num_sms, device_id, /):
+            calls.append(("create", num_sms, device_id))
+            return Older()
+
+        def set_context(self):
+            calls.append("set")
+
+        def pop_context(self):
+            calls.append("pop")
+
+    monkeypatch.setattr(green_contexts, "GreenContext", Older)
+    with pytest.raises(RuntimeError, match="inside"):
+        with gp.green_context_runner(32, 1):
+            calls.append("work")
+            raise RuntimeError("inside")
+    assert calls == [("create", 32, 1), "set", "work", "pop"]  # popped however it ended
+
+    calls.clear()
+    stream = object()
+
+    class Newer:
+        @staticmethod
+        def create(*, num_sms, device_id):
+            calls.append(("create", num_sms, device_id))
+            return Newer()
+
+        def Stream(self):  # noqa: N802 - torch's name
+            return stream
+
+    def on_stream(s):
+        calls.append(("stream", s))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(green_contexts, "GreenContext", Newer)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    with gp.green_context_runner(16, 0):
+        calls.append("work")
+    assert calls == [("create", 16, 0), ("stream", stream), "work"]
+
+
+def test_the_green_context_probe_needs_cuda(interpreter):
+    result = gp.measure_placement(CPU)
+    assert result["green_context"] == {"skipped": "needs CUDA"}
+    assert "Green context: needs CUDA." in "\n".join(gp.markdown(result))
