@@ -258,7 +258,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"Block scheduler placement (bench/gpu_placement.py, {result['per_sm']} programs of "
-        f"{result['warps']} warps fit an SM): **{result['placement']}**"
+        f"{result['warps']} warps fit an SM): **{result['placement'] or 'not settled'}**"
         + (" (emulated SMs: means nothing)" if result.get("emulated") else ""),
         "",
         f"| programs | SMs held | {PACKED} | {SPREAD} | most on one SM | all resident | fits |",
