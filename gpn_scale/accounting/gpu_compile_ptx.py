@@ -86,11 +86,7 @@ def parse_ptx_loads(
 ) -> dict[str, dict]:
     """Global load instructions of the PTX, by the source operand their `.loc` line reads;
     `asynchronous`, when given, receives the operands loaded with cp.async."""
-    files = {
-        int(m.group(1)): m.group(2)
-        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
-    }
-    wanted = {n for n, path in files.items() if os.path.samefile(path, source_file)}
+    wanted = source_file_numbers(ptx, source_file)
     loc: tuple[int, int] | None = None
     out: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for line in ptx.splitlines():
@@ -141,11 +137,7 @@ def line_instructions(ptx: str, source_file: str) -> list[list[int]]:
     A helper inlined into a helper shows as a chain of `.loc` directives, each inlined at
     the line before it (`.loc 1371 at 1719`, `.loc 58 at 1371`, `.loc 42 at 58`); a later one
     inlined at a line of the chain goes on from there."""
-    files = {
-        int(m.group(1)): m.group(2)
-        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
-    }
-    wanted = {n for n, path in files.items() if _same_file(path, source_file)}
+    wanted = source_file_numbers(ptx, source_file)
     lines, is_instr, spans = _instructions_and_loops(ptx)
     in_loop = [False] * len(lines)
     for a, b in spans:
@@ -170,11 +162,22 @@ def line_instructions(ptx: str, source_file: str) -> list[list[int]]:
     return [[n, *chain] for chain, n in sorted(counts.items())]
 
 
-def _same_file(a: str, b: str) -> bool:
+def source_file_numbers(ptx: str, source_file: str) -> set[int]:
+    """The numbers the PTX's `.file` directives give `source_file` (its `.loc`s name it so)."""
+    return {
+        int(m.group(1))
+        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
+        if same_file(m.group(2), source_file)
+    }
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file; where one is not there to ask, whether they are
+    spelled alike."""
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return False
+        return a == b
 
 
 def ptx_instructions(ptx: str) -> tuple[int, list[int]]:

@@ -13,12 +13,12 @@ resident program per SM and pipelined GEMM tiles. `KernelCost.facts` says which.
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpn_scale.accounting import device_runs, gpu_compile, round_trips
+from gpn_scale.accounting.gpu_compile_ptx import same_file
 
 
 @dataclass(frozen=True)
@@ -280,16 +280,9 @@ def skipped_instructions(
     skips (`round_trips.Program.skipped`): on a line of one, or inlined from a helper called
     on one. Facts without lines (a device run's): 0."""
     path, rows = by_line
-    spans = [(lo, hi) for file, lo, hi in arms if path and _same_path(file, path)]
+    spans = [(lo, hi) for file, lo, hi in arms if path and same_file(file, path)]
     if not spans:
         return 0
     return sum(
         row[0] for row in rows if any(lo <= line <= hi for line in row[1:] for lo, hi in spans)
     )
-
-
-def _same_path(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return a == b

@@ -5,9 +5,9 @@ SPREAD), and which until now only the engine A/B rows could say, indirectly.
     python -m gpn_scale.bench.gpu_placement --out "$OUT"                 # on the GPU (~1 s)
     python -m gpn_scale.bench.gpu_placement --out /tmp/p --device cpu    # smoke test
 
-Two probes, each a few launches of a program that records the SM it runs on (%smid) and the
-global timer when it starts and when it stops spinning (so that every program of a grid is
-resident at once):
+Three probes, each a few launches of a program that records the SM it runs on (%smid) and
+the global timer when it starts and when it stops spinning (so that every program of a grid
+is resident at once):
 - **placement**: grids of P programs that all fit at once (16 warps a program: a quarter of
   an sm_80 / sm_90 SM's 64 warp slots, PER_SM = 4 resident a SM). PACKED puts them on
   ceil(P / 4) SMs, SPREAD on min(P, SMs); the SMs a grid held say which, per grid and
@@ -17,7 +17,6 @@ resident at once):
   first's end, and how many of those on an SM the first holds. It says whether two streams'
   kernels share the GPU (and its SMs) here at all (CUDA_DEVICE_MAX_CONNECTIONS=1, as
   Megatron-LM sets it, or MPS limits can serialise them); the accounting assumes they do.
-
 - **green context**: the same grid of one program per SM launched on a stream of a CUDA green
   context of GREEN_SMS SMs (`torch.cuda.green_contexts`, by the API this torch has): whether
   a Triton kernel launches there at all, and whether its programs stay on that many SMs. A
@@ -51,6 +50,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from gpn_scale.accounting.step_model import PACKED, SPREAD
+from gpn_scale.bench.gpu_exactness import error_line
 
 WARPS = 16  # a program's warps: a quarter of the SM's 64 warp slots (sm_80, sm_90)
 WARP_SLOTS_PER_SM = 64
@@ -112,12 +112,21 @@ def _lists(got: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {k: [int(x) for x in v.tolist()] for k, v in got.items()}
 
 
+def expected_sms(programs: int, sm_count: int, per_sm: int = PER_SM) -> dict[str, int]:
+    """The SMs a grid of `programs` holds under each placement: PACKED ceil(programs /
+    per_sm), SPREAD min(programs, sm_count)."""
+    return {
+        PACKED: min(sm_count, math.ceil(programs / per_sm)),
+        SPREAD: min(programs, sm_count),
+    }
+
+
 def placement_of(programs: int, sms_held: int, sm_count: int, per_sm: int = PER_SM) -> str | None:
-    """Which placement a grid of `programs` that held `sms_held` SMs shows: PACKED
-    (ceil(programs / per_sm) SMs), SPREAD (min(programs, sm_count)), NEITHER (nearer
-    neither than a quarter of the gap between them), or None where the two give the same."""
-    packed = min(sm_count, math.ceil(programs / per_sm))
-    spread = min(programs, sm_count)
+    """Which placement a grid of `programs` that held `sms_held` SMs shows (`expected_sms`):
+    PACKED, SPREAD, NEITHER (nearer neither than a quarter of the gap between them), or
+    None where the two give the same."""
+    expected = expected_sms(programs, sm_count, per_sm)
+    packed, spread = expected[PACKED], expected[SPREAD]
     if packed == spread:
         return None
     near = abs(spread - packed) / 4
@@ -147,8 +156,7 @@ def _grid_row(programs: int, got: dict[str, list[int]], sm_count: int) -> dict[s
     return {
         "programs": programs,
         "sms_held": held,
-        PACKED: min(sm_count, math.ceil(programs / PER_SM)),
-        SPREAD: min(programs, sm_count),
+        **expected_sms(programs, sm_count),
         "most_on_one_sm": max(got["sm"].count(s) for s in set(got["sm"])),
         "co_resident": co_resident,
         "fits": placement_of(programs, held, sm_count),
@@ -210,7 +218,7 @@ def _green(device: torch.device, sm_count: int) -> dict[str, Any]:
             got = probe(sm_count, SPIN_NS, device)
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - an image without green contexts is a finding
-        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+        return {"error": error_line(exc)}
     held = len(set(_lists(got)["sm"]))
     return {
         "requested_sms": GREEN_SMS,
@@ -221,7 +229,8 @@ def _green(device: torch.device, sm_count: int) -> dict[str, Any]:
 
 
 def measure_placement(device: torch.device) -> dict[str, Any]:
-    """Both probes on `device` (see the module docstring); on CPU under the interpreter."""
+    """The three probes on `device` (see the module docstring); on CPU under the
+    interpreter."""
     if device.type == "cpu" and not _interpreting():
         raise ValueError("on CPU the probe needs TRITON_INTERPRET=1 in the environment")
     sm_count = (
