@@ -160,6 +160,7 @@ def _load(
         if meta.get("model_family"):
             values.setdefault("family", meta["model_family"])
         spec, cfg = config_from_dict(values)
+    cfg = spec.for_inference(cfg)  # the exact model (bf16 memory reads are for training)
 
     tok = tokenizer_of(source, tokenizer) if with_tokenizer else None
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)

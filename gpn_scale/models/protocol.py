@@ -104,6 +104,9 @@ class FamilySpec:
       sweep's `hardware.mfu: predicted` prices it.
     - `state_analyses`: `gpn-scale analyze` and the trainer's live analyses read its state
       (GPN's reference step path, single recurrent state and memory heads).
+    - `for_inference`: the config a checkpoint loaded for evaluation, generation, analysis
+      or export runs under (gpn_scale/eval/load.py): the exact model, without the training
+      options that trade accuracy for speed (GPN: `engine.bf16_memory_reads` off).
     """
 
     name: str
@@ -128,6 +131,7 @@ class FamilySpec:
     depth_is_variant: bool = False
     launch_accounting: bool = False
     state_analyses: bool = False
+    for_inference: Callable[[Any], Any] = field(default=lambda cfg: cfg)
 
     @property
     def display_name(self) -> str:

@@ -80,8 +80,9 @@ class ParallelSection:
 
 @dataclass
 class EngineSection:
-    # How the GPN engine runs a sequence, never what it computes (ops/gpn_step/options.py);
-    # None keeps the model config's value. A checkpoint resumes under other values. GPN only.
+    # How the GPN engine runs a sequence (ops/gpn_step/options.py): never what it computes,
+    # but for bf16_memory_reads (off by default). None keeps the model config's value. A
+    # checkpoint resumes under other values. GPN only.
     chunk_size: int | None = None  # steps per chunk (memory chunkwise form, BPTT recompute)
     loss_chunk_tokens: int | None = None  # decode + cross entropy over this many positions
     step_backend: str | None = None  # auto | reference | cpu | cuda (GPN_SCALE_STEP_KERNELS wins)
@@ -90,6 +91,7 @@ class EngineSection:
     overlap_decode: bool | None = None  # CUDA: each chunk's decode + loss on a second stream
     dependent_launch: bool | None = None  # CUDA, Hopper on: step kernels launched as dependents
     side_work_sm_share: float | None = None  # CUDA: SMs the memory kernels leave to side work
+    bf16_memory_reads: bool | None = None  # the steps read each chunk's M0 in bf16 (numerics!)
 
     def given(self) -> dict[str, Any]:
         """The options this run sets (the rest stay the model config's)."""

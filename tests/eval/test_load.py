@@ -10,6 +10,7 @@ import yaml
 
 from gpn_scale.core.config import ConfigError
 from gpn_scale.eval.load import load
+from gpn_scale.testing.models import perturbed_model, tiny_config
 
 
 def _same_logits(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -40,6 +41,24 @@ def test_model_final_pt_with_an_explicit_model_config(
         load(str(path), device="cpu")
     loaded = load(str(path), device="cpu", model_config=str(cfg_yaml), tokenizer="byte")
     _same_logits(loaded.model, byte_model)
+
+
+def test_a_model_trained_reading_its_memory_in_bf16_loads_as_the_exact_model(
+    tmp_path: Path,
+) -> None:
+    """engine.bf16_memory_reads is a training-speed option: evaluation, generation and
+    export run the exact model (the family's `for_inference`)."""
+    trained = tiny_config(vocab_size=257, bf16_memory_reads=True)
+    model = perturbed_model(trained, dtype=torch.float32, scale=0.3).eval()
+    path = tmp_path / "model_final.pt"
+    torch.save(model.state_dict(), path)
+    cfg_yaml = tmp_path / "m.yaml"
+    cfg_yaml.write_text(yaml.safe_dump(trained.to_dict()))
+    loaded = load(str(path), device="cpu", model_config=str(cfg_yaml), tokenizer="byte")
+    exact = trained.replace(bf16_memory_reads=False)
+    assert loaded.config == exact == loaded.model.config
+    model.config = exact
+    _same_logits(loaded.model, model)
 
 
 def test_missing_references_and_untrusted_tokenizers_are_one_line_errors(

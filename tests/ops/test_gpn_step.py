@@ -176,6 +176,32 @@ def test_backend_equals_pytorch_steps_float32(backend, case, monkeypatch):
     )
 
 
+def _bf16_read_params():
+    slow = pytest.mark.slow
+    for backend, dtype in [
+        ("cpu", torch.float64),
+        ("cpu", torch.float32),
+        ("cuda", torch.float64),
+        ("cuda", torch.float32),
+        ("cuda-graphs", torch.float64),  # the graphs' static bf16 copy (float32: the same)
+    ]:
+        marks = [slow] if backend.startswith("cuda") else []
+        yield pytest.param(backend, dtype, id=f"{backend}-{str(dtype)[6:]}", marks=marks)
+
+
+@pytest.mark.parametrize("backend,dtype", list(_bf16_read_params()))
+def test_backend_with_bf16_memory_reads_equals_pytorch_steps(backend, dtype, monkeypatch):
+    """engine.bf16_memory_reads: every backend reads the same bf16 copy of each chunk's M0
+    (the Triton kernels load it as bf16, the others widen it first) and keeps the carried
+    memory exact. Two layers, a partial last chunk, a non-zero M0 entering the window."""
+    cfg = tiny_config(n_layers=2, chunk_size=5, bf16_memory_reads=True)
+    if dtype == torch.float64:
+        compare(cfg, backend, dtype, monkeypatch, rtol=1e-11, atol=1e-13)
+    else:
+        rtol = 1e-4 if backend == "cpu" else 1e-3
+        compare(cfg, backend, dtype, monkeypatch, rtol=rtol, atol=1e-5, value_tol=1e-4)
+
+
 @pytest.fixture
 def uninitialised_is_nan(monkeypatch):
     """Every float tensor made by torch.empty / new_empty starts as NaN: a backend that read

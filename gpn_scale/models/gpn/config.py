@@ -29,7 +29,8 @@ class GPNConfig:
     """GPN / GPN+M hyper-parameters, plus the engine's execution options under `engine`.
 
     `memory=False` gives the memory-less GPN; the memory fields must then stay 0.
-    `engine` changes how the sequence is computed, never what it computes; `tbptt` > 0 stops
+    `engine` changes how the sequence is computed, never what it computes (but for
+    `bf16_memory_reads`, off by default: ops/gpn_step/options.py); `tbptt` > 0 stops
     gradients through the carry every `tbptt` steps. A mapping (a model YAML, a checkpoint's
     config) may spell the engine options flat (`chunk_size: 64`, as the model YAMLs and the
     checkpoints written before `engine` existed do) or as an `engine:` section.
@@ -48,7 +49,8 @@ class GPNConfig:
     # Truncated BPTT: detach the carried state every `tbptt` steps (0 = full BPTT).
     tbptt: int = 0
     # How the engine runs the sequence (chunk length, loss chunk, step backend, CUDA graphs):
-    # never what it computes, so not part of the shape (ops/gpn_step/options.py).
+    # never what it computes (bf16_memory_reads aside), so not part of the shape
+    # (ops/gpn_step/options.py).
     engine: EngineOptions = field(default_factory=EngineOptions)
     # Optional redundant check: when given, must equal n_heads * d_key * d_value.
     memory_cells: int | None = None

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gpn_scale.models.gpn.config import GPNConfig
 from gpn_scale.models.gpn.gpn import GPN, GPNOutput, GPNState
-from gpn_scale.models.gpn.modules import Gate, MemoryRead, SwiGLU
+from gpn_scale.models.gpn.modules import Gate, MemoryRead, MemoryWrite, SwiGLU
+from gpn_scale.ops.gpn_step.chunk import make_spans
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -54,6 +56,35 @@ def _read(read: MemoryRead, c: Tensor, M: Tensor, eps: float) -> Tensor:
     )
 
 
+def _chunk_starts(cfg: GPNConfig, T: int, tbptt: int) -> frozenset[int]:
+    """The steps where the engine's chunks start, if its steps read M0 rounded to bf16."""
+    if not cfg.engine.bf16_memory_reads:
+        return frozenset()
+    spans, _ = make_spans(T, cfg.engine.chunk_size, tbptt)
+    return frozenset(start for start, _ in spans)
+
+
+def _write(
+    w: MemoryWrite, cfg: GPNConfig, s: Tensor, s_prev: Tensor, M: Tensor, read: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One step's memory write: (the memory after it, its decay). `read`: the memory as the
+    error term reads it (M, or M with the chunk's rounding under bf16 memory reads)."""
+    eps = cfg.norm_eps
+    B, H, dk, dv = s.shape[0], cfg.n_heads, cfg.d_key, cfg.d_value
+    hk, hv = rms_norm(s_prev, w.norm_weight, eps), rms_norm(s, w.norm_weight, eps)
+    k = l2_normalize(F.relu(F.linear(hk, w.key.weight, w.key.bias)).view(B, H, dk))
+    v = F.linear(hv, w.value.weight).view(B, H, dv)
+    beta = torch.sigmoid(F.linear(hv, w.beta.weight))
+    alpha = torch.exp(
+        -torch.exp(_at_least_fp32(w.A_log))
+        * F.softplus(_at_least_fp32(F.linear(hv, w.decay.weight)) + w.dt_bias)
+    )
+    alpha = alpha.to(M.dtype)
+    err = v - torch.einsum("bhkv,bhk->bhv", read, k)
+    M = alpha[..., None, None] * M + beta[..., None, None] * torch.einsum("bhk,bhv->bhkv", k, err)
+    return M, alpha
+
+
 class StepRecord(NamedTuple):
     """What one step exposes to an observer (`reference_forward(on_step=...)`)."""
 
@@ -77,6 +108,11 @@ def reference_forward(
 
     `on_step` sees every step's states (the state analyses, gpn_scale/eval/analysis, stream
     them from here: this path already materialises them, the training engine never does).
+
+    Under `engine.bf16_memory_reads` the steps read the memory as the engine's chunks do:
+    the memory M_t = e^{G_t} M0 + (the chunk's writes) is read with M0 rounded to bf16, i.e.
+    M_t + e^{G_t} (bf16(M0) - M0), the rounding's difference held out of the gradient; the
+    memory carried on stays M_t. The chunks start where the engine's do (`make_spans`).
     """
     cfg = model.config
     eps = cfg.norm_eps
@@ -89,35 +125,30 @@ def reference_forward(
     total = s.new_zeros(())
     all_logits = []
     alpha = None
+    rounded = _chunk_starts(cfg, T, tbptt) if M is not None else frozenset()
+    rounding = None  # e^{G_t} (bf16(M0) - M0) of the current chunk, under bf16 memory reads
     for t in range(T):
         if tbptt and t > 0 and t % tbptt == 0:
             s, s_prev = s.detach(), s_prev.detach()
             M = None if M is None else M.detach()
+        if t in rounded:
+            assert M is not None
+            rounding = (M.detach().to(torch.bfloat16).to(M.dtype) - M.detach()).detach()
         # 1. memory write (once per token, before any read)
         if model.write is not None:
-            w = model.write
             assert M is not None  # GPN+M: the state carries the memory
-            H, dk, dv = cfg.n_heads, cfg.d_key, cfg.d_value
-            hk, hv = rms_norm(s_prev, w.norm_weight, eps), rms_norm(s, w.norm_weight, eps)
-            k = l2_normalize(F.relu(F.linear(hk, w.key.weight, w.key.bias)).view(B, H, dk))
-            v = F.linear(hv, w.value.weight).view(B, H, dv)
-            beta = torch.sigmoid(F.linear(hv, w.beta.weight))
-            alpha = torch.exp(
-                -torch.exp(_at_least_fp32(w.A_log))
-                * F.softplus(_at_least_fp32(F.linear(hv, w.decay.weight)) + w.dt_bias)
-            )
-            alpha = alpha.to(M.dtype)
-            err = v - torch.einsum("bhkv,bhk->bhv", M, k)
-            M = alpha[..., None, None] * M + beta[..., None, None] * torch.einsum(
-                "bhk,bhv->bhkv", k, err
-            )
+            read = M if rounding is None else M + rounding
+            M, alpha = _write(model.write, cfg, s, s_prev, M, read)
+            if rounding is not None:
+                rounding = alpha[..., None, None] * rounding
         # 2. predict
         c = s
         for layer in model.predictor_layers:
             update = _ffn(layer.ffn, c, eps)
             if layer.read is not None:
                 assert M is not None
-                update = update + _read(layer.read, c, M, eps)
+                read = M if rounding is None else M + rounding
+                update = update + _read(layer.read, c, read, eps)
             c = _gate(layer.gate, c, eps) * c + update
         p = c
         # 3. decode; the state that has not seen x_t predicts x_t

@@ -74,6 +74,11 @@ def _with_engine(cfg: GPNConfig, given: dict[str, Any]) -> GPNConfig:
     return cfg.replace(engine=options)
 
 
+def _for_inference(cfg: GPNConfig) -> GPNConfig:
+    """The exact model: reads of the memory in bf16 are a training-speed option."""
+    return cfg.replace(bf16_memory_reads=False)
+
+
 def _info(cfg: GPNConfig, name: str, batch_size: int, seq_len: int) -> list[tuple[str, str]]:
     """`gpn-scale info`: the counts, memory cells and a training-memory estimate."""
     from gpn_scale.models.gpn.counts import (
@@ -129,10 +134,12 @@ SPEC = FamilySpec(
     description="GPN / GPN+M: one wide recurrent state, one FFN, one shared gated-delta memory",
     title="GPN",
     # train.tbptt truncates its recurrence; the run's engine: section says how the engine
-    # runs the sequence (ops/gpn_step/options.py), never what it computes.
+    # runs the sequence (ops/gpn_step/options.py), never what it computes (bf16_memory_reads
+    # aside, which `for_inference` turns off).
     run_options={"tbptt": _with_tbptt, "engine": _with_engine},
     hf_adapter=None,  # no Hugging Face architecture runs GPN: --format safetensors only
     info=_info,
+    for_inference=_for_inference,
     # The paper's claim is about a 1-layer predictor: 2-layer GPN+M is a curve of its own.
     depth_is_variant=True,
     launch_accounting=True,  # gpn_scale/accounting dry-runs its engine's CUDA step

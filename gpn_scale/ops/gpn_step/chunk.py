@@ -43,6 +43,7 @@ from gpn_scale.ops.gpn_step.interface import (
     StepBackend,
     StepPlan,
     SweepAdjoints,
+    memory_reads,
 )
 from gpn_scale.ops.gpn_step.overlap import Future, side_work
 from gpn_scale.ops.gpn_step.phases import phase as _phase
@@ -104,7 +105,9 @@ def _chunk_backward(
     workspace: Workspace,
 ) -> tuple[tuple[Tensor, Tensor, Tensor | None], SweepAdjoints, Tensor | None]:
     """One chunk's backward: the hand-written reverse sweep over its steps, then the
-    gradients of the chunk's start carry (s, s_prev, M0).
+    gradients of the chunk's start carry (s, s_prev, M0). M0 is the carry; the sweep reads
+    it as `memory_reads` gives it, and the gradient of those reads is M0's (the rounding of
+    `engine.bf16_memory_reads` passes gradients unchanged).
 
     The per-step work is the inherent input-gradient matmuls (dy @ W^T, few rows) and cheap
     elementwise/memory terms (the step backend's `reverse_sweep`); the activations come from
@@ -120,8 +123,9 @@ def _chunk_backward(
             plan, Wt, acts, M0, dP, dM_end, d_fuse, workspace, backend.matmul_only_adjoints
         )
     with _phase("sequential backward", device):
+        reads = None if M0 is None else memory_reads(plan, M0)
         result = backend.reverse_sweep(
-            plan, Wt, ReverseSweep(acts, M0, dP, ds_end, ds_prev_end, adjoints)
+            plan, Wt, ReverseSweep(acts, reads, dP, ds_end, ds_prev_end, adjoints)
         )
     with _phase("memory carry backward", device):
         carry = _start_carry_gradients(
@@ -276,7 +280,7 @@ def _forward_chunks(
                     fuse[:, start:end],
                     s,
                     s_prev,
-                    M,
+                    None if M is None else memory_reads(plan, M),
                     P[:, start:end],
                     None if S is None else S[:, start:end],
                 ),
@@ -321,7 +325,9 @@ def _backward_chunks(
         start, end = plan.spans[idx]
         _, s_prev, M = ctx.carries[idx]
         with _phase("parallel recompute", device):
-            return recompute_chunk(plan, Wrec, S[:, start:end], s_prev, M, sets[idx % 2])
+            # the values the forward's steps read (its GEMMs take them in the state dtype)
+            reads = None if M is None else memory_reads(plan, M).to(S.dtype)
+            return recompute_chunk(plan, Wrec, S[:, start:end], s_prev, reads, sets[idx % 2])
 
     last = len(plan.spans) - 1
     recomputed = side.submit(lambda: recompute(last), after=side.mark())

@@ -198,13 +198,28 @@ def aligned_rows(w: Tensor, alignment: int, dtype: torch.dtype | None = None) ->
 
 
 # ------------------------------------------------------------------ forward chunk
+def memory_reads(plan: StepPlan, M0: Tensor) -> Tensor:
+    """The chunk-start memory as the steps (and the backward's recompute) read it: M0
+    itself, or under `engine.bf16_memory_reads` a bf16 copy (the carry stays M0). A backend
+    handed a bf16 M0 reads its values (`read_values`); the CUDA kernels load it as bf16."""
+    if not plan.options.bf16_memory_reads:
+        return M0
+    return M0.to(torch.bfloat16)
+
+
+def read_values(M0: Tensor, like: Tensor) -> Tensor:
+    """M0 as `memory_reads` gave it, in `like`'s dtype (exact: bf16 widens without rounding)."""
+    return M0 if M0.dtype == like.dtype else M0.to(like.dtype)
+
+
 @dataclass
 class ChunkForward:
     """One chunk's forward inputs and output buffers.
 
     fuse (B, C, d): the grounding input of every step; s, s_prev (B, d) and M0 (B, H, dk, dv)
-    the carry entering the chunk; P (B, C, d) receives the outputs p_t; S (B, C, d), when
-    given, the state entering every step (what the backward recomputes from)."""
+    the carry entering the chunk (M0 as the steps read it: `memory_reads`); P (B, C, d)
+    receives the outputs p_t; S (B, C, d), when given, the state entering every step (what
+    the backward recomputes from)."""
 
     fuse: Tensor
     s: Tensor
@@ -372,9 +387,9 @@ class MemoryAdjoints(NamedTuple):
 
 @dataclass
 class ReverseSweep:
-    """One chunk's reverse-sweep inputs: its activations, its start memory M0, the gradient
-    of its outputs dP (B, C, d), of the carry leaving it (ds_end, ds_prev_end: (B, d) or
-    None), and the adjoint buffers the sweep adds to."""
+    """One chunk's reverse-sweep inputs: its activations, its start memory M0 as the steps
+    read it (`memory_reads`), the gradient of its outputs dP (B, C, d), of the carry leaving
+    it (ds_end, ds_prev_end: (B, d) or None), and the adjoint buffers the sweep adds to."""
 
     acts: ChunkActs
     M0: Tensor | None

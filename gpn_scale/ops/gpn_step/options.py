@@ -1,7 +1,9 @@
 """How the GPN engine runs a sequence, apart from what it computes: the engine options.
 
-None of these changes the function the model computes (the op-level and engine tests hold
-every chunk length, loss chunk and backend to the step-by-step reference), so they are not
+None of these but one changes the function the model computes (the op-level and engine
+tests hold every chunk length, loss chunk and backend to the step-by-step reference). The
+one, `bf16_memory_reads`, is off by default and rounds what the steps read, not the carried
+state (its own tests hold it to a step-by-step reference with that rounding). So none is
 part of a model's shape: a checkpoint resumes under other options. They reach the engine in
 one place, the `StepPlan` (`interface.py`), and are set
 
@@ -54,6 +56,13 @@ class EngineOptions:
     # there leave at once; the rest take the items from a counter (triton_kernels.
     # memory_backward_kernel). 0: none. Bit-identical.
     side_work_sm_share: float = 0.25
+    # Changes results, so off by default: the time steps and the backward's recompute read
+    # each chunk's start memory M0 from a bf16 copy (made once a chunk), while the memory
+    # carried from chunk to chunk stays float32 and M0's gradient passes the rounding
+    # unchanged. On CUDA it halves the bytes of the memory kernels, whose reads of M0 are
+    # most of them (flash-linear-attention's chunked kernels keep their chunk states in the
+    # input dtype the same way). Every backend computes the same function with it.
+    bf16_memory_reads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "loss_chunk_tokens"):
@@ -67,7 +76,13 @@ class EngineOptions:
                 f"step_backend: expected {', '.join(STEP_BACKENDS[:-1])} or "
                 f"{STEP_BACKENDS[-1]}, got {self.step_backend!r}"
             )
-        for name in ("cuda_graphs", "overlap_backward", "overlap_decode", "dependent_launch"):
+        for name in (
+            "cuda_graphs",
+            "overlap_backward",
+            "overlap_decode",
+            "dependent_launch",
+            "bf16_memory_reads",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         share = self.side_work_sm_share

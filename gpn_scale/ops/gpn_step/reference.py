@@ -34,6 +34,7 @@ from gpn_scale.ops.gpn_step.interface import (
     ReverseSweep,
     ReverseSweepResult,
     StepPlan,
+    read_values,
 )
 
 
@@ -84,7 +85,7 @@ def forward_chunk(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> ChunkF
     splits = cast("tuple[list[int], ...]", plan.in_splits)
     if mem:  # GPN+M: the chunk-start memory and the decay rates are given
         assert chunk.M0 is not None and W.A is not None
-        M0, A = chunk.M0, W.A
+        M0, A = read_values(chunk.M0, s), W.A
         k_cols = H * dk
         k = l2n(
             F.relu(matmul(rms(s_prev, eps), W.w_in[0][:, :k_cols], W.b_in[0][:k_cols])).view(
@@ -181,7 +182,7 @@ def reverse_sweep(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) -> Rever
         K, U, G = m.k, m.U, m.G
         dK, dU, dG = madj.dK, madj.dU, madj.dG
         dk_next_pre = torch.zeros(B, Hk, dtype=dt, device=dP.device)  # d(pre-activation of k_{t+1})
-        M0t = sweep.M0.mT.contiguous()
+        M0t = read_values(sweep.M0, dP).mT.contiguous()
         dG_suffix = torch.zeros(B, H, dtype=dt, device=dP.device)
     dg = sweep.ds_end if sweep.ds_end is not None else torch.zeros(B, d, dtype=dt, device=dP.device)
     for tau in range(C - 1, -1, -1):

@@ -167,3 +167,40 @@ def test_rejects_bad_token_shape():
     model = perturbed_model(tiny_config())
     with pytest.raises(ValueError, match="tokens"):
         model(torch.zeros(5, dtype=torch.long))
+
+
+def _random_state(model, B: int) -> GPNState:
+    """A non-zero carry entering the window: the first chunk's M0 has something to round."""
+    gen = torch.Generator().manual_seed(6)
+    return GPNState(
+        *(
+            (torch.randn(t.shape, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+            for t in model.initial_state(3)
+        )
+    )
+
+
+@pytest.mark.parametrize("steps", ["cpp", "python"])
+@pytest.mark.parametrize("case", ["1-layer", "2-layer", "chunk-not-dividing", "tbptt"])
+def test_bf16_memory_reads_equal_the_reference_that_rounds_each_chunks_m0(case, steps, monkeypatch):
+    """engine.bf16_memory_reads: the engine (both forms of its steps) computes what the
+    step-by-step reference computes with the reads of each chunk's M0 rounded to bf16, and
+    M0's gradient passed through the rounding; the loss is not the exact model's."""
+    monkeypatch.setenv(ENV_VAR, steps)
+    cfg = tiny_config(**CASES[case], bf16_memory_reads=True)
+    model = perturbed_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(3))
+    state = _random_state(model, 3)
+    wrt = [*model.parameters(), *state]
+    out = model(tokens, state, return_state=True)
+    ref = reference_forward(model, tokens, state, return_state=True)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-10, atol=0)
+    for got, want in zip(out.state, ref.state):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(out.loss, wrt), torch.autograd.grad(ref.loss, wrt)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * max(1.0, scale))
+    # The option is on: the exact model's loss differs by about bf16's rounding.
+    model.config = cfg.replace(bf16_memory_reads=False)
+    exact = reference_forward(model, tokens, state).loss
+    assert 1e-9 < abs((exact - out.loss) / exact).item() < 1e-2
