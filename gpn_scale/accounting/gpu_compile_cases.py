@@ -74,6 +74,8 @@ GATE_CASES = (
     Case("gpn_m_130m", 16, shipped=True),
     Case("gpn_m_130m", 64, shipped=True),
     Case("gpn_m_130m", 128, shipped=True),  # the GEMMs' 128-row tiles (8 warps)
+    # engine.bf16_memory_reads (off by default): the memory kernels' bf16 M0 variants
+    Case("gpn_m_130m", 128, overrides=(("bf16_memory_reads", True),)),
     Case("gpn_m_130m_2l", 16, shipped=True),
     Case("gpn_m_130m_2l", 64, shipped=True),
     Case("gpn_m_1b", 16, tp=8),

@@ -35,6 +35,7 @@ from gpn_scale.accounting.step_model import (
 from gpn_scale.accounting.step_model import role as step_role
 from gpn_scale.models.gpn import GPNConfig, load_model_config
 from gpn_scale.models.gpn.config import ConfigError
+from gpn_scale.ops.gpn_step.options import EngineOptions
 
 
 def _launches(acc: Accounting, phase: str) -> str:
@@ -305,6 +306,7 @@ def _run_config(config: str, meta: dict, chunk_size: int | None) -> GPNConfig:
     cfg = load_model_config(config).replace(
         dependent_launch=meta.get("dependent_launch", False),
         side_work_sm_share=meta.get("side_work_sm_share", 0.0),
+        bf16_memory_reads=meta.get("bf16_memory_reads", False),
     )
     return cfg if chunk_size is None else cfg.replace(chunk_size=chunk_size)
 
@@ -438,6 +440,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
     parser.add_argument("--chunk-size", type=int, default=None, help="override chunk_size")
     parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option to price (repeatable; e.g. bf16_memory_reads=true, "
+        "side_work_sm_share=0); ops/gpn_step/options.py lists them",
+    )
+    parser.add_argument(
         "--gpu",
         default=None,
         help=f"comma-separated, of {', '.join(GPUS)} (default: both; h200 with --json)",
@@ -465,6 +475,26 @@ def _parser() -> argparse.ArgumentParser:
         "prediction beside what it measured",
     )
     return parser
+
+
+def with_engine_options(cfg: GPNConfig, given: list[str]) -> GPNConfig:
+    """`cfg` with the engine options of `--engine KEY=VALUE` (VALUE read as YAML: true,
+    0.25); a malformed or unknown one is a ConfigError naming it."""
+    import yaml
+
+    changes: dict[str, Any] = {}
+    for item in given:
+        key, eq, value = item.partition("=")
+        key = key.strip().removeprefix("engine.")
+        if not eq or not key:
+            raise ConfigError(f"--engine {item!r}: expected KEY=VALUE, e.g. bf16_memory_reads=true")
+        try:
+            changes[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"--engine {item!r}: {value!r} is not a value") from None
+    if not changes:
+        return cfg
+    return cfg.replace(engine=EngineOptions.from_dict({**cfg.engine.to_dict(), **changes}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_model_config(args.config)
         if args.chunk_size is not None:
             cfg = cfg.replace(chunk_size=args.chunk_size)
+        cfg = with_engine_options(cfg, args.engine)
         acc = account(
             cfg,
             args.batch,

@@ -163,6 +163,49 @@ def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
     assert err.count("\n") == 1 and "model.n_heads" in err and "tp=3" in err
 
 
+def test_bf16_memory_reads_halve_the_m0_bytes_of_the_memory_kernels(capsys):
+    """engine.bf16_memory_reads: each memory kernel's launch reads M0's cells in 2 bytes, not
+    4, and nothing else it moves changes; the CLI prices the option (`--engine`) and refuses
+    a malformed or unknown one in one line."""
+    cfg = tiny_config(n_layers=2, chunk_size=4)
+    B, T = 3, 8
+
+    def kernels(c):  # the Triton launches (the ATen ops gain the copy's casts)
+        return [op for op in gpu_model.account(c, batch=B, seq_len=T).ops if op.triton]
+
+    plain, bf16 = kernels(cfg), kernels(cfg.replace(bf16_memory_reads=True))
+    assert [op.name for op in plain] == [op.name for op in bf16]
+    m0_cells = B * cfg.n_heads * cfg.d_key * cfg.d_value
+    saved = {(a.name.split(": ")[1], a.bytes - op.bytes) for a, op in zip(plain, bf16)}
+    # each memory kernel of each layer, every step; and a graph's copy of M0 into its static
+    # input (copied in by the forward and the reverse graphs alike); nothing else
+    changed = {(name, d) for name, d in saved if d}
+    assert {name for name, _ in changed} == {
+        "memory/FFN 0",
+        "memory/FFN 1",
+        "memory/FFN backward 0",
+        "memory/FFN backward 1",
+        "graph copies in/out",
+    }
+    for name, d in changed:
+        assert d % (2 * m0_cells) == 0 if name.startswith("graph") else d == 2 * m0_cells
+    assert (
+        gpu_model.main(
+            ["tiny", "--batch", "2", "--seq-len", "8", "--engine", "bf16_memory_reads=true"]
+        )
+        == 0
+    )
+    assert "| H200 | CUDA backend, graphs on |" in capsys.readouterr().out
+    for bad, said in (
+        ("bf16_memory_reads", "expected KEY=VALUE"),
+        ("bf16_memory_read=true", "did you mean 'bf16_memory_reads'"),
+        ("bf16_memory_reads=2", "expected true or false"),
+    ):
+        assert gpu_model.main(["tiny", "--engine", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err
+
+
 SWEEP = """\
 name: priced
 seeds: [0, 1, 2]

@@ -125,6 +125,17 @@ def test_gate_compiles_every_kernel_of_the_shipped_configs_for_sm90_and_sm80(tmp
         assert r["signature"]["A"] == "*bf16" or roles <= set(gc.FLOAT32_A_OPERANDS), roles
     assert any(r["signature"]["A"] == "*bf16" and "down GEMM 0" in r["names"] for r in step_gemms)
     assert "known, step GEMMs reading a float32 A operand" in proc.stdout
+    # engine.bf16_memory_reads (off by default): its memory kernels load M0 as bf16, through
+    # cp.async, on both targets (the checks above hold their occupancy and spills)
+    bf16_reads = [r for r in rows if "bf16_memory_reads=True" in r["case"]]
+    assert {(r["kernel"], r["target"]) for r in bf16_reads if r["signature"].get("M0")} == {
+        (k, t)
+        for k in ("memory_forward_kernel", "memory_backward_kernel")
+        for t in ("sm_90", "sm_80")
+    }
+    for r in bf16_reads:
+        if r["signature"].get("M0"):
+            assert r["signature"]["M0"] == "*bf16" and "m0_base" in r["async_operands"]
 
     # The Triton cache holds every variant as the JIT keys it: compiling one case again
     # into it is all cache hits (no ptxas run, so no ptxas log).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from gpn_scale.ops.gpn_step import geometry
@@ -17,6 +18,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     MEMORY_FORWARD_QUEUE_MAXNREG_SM80,
     MEMORY_FORWARD_ROW_BLOCK,
     MEMORY_FORWARD_STAGES,
+    MEMORY_FORWARD_STAGES_BF16_READS,
     MEMORY_FORWARD_WARPS,
     ffn_programs,
     layer_meta,
@@ -362,7 +364,9 @@ def _memory_forward(
         BLOCK_R=4 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_ROW_BLOCK, dv),
         BLOCK_J=2 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
-        STAGES=MEMORY_FORWARD_STAGES,
+        STAGES=MEMORY_FORWARD_STAGES_BF16_READS
+        if mem and M0 is not None and M0.dtype == torch.bfloat16
+        else MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_QUEUE_MAXNREG_SM80
         if fm.reserve and geometry.arch(y) < 90

@@ -49,6 +49,9 @@ MEMORY_FORWARD_ROW_BLOCK = 16
 MEMORY_FORWARD_HISTORY_BLOCK = 8
 MEMORY_FORWARD_WARPS = 4
 MEMORY_FORWARD_STAGES = 4
+# ... reading M0 in bf16 (engine.bf16_memory_reads): the widening of its tiles takes what a
+# fourth stage left (4 spilled 8 B a thread on sm_90 at 130M); 3 stages of half the bytes.
+MEMORY_FORWARD_STAGES_BF16_READS = 3
 MEMORY_FORWARD_MAXNREG = 128
 # ... for its item queue on sm_80 (side_work_sm_share): there its shared memory holds it to 3
 # programs per SM whatever its registers, which leave 168 a thread; at 128 the queue's loop
