@@ -32,8 +32,9 @@ measured; the format: accounting/device_runs.py):
 5. Nsight Compute on the ledger's replay of the top kernels, and a gzipped Chrome trace of a
    64-step window (best effort, one line each on failure).
 6. Throughput (bench/gpu_throughput.py): each --config (1- and 2-layer GPN+M) at --batches,
-   the first config again with each of its engine A/B options off at the last ledger batch
-   (gpu_throughput.ENGINE_AB), and the Transformer++ of the first config's size, eager and
+   the first config again with each of its engine A/B options changed at the last ledger
+   batch (gpu_throughput.ENGINE_AB: the side streams, dependent launches, the SMs left to
+   side work off; bf16 memory reads on), and the Transformer++ of the first config's size, eager and
    compiled (compile.enable),
    all at --seq-len, bf16 autocast, fused AdamW; each row's GPU busy fraction over a full
    profiled window. The headline: GPN+M / compiled Transformer++, each at its best batch.
@@ -141,8 +142,9 @@ class Results:
 # ------------------------------------------------------------------ kernels compiled first
 PREBUILD_BATCHES = (8, 16, 32, 64, 128, 256, 512)
 # The engine A/B rows' kernel variants (gpu_throughput.ENGINE_AB): the side streams off take
-# the plain memory backward too, as its side-work SMs off does.
-PREBUILD_AB = ("dependent_launch=false", "side_work_sm_share=0.0")
+# the plain memory backward too, as its side-work SMs off does; bf16 memory reads, the memory
+# kernels' bf16 M0 variants.
+PREBUILD_AB = ("dependent_launch=false", "side_work_sm_share=0.0", "bf16_memory_reads=true")
 
 
 def default_triton_cache() -> Path:
@@ -270,8 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-engine-ab",
         action="store_true",
-        help="skip the first config with each of gpu_throughput.ENGINE_AB's engine options off "
-        "(the side streams; dependent launches), at the last ledger batch",
+        help="skip the first config with each of gpu_throughput.ENGINE_AB's engine options "
+        "changed (the side streams, dependent launches, side-work SMs off; bf16 memory reads "
+        "on), at the last ledger batch",
     )
     return parser
 
@@ -388,6 +391,7 @@ def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, 
         overlap_decode=True,
         dependent_launch=True,
         side_work_sm_share=EngineOptions().side_work_sm_share,
+        bf16_memory_reads=EngineOptions().bf16_memory_reads,
         max_seconds=args.max_seconds,
         params={c.name: c.params for c in candidates},
         _t0=t0,

@@ -49,6 +49,21 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
         if graphs is not None:
             name += ", CUDA graphs " + ("on" if graphs else "off")
         yield guarded(name, _engine_against_reference, device, tokens, dtype, graphs, name)
+    # engine.bf16_memory_reads: the kernels' bf16 loads of M0 against the reference that
+    # rounds each chunk's M0 the same way (graphs on: their static copy is bf16 too). The
+    # reference reads M_t plus the rounding's decayed difference, another float32 path than
+    # e^G bf16(M0) + the history: 1.7e-4 on the CPU's steps; a wrong load is off by O(1).
+    yield guarded(
+        BF16_READS_CHECK,
+        _engine_against_reference,
+        device,
+        tokens,
+        torch.float32,
+        True,
+        BF16_READS_CHECK,
+        {"bf16_memory_reads": True},
+        BF16_READS_TOLERANCE,
+    )
     yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
     yield guarded(OVERLAP_CHECK, _bit_identical, device, tokens, OVERLAP_CHECK, OVERLAP)
     yield guarded(DEPENDENT_CHECK, _bit_identical, device, tokens, DEPENDENT_CHECK, DEPENDENT)
@@ -57,6 +72,8 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
     )
 
 
+BF16_READS_CHECK = "engine == reference, float32, bf16 memory reads"
+BF16_READS_TOLERANCE = 1e-3
 # Engine options that change how the steps run, never a value: each on against off, bit for bit.
 # The side streams (`engine.overlap_backward` and `overlap_decode`, ops/gpn_step/overlap.py)
 # over several chunks and decode pieces: the CPU tests hold the order, this the streams,
@@ -107,9 +124,13 @@ def _engine_against_reference(
     dtype: torch.dtype,
     graphs: bool | None,
     name: str,
+    options: dict[str, Any] | None = None,
+    tolerance: float | None = None,
 ) -> dict:
-    """The engine's loss and every gradient against the step-by-step reference."""
+    """The engine's loss and every gradient against the step-by-step reference (which
+    follows the engine `options` that change results: `reference_forward`)."""
     cfg = TINY if graphs is None else TINY.replace(cuda_graphs=graphs)
+    cfg = cfg.replace(**(options or {}))
     model = perturbed_model(cfg, dtype).to(device)
     params = list(model.parameters())
     out = model(tokens)
@@ -120,7 +141,7 @@ def _engine_against_reference(
     grad_err = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(g_out, g_ref)
     )
-    tol = TOLERANCE[dtype]
+    tol = tolerance or TOLERANCE[dtype]
     return dict(
         check=name,
         loss_rel_err=loss_err,

@@ -166,12 +166,15 @@ def gpn_candidate(cfg: GPNConfig, seq_len: int) -> Candidate:
     )
 
 
-# The engine options the device check also times the first config without, one row each at
-# the last ledger batch (issue 34): what each is predicted to save, measured beside it.
+# The engine options the device check also times the first config with changed, one row each
+# at the last ledger batch (issue 34): what each is predicted to save, measured beside it.
 ENGINE_AB: tuple[tuple[str, dict[str, Any]], ...] = (
     ("overlap off", dict(overlap_backward=False, overlap_decode=False)),
     ("dependent launch off", dict(dependent_launch=False)),
     ("side-work SMs off", dict(side_work_sm_share=0.0)),
+    # changes results (off by default): what reading M0 in bf16 saves, beside its exactness
+    # row (bench/gpu_exactness.BF16_READS_CHECK)
+    ("bf16 memory reads", dict(bf16_memory_reads=True)),
 )
 
 
@@ -183,7 +186,7 @@ def candidates(
     ab_batch: int | None,
 ) -> tuple[list[Candidate], dict[str, list[int]]]:
     """The device check's models in order (each GPN config; the first again with each of
-    `ENGINE_AB`'s options off, at `ab_batch` only; the Transformer++ of the first config's
+    `ENGINE_AB`'s options changed, at `ab_batch` only; the Transformer++ of the first config's
     size, eager and `compiled`), and the batches of those measured at a few only."""
     found = [gpn_candidate(cfg, seq_len) for cfg in configs]
     only_at: dict[str, list[int]] = {}

@@ -60,6 +60,7 @@ def test_device_check_runs_and_records(tmp_path):
     assert float32 == [
         "engine == reference, float32, CUDA graphs on",
         "engine == reference, float32, CUDA graphs off",
+        "engine == reference, float32, bf16 memory reads",
     ]
     # the ledger: one row per distinct launch, every role of the recorded step present
     rows = result["ledger"]["rows"]
@@ -90,15 +91,20 @@ def test_device_check_runs_and_records(tmp_path):
     plain = f"{cfg.name} (overlap off)"
     independent = f"{cfg.name} (dependent launch off)"
     all_sms = f"{cfg.name} (side-work SMs off)"
-    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [plain, independent, all_sms] + [
-        "tiny_2l"
-    ] * 2 + tpp[:1] * 2
-    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 2, 4, 2, 4]  # increasing order
+    bf16_reads = f"{cfg.name} (bf16 memory reads)"
+    assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [
+        plain,
+        independent,
+        all_sms,
+        bf16_reads,
+    ] + ["tiny_2l"] * 2 + tpp[:1] * 2
+    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 2, 2, 4, 2, 4]  # increasing order
     assert result["summary"][plain]["config"] == (
         "tiny_c4 engine.overlap_backward=false engine.overlap_decode=false"
     )
     assert result["summary"][independent]["config"] == "tiny_c4 engine.dependent_launch=false"
     assert result["summary"][all_sms]["config"] == "tiny_c4 engine.side_work_sm_share=0.0"
+    assert result["summary"][bf16_reads]["config"] == "tiny_c4 engine.bf16_memory_reads=true"
     for name in ("overlapped backward", "dependent launches", "memory backward leaving SMs"):
         (same,) = [c for c in checks if c["check"].startswith(name)]
         assert same["ok"] and same["differing"] == 0 and same["tensors"] > 20
@@ -110,7 +116,7 @@ def test_device_check_runs_and_records(tmp_path):
     # the engine options the accounting prices a run with (gpu_report.against)
     meta = result["meta"]
     assert meta["overlap_backward"] and meta["overlap_decode"] and meta["dependent_launch"]
-    assert meta["side_work_sm_share"] == 0.25
+    assert meta["side_work_sm_share"] == 0.25 and meta["bf16_memory_reads"] is False
     params = result["meta"]["params"]
     assert abs(params[tpp[0]] / params["tiny_c4"] - 1) < 0.1  # same size, side by side
     summary = result["summary"]
@@ -183,10 +189,10 @@ def test_a_failing_check_or_model_is_a_row_and_the_rest_still_runs(tmp_path, mon
     other checks and models still run; the exit status says something failed."""
     real = gpu_exactness._engine_against_reference
 
-    def fp64_fails(device, tokens, dtype, graphs, name):
+    def fp64_fails(device, tokens, dtype, graphs, name, *options):
         if dtype == torch.float64:
             raise RuntimeError("CompilationError: at 126:19:\n  acc = tl.dot(...)")
-        return real(device, tokens, dtype, graphs, name)
+        return real(device, tokens, dtype, graphs, name, *options)
 
     def first_model_fails(cand, batch, seq_len, *args):
         if cand.name == "tiny":
@@ -494,8 +500,9 @@ def test_the_input_gemms_dy_wt_what_if_is_the_narrow_plan_at_the_shipped_size():
 def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch):
     """The prebuild's gpu_compile runs (each a process; recorded here, not run): the tiny
     exactness configs, every config at the check's batches, and the first config without
-    dependent launches and without SMs left to side work at the A/B batch (their PDL=False
-    and plain memory backward variants), each into the cache."""
+    dependent launches, without SMs left to side work and with bf16 memory reads at the A/B
+    batch (their PDL=False, plain memory backward and bf16 M0 variants), each into the
+    cache."""
     commands: list[list[str]] = []
 
     def run(cmd, **kwargs):
@@ -511,7 +518,7 @@ def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch)
     assert all(c[1:3] == ["-m", "gpn_scale.accounting.gpu_compile"] for c in commands)
     assert all(c[c.index("--triton-cache") + 1] == str(cache) for c in commands)
     assert all(c[c.index("--arch") + 1] == "sm_90" for c in commands)
-    for flag in ("dependent_launch=false", "side_work_sm_share=0.0"):
+    for flag in ("dependent_launch=false", "side_work_sm_share=0.0", "bf16_memory_reads=true"):
         (plain,) = [c for c in commands if flag in c]
         assert plain[3] == "gpn_m_130m" and plain[plain.index("--batch") + 1] == "128"
         assert plain[plain.index("--seq-len") + 1] == "2048"
