@@ -4,6 +4,7 @@ the comparison with a committed device run: accounting/gpu_report.py).
 
     python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64            # tables
     python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 64 --json     # one object
+    python -m gpn_scale.accounting.gpu_model gpn_m_130m --batch 128 --engine bf16_memory_reads=true
     python -m gpn_scale.accounting.gpu_model gpn_m_130m --against docs/device-runs/2026-12-04-h200
 
 The step model's names are importable from here as well (sweeps, tp_model and the tests
