@@ -72,8 +72,11 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
     )
 
 
+# The one engine option that changes results (`engine.bf16_memory_reads`), against the
+# reference that follows it; its tolerance: see check_exactness.
 BF16_READS_CHECK = "engine == reference, float32, bf16 memory reads"
 BF16_READS_TOLERANCE = 1e-3
+
 # Engine options that change how the steps run, never a value: each on against off, bit for bit.
 # The side streams (`engine.overlap_backward` and `overlap_decode`, ops/gpn_step/overlap.py)
 # over several chunks and decode pieces: the CPU tests hold the order, this the streams,
