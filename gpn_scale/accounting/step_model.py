@@ -29,9 +29,9 @@ points (`ops/gpn_step/collectives.py`), each all-reduce recorded as a collective
 COLLECTIVE_S, a latency) and nothing reduced on meta tensors.
 
 The floor beside it is what any implementation of this algorithm must pay: each sequential
-step streams the loop weights (bf16) and every sequence's float32 M0 once in the
-forward and once in the reverse sweep (or its GEMM FLOPs, if larger), and the chunk-wide
-FLOPs run at peak.
+step streams the loop weights (bf16) and every sequence's M0 as the steps read it (float32;
+bf16 under `engine.bf16_memory_reads`) once in the forward and once in the reverse sweep
+(or its GEMM FLOPs, if larger), and the chunk-wide FLOPs run at peak.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Accounting:
     n_layers: int
     probes: dict[int, list[Op]] = field(default_factory=dict)  # probe T -> its ops
     loop_weight_bytes: int = 0  # bf16
-    m0_bytes: int = 0  # per sequence, float32
+    m0_bytes: int = 0  # per sequence, as the steps read it (float32; bf16 reads: 2 B a cell)
     loop_params: int = 0
     tp: int = 1  # the probe is one rank of a tp group of this size
     compiled: str | None = None  # the target whose compiled facts the ops carry
@@ -185,7 +185,9 @@ def account(
     w_out = cfg.n_layers * (H * dv + f) * d
     acc.loop_params = w_in + w_out + d * d
     acc.loop_weight_bytes = 2 * acc.loop_params
-    acc.m0_bytes = 4 * H * dk * dv if cfg.memory else 0
+    # M0 as the steps read it: float32, or bf16 under engine.bf16_memory_reads
+    m0_element = 2 if cfg.engine.bf16_memory_reads else 4
+    acc.m0_bytes = m0_element * H * dk * dv if cfg.memory else 0
     return acc
 
 

@@ -189,6 +189,14 @@ def test_bf16_memory_reads_halve_the_m0_bytes_of_the_memory_kernels(capsys):
     }
     for name, d in changed:
         assert d % (2 * m0_cells) == 0 if name.startswith("graph") else d == 2 * m0_cells
+    # the floor streams M0 as the steps read it: 2 bytes a cell less, forward and reverse
+    h200 = gpu_model.GPUS["h200"]
+    exact, low = (
+        gpu_model.predict(gpu_model.account(c, batch=B, seq_len=T), h200, graphs=True, cfg=c)
+        for c in (cfg, cfg.replace(bf16_memory_reads=True))
+    )
+    saved_s = 2 * T * 2 * m0_cells / h200.copy_bytes_per_s
+    assert exact.floor_seconds - low.floor_seconds == pytest.approx(saved_s, rel=1e-9)
     assert (
         gpu_model.main(
             ["tiny", "--batch", "2", "--seq-len", "8", "--engine", "bf16_memory_reads=true"]
