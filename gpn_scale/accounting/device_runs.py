@@ -95,7 +95,7 @@ def engine_ab_rows(blob: dict, config: str) -> list[tuple[str, dict[str, Any], l
         options: dict[str, Any] = {}
         for flag in flags:
             key, value = flag.removeprefix("engine.").split("=", 1)
-            options[key] = _flag_value(value)
+            options[key] = flag_value(value)
         label = name[name.rfind("(") + 1 : -1] if name.endswith(")") else name
         out.append((label, options, list(entry["rows"])))
     return out
@@ -105,7 +105,7 @@ def _is_flag(word: str) -> bool:
     return word.startswith("engine.") and "=" in word
 
 
-def _flag_value(text: str) -> Any:
+def flag_value(text: str) -> Any:
     """An option's value as a config flag spells it: true / false, a number, or the text."""
     if text in ("true", "false"):
         return text == "true"

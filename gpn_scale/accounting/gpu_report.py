@@ -35,7 +35,6 @@ from gpn_scale.accounting.step_model import (
 from gpn_scale.accounting.step_model import role as step_role
 from gpn_scale.models.gpn import GPNConfig, load_model_config
 from gpn_scale.models.gpn.config import ConfigError
-from gpn_scale.ops.gpn_step.options import EngineOptions
 
 
 def _launches(acc: Accounting, phase: str) -> str:
@@ -478,9 +477,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def with_engine_options(cfg: GPNConfig, given: list[str]) -> GPNConfig:
-    """`cfg` with the engine options of `--engine KEY=VALUE` (VALUE read as YAML: true,
-    0.25); a malformed or unknown one is a ConfigError naming it."""
-    import yaml
+    """`cfg` with the engine options of `--engine KEY=VALUE`, each value spelled as the
+    device check's config flags spell it (`device_runs.flag_value`) and applied as a run's
+    `engine:` section is (the family's run option); a malformed or unknown one is a
+    ConfigError naming it."""
+    from gpn_scale.models.gpn.spec import SPEC
 
     changes: dict[str, Any] = {}
     for item in given:
@@ -488,13 +489,8 @@ def with_engine_options(cfg: GPNConfig, given: list[str]) -> GPNConfig:
         key = key.strip().removeprefix("engine.")
         if not eq or not key:
             raise ConfigError(f"--engine {item!r}: expected KEY=VALUE, e.g. bf16_memory_reads=true")
-        try:
-            changes[key] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise ConfigError(f"--engine {item!r}: {value!r} is not a value") from None
-    if not changes:
-        return cfg
-    return cfg.replace(engine=EngineOptions.from_dict({**cfg.engine.to_dict(), **changes}))
+        changes[key] = device_runs.flag_value(value)
+    return SPEC.run_options["engine"](cfg, changes) if changes else cfg
 
 
 def main(argv: list[str] | None = None) -> int:

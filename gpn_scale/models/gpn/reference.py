@@ -131,23 +131,23 @@ def reference_forward(
         if tbptt and t > 0 and t % tbptt == 0:
             s, s_prev = s.detach(), s_prev.detach()
             M = None if M is None else M.detach()
-        if t in rounded:
-            assert M is not None
-            rounding = (M.detach().to(torch.bfloat16).to(M.dtype) - M.detach()).detach()
         # 1. memory write (once per token, before any read)
+        read = None  # the memory as this step's reads see it, after the write
         if model.write is not None:
             assert M is not None  # GPN+M: the state carries the memory
-            read = M if rounding is None else M + rounding
-            M, alpha = _write(model.write, cfg, s, s_prev, M, read)
+            if t in rounded:  # a chunk starts: M is its M0
+                rounding = M.detach().to(torch.bfloat16).to(M.dtype) - M.detach()
+            before = M if rounding is None else M + rounding  # what the error term reads
+            M, alpha = _write(model.write, cfg, s, s_prev, M, before)
             if rounding is not None:
                 rounding = alpha[..., None, None] * rounding
+            read = M if rounding is None else M + rounding
         # 2. predict
         c = s
         for layer in model.predictor_layers:
             update = _ffn(layer.ffn, c, eps)
             if layer.read is not None:
-                assert M is not None
-                read = M if rounding is None else M + rounding
+                assert read is not None
                 update = update + _read(layer.read, c, read, eps)
             c = _gate(layer.gate, c, eps) * c + update
         p = c

@@ -44,6 +44,7 @@ from gpn_scale.ops.gpn_step.interface import (
     StepPlan,
     SweepAdjoints,
     memory_reads,
+    read_values,
 )
 from gpn_scale.ops.gpn_step.overlap import Future, side_work
 from gpn_scale.ops.gpn_step.phases import phase as _phase
@@ -123,9 +124,10 @@ def _chunk_backward(
             plan, Wt, acts, M0, dP, dM_end, d_fuse, workspace, backend.matmul_only_adjoints
         )
     with _phase("sequential backward", device):
-        reads = None if M0 is None else memory_reads(plan, M0)
         result = backend.reverse_sweep(
-            plan, Wt, ReverseSweep(acts, reads, dP, ds_end, ds_prev_end, adjoints)
+            plan,
+            Wt,
+            ReverseSweep(acts, memory_reads(plan, M0), dP, ds_end, ds_prev_end, adjoints),
         )
     with _phase("memory carry backward", device):
         carry = _start_carry_gradients(
@@ -280,7 +282,7 @@ def _forward_chunks(
                     fuse[:, start:end],
                     s,
                     s_prev,
-                    None if M is None else memory_reads(plan, M),
+                    memory_reads(plan, M),
                     P[:, start:end],
                     None if S is None else S[:, start:end],
                 ),
@@ -326,7 +328,7 @@ def _backward_chunks(
         _, s_prev, M = ctx.carries[idx]
         with _phase("parallel recompute", device):
             # the values the forward's steps read (its GEMMs take them in the state dtype)
-            reads = None if M is None else memory_reads(plan, M).to(S.dtype)
+            reads = read_values(memory_reads(plan, M), S)
             return recompute_chunk(plan, Wrec, S[:, start:end], s_prev, reads, sets[idx % 2])
 
     last = len(plan.spans) - 1

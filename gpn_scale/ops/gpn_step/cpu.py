@@ -45,7 +45,7 @@ class CpuBackend:
             chunk.fuse,
             chunk.s,
             chunk.s_prev,
-            None if chunk.M0 is None else read_values(chunk.M0, chunk.s),
+            read_values(chunk.M0, chunk.s),
             chunk.P,
             chunk.S,
         )
@@ -58,11 +58,9 @@ class CpuBackend:
     ) -> ReverseSweepResult:
         acts, a, mem = sweep.acts, sweep.adjoints, plan.memory
         mem_acts = (
-            [
-                *(acts.k_pre, acts.k, acts.v, acts.beta, acts.U, acts.G, acts.pred, acts.rk),
-                read_values(sweep.M0, sweep.dP),
-            ]
-            if mem and sweep.M0 is not None
+            [acts.k_pre, acts.k, acts.v, acts.beta, acts.U, acts.G, acts.pred, acts.rk]
+            + [read_values(sweep.M0, sweep.dP)]
+            if mem
             else []
         )
         ds, dk_pre0 = self.module.chunk_backward(

@@ -365,7 +365,7 @@ def _memory_forward(
         BLOCK_J=2 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
         STAGES=MEMORY_FORWARD_STAGES_BF16_READS
-        if mem and M0 is not None and M0.dtype == torch.bfloat16
+        if M0 is not None and M0.dtype == torch.bfloat16
         else MEMORY_FORWARD_STAGES,
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_QUEUE_MAXNREG_SM80

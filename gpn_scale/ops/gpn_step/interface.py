@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Protocol, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast, overload
 
 import torch
 from torch import Tensor
@@ -198,18 +198,26 @@ def aligned_rows(w: Tensor, alignment: int, dtype: torch.dtype | None = None) ->
 
 
 # ------------------------------------------------------------------ forward chunk
-def memory_reads(plan: StepPlan, M0: Tensor) -> Tensor:
+@overload
+def memory_reads(plan: StepPlan, M0: Tensor) -> Tensor: ...
+@overload
+def memory_reads(plan: StepPlan, M0: None) -> None: ...
+def memory_reads(plan: StepPlan, M0: Tensor | None) -> Tensor | None:
     """The chunk-start memory as the steps (and the backward's recompute) read it: M0
     itself, or under `engine.bf16_memory_reads` a bf16 copy (the carry stays M0). A backend
     handed a bf16 M0 reads its values (`read_values`); the CUDA kernels load it as bf16."""
-    if not plan.options.bf16_memory_reads:
+    if M0 is None or not plan.options.bf16_memory_reads:
         return M0
     return M0.to(torch.bfloat16)
 
 
-def read_values(M0: Tensor, like: Tensor) -> Tensor:
+@overload
+def read_values(M0: Tensor, like: Tensor) -> Tensor: ...
+@overload
+def read_values(M0: None, like: Tensor) -> None: ...
+def read_values(M0: Tensor | None, like: Tensor) -> Tensor | None:
     """M0 as `memory_reads` gave it, in `like`'s dtype (exact: bf16 widens without rounding)."""
-    return M0 if M0.dtype == like.dtype else M0.to(like.dtype)
+    return M0 if M0 is None or M0.dtype == like.dtype else M0.to(like.dtype)
 
 
 @dataclass
