@@ -34,6 +34,9 @@ class Launch:
     kernel: Any = field(default=None, repr=False, compare=False)
     args: tuple = field(default=(), repr=False, compare=False)
     meta: dict = field(default_factory=dict, repr=False, compare=False)
+    # A GEMM through cuBLAS (ATen), not a kernel of ours: the accounting prices it at the
+    # share of the copy bandwidth cuBLAS reaches at a step's few rows (accounting/ceilings.py).
+    cublas: bool = False
 
 
 @contextlib.contextmanager
@@ -76,8 +79,9 @@ def record_collective(name: str, phase: str, nbytes: int) -> None:
         record.append(Launch(f"{COLLECTIVE} {name}", phase, (1,), nbytes, 0))
 
 
-def record_aten(name: str, phase: str, nbytes: int, flops: int = 0) -> None:
-    """Record a launch the driver makes through ATen (a copy, a fill, a batched matmul)."""
+def record_aten(name: str, phase: str, nbytes: int, flops: int = 0, cublas: bool = False) -> None:
+    """Record a launch the driver makes through ATen (a copy, a fill, a batched matmul);
+    `cublas`: a step GEMM through cuBLAS (`Launch.cublas`)."""
     record = current().launches
     if record is not None:
-        record.append(Launch(name, phase, (1,), nbytes, flops))
+        record.append(Launch(name, phase, (1,), nbytes, flops, cublas=cublas))

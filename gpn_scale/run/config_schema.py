@@ -92,6 +92,7 @@ class EngineSection:
     dependent_launch: bool | None = None  # CUDA, Hopper on: step kernels launched as dependents
     side_work_sm_share: float | None = None  # CUDA: SMs the memory kernels leave to side work
     bf16_memory_reads: bool | None = None  # the steps read each chunk's M0 in bf16 (numerics!)
+    cublas_gemms: str | None = None  # CUDA: these step GEMMs through cuBLAS (e.g. down_dx,input)
 
     def given(self) -> dict[str, Any]:
         """The options this run sets (the rest stay the model config's)."""

@@ -202,6 +202,16 @@ def test_backend_with_bf16_memory_reads_equals_pytorch_steps(backend, dtype, mon
         compare(cfg, backend, dtype, monkeypatch, rtol=rtol, atol=1e-5, value_tol=1e-4)
 
 
+@pytest.mark.slow
+def test_cuda_backend_with_cublas_gemms_equals_pytorch_steps(monkeypatch):
+    """engine.cublas_gemms=all: every step GEMM a cuBLAS product (torch.mm here) with the
+    scale and epilogue in the reduce kernel after, the split-K partials and the sums in
+    the consumer gone; through the chunk graphs (their eager stand-in). Two layers (the
+    upper input GEMM's read norm split over K), a partial last chunk, a non-zero carry."""
+    cfg = tiny_config(n_layers=2, chunk_size=5, cublas_gemms="all")
+    compare(cfg, "cuda-graphs", torch.float64, monkeypatch, rtol=1e-11, atol=1e-13)
+
+
 @pytest.fixture
 def uninitialised_is_nan(monkeypatch):
     """Every float tensor made by torch.empty / new_empty starts as NaN: a backend that read

@@ -57,7 +57,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
     ys = [new(B, plan.columns[i].width) for i in range(L)]
     hidden = _down_input(plan, W, fuse, B)
     scratch = [new(B, d), new(B, d)]
-    ws = SplitWorkspace(fuse)
+    ws = SplitWorkspace(fuse, plan.options.cublas_projections())
     split = splits_over_tp(plan)
     state_lows, layer_lows = _low_buffers(plan, W, states[0], hidden, bool(split))
     low_weights = bool(state_lows)
@@ -111,6 +111,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
                     res=c,
                     low=layer_lows[i % 2] if low_weights and i < L - 1 else None,
                     workspace=ws,
+                    projection="down",
                 )
             c = out
             c_low = layer_lows[i % 2] if low_weights and i < L - 1 else None
@@ -130,6 +131,7 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             out2=S[:, tau + 1] if S is not None and tau + 1 < C else None,
             low=state_lows[(tau + 1) % 2] if low_weights else None,
             workspace=ws,
+            projection="fuse_gate",
         )
         s = s_next
     s_prev = states[(C - 1) % 2]  # the state entering the chunk's last step
@@ -151,17 +153,19 @@ def _low_buffers(
         return [], [None, None]
     B = state.shape[0]
 
-    def low(a: Tensor, w: Tensor, k1: int = 0) -> Low:  # linear(a, w, split=(ss, k1))'s
+    cublas = plan.options.cublas_projections()
+
+    def low(a: Tensor, w: Tensor, writer: str, k1: int = 0) -> Low:  # the writer's linear's
         return (
             state.new_empty((B, w.shape[1]), dtype=W.w_in[0].dtype),
-            state.new_empty((B, low_sums_width(a, w, k1))),
+            state.new_empty((B, low_sums_width(a, w, k1, cublas=writer in cublas))),
         )
 
     deeper = plan.n_layers > 1 and not split
     k1 = plan.H * plan.dv if plan.memory else 0
     return (
-        [low(state, W.w_fg) for _ in range(2)],
-        [low(hidden, W.w_out[0], k1) if deeper else None for _ in range(2)],
+        [low(state, W.w_fg, "fuse_gate") for _ in range(2)],
+        [low(hidden, W.w_out[0], "down", k1) if deeper else None for _ in range(2)],
     )
 
 
@@ -179,11 +183,11 @@ def _input_gemm(
     producer left them, else from the float32 rows (the chunk's first state: its own name)."""
     if c_low is not None:
         linear(c_low[0], W.w_in[i], y, "forward step", f"input GEMM {i}", bias=W.b_in[i],
-               split=(c_low[1], c.shape[1]), eps=eps, workspace=ws)  # fmt: skip
+               split=(c_low[1], c.shape[1]), eps=eps, workspace=ws, projection="input")  # fmt: skip
         return
     name = "first-step input GEMM 0" if i == 0 and tau == 0 else f"input GEMM {i}"
     linear(c, W.w_in[i], y, "forward step", name, bias=W.b_in[i], row_rms=True, eps=eps,
-           workspace=ws)  # fmt: skip
+           workspace=ws, projection="input")  # fmt: skip
 
 
 def _down_input(plan: StepPlan, W: LoopWeights, like: Tensor, B: int) -> Tensor:
@@ -221,11 +225,13 @@ def _down_split(
     assert partial is not None  # given under tp
     if plan.memory:
         assert tp_flat is not None and ss is not None
-        linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}", workspace=ws)
-        linear(hidden[:, hv:], w_out[hv:], partial[:, d:], ph, f"down GEMM FFN {i}", workspace=ws)
+        linear(hidden[:, :hv], w_out[:hv], partial[:, :d], ph, f"down GEMM read {i}", workspace=ws,
+               projection="down")  # fmt: skip
+        linear(hidden[:, hv:], w_out[hv:], partial[:, d:], ph, f"down GEMM FFN {i}", workspace=ws,
+               projection="down")  # fmt: skip
         tp_sum(tp_flat, plan, f"down output + read norm sums {i}", ph)
     else:
-        linear(hidden, w_out, partial, ph, f"down GEMM {i}", workspace=ws)
+        linear(hidden, w_out, partial, ph, f"down GEMM {i}", workspace=ws, projection="down")
         tp_sum(partial, plan, f"down output {i}", ph)
     _launch(
         tk.gated_residual_kernel,
@@ -299,6 +305,7 @@ def _chunk_memory(
         row_rms=True,
         eps=eps,
         workspace=ws,
+        projection="input",
     )
     _launch(
         tk.l2n_relu_kernel,

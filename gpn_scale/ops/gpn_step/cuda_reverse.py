@@ -54,7 +54,7 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     ph, pc = "reverse step", "reverse chunk"
     DG, DN, DCIN = new(B, d), new(B, d), new(B, d)
     DH = new(B, H * dv + f)
-    ws = SplitWorkspace(dP)
+    ws = SplitWorkspace(dP, plan.options.cublas_projections())
     blocks = mem_blocks(plan, dP, C)
     grid_mem = (B, (H if mem else 0) + ffn_programs(plan, blocks["BLOCK_F"]))
     BD = min(geometry.p2(d), 16 if geometry.interpreting(dP) else ROW_BLOCK)
@@ -89,12 +89,20 @@ def reverse_sweep_eager(plan: StepPlan, Wt: LoopWeights, sweep: ReverseSweep) ->
     for tau in range(C - 1, -1, -1):
         # each dY W^T's split-K partials are summed by the row kernel that reads them
         parts = linear(
-            a.dYfg[tau], Wt.w_fg, DN, ph, "fuse-gate dy W^T", workspace=ws, sum_in_consumer=True
+            a.dYfg[tau],
+            Wt.w_fg,
+            DN,
+            ph,
+            "fuse-gate dy W^T",
+            workspace=ws,
+            sum_in_consumer=True,
+            projection="fuse_gate_dx",
         )
         _rev_row(plan, L - 1, tau, DN, acts.n_p[tau], acts.p[tau], dP[:, tau], acts, a, DG,
                  DCIN, None, BD, ground=True, dn_parts=parts)  # fmt: skip
         for i in range(L - 1, -1, -1):
-            linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}", workspace=ws)
+            linear(a.dZ[i][tau], Wt.w_out[i], DH, ph, f"down dy W^T {i}", workspace=ws,
+                   projection="down_dx")  # fmt: skip
             if SUMS is not None:
                 _read_norm_sums(plan, i, tau, acts, DH, SUMS, blocks)
             _memory_backward(plan, i, tau, C, acts, a, DH, mb, Wt.A, grid_mem, blocks, eps, SUMS)
@@ -235,9 +243,11 @@ def _input_grad(
     replicated predict gate's share (the last d blocks) added once."""
     ph = "reverse step"
     if DNP is None:  # no tp split
-        return linear(dy, w_in_t, DN, ph, f"input dy W^T {i}", workspace=ws, sum_in_consumer=True)
+        return linear(dy, w_in_t, DN, ph, f"input dy W^T {i}", workspace=ws, sum_in_consumer=True,
+                      projection="input_dx")  # fmt: skip
     pg0 = plan.columns[i].predict_gate[0]
-    linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}", workspace=ws)
+    linear(dy[:, :pg0], w_in_t[:pg0], DNP, ph, f"input dy W^T {i}", workspace=ws,
+           projection="input_dx")  # fmt: skip
     tp_sum(DNP, plan, f"input gradient {i}", ph)
     linear(
         dy[:, pg0:],
@@ -248,6 +258,7 @@ def _input_grad(
         epilogue=3,
         res=DNP,
         workspace=ws,
+        projection="input_dx",
     )
     return None
 

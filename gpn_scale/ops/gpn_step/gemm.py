@@ -16,12 +16,18 @@ from torch import Tensor
 
 from gpn_scale.ops.gpn_step import geometry
 from gpn_scale.ops.gpn_step import triton_kernels as tk
+from gpn_scale.ops.launch import is_dry
 from gpn_scale.ops.launch import launch as _launch
 from gpn_scale.ops.launch import nbytes as _nbytes
+from gpn_scale.ops.launch import record_aten as _aten
 
 MAX_SPLITS = 8
 # A split-K sum reads a few hundred KB: narrow column blocks spread it over the SMs.
 REDUCE_BLOCK_N = 16
+# The epilogue after cuBLAS's product reads a block's row scales once a program (the read
+# norm's sums: 156 a row at 130M): 16-column blocks of the input projection's 27,358 took 1,710
+# programs, each reading them again (priced 44 us a step at B = 128, against 15 at 64 columns).
+CUBLAS_EPILOGUE_N = 64
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,16 @@ class GemmPlan:
     splits_k1: int = 0  # of the splits, those over [0, k1) (the read norm's columns)
     k_per_split: int = 0
     stages: int = 3  # Triton's software pipeline depth (num_stages)
+    # The launch applying the scale and epilogue apart from the product (a split's sum, or
+    # after cuBLAS's product: `_cublas_epilogue_plan`) and its columns a program.
+    separate_epilogue: bool = False
+    reduce_n: int = REDUCE_BLOCK_N
+
+    @property
+    def epilogue_n(self) -> int:
+        """Columns a program of the launch that applies the epilogue takes (its `low` sums'
+        blocks)."""
+        return self.reduce_n if self.splits > 1 or self.separate_epilogue else self.block_n
 
     def grid(self, M: int, N: int) -> tuple[int, ...]:
         g = (geometry.cdiv(M, self.block_m), geometry.cdiv(N, self.block_n))
@@ -177,13 +193,15 @@ def readable_columns(w: Tensor) -> int:
 
 
 class SplitWorkspace:
-    """The split-K partials' buffer of one chunk: grown to the largest GEMM's need, reused by
-    every split GEMM of the chunk (they run one after another on one stream, each reduce
-    before the next GEMM writes)."""
+    """What one chunk's step GEMMs share: the split-K partials' buffer, grown to the largest
+    GEMM's need and reused by every split GEMM of the chunk (they run one after another on
+    one stream, each reduce before the next GEMM writes), and the projections whose GEMMs
+    go through cuBLAS (`engine.cublas_gemms`; options.PROJECTIONS)."""
 
-    def __init__(self, like: Tensor) -> None:
+    def __init__(self, like: Tensor, cublas: frozenset[str] = frozenset()) -> None:
         self.like = like
         self.buffer: Tensor | None = None
+        self.cublas = cublas
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         if self.buffer is None or self.buffer.numel() < numel or self.buffer.dtype != dtype:
@@ -211,8 +229,12 @@ def linear(
     low: tuple[Tensor, Tensor] | None = None,
     workspace: SplitWorkspace | None = None,
     sum_in_consumer: bool = False,
+    projection: str | None = None,
 ) -> Tensor | None:
     """out = epilogue(scale * (a @ w) + bias): see `triton_kernels.linear_kernel`.
+
+    `projection` (options.PROJECTIONS): where the workspace sends it through cuBLAS, the
+    product is cuBLAS's and the scale and epilogue `linear_reduce_kernel`'s (`_via_cublas`).
 
     `low` = (out_low (M, N) in the matmul dtype, sums (M, `epilogue_blocks(...)`)): the
     result is also written there, and its float32 sums of squares per column block of the
@@ -233,7 +255,10 @@ def linear(
         assert t is None or t.stride(-1) == 1, "epilogue operands need unit column stride"
     ss, k1 = split if split is not None else (None, 0)
     assert not (row_rms and k1), "the read norm's split and a row RMS are not combined"
+    cublas = workspace is not None and projection in workspace.cublas
     plan = gemm_plan(M, N, K, a, k1, ieee=precision(w) == "ieee")
+    if cublas:
+        plan = _cublas_epilogue_plan(plan, k1, K)
     assert low_ss is None or low_ss.shape[1] == epilogue_blocks(plan, N), "sums' blocks"
     dummy = geometry.unused_pointer(out)
     # (tensor or the placeholder, its row stride or 0) for each epilogue operand
@@ -244,15 +269,21 @@ def linear(
     )
     norm_meta = _norm_meta(ss, k1, ss_width, row_rms, bias is not None, epilogue, out2, low, w)
     epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2, low_out, low_ss)
-    ws = ws_ss = dummy
-    if plan.splits > 1:
-        ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
-        ws, ws_ss = ws_all[: plan.splits * M * N], ws_all[plan.splits * M * N :]
     # The kernels' pointer arguments: a tensor, or the placeholder and stride 0.
     bias_, ss_, ss_stride = (
         bias if bias is not None else dummy, ss if ss is not None else dummy,
         ss.stride(0) if ss is not None else 0,
     )  # fmt: skip
+    ws = ws_ss = dummy
+    if cublas:
+        plain = not (bias is not None or row_rms or ss is not None or epilogue or out2 is not None
+                     or low is not None)  # fmt: skip
+        _via_cublas(a, w, out, phase, name, plan, k1, row_rms, plain, workspace, epilogue_bytes,
+                    (bias_, ss_, ss_stride, epilogue_args, eps), norm_meta)  # fmt: skip
+        return None
+    if plan.splits > 1:
+        ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
+        ws, ws_ss = ws_all[: plan.splits * M * N], ws_all[plan.splits * M * N :]
     dependent = geometry.dependent_launch(a)
     _launch(
         tk.linear_kernel, plan.grid(M, N), name, phase,
@@ -271,6 +302,85 @@ def linear(
         _sum_splits(plan, M, N, f"{name} (split-K sum)", phase, _nbytes(ws) + epilogue_bytes,
                     sum_args, norm_meta)  # fmt: skip
     return None
+
+
+def _cublas_epilogue_plan(plan: GemmPlan, k1: int, K: int) -> GemmPlan:
+    """How `linear_reduce_kernel` applies the scale and epilogue to cuBLAS's product: the
+    Triton plan's row blocks and warps, CUBLAS_EPILOGUE_N columns a program (its `low`
+    sums' blocks), over the products of `_k_ranges`."""
+    ranges = _k_ranges(k1, K)
+    return GemmPlan(plan.block_m, plan.block_n, plan.block_k, plan.warps, splits=len(ranges),
+                    splits_k1=1 if k1 else 0, separate_epilogue=True,
+                    reduce_n=CUBLAS_EPILOGUE_N)  # fmt: skip
+
+
+def _k_ranges(k1: int, K: int) -> tuple[tuple[int, int], ...]:
+    """The ranges of K cuBLAS multiplies apart: the read norm's columns [0, k1) take their
+    own scale (k1 = K: every column, the input GEMM reading a bf16 copy and its sums)."""
+    if not k1:
+        return ((0, K),)
+    return ((0, k1), (k1, K)) if k1 < K else ((0, K),)
+
+
+def _via_cublas(
+    a: Tensor,
+    w: Tensor,
+    out: Tensor,
+    phase: str,
+    name: str,
+    plan: GemmPlan,
+    k1: int,
+    row_rms: bool,
+    plain: bool,
+    workspace: SplitWorkspace,
+    epilogue_bytes: int,
+    pointers: tuple,
+    norm_meta: dict,
+) -> None:
+    """`linear` through cuBLAS: a plain product straight into a contiguous `out`; otherwise
+    the product (`_k_ranges`: two where the read norm's columns [0, k1) are scaled apart) into the
+    workspace in out's dtype, A's row sums of squares beside it (row_rms), and the scale and
+    epilogue by `linear_reduce_kernel` (`plan`: `_cublas_epilogue_plan`)."""
+    M, K = a.shape
+    N = w.shape[1]
+    if plain and out.is_contiguous():
+        _cublas_product(a, w, out, phase, name)
+        return
+    parts = plan.splits
+    ws_all = workspace.take(parts * M * (N + 1), out.dtype)
+    ws, ws_ss = ws_all[: parts * M * N], ws_all[parts * M * N :]
+    for j, (lo, hi) in enumerate(_k_ranges(k1, K)):
+        _cublas_product(a[:, lo:hi], w[lo:hi], ws[j * M * N : (j + 1) * M * N].view(M, N), phase,
+                        name)  # fmt: skip
+    if row_rms:
+        _aten(f"{name} row sums of squares", phase, 2 * _nbytes(a) + M * out.element_size())
+        if not is_dry():
+            wide = a.to(out.dtype)
+            torch.sum(wide * wide, dim=1, out=ws_ss[:M])
+    bias_, ss_, ss_stride, epilogue_args, eps = pointers
+    sum_args = (ws, ws_ss, ss_, ss_stride, bias_, out, out.stride(0), *epilogue_args, M, N, K, eps)
+    _sum_splits(plan, M, N, f"{name} (epilogue)", phase, _nbytes(ws) + epilogue_bytes, sum_args,
+                norm_meta)  # fmt: skip
+
+
+def _cublas_product(a: Tensor, w: Tensor, out: Tensor, phase: str, name: str) -> None:
+    """out = a @ w through cuBLAS, A rounded to the weight's dtype first (as the Triton GEMM
+    rounds each tile it loads), accumulated and written in out's dtype (a bf16 product in
+    float32: cuBLAS's dtype overload). Off the GPU (the tests) the same function widened:
+    a product of two bf16 values is exact in float32."""
+    M, K = a.shape
+    a_mm = a
+    if a.dtype != w.dtype:
+        _aten(f"{name} A to {str(w.dtype)[6:]}", phase, _nbytes(a) + M * K * w.element_size())
+        a_mm = a if is_dry() else a.to(w.dtype)
+    nbytes = M * K * w.element_size() + _nbytes(w, out)
+    _aten(f"{name} (cuBLAS)", phase, nbytes, 2 * M * K * w.shape[1], cublas=True)
+    if is_dry():
+        return
+    if w.device.type == "cuda" and w.dtype != out.dtype:
+        torch.mm(a_mm, w, out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(a_mm.to(out.dtype), w.to(out.dtype), out=out)
 
 
 def _norm_meta(
@@ -313,7 +423,7 @@ def _sum_splits(
     scale and epilogue: `linear_reduce_kernel` with `args` as it takes them."""
     _launch(
         tk.linear_reduce_kernel,
-        (geometry.cdiv(M, plan.block_m), geometry.cdiv(N, REDUCE_BLOCK_N)),
+        (geometry.cdiv(M, plan.block_m), geometry.cdiv(N, plan.reduce_n)),
         name,
         phase,
         nbytes,
@@ -323,23 +433,24 @@ def _sum_splits(
         SPLITS=plan.splits,
         SPLITS_K1=plan.splits_k1,
         BLOCK_M=plan.block_m,
-        BLOCK_N=REDUCE_BLOCK_N,
+        BLOCK_N=plan.reduce_n,
         num_warps=plan.warps,
         **geometry.dependent_launch(args[0]),
     )
 
 
-def low_sums_width(a: Tensor, w: Tensor, k1: int = 0) -> int:
+def low_sums_width(a: Tensor, w: Tensor, k1: int = 0, cublas: bool = False) -> int:
     """The columns of the `low` sums that `linear(a, w, ..., split=(ss, k1))` writes
-    (`epilogue_blocks`)."""
+    (`epilogue_blocks`); `cublas`: through cuBLAS (its epilogue's blocks)."""
     (M, K), N = a.shape, w.shape[1]
-    return epilogue_blocks(gemm_plan(M, N, K, a, k1, ieee=precision(w) == "ieee"), N)
+    plan = gemm_plan(M, N, K, a, k1, ieee=precision(w) == "ieee")
+    return epilogue_blocks(_cublas_epilogue_plan(plan, k1, K) if cublas else plan, N)
 
 
 def epilogue_blocks(plan: GemmPlan, N: int) -> int:
     """How many column blocks the launch applying a GEMM's epilogue has (the columns of
     its `low` sums): the GEMM's own, or its split-K sum's."""
-    return geometry.cdiv(N, REDUCE_BLOCK_N if plan.splits > 1 else plan.block_n)
+    return geometry.cdiv(N, plan.epilogue_n)
 
 
 def wave_fill(programs: int, sms: int) -> float:

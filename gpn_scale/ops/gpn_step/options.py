@@ -24,6 +24,9 @@ from typing import Any
 from gpn_scale.core.config import ConfigError, closest_key_hint
 
 STEP_BACKENDS = ("auto", "reference", "cpu", "cuda")
+# The step's GEMMs by the weight they stream (the device check's ceilings time cuBLAS at the
+# same shapes under these names, bench/gpu_ceilings.py): what `cublas_gemms` names.
+PROJECTIONS = ("input", "input_dx", "down", "down_dx", "fuse_gate", "fuse_gate_dx")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class EngineOptions:
     # most of them (flash-linear-attention's chunked kernels keep their chunk states in the
     # input dtype the same way). Every backend computes the same function with it.
     bf16_memory_reads: bool = False
+    # CUDA: the step GEMMs of these projections (comma-separated PROJECTIONS, "all" or
+    # "none") as cuBLAS products, their scale and epilogue in a kernel of ours after, instead
+    # of the Triton GEMMs that fuse both: whichever is faster at a shape (the device check
+    # times both). The same function, summed in another order.
+    cublas_gemms: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "loss_chunk_tokens"):
@@ -85,12 +93,33 @@ class EngineOptions:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        self.cublas_projections()  # one line naming a projection it does not know
         share = self.side_work_sm_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
             raise ConfigError(
                 f"side_work_sm_share: expected a number in [0, 1) (0.25: a quarter of the SMs, "
                 f"0: none), got {share!r}"
             )
+
+    def cublas_projections(self) -> frozenset[str]:
+        """The projections `cublas_gemms` sends through cuBLAS."""
+        value = self.cublas_gemms
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"cublas_gemms: expected comma-separated projections, all or none, got {value!r}"
+            )
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if names in ([], ["none"]):
+            return frozenset()
+        if names == ["all"]:
+            return frozenset(PROJECTIONS)
+        for name in names:
+            if name not in PROJECTIONS:
+                raise ConfigError(
+                    f"cublas_gemms: unknown projection {name!r}; expected comma-separated "
+                    f"{', '.join(PROJECTIONS)}, or all, or none"
+                )
+        return frozenset(names)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -67,6 +67,22 @@ def test_engine_options_are_one_section_spelled_flat_or_nested():
 
 
 @pytest.mark.parametrize(
+    "value, projections",
+    [
+        ("none", set()),
+        ("", set()),
+        ("all", {"input", "input_dx", "down", "down_dx", "fuse_gate", "fuse_gate_dx"}),
+        ("down_dx", {"down_dx"}),
+        (" input, fuse_gate_dx ", {"input", "fuse_gate_dx"}),
+    ],
+)
+def test_cublas_gemms_names_the_projections_it_sends_through_cublas(value, projections):
+    options = GPNConfig.from_dict({**BASE, "engine": {"cublas_gemms": value}}).engine
+    assert options.cublas_projections() == projections
+    assert EngineOptions().cublas_projections() == set()  # the default: every GEMM Triton's
+
+
+@pytest.mark.parametrize(
     "values, message",
     [
         (
@@ -76,6 +92,15 @@ def test_engine_options_are_one_section_spelled_flat_or_nested():
         ({"engine": {"chunk_sise": 8}}, "model.engine.chunk_sise: unknown engine option"),
         ({"engine": {"cuda_graphs": "yes"}}, "cuda_graphs: expected true or false, got 'yes'"),
         ({"engine": 3}, "model.engine: expected a section of keys, got 3"),
+        (
+            {"engine": {"cublas_gemms": "down_dx,fuse"}},
+            "cublas_gemms: unknown projection 'fuse'; expected comma-separated "
+            "input, input_dx, down, down_dx, fuse_gate, fuse_gate_dx, or all, or none",
+        ),
+        (
+            {"engine": {"cublas_gemms": ["down_dx"]}},
+            "cublas_gemms: expected comma-separated projections, all or none, got ['down_dx']",
+        ),
     ],
 )
 def test_bad_engine_sections_are_one_line(values, message):
