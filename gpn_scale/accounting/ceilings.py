@@ -13,11 +13,18 @@ Torch-free: `gpn-scale sweep plan` prices sweeps with these.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpn_scale.accounting import device_runs
+
+# cuBLAS on the step's GEMMs (64-128 rows against a 12-136 MB weight): an estimate, 70% of
+# the copy bandwidth, below what the accounting prices the Triton GEMMs at (72-96%) and in
+# the range public few-row bf16 GEMM measurements on H100s report; not measured here.
+_CUBLAS_STEP_SHARE = 0.70
+_CUBLAS_STEP_SOURCE = "est. (few-row bf16 GEMMs); the device check measures it (ceilings.gemms)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,10 @@ class Ceilings:
     sm_clock_hz: float = 1.98e9
     schedulers_per_sm: int = 4
     dependent_issue_cycles: int = 4
+    # The share of the copy bandwidth cuBLAS reaches on a step's few-row GEMMs (bytes of A,
+    # W and the output over its time; engine.cublas_gemms): measured by the device check at
+    # the step's shapes (bench/gpu_ceilings.py `gemms`); until then an estimate.
+    cublas_step_share: float = _CUBLAS_STEP_SHARE
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def source(self, key: str) -> str:
@@ -86,6 +97,7 @@ DEFAULTS: dict[str, Ceilings] = {
             "l2_one_sm_bytes_per_s": "est. 64 B/clk per SM x 1.98 GHz",
             "latency_s": "HBM latency under load (~0.6-0.8 us idle; gpu-engine spec)",
             "l2_bytes": _KINDS,
+            "cublas_step_share": _CUBLAS_STEP_SOURCE,
         },
     ),
     "h100": Ceilings(
@@ -108,6 +120,7 @@ DEFAULTS: dict[str, Ceilings] = {
             "l2_one_sm_bytes_per_s": "est. 64 B/clk per SM x 1.98 GHz",
             "latency_s": "HBM latency under load (~0.6-0.8 us idle; gpu-engine spec)",
             "l2_bytes": "H100 SXM datasheet",
+            "cublas_step_share": _CUBLAS_STEP_SOURCE,
         },
     ),
 }
@@ -155,7 +168,28 @@ def with_measured(base: Ceilings, measured: dict[str, Any], source: str) -> Ceil
         if isinstance(value, (int, float)) and value > 0:
             changes[key] = float(value)
             sources[key] = source
+    share = cublas_step_share(measured.get("gemms"), changes.get("copy_bytes_per_s"))
+    if share is not None:
+        changes["cublas_step_share"] = share
+        sources["cublas_step_share"] = f"{source}, the median of cuBLAS at the step's GEMMs"
     return dataclasses.replace(base, **changes, sources=sources)
+
+
+def cublas_step_share(gemms: Any, copy_bytes_per_s: float | None) -> float | None:
+    """The median share of the copy bandwidth cuBLAS drew at the step's GEMMs (a device
+    run's `ceilings.gemms` rows but the chunk-wide one, against its own measured copy);
+    None where the run has neither."""
+    if not isinstance(gemms, list) or not copy_bytes_per_s:
+        return None
+    shares = [
+        g["gbytes_per_s"] * 1e9 / copy_bytes_per_s
+        for g in gemms
+        if isinstance(g, dict)
+        and not str(g.get("role", "")).startswith("chunk-wide")
+        and isinstance(g.get("gbytes_per_s"), (int, float))
+        and g["gbytes_per_s"] > 0
+    ]
+    return statistics.median(shares) if shares else None
 
 
 def describe(c: Ceilings) -> list[str]:
@@ -166,5 +200,6 @@ def describe(c: Ceilings) -> list[str]:
         ("l2_one_sm_bytes_per_s", f"L2 -> one SM {c.l2_one_sm_bytes_per_s / 1e9:.0f} GB/s"),
         ("latency_s", f"dependent round trip {c.latency_s * 1e6:.2f} us"),
         ("matmul_flops_per_s", f"bf16 GEMM {c.matmul_flops_per_s / 1e12:.0f} TFLOP/s"),
+        ("cublas_step_share", f"cuBLAS at the step GEMMs {c.cublas_step_share:.0%} of the copy"),
     ]
     return [f"{text} ({c.source(key)})" for key, text in rows]

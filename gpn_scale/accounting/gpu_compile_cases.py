@@ -78,6 +78,9 @@ GATE_CASES = (
     Case("gpn_m_130m", 128, overrides=(("bf16_memory_reads", True),)),
     Case("gpn_m_130m_2l", 16, shipped=True),
     Case("gpn_m_130m_2l", 64, shipped=True),
+    # engine.cublas_gemms (off by default): the reduce kernel applying each step GEMM's scale
+    # and epilogue after cuBLAS's product (two layers: the low copies and the read norm's K split)
+    Case("gpn_m_130m_2l", 128, overrides=(("cublas_gemms", "all"),)),
     Case("gpn_m_1b", 16, tp=8),
     Case("testing_tiny", 3, dtype="fp32"),
     Case("testing_tiny", 3, dtype="fp64", overrides=(("n_layers", 2),)),

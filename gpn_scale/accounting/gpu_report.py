@@ -306,6 +306,7 @@ def _run_config(config: str, meta: dict, chunk_size: int | None) -> GPNConfig:
         dependent_launch=meta.get("dependent_launch", False),
         side_work_sm_share=meta.get("side_work_sm_share", 0.0),
         bf16_memory_reads=meta.get("bf16_memory_reads", False),
+        cublas_gemms=meta.get("cublas_gemms", "none"),
     )
     return cfg if chunk_size is None else cfg.replace(chunk_size=chunk_size)
 

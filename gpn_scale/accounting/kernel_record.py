@@ -43,6 +43,7 @@ class Op:
     cost: Any = None  # accounting.kernel_costs.KernelCost: the compiled variant's facts (or None)
     efficiency: float | None = None  # share of the dense peak its FLOPs run at (default EFF_FLOPS)
     dependent: bool = False  # a programmatic dependent launch (engine.dependent_launch)
+    cublas: bool = False  # a step GEMM through cuBLAS (engine.cublas_gemms; Launch.cublas)
 
 
 class AtenRecorder(TorchDispatchMode):

@@ -19,7 +19,9 @@ Three kinds of launch, three physical models (the ceilings and their sources:
   does, plus its bytes at what the SMs it occupies can draw (and spill traffic); a memory
   backward that leaves SMs to the side stream, on the SMs it keeps.
 - **An ATen op** (the chunk-wide work, outside the sequential steps): its bytes at the copy
-  bandwidth or its FLOPs at the GEMM rate (flash attention at its own share of the peak).
+  bandwidth or its FLOPs at the GEMM rate (flash attention at its own share of the peak); a
+  step GEMM through cuBLAS (engine.cublas_gemms) its bytes at the share of the copy
+  bandwidth cuBLAS reaches at the step's shapes (`Ceilings.cublas_step_share`).
 
 Graphed launches pay the GPU-side gap between kernels (a dependent launch a shorter one);
 eager ones at least the host's time.
@@ -73,7 +75,9 @@ def price(op: Op, c: Ceilings, graphed: bool, graphs_on: bool = True) -> Price:
         rate = (
             op.efficiency * c.datasheet_bf16_flops_per_s if op.efficiency else c.matmul_flops_per_s
         )
-        t, bound = max((hbm, "hbm"), (op.flops / rate, "flops"))
+        # a step GEMM through cuBLAS draws the share of the copy bandwidth it was measured at
+        streamed = hbm / c.cublas_step_share if op.cublas else hbm
+        t, bound = max((streamed, "hbm"), (op.flops / rate, "flops"))
         host = HOST_LAUNCH_S
     t += gap_s(op)
     if not graphed and host > t:

@@ -242,6 +242,7 @@ def _probe(
             launch.name.startswith(launches_.COLLECTIVE),
             cost,
             dependent=bool(launch.meta.get("PDL")),
+            cublas=launch.cublas,
         )
         for launch, cost in zip(launches, costs)
     ]

@@ -160,6 +160,40 @@ def test_ceilings_come_from_the_newest_run_that_measured_them(tmp_path):
     assert any("HBM copy 4.10 TB/s (measured" in line for line in ceilings.describe(got))
 
 
+def test_cublas_is_priced_at_the_share_of_the_copy_a_run_measured_it_at(tmp_path):
+    """`Ceilings.cublas_step_share`: an estimate until a run's ceilings time cuBLAS at the
+    step's GEMMs; then the median of their shares of that run's own copy bandwidth (the
+    chunk-wide GEMM and rows without a rate left out)."""
+    base = ceilings.DEFAULTS["h200"]
+    assert 0 < base.cublas_step_share < 1 and "est." in base.source("cublas_step_share")
+    rows = [
+        {"role": "input", "gbytes_per_s": 2000.0},
+        {"role": "down_dx", "gbytes_per_s": 3000.0},
+        {"role": "fuse_gate", "gbytes_per_s": 3600.0},
+        {"role": "fuse_gate_dx", "error": "out of memory"},
+        {"role": "chunk-wide input", "gbytes_per_s": 500.0},
+    ]
+    got = ceilings.with_measured(base, {"copy_bytes_per_s": 4.0e12, "gemms": rows}, "run X")
+    assert got.cublas_step_share == pytest.approx(0.75)  # 2000, 3000, 3600 over 4 TB/s
+    assert got.source("cublas_step_share").startswith("run X")
+    # a run without its own copy figure leaves the estimate: a share needs both of one run
+    assert ceilings.with_measured(base, {"gemms": rows}, "run Y") == base
+    assert any("cuBLAS at the step GEMMs 75%" in line for line in ceilings.describe(got))
+
+
+def test_a_step_gemm_through_cublas_streams_at_its_share_of_the_copy():
+    from gpn_scale.accounting import pricing
+    from gpn_scale.accounting.kernel_record import Op
+
+    c = ceilings.DEFAULTS["h200"]
+    op = Op("reverse step: down dy W^T 0 (cuBLAS)", "sequential backward", 10**8, 10**9, True)
+    cublas = Op(op.name, op.phase, op.bytes, op.flops, True, cublas=True)
+    plain, through = pricing.price(op, c, True), pricing.price(cublas, c, True)
+    assert through.bound == "hbm" and through.hbm_seconds == plain.hbm_seconds
+    moved = op.bytes / c.copy_bytes_per_s
+    assert through.seconds - pricing.GRAPH_GAP_S == pytest.approx(moved / c.cublas_step_share)
+
+
 def test_json_prediction_has_the_step_the_floor_and_the_compiled_anchor(capsys):
     assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "16", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)

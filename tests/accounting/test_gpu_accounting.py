@@ -214,6 +214,49 @@ def test_bf16_memory_reads_halve_the_m0_bytes_of_the_memory_kernels(capsys):
         assert err.count("\n") == 1 and said in err
 
 
+def test_cublas_gemms_replace_each_projections_triton_gemms_with_cublas_launches(capsys):
+    """engine.cublas_gemms: the projections it names record a cuBLAS product (its FLOPs
+    those of the Triton GEMM it replaces) and, where they have one, a reduce kernel for the
+    scale and epilogue; the others keep their Triton GEMMs. The CLI prices it."""
+    cfg = tiny_config(n_layers=2, chunk_size=4)
+    B, T = 3, 8
+
+    def ops(c):
+        return gpu_model.account(c, batch=B, seq_len=T).ops
+
+    def gemm_flops(found, cublas):
+        return sum(op.flops for op in found if op.cublas == cublas and op.flops)
+
+    plain, down_dx, every = (
+        ops(cfg.replace(cublas_gemms=value)) for value in ("none", "down_dx", "all")
+    )
+    assert not any(op.cublas for op in plain)
+    assert {op.name.split(": ")[1] for op in down_dx if op.cublas} == {
+        "down dy W^T 0 (cuBLAS)",
+        "down dy W^T 1 (cuBLAS)",
+    }
+    assert not any("down dy W^T" in op.name and not op.cublas for op in down_dx)
+    assert any(op.name.endswith("input GEMM 1") and not op.cublas for op in down_dx)
+    # every step GEMM moved: the step's own GEMM FLOPs all cuBLAS's (the chunk-wide ATen
+    # GEMMs, not step ones, keep theirs)
+    step = ("sequential forward", "sequential backward")
+    triton_gemm_flops = sum(
+        op.flops for op in plain if op.phase in step and op.cost is not None and op.cost.in_flight
+    )
+    assert gemm_flops([op for op in every if op.phase in step], True) == triton_gemm_flops
+    assert not any(
+        op.phase in step and op.cost is not None and op.cost.in_flight for op in every
+    )  # no Triton GEMM left in the steps
+    assert gpu_model.main(["tiny", "--batch", "2", "--seq-len", "8",
+                           "--engine", "cublas_gemms=all"]) == 0  # fmt: skip
+    assert "cuBLAS at the step GEMMs 70% of the copy (est." in capsys.readouterr().out
+    assert gpu_model.main(["tiny", "--engine", "cublas_gemms=down"]) == 0
+    capsys.readouterr()
+    assert gpu_model.main(["tiny", "--engine", "cublas_gemms=downward"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown projection 'downward'" in err
+
+
 SWEEP = """\
 name: priced
 seeds: [0, 1, 2]
