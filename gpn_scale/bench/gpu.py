@@ -34,8 +34,8 @@ measured; the format: accounting/device_runs.py):
 6. Throughput (bench/gpu_throughput.py): each --config (1- and 2-layer GPN+M) at --batches,
    the first config again with each of its engine A/B options changed at the last ledger
    batch (gpu_throughput.ENGINE_AB: the side streams, dependent launches, the SMs left to
-   side work off; bf16 memory reads on), and the Transformer++ of the first config's size, eager and
-   compiled (compile.enable),
+   side work off; bf16 memory reads on; every step GEMM through cuBLAS), and the Transformer++
+   of the first config's size, eager and compiled (compile.enable),
    all at --seq-len, bf16 autocast, fused AdamW; each row's GPU busy fraction over a full
    profiled window. The headline: GPN+M / compiled Transformer++, each at its best batch.
 
@@ -143,8 +143,13 @@ class Results:
 PREBUILD_BATCHES = (8, 16, 32, 64, 128, 256, 512)
 # The engine A/B rows' kernel variants (gpu_throughput.ENGINE_AB): the side streams off take
 # the plain memory backward too, as its side-work SMs off does; bf16 memory reads, the memory
-# kernels' bf16 M0 variants.
-PREBUILD_AB = ("dependent_launch=false", "side_work_sm_share=0.0", "bf16_memory_reads=true")
+# kernels' bf16 M0 variants; cuBLAS step GEMMs, the reduce kernels applying their epilogues.
+PREBUILD_AB = (
+    "dependent_launch=false",
+    "side_work_sm_share=0.0",
+    "bf16_memory_reads=true",
+    "cublas_gemms=all",
+)
 
 
 def default_triton_cache() -> Path:
@@ -392,6 +397,7 @@ def _meta(args, device: torch.device, candidates: list, t0: float) -> dict[str, 
         dependent_launch=True,
         side_work_sm_share=EngineOptions().side_work_sm_share,
         bf16_memory_reads=EngineOptions().bf16_memory_reads,
+        cublas_gemms=EngineOptions().cublas_gemms,
         max_seconds=args.max_seconds,
         params={c.name: c.params for c in candidates},
         _t0=t0,

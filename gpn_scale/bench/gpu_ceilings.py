@@ -223,20 +223,22 @@ def chase_buffer(
 
 
 def step_gemms(dims: StepDims = StepDims()) -> list[tuple[str, int, int, int, bool]]:
-    """(role, M, K, N, weight transposed) of the step's GEMMs at each batch, then the
+    """(role, M, K, N, weight transposed) of the step's GEMMs at each batch, each role the
+    projection `engine.cublas_gemms` names (ops/gpn_step/options.PROJECTIONS), then the
     chunk-wide one. The backward's dx products use the forward weight transposed, as the
     engine does."""
     d, w, h = dims.d, dims.width, dims.hidden
     rows: list[tuple[str, int, int, int, bool]] = []
     for b in dims.batches:
         rows += [
-            ("input projection", b, d, w, False),
-            ("input projection dx", b, w, d, True),
-            ("down projection", b, h, d, False),
-            ("down projection dx", b, d, h, True),
-            ("fuse gate", b, d, d, False),
+            ("input", b, d, w, False),
+            ("input_dx", b, w, d, True),
+            ("down", b, h, d, False),
+            ("down_dx", b, d, h, True),
+            ("fuse_gate", b, d, d, False),
+            ("fuse_gate_dx", b, d, d, True),
         ]
-    rows.append(("chunk-wide input projection", dims.chunk * dims.chunk_batch, d, w, False))
+    rows.append(("chunk-wide input", dims.chunk * dims.chunk_batch, d, w, False))
     return rows
 
 

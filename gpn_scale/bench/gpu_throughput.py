@@ -175,6 +175,9 @@ ENGINE_AB: tuple[tuple[str, dict[str, Any]], ...] = (
     # changes results (off by default): what reading M0 in bf16 saves, beside its exactness
     # row (bench/gpu_exactness.BF16_READS_CHECK)
     ("bf16 memory reads", dict(bf16_memory_reads=True)),
+    # every step GEMM a cuBLAS product, its scale and epilogue after (the same function):
+    # the whole step with it, where the ceilings time cuBLAS alone at each projection's shapes
+    ("cuBLAS step GEMMs", dict(cublas_gemms="all")),
 )
 
 

@@ -12,6 +12,7 @@ import torch
 
 from gpn_scale.accounting.ceilings import MEASURED_KEYS  # what the accounting reads of a run
 from gpn_scale.bench import gpu_ceilings as gc
+from gpn_scale.ops.gpn_step.options import PROJECTIONS
 
 CPU = torch.device("cpu")
 DETAILS = ("latency_hbm_idle_s", "latency_l2_s", "latency_hbm_loaded_s")
@@ -74,13 +75,16 @@ def test_the_l2_read_kernel_sums_every_slice_once_per_repeat(interpreter, slice_
 
 def test_the_step_gemms_are_the_130m_shapes():
     rows = gc.step_gemms()
-    assert ("input projection", 64, 2496, 27358, False) in rows
-    assert ("input projection dx", 128, 27358, 2496, True) in rows
-    assert ("down projection", 64, 10496, 2496, False) in rows
-    assert ("down projection dx", 128, 2496, 10496, True) in rows
-    assert ("fuse gate", 128, 2496, 2496, False) in rows
-    assert rows[-1] == ("chunk-wide input projection", 64 * 64, 2496, 27358, False)
-    assert len(rows) == 2 * 5 + 1
+    assert ("input", 64, 2496, 27358, False) in rows
+    assert ("input_dx", 128, 27358, 2496, True) in rows
+    assert ("down", 64, 10496, 2496, False) in rows
+    assert ("down_dx", 128, 2496, 10496, True) in rows
+    assert ("fuse_gate", 128, 2496, 2496, False) in rows
+    assert ("fuse_gate_dx", 128, 2496, 2496, True) in rows
+    # every projection engine.cublas_gemms can send through cuBLAS is timed there
+    assert {r[0] for r in rows[:-1]} == set(PROJECTIONS)
+    assert rows[-1] == ("chunk-wide input", 64 * 64, 2496, 27358, False)
+    assert len(rows) == 2 * 6 + 1
 
 
 def _assert_positive(value, name):
@@ -116,7 +120,7 @@ def test_the_cli_writes_ceilings_json_and_a_table(interpreter, tmp_path, capsys)
     written = json.loads((out / "ceilings.json").read_text())
     assert set(MEASURED_KEYS) <= set(written)
     table = capsys.readouterr().out
-    assert "| copy_bytes_per_s |" in table and "| fuse gate |" in table
+    assert "| copy_bytes_per_s |" in table and "| fuse_gate |" in table
 
 
 @pytest.mark.parametrize(

@@ -92,19 +92,22 @@ def test_device_check_runs_and_records(tmp_path):
     independent = f"{cfg.name} (dependent launch off)"
     all_sms = f"{cfg.name} (side-work SMs off)"
     bf16_reads = f"{cfg.name} (bf16 memory reads)"
+    cublas = f"{cfg.name} (cuBLAS step GEMMs)"
     assert [r["model"] for r in runs] == [str(cfg.name)] * 2 + [
         plain,
         independent,
         all_sms,
         bf16_reads,
+        cublas,
     ] + ["tiny_2l"] * 2 + tpp[:1] * 2
-    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 2, 2, 4, 2, 4]  # increasing order
+    assert [r["batch"] for r in runs] == [2, 4, 2, 2, 2, 2, 2, 2, 4, 2, 4]  # increasing order
     assert result["summary"][plain]["config"] == (
         "tiny_c4 engine.overlap_backward=false engine.overlap_decode=false"
     )
     assert result["summary"][independent]["config"] == "tiny_c4 engine.dependent_launch=false"
     assert result["summary"][all_sms]["config"] == "tiny_c4 engine.side_work_sm_share=0.0"
     assert result["summary"][bf16_reads]["config"] == "tiny_c4 engine.bf16_memory_reads=true"
+    assert result["summary"][cublas]["config"] == "tiny_c4 engine.cublas_gemms=all"
     for name in ("overlapped backward", "dependent launches", "memory backward leaving SMs"):
         (same,) = [c for c in checks if c["check"].startswith(name)]
         assert same["ok"] and same["differing"] == 0 and same["tensors"] > 20
@@ -500,9 +503,9 @@ def test_the_input_gemms_dy_wt_what_if_is_the_narrow_plan_at_the_shipped_size():
 def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch):
     """The prebuild's gpu_compile runs (each a process; recorded here, not run): the tiny
     exactness configs, every config at the check's batches, and the first config without
-    dependent launches, without SMs left to side work and with bf16 memory reads at the A/B
-    batch (their PDL=False, plain memory backward and bf16 M0 variants), each into the
-    cache."""
+    dependent launches, without SMs left to side work, with bf16 memory reads and with
+    cuBLAS step GEMMs at the A/B batch (their PDL=False, plain memory backward, bf16 M0 and
+    epilogue-after-cuBLAS variants), each into the cache."""
     commands: list[list[str]] = []
 
     def run(cmd, **kwargs):
@@ -518,7 +521,8 @@ def test_the_prebuild_compiles_the_engine_ab_rows_kernels(tmp_path, monkeypatch)
     assert all(c[1:3] == ["-m", "gpn_scale.accounting.gpu_compile"] for c in commands)
     assert all(c[c.index("--triton-cache") + 1] == str(cache) for c in commands)
     assert all(c[c.index("--arch") + 1] == "sm_90" for c in commands)
-    for flag in ("dependent_launch=false", "side_work_sm_share=0.0", "bf16_memory_reads=true"):
+    assert "cublas_gemms=all" in gpu.PREBUILD_AB
+    for flag in gpu.PREBUILD_AB:
         (plain,) = [c for c in commands if flag in c]
         assert plain[3] == "gpn_m_130m" and plain[plain.index("--batch") + 1] == "128"
         assert plain[plain.index("--seq-len") + 1] == "2048"
