@@ -276,6 +276,7 @@ def linear(
     )  # fmt: skip
     ws = ws_ss = dummy
     if cublas:
+        assert workspace is not None  # (where the route is chosen)
         plain = not (bias is not None or row_rms or ss is not None or epilogue or out2 is not None
                      or low is not None)  # fmt: skip
         _via_cublas(a, w, out, phase, name, plan, k1, row_rms, plain, workspace, epilogue_bytes,
