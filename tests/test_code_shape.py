@@ -65,7 +65,7 @@ TO_SPLIT_FUNCTIONS = {
     "gpn_scale/eval/analysis/report.py::markdown": 112,
     "gpn_scale/eval/analysis/stream.py::analyze_states": 105,
     "gpn_scale/ops/gpn_step/cuda_reverse.py::_memory_backward": 97,
-    "gpn_scale/ops/gpn_step/cuda_forward.py::forward_chunk_eager": 94,
+    "gpn_scale/ops/gpn_step/cuda_forward.py::forward_chunk_eager": 84,
     "gpn_scale/ops/gpn_step/reference.py::forward_chunk": 81,
     "gpn_scale/ops/gpn_step/reference.py::reverse_sweep": 86,
     "gpn_scale/scaling/collect.py::read_run": 94,

@@ -83,20 +83,8 @@ def forward_chunk_eager(plan: StepPlan, W: LoopWeights, chunk: ChunkForward) -> 
             out = P[:, tau] if i == L - 1 else scratch[i % 2]
             pg0 = plan.columns[i].predict_gate[0]
             if split:
-                _down_split(
-                    plan,
-                    i,
-                    hidden,
-                    W.w_out[i],
-                    ss,
-                    tp_flat,
-                    partial,
-                    y[:, pg0 : pg0 + d],
-                    c,
-                    out,
-                    BD,
-                    ws,
-                )
+                _down_split(plan, i, hidden, W.w_out[i], ss, tp_flat, partial,
+                            y[:, pg0 : pg0 + d], c, out, BD, ws)  # fmt: skip
             else:
                 linear(
                     hidden,

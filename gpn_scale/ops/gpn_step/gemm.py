@@ -26,7 +26,7 @@ MAX_SPLITS = 8
 REDUCE_BLOCK_N = 16
 # The epilogue after cuBLAS's product reads a block's row scales once a program (the read
 # norm's sums: 156 a row at 130M): 16-column blocks of the input projection's 27,358 took 1,710
-# programs, each reading them again (priced 44 us a step at B = 128, against 15 at 64 columns).
+# programs, each reading them again (priced 44 us a step at B = 128, against 19 at 64 columns).
 CUBLAS_EPILOGUE_N = 64
 
 
@@ -261,57 +261,94 @@ def linear(
         plan = _cublas_epilogue_plan(plan, k1, K)
     assert low_ss is None or low_ss.shape[1] == epilogue_blocks(plan, N), "sums' blocks"
     dummy = geometry.unused_pointer(out)
-    # (tensor or the placeholder, its row stride or 0) for each epilogue operand
-    epilogue_args = tuple(
-        x
-        for t in (pg, res, fuse, out2, low_out, low_ss)
-        for x in ((dummy, 0) if t is None else (t, t.stride(0)))
-    )
-    norm_meta = _norm_meta(ss, k1, ss_width, row_rms, bias is not None, epilogue, out2, low, w)
-    epilogue_bytes = _nbytes(out, bias, ss, pg, res, fuse, out2, low_out, low_ss)
-    # The kernels' pointer arguments: a tensor, or the placeholder and stride 0.
-    bias_, ss_, ss_stride = (
-        bias if bias is not None else dummy, ss if ss is not None else dummy,
+    ep = _Epilogue(
+        bias if bias is not None else dummy,
+        ss if ss is not None else dummy,
         ss.stride(0) if ss is not None else 0,
-    )  # fmt: skip
-    ws = ws_ss = dummy
+        # (tensor or the placeholder, its row stride or 0) for each epilogue operand
+        tuple(
+            x
+            for t in (pg, res, fuse, out2, low_out, low_ss)
+            for x in ((dummy, 0) if t is None else (t, t.stride(0)))
+        ),
+        eps,
+        _norm_meta(ss, k1, ss_width, row_rms, bias is not None, epilogue, out2, low, w),
+        _nbytes(out, bias, ss, pg, res, fuse, out2, low_out, low_ss),
+    )
     if cublas:
         assert workspace is not None  # (where the route is chosen)
         plain = not (bias is not None or row_rms or ss is not None or epilogue or out2 is not None
                      or low is not None)  # fmt: skip
-        _via_cublas(a, w, out, phase, name, plan, k1, row_rms, plain, workspace, epilogue_bytes,
-                    (bias_, ss_, ss_stride, epilogue_args, eps), norm_meta)  # fmt: skip
+        _via_cublas(a, w, out, phase, name, plan, k1, row_rms, plain, workspace, ep)
         return None
+    return _via_triton(a, w, out, phase, name, plan, workspace, sum_in_consumer, ep)
+
+
+@dataclass(frozen=True)
+class _Epilogue:
+    """What the launch applying a GEMM's scale and epilogue is given beside the product (the
+    GEMM itself, or the sum of its partials after it): each pointer a tensor, or the
+    placeholder and stride 0."""
+
+    bias: Tensor
+    ss: Tensor  # the read norm's sums of squares (split)
+    ss_stride: int
+    operands: tuple  # (tensor, row stride) for pg, res, fuse, out2, low_out, low_ss
+    eps: float
+    meta: dict  # `_norm_meta`
+    nbytes: int  # the epilogue's operands and output
+
+    def reduce_args(self, ws: Tensor, ws_ss: Tensor, out: Tensor, M: int, N: int, K: int) -> tuple:
+        """`linear_reduce_kernel`'s arguments over the partials `ws` (and row sums `ws_ss`)."""
+        return (ws, ws_ss, self.ss, self.ss_stride, self.bias, out, out.stride(0),
+                *self.operands, M, N, K, self.eps)  # fmt: skip
+
+
+def _via_triton(
+    a: Tensor,
+    w: Tensor,
+    out: Tensor,
+    phase: str,
+    name: str,
+    plan: GemmPlan,
+    workspace: SplitWorkspace | None,
+    sum_in_consumer: bool,
+    ep: _Epilogue,
+) -> Tensor | None:
+    """`linear` as `linear_kernel`: product, scale and epilogue in one launch, or split over K
+    into partials summed by `linear_reduce_kernel` (or by the consumer: returned)."""
+    M, K = a.shape
+    N = w.shape[1]
+    ws = ws_ss = geometry.unused_pointer(out)  # (unsplit: the placeholder)
     if plan.splits > 1:
         ws_all = (workspace or SplitWorkspace(out)).take(plan.splits * M * (N + 1), out.dtype)
         ws, ws_ss = ws_all[: plan.splits * M * N], ws_all[plan.splits * M * N :]
     dependent = geometry.dependent_launch(a)
     _launch(
         tk.linear_kernel, plan.grid(M, N), name, phase,
-        _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else epilogue_bytes), 2 * M * N * K,
-        a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), bias_, out, out.stride(0),
-        ss_, ss_stride, *epilogue_args, ws, ws_ss, M, N, K, readable_columns(w), eps,
-        **norm_meta, PRECISION=precision(w), **plan.meta(),
+        _nbytes(a, w) + (_nbytes(ws) if plan.splits > 1 else ep.nbytes), 2 * M * N * K,
+        a, a.stride(0), a.stride(1), w, w.stride(0), w.stride(1), ep.bias, out, out.stride(0),
+        ep.ss, ep.ss_stride, *ep.operands, ws, ws_ss, M, N, K, readable_columns(w), ep.eps,
+        **ep.meta, PRECISION=precision(w), **plan.meta(),
         **dependent, **(plan.prefetch_meta(w) if dependent["PDL"] else {}),
     )  # fmt: skip
-    if plan.splits > 1 and sum_in_consumer:
+    if plan.splits == 1:
+        return None
+    if sum_in_consumer:
         return ws.view(plan.splits, M, N)
-    if plan.splits > 1:
-        sum_args = (
-            ws, ws_ss, ss_, ss_stride, bias_, out, out.stride(0), *epilogue_args, M, N, K, eps,
-        )  # fmt: skip
-        _sum_splits(plan, M, N, f"{name} (split-K sum)", phase, _nbytes(ws) + epilogue_bytes,
-                    sum_args, norm_meta)  # fmt: skip
+    _sum_splits(plan, M, N, f"{name} (split-K sum)", phase, _nbytes(ws) + ep.nbytes,
+                ep.reduce_args(ws, ws_ss, out, M, N, K), ep.meta)  # fmt: skip
     return None
 
 
 def _cublas_epilogue_plan(plan: GemmPlan, k1: int, K: int) -> GemmPlan:
-    """How `linear_reduce_kernel` applies the scale and epilogue to cuBLAS's product: the
-    Triton plan's row blocks and warps, CUBLAS_EPILOGUE_N columns a program (its `low`
-    sums' blocks), over the products of `_k_ranges`."""
+    """How `linear_reduce_kernel` applies the scale and epilogue to cuBLAS's product: at
+    most 64 rows on 4 warps a program (128 rows on 8 took up to 157 registers a thread:
+    one program an SM), CUBLAS_EPILOGUE_N columns (its `low` sums' blocks), over the
+    products of `_k_ranges`."""
     ranges = _k_ranges(k1, K)
-    return GemmPlan(plan.block_m, plan.block_n, plan.block_k, plan.warps, splits=len(ranges),
-                    splits_k1=1 if k1 else 0, separate_epilogue=True,
+    return GemmPlan(min(plan.block_m, 64), plan.block_n, plan.block_k, min(plan.warps, 4),
+                    splits=len(ranges), splits_k1=1 if k1 else 0, separate_epilogue=True,
                     reduce_n=CUBLAS_EPILOGUE_N)  # fmt: skip
 
 
@@ -334,9 +371,7 @@ def _via_cublas(
     row_rms: bool,
     plain: bool,
     workspace: SplitWorkspace,
-    epilogue_bytes: int,
-    pointers: tuple,
-    norm_meta: dict,
+    ep: _Epilogue,
 ) -> None:
     """`linear` through cuBLAS: a plain product straight into a contiguous `out`; otherwise
     the product (`_k_ranges`: two where the read norm's columns [0, k1) are scaled apart) into the
@@ -358,10 +393,8 @@ def _via_cublas(
         if not is_dry():
             wide = a.to(out.dtype)
             torch.sum(wide * wide, dim=1, out=ws_ss[:M])
-    bias_, ss_, ss_stride, epilogue_args, eps = pointers
-    sum_args = (ws, ws_ss, ss_, ss_stride, bias_, out, out.stride(0), *epilogue_args, M, N, K, eps)
-    _sum_splits(plan, M, N, f"{name} (epilogue)", phase, _nbytes(ws) + epilogue_bytes, sum_args,
-                norm_meta)  # fmt: skip
+    _sum_splits(plan, M, N, f"{name} (epilogue)", phase, _nbytes(ws) + ep.nbytes,
+                ep.reduce_args(ws, ws_ss, out, M, N, K), ep.meta)  # fmt: skip
 
 
 def _cublas_product(a: Tensor, w: Tensor, out: Tensor, phase: str, name: str) -> None:
