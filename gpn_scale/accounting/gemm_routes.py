@@ -21,6 +21,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gpn_scale.accounting import device_runs
+from gpn_scale.accounting.step_model import account, predict
+from gpn_scale.models.gpn import GPNConfig
+
 # Each projection's Triton GEMM launches, by role with the layer index taken out
 # (`base_role`), and the split-K sums that finish them.
 GEMM_ROLES: dict[str, tuple[str, ...]] = {
@@ -150,3 +154,41 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     ]
     lines += ["", f"Whichever is faster at every batch: engine.cublas_gemms={setting(rows)}"]
     return lines
+
+
+def against_run(
+    run,
+    blob: dict,
+    config: str,
+    cfg: GPNConfig,
+    c,
+    graphs: bool,
+    batches: list[int] | None,
+    placement: str,
+) -> list[dict[str, Any]]:
+    """The run's Triton step GEMMs against cuBLAS at their shapes (`compare`):
+    at each batch its ledger and its ceilings' cuBLAS rows share, the launches the cuBLAS
+    route adds beside the product priced from this tree's launches of `engine.cublas_gemms
+    =all` (the run's compiled facts, its ceilings)."""
+    ledger = device_runs.ledger_rows(blob, config)
+    gemms = [g for g in (blob.get("ceilings") or {}).get("gemms") or [] if isinstance(g, dict)]
+    timed = {g["shape"][0] for g in gemms if isinstance(g.get("shape"), list) and g["shape"]}
+    common = sorted(
+        b for b in {r["batch"] for r in ledger} & timed if batches is None or b in batches
+    )
+    seq_len = int(blob.get("meta", {}).get("seq_len", 2048))
+    via = cfg.replace(cublas_gemms="all")
+    extras: dict[int, dict[str, float]] = {}
+    for b in common:
+        facts = device_runs.kernel_facts(run, config, b) or None
+        p = predict(account(via, b, seq_len, config, facts=facts), c, graphs, via,
+                    placement=placement)  # fmt: skip
+        added: dict[str, float] = {}
+        for r, seconds in p.per_role_seconds.items():
+            projection = extra_projection(r)
+            if projection is not None:
+                added[projection] = added.get(projection, 0.0) + seconds
+        extras[b] = added
+    return compare(
+        [r for r in ledger if r["batch"] in common], gemms, cfg.engine.chunk_size, seq_len, extras
+    )

@@ -299,44 +299,6 @@ def engine_ab(
     return out
 
 
-def _gemm_routes(
-    run,
-    blob: dict,
-    config: str,
-    cfg: GPNConfig,
-    c,
-    graphs: bool,
-    batches: list[int] | None,
-    placement: str,
-) -> list[dict[str, Any]]:
-    """The run's Triton step GEMMs against cuBLAS at their shapes (`gemm_routes.compare`):
-    at each batch its ledger and its ceilings' cuBLAS rows share, the launches the cuBLAS
-    route adds beside the product priced from this tree's launches of `engine.cublas_gemms
-    =all` (the run's compiled facts, its ceilings)."""
-    ledger = device_runs.ledger_rows(blob, config)
-    gemms = [g for g in (blob.get("ceilings") or {}).get("gemms") or [] if isinstance(g, dict)]
-    timed = {g["shape"][0] for g in gemms if isinstance(g.get("shape"), list) and g["shape"]}
-    common = sorted(
-        b for b in {r["batch"] for r in ledger} & timed if batches is None or b in batches
-    )
-    seq_len = int(blob.get("meta", {}).get("seq_len", 2048))
-    via = cfg.replace(cublas_gemms="all")
-    extras: dict[int, dict[str, float]] = {}
-    for b in common:
-        facts = device_runs.kernel_facts(run, config, b) or None
-        p = predict(account(via, b, seq_len, config, facts=facts), c, graphs, via,
-                    placement=placement)  # fmt: skip
-        added: dict[str, float] = {}
-        for r, seconds in p.per_role_seconds.items():
-            projection = gemm_routes.extra_projection(r)
-            if projection is not None:
-                added[projection] = added.get(projection, 0.0) + seconds
-        extras[b] = added
-    return gemm_routes.compare(
-        [r for r in ledger if r["batch"] in common], gemms, cfg.engine.chunk_size, seq_len, extras
-    )
-
-
 def _run_config(config: str, meta: dict, chunk_size: int | None) -> GPNConfig:
     """`config` with the engine options a run's meta says it ran under. A run from before an
     option ran without it (2026-12-04: no side streams, no PDL, no SMs left to them)."""
@@ -413,7 +375,9 @@ def against(
         "priced": priced,
         "placement": {"measured": measured_placement, "priced": placement},
         "engine_ab": engine_ab(run, blob, config, cfg, c, graphs, batches, placement),
-        "gemm_routes": _gemm_routes(run, blob, config, cfg, c, graphs, batches, placement),
+        "gemm_routes": gemm_routes.against_run(
+            run, blob, config, cfg, c, graphs, batches, placement
+        ),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
         },

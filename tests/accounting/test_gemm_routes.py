@@ -58,9 +58,9 @@ def test_compare_sums_a_projections_launches_and_adds_the_routes_extras():
         _ledger_row("input GEMM 0", 8, 0.010, flops["input"] + 2),  # not the timed shape
         _ledger_row("row backward", 8, 0.5, 0),
     ]
-    gemms = [
-        {"role": p, "shape": list(s), "seconds": 1e-5} for p, s in shape.items()
-    ] + [{"role": "fuse_gate", "shape": [8, 32, 32], "error": "out of memory"}]
+    gemms = [{"role": p, "shape": list(s), "seconds": 1e-5} for p, s in shape.items()] + [
+        {"role": "fuse_gate", "shape": [8, 32, 32], "error": "out of memory"}
+    ]
     # 4 launches a chunk of 4 steps over 16 steps: 16 launches a training step
     rows = gemm_routes.compare(ledger, gemms, 4, 16, {8: {"down": 0.002}})
     by = {r["projection"]: r for r in rows}
