@@ -64,6 +64,18 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
         {"bf16_memory_reads": True},
         BF16_READS_TOLERANCE,
     )
+    # engine.cublas_gemms: every step GEMM a cuBLAS product with the epilogue after, through
+    # the graphs (their capture of torch.mm and its workspace), against the same reference
+    yield guarded(
+        CUBLAS_CHECK,
+        _engine_against_reference,
+        device,
+        tokens,
+        torch.float64,
+        True,
+        CUBLAS_CHECK,
+        {"cublas_gemms": "all"},
+    )
     yield guarded("bf16 autocast step", _bf16_autocast_step, device, tokens)
     yield guarded(OVERLAP_CHECK, _bit_identical, device, tokens, OVERLAP_CHECK, OVERLAP)
     yield guarded(DEPENDENT_CHECK, _bit_identical, device, tokens, DEPENDENT_CHECK, DEPENDENT)
@@ -76,6 +88,8 @@ def check_exactness(device: torch.device) -> Iterator[dict]:
 # reference that follows it; its tolerance: see check_exactness.
 BF16_READS_CHECK = "engine == reference, float32, bf16 memory reads"
 BF16_READS_TOLERANCE = 1e-3
+# The step GEMMs through cuBLAS (`engine.cublas_gemms`): the same function, float64's tolerance.
+CUBLAS_CHECK = "engine == reference, float64, CUDA graphs on, cuBLAS step GEMMs"
 
 # Engine options that change how the steps run, never a value: each on against off, bit for bit.
 # The side streams (`engine.overlap_backward` and `overlap_decode`, ops/gpn_step/overlap.py)

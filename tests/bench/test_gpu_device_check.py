@@ -62,6 +62,9 @@ def test_device_check_runs_and_records(tmp_path):
         "engine == reference, float32, CUDA graphs off",
         "engine == reference, float32, bf16 memory reads",
     ]
+    assert "engine == reference, float64, CUDA graphs on, cuBLAS step GEMMs" in {
+        c["check"] for c in checks
+    }
     # the ledger: one row per distinct launch, every role of the recorded step present
     rows = result["ledger"]["rows"]
     cfg = gpu_ledger.load_model_config(str(model))
