@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.accounting import device_runs
+from gpn_scale.ops.gpn_step.options import PROJECTIONS
 
 # cuBLAS on the step's GEMMs (64-128 rows against a 12-136 MB weight): an estimate, 70% of
 # the copy bandwidth, below what the accounting prices the Triton GEMMs at (72-96%) and in
@@ -177,15 +178,15 @@ def with_measured(base: Ceilings, measured: dict[str, Any], source: str) -> Ceil
 
 def cublas_step_share(gemms: Any, copy_bytes_per_s: float | None) -> float | None:
     """The median share of the copy bandwidth cuBLAS drew at the step's GEMMs (a device
-    run's `ceilings.gemms` rows but the chunk-wide one, against its own measured copy);
-    None where the run has neither."""
+    run's `ceilings.gemms` rows of the projections `engine.cublas_gemms` names, against its
+    own measured copy); None where the run has neither."""
     if not isinstance(gemms, list) or not copy_bytes_per_s:
         return None
     shares = [
         g["gbytes_per_s"] * 1e9 / copy_bytes_per_s
         for g in gemms
         if isinstance(g, dict)
-        and not str(g.get("role", "")).startswith("chunk-wide")
+        and g.get("role") in PROJECTIONS
         and isinstance(g.get("gbytes_per_s"), (int, float))
         and g["gbytes_per_s"] > 0
     ]
