@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gpn_scale.ops.cross_entropy import select as select_softmax_xent
+from gpn_scale.ops.execution import autocast_dtype
 from gpn_scale.ops.gpn_step.functional import add_product_
 
 
@@ -176,7 +177,7 @@ def linear_cross_entropy(h: Tensor, W: Tensor, targets: Tensor, rows: int = 1024
     """
     if rows < 1:
         raise ValueError(f"rows: must be >= 1, got {rows}")
-    mm_dtype = _autocast_dtype(h.device.type)
+    mm_dtype = autocast_dtype(h.device.type)
     flat = h.reshape(-1, h.shape[-1])
     return _ChunkedLinearCrossEntropy.apply(
         flat,
@@ -187,13 +188,3 @@ def linear_cross_entropy(h: Tensor, W: Tensor, targets: Tensor, rows: int = 1024
         1.0 / flat.shape[0],
         torch.is_grad_enabled(),
     )
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The matmul dtype autocast gives this device now, or None; a device type autocast does
-    not know (the meta tensors of the launch accounting's dry runs) has none."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        return None
-    return torch.get_autocast_dtype(device_type) if enabled else None

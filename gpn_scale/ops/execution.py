@@ -24,8 +24,9 @@ import torch
 
 @dataclass(frozen=True)
 class Execution:
-    # The GPN engine's matmuls run in this dtype as under autocast, on devices autocast does
-    # not know (the launch accounting's meta tensors).
+    # The models' matmuls (the GPN engine's, the baselines' head loss) run in this dtype as
+    # under autocast, on devices autocast does not know (the launch accounting's meta tensors):
+    # `autocast_dtype`.
     matmul_dtype: torch.dtype | None = None
     # The decode's Triton cross-entropy kernel on any device (CPU tensors under
     # TRITON_INTERPRET=1 in the tests).
@@ -77,3 +78,16 @@ def execution(**changes: Any) -> Iterator[Execution]:
         yield _CURRENT
     finally:
         _CURRENT = previous
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype a model's matmuls run in on `device_type` now: the execution's `matmul_dtype`
+    where set (the launch accounting's meta tensors, which autocast does not know), else
+    autocast's where it is on for that device, else None (the operands' own dtype)."""
+    if _CURRENT.matmul_dtype is not None:
+        return _CURRENT.matmul_dtype
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None

@@ -43,7 +43,7 @@ from gpn_scale.models.gpn.loss import ChunkFeed, DecodePass, decode_cross_entrop
 from gpn_scale.models.gpn.modules import Gate, MemoryWrite, PredictorLayer
 from gpn_scale.models.gpn.state import GPNOutput, GPNState
 from gpn_scale.models.gpn.vocab_parallel import embed, gather_vocab
-from gpn_scale.ops.execution import current
+from gpn_scale.ops.execution import autocast_dtype
 from gpn_scale.ops.gpn_step.chunk import gpn_sequence, make_spans
 from gpn_scale.ops.gpn_step.collectives import sum_grad_over_tp
 from gpn_scale.ops.gpn_step.functional import rms as _rms
@@ -174,17 +174,6 @@ def fold_loop_weights(model: EngineModel, tp_group: object | None = None) -> Loo
 
 
 # ------------------------------------------------------------------ entry point
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    override = current().matmul_dtype  # the accounting's meta tensors
-    if override is not None:
-        return override
-    if device.type == "meta":
-        return None
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
-
-
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtype | None) -> Tensor:
     """F.linear in the matmul dtype (if any), result back in x's dtype."""
     if mm_dtype is None:
@@ -231,7 +220,7 @@ def run_engine(
         raise ValueError(f"tokens: expected shape (batch, time), got {tuple(tokens.shape)}")
     B, T = tokens.shape
     device = tokens.device
-    mm_dtype = _autocast_dtype(device)
+    mm_dtype = autocast_dtype(device.type)  # the accounting's meta tensors: execution's
     with (
         torch.autocast(device.type, enabled=False)
         if device.type != "meta"
