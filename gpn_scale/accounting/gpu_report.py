@@ -16,7 +16,14 @@ import sys
 from collections import Counter
 from typing import Any
 
-from gpn_scale.accounting import ceilings, device_runs, gemm_routes, pricing, recorded
+from gpn_scale.accounting import (
+    baseline_report,
+    ceilings,
+    device_runs,
+    gemm_routes,
+    pricing,
+    recorded,
+)
 from gpn_scale.accounting.step_model import (
     GPUS,
     PACKED,
@@ -130,24 +137,7 @@ def report(
         f"| {k['role']} | {k['predicted_s']:.4f} | {k['share']:.0%} | {k['bandwidth_share']:.0%} |"
         for k in top_kernels(acc, gpus[-1], True)
     ]
-    if baseline is not None:
-        lines += [
-            "",
-            f"Beside what users would otherwise train: {baseline.config} (bf16, flash "
-            "attention), the same batch and T (accounting/baseline_model.py); compiled "
-            "(compile.enable, the honest anchor) and eager:",
-            "",
-            "| GPU | GPN+M tokens/s (best path) | Transformer++ compiled tokens/s (MFU) | "
-            "eager tokens/s (MFU) | GPN+M / compiled Transformer++ |",
-            "|---|---|---|---|---|",
-        ]
-        for key in gpus:
-            best = max(predict(acc, key, graphs=g, cfg=cfg).tokens_per_s for g in (True, False))
-            comp, eager = baseline.tokens_per_s(key, True), baseline.tokens_per_s(key, False)
-            lines.append(
-                f"| {GPUS[key].name} | {best:,.0f} | {comp:,.0f} ({baseline.mfu(key, True):.1%}) "
-                f"| {eager:,.0f} ({baseline.mfu(key, False):.1%}) | {best / comp:.2f} |"
-            )
+    lines += baseline_report.prediction_lines(acc, cfg, gpus, baseline)
     lines += _basis_lines(acc, cfg, gpus)
     return "\n".join(lines) + "\n"
 
@@ -378,6 +368,7 @@ def against(
         "gemm_routes": gemm_routes.against_run(
             run, blob, config, cfg, c, graphs, batches, placement
         ),
+        "transformer": baseline_report.against_run(blob, cfg, c, batches),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
         },
@@ -427,6 +418,7 @@ def against_table(result: dict[str, Any]) -> str:
     lines += _placement_lines(result.get("placement") or {})
     lines += _engine_ab_lines(result["engine_ab"])
     lines += gemm_routes.table(result.get("gemm_routes") or [])
+    lines += baseline_report.table(result.get("transformer") or {})
     lines += ["", "Ceilings:"] + [
         f"- {k}: {v['value']:.4g} ({v['source']})" for k, v in result["ceilings"].items()
     ]
@@ -469,7 +461,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--baseline",
         default="auto",
-        help="the Transformer++ priced beside it ('auto': the same ladder size, 'none')",
+        help="the Transformer++ priced beside it: 'auto' (the one the device check trains "
+        "beside this GPN: its width, about its parameters, tied), a config name (e.g. "
+        "transformer_pp_130m, the ladder's), or 'none'",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -541,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         baseline = None
         if args.baseline.lower() != "none":
-            name = baseline_for(args.config) if args.baseline == "auto" else args.baseline
-            baseline = account_baseline(name, args.batch, args.seq_len)
+            model = baseline_for(cfg) if args.baseline == "auto" else args.baseline
+            baseline = account_baseline(model, args.batch, args.seq_len)
     except ConfigError as exc:
         print(f"gpu_model: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -452,20 +453,29 @@ class Baseline:
         return self.flops_per_token * self.tokens_per_s(c, compiled) / c.datasheet_bf16_flops_per_s
 
 
-def baseline_for(config: str) -> str:
-    """The Transformer++ of the same ladder size as a GPN config name (gpn_m_130m_2l ->
-    transformer_pp_130m)."""
-    size = config.removesuffix("_2l").split("_")[-1]
-    return f"transformer_pp_{size}"
+def baseline_for(cfg: GPNConfig) -> Any:
+    """The Transformer++ priced beside a GPN by default: the one the device check trains
+    beside it (`baseline_model.matched_transformer`), so that the predicted ratio and the
+    measured one compare the same two models."""
+    from gpn_scale.accounting.baseline_model import matched_transformer
+
+    return matched_transformer(cfg)
 
 
-def account_baseline(name: str, batch: int, seq_len: int) -> Baseline:
+def account_baseline(model: Any, batch: int, seq_len: int) -> Baseline:
+    """The Transformer++ `model` (a config name, e.g. transformer_pp_130m, or a
+    TransformerPPConfig) at (batch, seq_len), eager and compiled."""
     from gpn_scale.accounting.baseline_model import fused, transformer_step_ops
+    from gpn_scale.models.registry import family_of
     from gpn_scale.models.registry import load_model_config as load_family_config
 
-    spec, cfg = load_family_config(name)
+    if isinstance(model, str):
+        spec, cfg = load_family_config(model)
+    else:
+        spec, cfg = family_of(model), model
     ops = transformer_step_ops(cfg, batch, seq_len)
-    return Baseline(name, ops, batch, seq_len, spec.flops_per_token(cfg, seq_len), fused(ops))
+    flops = spec.flops_per_token(cfg, seq_len)
+    return Baseline(cfg.name or str(model), ops, batch, seq_len, flops, fused(ops))
 
 
 def predicted_mfu(cfg: GPNConfig, sequences_per_gpu: int, seq_len: int, gpu: str = "h100") -> float:

@@ -214,13 +214,14 @@ def transformer_candidate(like: GPNConfig, seq_len: int, compiled: bool = False)
     embedding width, its FLOPs counted as its training runs count them; `compiled`: with
     torch.compile on its blocks as `compile.enable` puts it (parallel/compile.py), the
     anchor users would otherwise train."""
+    from gpn_scale.accounting.baseline_model import matched_transformer
     from gpn_scale.models.registry import family_of
     from gpn_scale.models.transformer_pp import counts as tpp_counts
     from gpn_scale.models.transformer_pp.model import TransformerPP
     from gpn_scale.parallel.compile import apply_compile
 
-    tcfg = tpp_counts.matching_config(like.vocab_size, like.d_emb, count_parameters(like))
-    name = f"transformer++ L{tcfg.n_layers} d{tcfg.d_model} f{tcfg.d_ffn}"
+    tcfg = matched_transformer(like)
+    name = tcfg.name
 
     def build() -> nn.Module:
         model = TransformerPP(tcfg)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gpn_scale.accounting import ceilings, device_runs, gpu_model, gpu_report
+from gpn_scale.accounting import baseline_report, ceilings, device_runs, gpu_model, gpu_report
 
 RUN = "2026-12-04-h200"
 
@@ -43,6 +43,22 @@ def test_corrected_accounting_predicts_the_measured_h200_steps_within_25_percent
     assert result["kernels"] == []  # that run kept no ledger
 
 
+def test_against_sets_the_runs_transformer_rows_beside_the_accounting_of_them():
+    """The ratio's denominator is held against the run too: the Transformer++ the device check
+    trained beside gpn_m_130m (matched to its size: L15 d768 f1984, tied), per measured batch,
+    priced with the run's ceilings; that run's step formed the whole logits, this tree's loss
+    goes blockwise, and the table says the code changed (git, from the run's commit)."""
+    result = gpu_report.against("gpn_m_130m", RUN, batches=[16, 64])["transformer"]
+    assert result["model"] == "transformer++ L15 d768 f1984"
+    rows = {r["batch"]: r for r in result["rows"]}
+    assert sorted(rows) == [16, 64]
+    assert [rows[b]["measured_s"] for b in (16, 64)] == [0.138, 0.527]
+    assert all(r["model"] == result["model"] and r["predicted_s"] > 0 for r in rows.values())
+    assert result["code_changed"] is True
+    lines = "\n".join(baseline_report.table(result))
+    assert "| transformer++ L15 d768 f1984 | 64 | " in lines and "changed since the run" in lines
+
+
 def test_against_reads_a_run_folder_with_its_ceilings_and_ledger(tmp_path, capsys):
     """A run in the format, written here: its measured ceilings are priced with (and named
     as the source), its ledger rows compared role by role; --json is one object."""
@@ -63,6 +79,7 @@ def test_against_reads_a_run_folder_with_its_ceilings_and_ledger(tmp_path, capsy
     assert got["steps"][0]["measured_s"] == 0.016 and got["steps"][0]["predicted_s"] > 0
     assert got["kernels"][0]["role"] == "row backward" and got["kernels"][0]["measured_s"] == 1e-3
     assert got["ceilings"]["latency_s"] == {"value": 2.0e-6, "source": "measured, 2027-01-01-h200"}
+    assert got["transformer"]["rows"] == []  # a GPN too small to have one matched to it
     assert gpu_model.main(["tiny", "--against", str(run)]) == 0
     assert "| 2 |" in capsys.readouterr().out
     assert gpu_model.main(["gpn_m_130m", "--against", str(run)]) == 2

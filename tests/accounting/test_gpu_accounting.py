@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections import Counter
 
 import pytest
 import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpn_scale.accounting import gpu_model, step_model
 from gpn_scale.models.gpn import load_model_config
+from gpn_scale.models.registry import family_of
 from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
 from gpn_scale.scaling.sweep import SweepError, format_plan, load_sweep
@@ -445,12 +449,92 @@ def test_transformer_baseline_counts_its_gemm_flops_exactly_and_flash_attention_
     d, L = cfg.d_model, cfg.n_layers
     fwd = [op for op in attention if op.name.endswith("forward")][0]
     assert fwd.flops == 2 * B * T * T * d  # QK^T and PV over the causal half
-    gemm = sum(op.flops for op in ops if op not in attention)
+    gemm = sum(op.flops for op in ops if op.name.rstrip("_") in ("mm", "addmm", "bmm", "baddbmm"))
     head = d * cfg.vocab_size
     assert gemm == 6 * (L * (4 * d * d + 3 * d * cfg.d_ffn) + head) * B * T
     assert not any(op.bytes >= B * cfg.n_heads * T * T * 2 for op in ops if op.name == "bmm")
     baseline = gpu_model.Baseline("transformer_pp_tiny", ops, B, T, spec.flops_per_token(cfg, T))
     assert baseline.tokens_per_s(gpu_model.GPUS["h200"]) > 0
+
+
+class _DtypeLog(TorchDispatchMode):
+    """Every ATen op run: (name, its tensor arguments' dtypes, its results' dtypes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+
+        def dtypes(x) -> tuple:
+            items = x if isinstance(x, (list, tuple)) else [x]
+            return tuple(str(t.dtype) for t in items if isinstance(t, torch.Tensor))
+
+        ins = tuple(d for a in args for d in dtypes(a))
+        self.rows.append((func.overloadpacket.__name__, ins, dtypes(out)))
+        return out
+
+
+def test_the_transformer_baseline_runs_in_the_dtypes_autocast_gives_it():
+    """autocast knows no meta device, so the accounting makes autocast's casts itself
+    (`baseline_model.autocast_emulated`). On CPU tensors, beside a real bf16 autocast: the
+    forward runs the same ops in the same dtypes in the same order; the whole step the same
+    ops (the backward's independent branches may run in another order); and the loss and
+    every gradient are bitwise equal."""
+    from gpn_scale.accounting.baseline_model import autocast_emulated
+    from gpn_scale.models.registry import load_model_config
+
+    _, cfg = load_model_config("transformer_pp_tiny")
+    torch.manual_seed(0)
+    model = family_of(cfg).build(cfg)  # float32 parameters, as the device check's
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+
+    def step(autocast) -> tuple[list, list, Tensor, list[Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with _DtypeLog() as log:
+            with autocast:
+                loss = model(tokens).loss
+            forward = list(log.rows)
+            loss.backward()
+        return forward, log.rows, loss.detach(), [p.grad for p in model.parameters()]
+
+    fwd, whole, loss, grads = step(torch.autocast("cpu", dtype=torch.bfloat16))
+    fwd_e, whole_e, loss_e, grads_e = step(autocast_emulated(torch.bfloat16))
+    assert any(row[0] == "mm" and row[1] == ("torch.bfloat16",) * 2 for row in fwd)
+    assert fwd_e == fwd
+    assert Counter(whole_e) == Counter(whole)
+    assert torch.equal(loss_e, loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads, strict=True))
+
+
+def test_the_transformer_baseline_is_recorded_as_the_device_check_trains_it():
+    """The Transformer++ step the accounting prices: float32 parameters under bf16 autocast
+    on the CUDA path, as bench/gpu_throughput trains it. Its matmuls read bf16 (the first
+    projection: 2 bytes an element), the float32 residual stream's norm is cast to bf16 before
+    them, the head loss's softmax is our Triton kernel (as on CUDA) and not the PyTorch form's
+    ops; and the model priced beside a GPN by default is the one the device check trains
+    beside it."""
+    from gpn_scale.accounting.baseline_model import fused, transformer_step_ops
+    from gpn_scale.bench import gpu_throughput
+    from gpn_scale.models.registry import load_model_config
+
+    _, cfg = load_model_config("transformer_pp_tiny")
+    B, T, d = 2, 16, cfg.d_model
+    ops = transformer_step_ops(cfg, B, T)
+    names = [op.name for op in ops]
+    first_mm = ops[names.index("mm")]
+    assert first_mm.bytes == 2 * (B * T * d + d * d + B * T * d)  # bf16 x, W and q
+    assert any(op.name == "_to_copy" and op.bytes == 6 * B * T * d for op in ops)  # fp32 -> bf16
+    xent = [op for op in ops if op.name == "softmax cross-entropy"]
+    assert len(xent) == 1 and xent[0].triton
+    assert xent[0] in fused(ops)  # compiled, it stays a kernel of its own
+    assert not {"amax", "exp_", "log_softmax"} & set(names)
+    # its place among the ATen ops: after the head block's logits, before their gradient's GEMM
+    at = names.index("softmax cross-entropy")
+    assert ops[at - 1].flops == 2 * B * T * d * cfg.vocab_size
+    _, gpn = load_model_config("gpn_m_130m")
+    assert gpu_model.baseline_for(gpn).name == gpu_throughput.transformer_candidate(gpn, T).config
 
 
 def test_a_gemm_grid_pays_for_its_partial_last_wave_and_its_most_loaded_sm():
