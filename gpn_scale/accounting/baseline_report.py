@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpn_scale.accounting.baseline_model import matched_transformer
-from gpn_scale.accounting.ceilings import Ceilings
+from gpn_scale.accounting.run_pricing import RunPricing
 from gpn_scale.accounting.step_model import (
     GPUS,
     Accounting,
@@ -63,26 +63,22 @@ def _baseline(cfg: Any, batch: int, seq_len: int) -> Baseline:
     return account_baseline(cfg, batch, seq_len)  # a few seconds each: asked again per run
 
 
-def against_run(
-    blob: dict, gpn_cfg: Any, c: Ceilings, batches: list[int] | None = None
-) -> dict[str, Any]:
-    """The run's rows of the Transformer++ it trained beside `gpn_cfg`, eager and compiled,
-    against the accounting's prediction of each at the run's ceilings `c`."""
-    meta = blob.get("meta", {})
+def against_run(p: RunPricing) -> dict[str, Any]:
+    """The run's rows of the Transformer++ it trained beside its GPN, eager and compiled,
+    against the accounting's prediction of each at the run's ceilings."""
     try:
-        tcfg = matched_transformer(gpn_cfg)
+        tcfg = matched_transformer(p.cfg)
     except ValueError as exc:  # a GPN too small to match (the tests' tiny ones)
         return {"model": None, "rows": [], "why": str(exc), "code_changed": None}
-    seq_len = int(meta.get("seq_len", 2048))
     rows = []
     for compiled in (False, True):
         name = tcfg.name + (COMPILED if compiled else "")
-        entry = blob.get("summary", {}).get(name)
+        entry = p.blob.get("summary", {}).get(name)
         measured = entry.get("rows", []) if isinstance(entry, dict) else []
         for row in sorted(measured, key=lambda r: r["batch"]):
-            if not row.get("step_s") or (batches is not None and row["batch"] not in batches):
+            if not row.get("step_s") or not p.wants(row["batch"]):
                 continue
-            predicted = _baseline(tcfg, row["batch"], seq_len).seconds(c, compiled)
+            predicted = _baseline(tcfg, row["batch"], p.seq_len).seconds(p.ceilings, compiled)
             rows.append(
                 {
                     "model": name,
@@ -92,7 +88,7 @@ def against_run(
                     "predicted_over_measured": predicted / row["step_s"],
                 }
             )
-    commit = meta.get("commit")
+    commit = p.meta.get("commit")
     return {
         "model": tcfg.name,
         "rows": rows,

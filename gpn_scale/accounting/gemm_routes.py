@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpn_scale.accounting import device_runs
+from gpn_scale.accounting.run_pricing import RunPricing
 from gpn_scale.accounting.step_model import account, predict
-from gpn_scale.models.gpn import GPNConfig
 
 # Each projection's Triton GEMM launches, by role with the layer index taken out
 # (`base_role`), and the split-K sums that finish them.
@@ -156,39 +156,31 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def against_run(
-    run,
-    blob: dict,
-    config: str,
-    cfg: GPNConfig,
-    c,
-    graphs: bool,
-    batches: list[int] | None,
-    placement: str,
-) -> list[dict[str, Any]]:
+def against_run(p: RunPricing) -> list[dict[str, Any]]:
     """The run's Triton step GEMMs against cuBLAS at their shapes (`compare`):
     at each batch its ledger and its ceilings' cuBLAS rows share, the launches the cuBLAS
     route adds beside the product priced from this tree's launches of `engine.cublas_gemms
     =all` (the run's compiled facts, its ceilings)."""
-    ledger = device_runs.ledger_rows(blob, config)
-    gemms = [g for g in (blob.get("ceilings") or {}).get("gemms") or [] if isinstance(g, dict)]
+    ledger = device_runs.ledger_rows(p.blob, p.config)
+    gemms = [g for g in (p.blob.get("ceilings") or {}).get("gemms") or [] if isinstance(g, dict)]
     timed = {g["shape"][0] for g in gemms if isinstance(g.get("shape"), list) and g["shape"]}
-    common = sorted(
-        b for b in {r["batch"] for r in ledger} & timed if batches is None or b in batches
-    )
-    seq_len = int(blob.get("meta", {}).get("seq_len", 2048))
-    via = cfg.replace(cublas_gemms="all")
+    common = sorted(b for b in {r["batch"] for r in ledger} & timed if p.wants(b))
+    via = p.cfg.replace(cublas_gemms="all")
     extras: dict[int, dict[str, float]] = {}
     for b in common:
-        facts = device_runs.kernel_facts(run, config, b) or None
-        p = predict(account(via, b, seq_len, config, facts=facts), c, graphs, via,
-                    placement=placement)  # fmt: skip
+        facts = device_runs.kernel_facts(p.run, p.config, b) or None
+        acc = account(via, b, p.seq_len, p.config, facts=facts)
+        priced = predict(acc, p.ceilings, p.graphs, via, placement=p.placement)
         added: dict[str, float] = {}
-        for r, seconds in p.per_role_seconds.items():
+        for r, seconds in priced.per_role_seconds.items():
             projection = extra_projection(r)
             if projection is not None:
                 added[projection] = added.get(projection, 0.0) + seconds
         extras[b] = added
     return compare(
-        [r for r in ledger if r["batch"] in common], gemms, cfg.engine.chunk_size, seq_len, extras
+        [r for r in ledger if r["batch"] in common],
+        gemms,
+        p.cfg.engine.chunk_size,
+        p.seq_len,
+        extras,
     )

@@ -24,6 +24,7 @@ from gpn_scale.accounting import (
     pricing,
     recorded,
 )
+from gpn_scale.accounting.run_pricing import RunPricing
 from gpn_scale.accounting.step_model import (
     GPUS,
     PACKED,
@@ -230,36 +231,27 @@ def _spread_json(acc: Accounting, cfg: GPNConfig, gpu: str) -> dict[str, float]:
     }
 
 
-def engine_ab(
-    run,
-    blob: dict,
-    config: str,
-    cfg: GPNConfig,
-    c,
-    graphs: bool,
-    batches: list[int] | None,
-    placement: str = PACKED,
-) -> list[dict[str, Any]]:
+def engine_ab(p: RunPricing) -> list[dict[str, Any]]:
     """The run's rows of `config` timed with an engine option changed (the device check's
     engine A/B) beside its shipped rows at the same batch: the time each option saves,
     measured and predicted (both priced from this tree's launches with the run's compiled
     facts). The shipped rows' side work is priced under each placement (step_model._spare),
     so the measured saving of the side streams says which holds; the changed rows' under
-    `placement` (the run's measured one, where it has it)."""
-    meta = blob.get("meta", {})
-    shipped = {r["batch"]: r["step_s"] for r in device_runs.model_rows(blob, config)}
+    the run's placement (its measured one, where it has it)."""
+    cfg, c, config, graphs = p.cfg, p.ceilings, p.config, p.graphs
+    shipped = {r["batch"]: r["step_s"] for r in device_runs.model_rows(p.blob, config)}
     on = dict(
-        overlap=meta.get("overlap_backward", False),
-        overlap_decode=meta.get("overlap_decode", False),
+        overlap=p.meta.get("overlap_backward", False),
+        overlap_decode=p.meta.get("overlap_decode", False),
     )
-    seq_len = int(meta.get("seq_len", 2048))
+    seq_len = p.seq_len
     out = []
-    for label, options, rows in device_runs.engine_ab_rows(blob, config):
+    for label, options, rows in device_runs.engine_ab_rows(p.blob, config):
         for row in rows:
             b = row["batch"]
-            if b not in shipped or (batches is not None and b not in batches):
+            if b not in shipped or not p.wants(b):
                 continue
-            facts = device_runs.kernel_facts(run, config, b) or None
+            facts = device_runs.kernel_facts(p.run, config, b) or None
             cfg_off = cfg.replace(**options)
             off = dict(
                 overlap=options.get("overlap_backward", on["overlap"]),
@@ -281,7 +273,7 @@ def engine_ab(
                             for pl in PLACEMENTS
                         },
                         "changed": predict(
-                            acc_off, c, graphs, cfg_off, placement=placement, **off
+                            acc_off, c, graphs, cfg_off, placement=p.placement, **off
                         ).seconds,
                     },
                 }
@@ -332,9 +324,11 @@ def against(
     )
     measured_placement = device_runs.placement(blob)
     placement = measured_placement if measured_placement in PLACEMENTS else PACKED
+    chosen = tuple(batches) if batches is not None else None
+    pricing_ = RunPricing(run, blob, config, cfg, c, graphs, placement, chosen)
     priced = ""
     for row in sorted(rows, key=lambda r: r["batch"]):
-        if batches is not None and row["batch"] not in batches:
+        if not pricing_.wants(row["batch"]):
             continue
         acc, priced = _run_accounting(run, config, row["batch"], seq_len, cfg)
         p = predict(acc, c, graphs, cfg, overlap, decode, placement=placement)
@@ -364,11 +358,9 @@ def against(
         "graphs": graphs,
         "priced": priced,
         "placement": {"measured": measured_placement, "priced": placement},
-        "engine_ab": engine_ab(run, blob, config, cfg, c, graphs, batches, placement),
-        "gemm_routes": gemm_routes.against_run(
-            run, blob, config, cfg, c, graphs, batches, placement
-        ),
-        "transformer": baseline_report.against_run(blob, cfg, c, batches),
+        "engine_ab": engine_ab(pricing_),
+        "gemm_routes": gemm_routes.against_run(pricing_),
+        "transformer": baseline_report.against_run(pricing_),
         "ceilings": {
             k: {"value": getattr(c, k), "source": c.source(k)} for k in ceilings.MEASURED_KEYS
         },
