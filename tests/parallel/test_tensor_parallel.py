@@ -127,7 +127,8 @@ def test_sharded_engine_equals_one_process_float64(tmp_path, run):
         capture_output=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # whether the workers had finished: a crash before or after their results were written
+    assert proc.returncode == 0, f"results written: {out.exists()}\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
     chunk_graphs = result.pop("graphs", None)
     if run.startswith("cuda"):  # the graph path replays (tbptt-2-layer: 3 chunk shapes)

@@ -36,7 +36,7 @@ def results(tmp_path_factory):
         capture_output=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, f"results written: {out.exists()}\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 
 

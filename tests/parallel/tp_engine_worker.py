@@ -34,6 +34,7 @@ from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
 from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
 from gpn_scale.testing.triton_interpreter import speed_up_patching
+from gpn_scale.testing.workers import end_worker
 
 # Widths a tp group of up to 4 splits: 4 heads, d_ffn 24, vocab_size 40 (the embedding / tied
 # output is vocabulary-parallel: 10 rows per rank at tp = 4); loss_chunk_tokens 7 does not
@@ -158,6 +159,7 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump(result, fh)
     dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from gpn_scale.models.gpn.loss import chunked_decode_cross_entropy
 from gpn_scale.models.gpn.vocab_parallel import embed, gather_vocab
+from gpn_scale.testing.workers import end_worker
 
 # Every size but V/tp is <= V/4 = 24, so a tensor with a dimension above V/tp can only be
 # a vocabulary one: (rows x V) or (N x V) logits, or a full (V x e) gradient.
@@ -140,6 +141,7 @@ def main() -> None:
         with open(sys.argv[1], "w") as fh:
             json.dump(everyone, fh)
     dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":
