@@ -47,7 +47,7 @@ from gpn_scale.accounting import ceilings, device_runs, pricing
 from gpn_scale.accounting.ceilings import Ceilings
 from gpn_scale.accounting.dry_run import as_tp_rank
 from gpn_scale.accounting.kernel_record import SEQUENTIAL, AtenRecorder, Op
-from gpn_scale.models.gpn import GPN, GPNConfig, engine
+from gpn_scale.models.gpn import GPN, ConfigError, GPNConfig, engine
 from gpn_scale.models.gpn.counts import flops_per_token
 from gpn_scale.models.gpn.loss import ChunkFeed
 from gpn_scale.models.gpn.parallelize import check_tp
@@ -459,7 +459,13 @@ def baseline_for(cfg: GPNConfig) -> Any:
     measured one compare the same two models."""
     from gpn_scale.accounting.baseline_model import matched_transformer
 
-    return matched_transformer(cfg)
+    try:
+        return matched_transformer(cfg)
+    except ValueError as exc:
+        raise ConfigError(
+            f"--baseline auto: {exc}; name the model to price beside it (e.g. --baseline "
+            "transformer_pp_10m) or --baseline none"
+        ) from exc
 
 
 def account_baseline(model: Any, batch: int, seq_len: int) -> Baseline:
@@ -473,6 +479,11 @@ def account_baseline(model: Any, batch: int, seq_len: int) -> Baseline:
         spec, cfg = load_family_config(model)
     else:
         spec, cfg = family_of(model), model
+    if isinstance(cfg, GPNConfig):
+        raise ConfigError(
+            f"--baseline {model}: a GPN config; name the model it is compared with, another "
+            "family's config (e.g. transformer_pp_130m, gated_deltanet_130m)"
+        )
     ops = transformer_step_ops(cfg, batch, seq_len)
     flops = spec.flops_per_token(cfg, seq_len)
     return Baseline(cfg.name or str(model), ops, batch, seq_len, flops, fused(ops))

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpn_scale.accounting import gpu_model, step_model
-from gpn_scale.models.gpn import load_model_config
+from gpn_scale.models.gpn import ConfigError, load_model_config
 from gpn_scale.models.registry import family_of
 from gpn_scale.ops import launch
 from gpn_scale.ops.gpn_step.registry import ENV_VAR
@@ -165,6 +165,9 @@ def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
     assert gpu_model.main(["tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.n_heads" in err and "tp=3" in err
+    assert gpu_model.main(["tiny", "--batch", "2", "--baseline", "gpn_m_130m"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--baseline gpn_m_130m: a GPN config" in err
 
 
 def test_bf16_memory_reads_halve_the_m0_bytes_of_the_memory_kernels(capsys):
@@ -535,6 +538,10 @@ def test_the_transformer_baseline_is_recorded_as_the_device_check_trains_it():
     assert ops[at - 1].flops == 2 * B * T * d * cfg.vocab_size
     _, gpn = load_model_config("gpn_m_130m")
     assert gpu_model.baseline_for(gpn).name == gpu_throughput.transformer_candidate(gpn, T).config
+    # a GPN too small for any Transformer++ of its width: one line, naming the way out
+    with pytest.raises(ConfigError, match=r"--baseline auto: no Transformer\+\+ of width 64 .*"
+                       r"--baseline none$"):  # fmt: skip
+        gpu_model.baseline_for(tiny_config(d_emb=64))
 
 
 def test_a_gemm_grid_pays_for_its_partial_last_wave_and_its_most_loaded_sm():
