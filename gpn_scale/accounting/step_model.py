@@ -479,10 +479,10 @@ def account_baseline(model: Any, batch: int, seq_len: int) -> Baseline:
         spec, cfg = load_family_config(model)
     else:
         spec, cfg = family_of(model), model
-    if isinstance(cfg, GPNConfig):
+    if spec.launch_accounting:  # priced by this module's own accounting, not beside it
         raise ConfigError(
-            f"--baseline {model}: a GPN config; name the model it is compared with, another "
-            "family's config (e.g. transformer_pp_130m, gated_deltanet_130m)"
+            f"--baseline {model}: a {spec.display_name} config, the family priced here; name "
+            "the model it is compared with (e.g. transformer_pp_130m, gated_deltanet_130m)"
         )
     ops = transformer_step_ops(cfg, batch, seq_len)
     flops = spec.flops_per_token(cfg, seq_len)

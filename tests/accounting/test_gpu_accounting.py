@@ -167,7 +167,7 @@ def test_cli_prints_the_table_and_refuses_an_unknown_gpu(capsys):
     assert err.count("\n") == 1 and "model.n_heads" in err and "tp=3" in err
     assert gpu_model.main(["tiny", "--batch", "2", "--baseline", "gpn_m_130m"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--baseline gpn_m_130m: a GPN config" in err
+    assert err.count("\n") == 1 and "--baseline gpn_m_130m: a GPN config, the family" in err
 
 
 def test_bf16_memory_reads_halve_the_m0_bytes_of_the_memory_kernels(capsys):
