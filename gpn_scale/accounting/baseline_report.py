@@ -6,7 +6,7 @@ The ratio the device check reports (GPN+M / compiled Transformer++) has the Tran
 its denominator, so the accounting's model of it (`baseline_model.py`) is held against a
 run's measured rows as the GPN's steps are (`gpu_report.against`): per measured batch, eager
 and compiled, the predicted and the measured step, priced with the run's ceilings. The model
-priced is the one the device check trains beside the GPN (`matched_transformer`), as this
+priced is the one the device check trains beside the GPN (`step_model.baseline_for`), as this
 tree runs it: where the Transformer++ step's code changed since the run's commit, the rows
 measured another step, and the table says so (the 2026-12-04 run's loss formed the whole
 (B*T x V) logits; the head loss has gone blockwise since).
@@ -19,16 +19,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gpn_scale.accounting.baseline_model import matched_transformer
+from gpn_scale.accounting import device_runs
 from gpn_scale.accounting.run_pricing import RunPricing
 from gpn_scale.accounting.step_model import (
     GPUS,
     Accounting,
     Baseline,
     account_baseline,
+    baseline_for,
     predict,
 )
-from gpn_scale.models.gpn import GPNConfig
+from gpn_scale.models.gpn import ConfigError, GPNConfig
 
 # What a Transformer++ training step runs beyond torch: a change here since a run's commit
 # makes that run's rows another step's.
@@ -39,7 +40,6 @@ TRANSFORMER_CODE = (
     "gpn_scale/ops/cross_entropy.py",
     "gpn_scale/ops/cross_entropy_kernels.py",
 )
-COMPILED = " compiled"  # the device check's name for a compiled row (gpu_throughput)
 
 
 def code_changed_since(commit: str) -> bool | None:
@@ -67,12 +67,12 @@ def against_run(p: RunPricing) -> dict[str, Any]:
     """The run's rows of the Transformer++ it trained beside its GPN, eager and compiled,
     against the accounting's prediction of each at the run's ceilings."""
     try:
-        tcfg = matched_transformer(p.cfg)
-    except ValueError as exc:  # a GPN too small to match (the tests' tiny ones)
+        tcfg = baseline_for(p.cfg)
+    except ConfigError as exc:  # a GPN too small to match (the tests' tiny ones)
         return {"model": None, "rows": [], "why": str(exc), "code_changed": None}
     rows = []
     for compiled in (False, True):
-        name = tcfg.name + (COMPILED if compiled else "")
+        name = tcfg.name + (device_runs.COMPILED if compiled else "")
         entry = p.blob.get("summary", {}).get(name)
         measured = entry.get("rows", []) if isinstance(entry, dict) else []
         for row in sorted(measured, key=lambda r: r["batch"]):

@@ -30,6 +30,8 @@ REPORT = "results.md"
 KERNELS = "kernels.json"
 HEADLINE = "gpn_over_compiled_transformer"
 NOT_RECORDED = "not recorded"
+# A row of a model run compiled (compile.enable) is named "<model><COMPILED>" in the summary
+COMPILED = " compiled"
 
 
 def default_runs_dir() -> Path:

@@ -314,7 +314,6 @@ def against(
         models = [k for k, v in blob.get("summary", {}).items() if isinstance(v, dict)]
         raise ValueError(f"{run}: no measured rows for {config} (models: {', '.join(models)})")
     cfg = _run_config(config, meta, chunk_size)  # the side streams: those the run used
-    seq_len = int(meta.get("seq_len", 2048))
     graphs = meta.get("cuda_graphs", True)
     overlap, decode = meta.get("overlap_backward", False), meta.get("overlap_decode", False)
     ledger = device_runs.ledger_rows(blob, config)
@@ -326,6 +325,7 @@ def against(
     placement = measured_placement if measured_placement in PLACEMENTS else PACKED
     chosen = tuple(batches) if batches is not None else None
     pricing_ = RunPricing(run, blob, config, cfg, c, graphs, placement, chosen)
+    seq_len = pricing_.seq_len
     priced = ""
     for row in sorted(rows, key=lambda r: r["batch"]):
         if not pricing_.wants(row["batch"]):

@@ -232,7 +232,7 @@ def transformer_candidate(like: GPNConfig, seq_len: int, compiled: bool = False)
 
     # Attention makes its cost per token depend on T: profiled on the full window.
     return Candidate(
-        name + (" compiled" if compiled else ""),
+        name + (device_runs.COMPILED if compiled else ""),
         "transformer++",
         tpp_counts.count_parameters(tcfg),
         tcfg.vocab_size,
