@@ -39,6 +39,26 @@ SMOKE = [
 FAST = [*SMOKE, "--no-ledger", "--no-ceilings", "--no-engine-ab"]
 
 
+@pytest.fixture
+def passing_comparisons(monkeypatch):
+    """The exactness checks' comparisons stood in for by rows that pass, for the tests of
+    what the run records around them: `check_exactness` still runs each case through
+    `guarded`, in order, but none steps a model in Triton's interpreter (~30 s a run here;
+    test_device_check_runs_and_records runs them all)."""
+
+    def engine(device, tokens, dtype, graphs, name, *rest):
+        return dict(check=name, ok=True)
+
+    def bit_identical(device, tokens, name, *rest):
+        return dict(check=name, ok=True)
+
+    monkeypatch.setattr(gpu_exactness, "_engine_against_reference", engine)
+    monkeypatch.setattr(gpu_exactness, "_bit_identical", bit_identical)
+    monkeypatch.setattr(
+        gpu_exactness, "_bf16_autocast_step", lambda device, tokens: dict(check="bf16", ok=True)
+    )
+
+
 def test_device_check_runs_and_records(tmp_path):
     """Everything the device check does, in its CPU smoke mode: the ledger (every launch of
     the recorded step has a row with its role, bytes and FLOPs), the phase split, the
@@ -150,7 +170,7 @@ def _tiny_yaml(**changes) -> str:
     return yaml.safe_dump(tiny_config(**changes).to_dict())
 
 
-def test_results_are_on_disk_after_every_step(tmp_path, monkeypatch):
+def test_results_are_on_disk_after_every_step(tmp_path, monkeypatch, passing_comparisons):
     """A run cut short keeps what it measured: each batch starts with every earlier row
     (and every exactness check) already in results.json."""
     seen = []
@@ -189,7 +209,9 @@ def _row(cand, batch, seq_len):
     )
 
 
-def test_a_failing_check_or_model_is_a_row_and_the_rest_still_runs(tmp_path, monkeypatch):
+def test_a_failing_check_or_model_is_a_row_and_the_rest_still_runs(
+    tmp_path, monkeypatch, passing_comparisons
+):
     """Device time is scarce: a kernel that does not compile in one exactness case (as the
     H200 image's triton 3.6 did in fp64) or one model whose step fails is recorded, and the
     other checks and models still run; the exit status says something failed."""
@@ -231,7 +253,9 @@ def test_a_failing_check_or_model_is_a_row_and_the_rest_still_runs(tmp_path, mon
     )
 
 
-def test_batch_search_doubles_past_128_until_out_of_memory(tmp_path, monkeypatch):
+def test_batch_search_doubles_past_128_until_out_of_memory(
+    tmp_path, monkeypatch, passing_comparisons
+):
     def fake(cand, batch, seq_len, *args):
         if batch >= 1024:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
