@@ -55,7 +55,9 @@ def passing_comparisons(monkeypatch):
     monkeypatch.setattr(gpu_exactness, "_engine_against_reference", engine)
     monkeypatch.setattr(gpu_exactness, "_bit_identical", bit_identical)
     monkeypatch.setattr(
-        gpu_exactness, "_bf16_autocast_step", lambda device, tokens: dict(check="bf16", ok=True)
+        gpu_exactness,
+        "_bf16_autocast_step",
+        lambda device, tokens: dict(check="bf16 autocast step", ok=True),
     )
 
 
