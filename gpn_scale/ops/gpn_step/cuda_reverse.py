@@ -14,9 +14,8 @@ from torch import Tensor
 from gpn_scale.ops.gpn_step import geometry
 from gpn_scale.ops.gpn_step import triton_kernels as tk
 from gpn_scale.ops.gpn_step.cuda_shared import (
-    FLUSH_BLOCK_DV,
     FLUSH_MAXNREG,
-    FLUSH_WARPS,
+    FLUSH_SETTINGS,
     MEMORY_BACKWARD_BLOCK_DV,
     MEMORY_BACKWARD_MAXNREG,
     MEMORY_BACKWARD_STAGES,
@@ -459,6 +458,7 @@ def _flush_block(
     history = b0 * (dv + 1 + grams * S) + 2 * b0 * row
     nbytes = B * H * (history + S * (2 * dk + 2 + dv * grams)) * size
     flops = B * H * b0 * S * (2 if write else 1) * (4 * dk + 6 * dv)
+    warps, block_dv, stages = FLUSH_SETTINGS[write, geometry.arch(dob) >= 90]
     _launch(
         tk.memory_backward_flush_kernel,
         (B, H),
@@ -480,11 +480,12 @@ def _flush_block(
         DV=dv,
         WRITE=write,
         BLOCK_DK=max(1 if geometry.interpreting(dob) else 16, geometry.p2(dk)),
-        BLOCK_DV=min(geometry.p2(dv), 8 if geometry.interpreting(dob) else FLUSH_BLOCK_DV),
+        BLOCK_DV=min(geometry.p2(dv), 8 if geometry.interpreting(dob) else block_dv),
         BLOCK_J=S,
         BLOCK_S=S,
-        num_warps=FLUSH_WARPS,
+        num_warps=warps,
         maxnreg=FLUSH_MAXNREG,
+        num_stages=stages,
         **geometry.dependent_launch(dob),
     )
 

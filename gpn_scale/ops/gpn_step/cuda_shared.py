@@ -57,8 +57,18 @@ MEMORY_FORWARD_MAXNREG = 128
 # programs per SM whatever its registers, which leave 168 a thread; at 128 the queue's loop
 # spilled 4 B at the 1B's tp = 8 rank.
 MEMORY_FORWARD_QUEUE_MAXNREG_SM80 = 168
-FLUSH_BLOCK_DV = 64
-FLUSH_WARPS = 8
+# The block flush's (warps, value columns a block, stages), by whether the layer writes the
+# memory and whether the GPU is sm_90 (else sm_80). Its (J, DK) k adjoint rows are read with
+# the block's other loads and held over the value loop (two round trips fewer a block of
+# rows): at 128 registers the settings that hold them without spills differ by variant and
+# arch (ptxas). 4 warps leave four programs per SM, which halves the waves the rows' round
+# trips repeat in; 2 stages, as a third spilled.
+FLUSH_SETTINGS = {
+    (True, True): (4, 32, 2),
+    (True, False): (4, 32, 2),
+    (False, True): (4, 64, 2),
+    (False, False): (8, 64, 2),
+}
 FLUSH_MAXNREG = 128
 SWEEP_BLOCK = 16
 # The FFN columns a program of the memory/FFN kernels takes (after a row's head programs):

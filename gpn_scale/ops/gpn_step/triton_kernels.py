@@ -2044,8 +2044,15 @@ def memory_backward_flush_kernel(
         rows = rj < b0
         Gj = tl.load(g_base + rj * s_gc, mask=rows, other=0.0)
         both = rows[:, None] & s_ok[None, :]
-        E = tl.where(both, tl.exp(Gs[None, :] - Gj[:, None]), 0.0)  # (J, S)
+        # The rows' k and G adjoints read now, with the block's other loads: read after the
+        # value loop's stores (which hold back every later load: the pointers may alias)
+        # they were two round trips more a block of rows.
         ok_k = rows[:, None] & k_ok[None, :]
+        tile_k = DKA + b * s_dkb + h * s_dkh + rj[:, None] * s_dkc + rk[None, :]
+        dK_rows = tl.load(tile_k, mask=ok_k, other=0.0)
+        dg = DGA + b * s_dgb + h * s_dgh + rj * s_dgc
+        dG_rows = tl.load(dg, mask=rows, other=0.0)
+        E = tl.where(both, tl.exp(Gs[None, :] - Gj[:, None]), 0.0)  # (J, S)
         # (J, S): k_j . q_s, read from the chunk's Gram matrix (row s, column j)
         S1 = tl.load(
             QK + b * s_qkb + h * s_qkh + steps[None, :] * s_qkc + rj[:, None], mask=both, other=0.0
@@ -2090,7 +2097,5 @@ def memory_backward_flush_kernel(
             dsd2 = E2 * UD2
             dK_add += tl.dot(dsd2, Ks, input_precision="ieee", out_dtype=acc_t)
             dG_add -= tl.sum(dsd2 * S2, axis=1)
-        tile_k = DKA + b * s_dkb + h * s_dkh + rj[:, None] * s_dkc + rk[None, :]
-        tl.store(tile_k, tl.load(tile_k, mask=ok_k, other=0.0) + dK_add, mask=ok_k)
-        dg = DGA + b * s_dgb + h * s_dgh + rj * s_dgc
-        tl.store(dg, tl.load(dg, mask=rows, other=0.0) + dG_add, mask=rows)
+        tl.store(tile_k, dK_rows + dK_add, mask=ok_k)
+        tl.store(dg, dG_rows + dG_add, mask=rows)
