@@ -7,44 +7,76 @@ the cache level the step's other data also lives in decides what the two cost ea
 
 Latency: a dependent chain of loads through a random permutation of the buffer's cache
 lines (each load's address comes from the previous one, so nothing overlaps and no
-prefetcher can guess). Streaming: each thread sums its own buffer with 512-bit (or 256-bit)
-loads, best of several passes. Both by hand in C++ because neither can be expressed as
-tensor ops: a tensor op would overlap the loads and measure bandwidth instead of latency.
+prefetcher can guess). Streaming: each thread sums its own buffer with vector loads at the
+build's instruction set (512- or 256-bit), best of several passes. Both by hand in C++
+because neither can be expressed as tensor ops: a tensor op would overlap the loads and
+measure bandwidth instead of latency.
 Prints a table; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import hashlib
+import os
+import shutil
+import subprocess
 import sys
-from types import ModuleType
+import tempfile
+from pathlib import Path
 
 import torch
 
-from gpn_scale.ops.gpn_step.step_kernels import (
-    cpp_extension_quietly,
-    cpu_build,
-    packaged_ninja_first,
-)
+from gpn_scale.ops.gpn_step.step_kernels import cpu_build
 
+# Plain C++ with no torch headers, built with the system compiler and loaded through ctypes:
+# through torch's extension build (torch/extension.h, ATen's vector type and parallel_for)
+# this 2 KB file took ~35 s to compile on first use, plain it takes ~1 s. The streaming loop
+# keeps two vector sums in registers at the build's instruction set (cpu_build: the step
+# kernels' flags), as the ATen version's two Vectorized<float> did.
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace {
 double seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// 16 floats: one 512-bit register, or two 256-bit ones (GCC/Clang vector extension).
+typedef float V16 __attribute__((vector_size(64)));
+
+double stream_one(int64_t n, int64_t passes) {
+  std::vector<float> buf(n, 1.0f);   // first touched by the thread that reads it
+  constexpr int64_t W = 16;
+  float sink = 0;
+  double best = 1e30;
+  for (int64_t r = 0; r < passes; ++r) {
+    const double t0 = seconds();
+    V16 a0 = {0}, a1 = {0};   // two independent sums in registers
+    for (int64_t i = 0; i + 2 * W <= n; i += 2 * W) {
+      V16 x0, x1;
+      std::memcpy(&x0, buf.data() + i, sizeof x0);   // unaligned vector loads
+      std::memcpy(&x1, buf.data() + i + W, sizeof x1);
+      a0 += x0;
+      a1 += x1;
+    }
+    sink += (a0 + a1)[0];
+    best = std::min(best, seconds() - t0);
+  }
+  return sink != 0 ? double(n) * sizeof(float) / best / 1e9 : 0.0;
+}
 }  // namespace
 
+extern "C" {
 // Nanoseconds per load of a chase through `megabytes` of randomly ordered cache lines.
 double chase_ns(double megabytes, int64_t loads) {
   const int64_t lines = std::max<int64_t>(2, int64_t(megabytes * (1 << 20)) / 64);
@@ -61,49 +93,72 @@ double chase_ns(double megabytes, int64_t loads) {
   return p >= 0 ? ns : -1.0;   // uses p, so the chain is not optimised away
 }
 
-// GB/s each of `threads` threads reaches summing its own `megabytes` buffer (best pass).
-std::vector<double> stream_gbps(double megabytes, int64_t threads, int64_t passes) {
-  std::vector<double> rate(threads, 0.0);
+// GB/s each of `threads` threads reaches summing its own `megabytes` buffer (best pass),
+// written to rate[0 .. threads).
+void stream_gbps(double megabytes, int64_t threads, int64_t passes, double* rate) {
   const int64_t n = int64_t(megabytes * (1 << 20)) / int64_t(sizeof(float));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::vector<float> buf(n, 1.0f);   // first touched by the thread that reads it
-      float sink = 0;
-      double best = 1e30;
-      for (int64_t r = 0; r < passes; ++r) {
-        const double t0 = seconds();
-        using V = at::vec::Vectorized<float>;
-        V a0(0.f), a1(0.f);
-        int64_t i = 0;
-        for (; i + 2 * V::size() <= n; i += 2 * V::size()) {
-          a0 = a0 + V::loadu(buf.data() + i);
-          a1 = a1 + V::loadu(buf.data() + i + V::size());
-        }
-        float lanes[V::size()];
-        (a0 + a1).store(lanes);
-        sink += lanes[0];
-        best = std::min(best, seconds() - t0);
-      }
-      rate[t] = sink != 0 ? double(n) * sizeof(float) / best / 1e9 : 0.0;
-    }
-  });
-  return rate;
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([=] { rate[t] = stream_one(n, passes); });
+  for (auto& th : pool) th.join();
+}
 }
 """
 
 
+class ProbeBuildError(RuntimeError):
+    """The probe's C++ could not be built here (no compiler, or it failed)."""
+
+
+def _build_dir() -> Path:
+    """Where built probes are kept: beside the torch extensions (TORCH_EXTENSIONS_DIR, which
+    the tests point at the checkout), else the user's cache."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpn_scale"
+    )
+    return Path(root) / "machine_probe"
+
+
 @functools.lru_cache(maxsize=1)
-def _probe() -> ModuleType:
+def _probe() -> ctypes.CDLL:
     capability, flags = cpu_build()
-    with packaged_ninja_first():
-        return cpp_extension_quietly().load_inline(
-            name=f"gpn_scale_machine_probe_{capability}",
-            cpp_sources=[_SOURCE],
-            functions=["chase_ns", "stream_gbps"],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+    flags = [f for f in flags if f != "-fopenmp"]  # threads here are std::thread
+    digest = hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
+    library = _build_dir() / f"probe_{capability}_{digest}.so"
+    if not library.exists():
+        compiler = os.environ.get("CXX") or "c++"
+        if shutil.which(compiler) is None:
+            raise ProbeBuildError(
+                f"machine probe: no C++ compiler '{compiler}' on PATH; install g++ or set CXX"
+            )
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # built under a temporary name and renamed: processes building at once each finish
+        # with a whole library, and the last rename wins
+        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+            source, built = Path(scratch) / "probe.cpp", Path(scratch) / library.name
+            source.write_text(_SOURCE)
+            cmd = [compiler, *flags, "-std=c++17", "-shared", "-fPIC", "-pthread"]
+            proc = subprocess.run(
+                [*cmd, str(source), "-o", str(built)], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                raise ProbeBuildError(
+                    f"machine probe: '{compiler}' failed to build it ({last}); "
+                    "check the C++ compiler (CXX)"
+                )
+            os.replace(built, library)
+    lib = ctypes.CDLL(str(library))
+    lib.chase_ns.restype = ctypes.c_double
+    lib.chase_ns.argtypes = [ctypes.c_double, ctypes.c_int64]
+    lib.stream_gbps.restype = None
+    lib.stream_gbps.argtypes = [
+        ctypes.c_double,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_double),
+    ]
+    return lib
 
 
 def latency_curve(sizes_mb: tuple[float, ...]) -> list[dict]:
@@ -114,11 +169,16 @@ def latency_curve(sizes_mb: tuple[float, ...]) -> list[dict]:
     ]
 
 
+def _stream(probe: ctypes.CDLL, mb: float, threads: int, passes: int) -> list[float]:
+    rates = (ctypes.c_double * threads)()
+    probe.stream_gbps(mb, threads, passes, rates)
+    return list(rates)
+
+
 def streaming(sizes_mb: tuple[float, ...], threads: int) -> list[dict]:
     probe = _probe()
     return [
-        dict(megabytes=mb, threads=threads, gbps=probe.stream_gbps(mb, threads, 20))
-        for mb in sizes_mb
+        dict(megabytes=mb, threads=threads, gbps=_stream(probe, mb, threads, 20)) for mb in sizes_mb
     ]
 
 
@@ -131,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     sizes = tuple(float(s) for s in args.sizes.split(","))
+    try:
+        _probe()
+    except ProbeBuildError as exc:
+        print(f"gpn_scale.bench.machine: {exc}", file=sys.stderr)
+        return 2
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("\n## Load latency by working set (dependent random loads, one per cache line)")
     print(f"{'MB':>6} {'ns/load':>8}")

@@ -105,3 +105,23 @@ def test_machine_probe_measures_latency_and_streaming():
     rows = machine.streaming((1.0,), 2)
     assert len(rows) == 1 and len(rows[0]["gbps"]) == 2 and all(r > 0 for r in rows[0]["gbps"])
     assert machine.main(["--sizes", "0.5"]) == 0
+
+
+def test_machine_probe_without_a_compiler_is_one_line(monkeypatch, tmp_path, capsys):
+    from gpn_scale.bench import machine
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    machine._probe.cache_clear()
+    try:
+        assert machine.main(["--sizes", "0.5"]) == 2
+    finally:
+        machine._probe.cache_clear()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"gpn_scale.bench.machine: machine probe: no C++ compiler '{tmp_path / 'no-such-c++'}' "
+        "on PATH; install g++ or set CXX"
+    ]
+    assert not (tmp_path / "machine_probe").exists() or not any(
+        (tmp_path / "machine_probe").iterdir()
+    )
