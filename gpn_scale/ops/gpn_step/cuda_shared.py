@@ -60,13 +60,15 @@ MEMORY_FORWARD_QUEUE_MAXNREG_SM80 = 168
 # The block flush's (warps, value columns a block, stages), by whether the layer writes the
 # memory and whether the GPU is sm_90 (else sm_80). Its (J, DK) k adjoint rows are read with
 # the block's other loads and held over the value loop (two round trips fewer a block of
-# rows): at 128 registers the settings that hold them without spills differ by variant and
-# arch (ptxas). 4 warps leave four programs per SM, which halves the waves the rows' round
-# trips repeat in; 2 stages, as a third spilled.
+# rows); at the 128-register cap the settings that hold them without a spill differ by
+# variant, arch and Triton version (ptxas), so each entry is the fastest the accounting
+# prices among those that compile spill-free with both triton 3.8 (the pin) and 3.6 (the
+# GPU image's): e.g. a writing layer on sm_90 at 4 warps and 32 columns (four programs an
+# SM) spilled 4 B under 3.6, a reading one at 4 warps and 2 stages too.
 FLUSH_SETTINGS = {
-    (True, True): (4, 32, 2),
+    (True, True): (8, 64, 2),
     (True, False): (4, 32, 2),
-    (False, True): (4, 64, 2),
+    (False, True): (4, 64, 1),
     (False, False): (8, 64, 2),
 }
 FLUSH_MAXNREG = 128
