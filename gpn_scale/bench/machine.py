@@ -33,7 +33,7 @@ from gpn_scale.ops.gpn_step.step_kernels import cpu_build
 
 # Plain C++ with no torch headers, built with the system compiler and loaded through ctypes:
 # through torch's extension build (torch/extension.h, ATen's vector type and parallel_for)
-# this 2 KB file took ~35 s to compile on first use, plain it takes ~1 s. The streaming loop
+# this 2 KB file took ~35 s to compile on first use, plain it takes ~2 s. The streaming loop
 # keeps two vector sums in registers at the build's instruction set (cpu_build: the step
 # kernels' flags), as the ATen version's two Vectorized<float> did.
 _SOURCE = r"""

@@ -2044,9 +2044,9 @@ def memory_backward_flush_kernel(
         rows = rj < b0
         Gj = tl.load(g_base + rj * s_gc, mask=rows, other=0.0)
         both = rows[:, None] & s_ok[None, :]
-        # The rows' k and G adjoints read now, with the block's other loads: read after the
-        # value loop's stores (which hold back every later load: the pointers may alias)
-        # they were two round trips more a block of rows.
+        # The rows' k and G adjoints read here, with the block's other loads: after the value
+        # loop's stores (each holds back every later load: the pointers may alias) they cost
+        # two round trips more a block of rows.
         ok_k = rows[:, None] & k_ok[None, :]
         tile_k = DKA + b * s_dkb + h * s_dkh + rj[:, None] * s_dkc + rk[None, :]
         dK_rows = tl.load(tile_k, mask=ok_k, other=0.0)
