@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 import torch
 
+from gpn_scale.ops.triton_interpreter import prepare_interpreter
 from gpn_scale.testing.s3 import LocalS3
-from gpn_scale.testing.triton_interpreter import speed_up_patching
 
 # The CUDA step backend's Triton kernels run on CPU tensors in Triton's interpreter
 # (tests/ops): it must be chosen before triton decorates them, i.e. before any import of
@@ -46,8 +46,9 @@ from gpn_scale.testing.triton_interpreter import speed_up_patching
 # kernels run compiled on it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Without its per-launch walk of triton.language (testing/triton_interpreter.py).
-    speed_up_patching()
+    # Without its per-launch walk of triton.language, its bf16 casts rounded as the GPU's
+    # (ops/triton_interpreter.py; launches through ops.launch prepare it too).
+    prepare_interpreter()
 
 # One build cache for compiled extensions (the engine's step kernels, DeepSpeed's ops) shared
 # by this process and every child the tests start (the trainer tests pass the same path).

@@ -564,9 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         # Before the kernels are built (on first use, below)
         os.environ["TRITON_INTERPRET"] = "1"
-        from gpn_scale.testing.triton_interpreter import speed_up_patching
+        from gpn_scale.ops.triton_interpreter import prepare_interpreter
 
-        speed_up_patching()
+        prepare_interpreter()
     result = measure_ceilings(device, args.scale)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ceilings.json").write_text(json.dumps(result, indent=2) + "\n")

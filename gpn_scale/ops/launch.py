@@ -11,6 +11,7 @@ and compiles each launch ahead of time from them, as Triton's JIT would on the G
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from gpn_scale.ops.execution import current, execution
+from gpn_scale.ops.triton_interpreter import prepare_interpreter
 
 
 @dataclass
@@ -66,6 +68,8 @@ def launch(
         else:
             ex.launches.append(Launch(name, phase, grid, nbytes, flops))
     if not ex.dry:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            prepare_interpreter()  # its bf16 casts rounded as the GPU's, in any process
         kernel[grid](*args, **meta)
 
 

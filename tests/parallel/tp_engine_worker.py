@@ -32,8 +32,8 @@ from gpn_scale.ops import launch
 from gpn_scale.ops.execution import execution
 from gpn_scale.ops.gpn_step import graphs
 from gpn_scale.ops.gpn_step.registry import ENV_VAR, select_backend
+from gpn_scale.ops.triton_interpreter import prepare_interpreter
 from gpn_scale.testing.models import gpn_cases, perturbed_model, tiny_config
-from gpn_scale.testing.triton_interpreter import speed_up_patching
 from gpn_scale.testing.workers import end_worker
 
 # Widths a tp group of up to 4 splits: 4 heads, d_ffn 24, vocab_size 40 (the embedding / tied
@@ -133,7 +133,7 @@ def _accounting_mismatch(cfg, tp: int, launches, B: int, steps: int) -> float:
 
 
 def main() -> None:
-    speed_up_patching()  # where the test set TRITON_INTERPRET (the cuda backends)
+    prepare_interpreter()  # where the test set TRITON_INTERPRET (the cuda backends)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     os.environ.pop(ENV_VAR, None)  # the backend is the one asked for here

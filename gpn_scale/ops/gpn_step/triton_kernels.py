@@ -178,7 +178,9 @@ def _linear_epilogue(
 @triton.jit
 def _rounded(x, WIDEN: tl.constexpr):
     """x as a store to bf16 rounds it on the GPU (to nearest even); under the interpreter
-    (WIDEN), whose cast truncates, rounded so first (see `_mm_range`)."""
+    (WIDEN) rounded so first (see `_mm_range`). Triton's own interpreter truncates; since
+    ops/triton_interpreter.py rounds its casts for every launch through ops.launch, this is
+    a second guard there, kept until the WIDEN paths are pruned."""
     if WIDEN:
         xb = x.to(tl.float32).to(tl.uint32, bitcast=True)
         xb = (xb + 0x7FFF + ((xb >> 16) & 1)) & 0xFFFF0000
