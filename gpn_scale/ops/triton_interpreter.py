@@ -36,25 +36,46 @@ _PATCHED_FLAG = "_gpn_scale_patched"  # on a function this module put in the int
 _prepared = False
 
 
+def _interpreter_function(name: str, params: list[str]):
+    """(the interpreter module, its function `name`) where TRITON_INTERPRET=1 and the function
+    has the parameters this module was written against; (module, None) where it is replaced
+    already; None where it is not to be replaced (no interpreter, or another shape)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    original = getattr(interpreter, name, None)
+    if original is None:
+        return None
+    if getattr(original, _PATCHED_FLAG, False):
+        return interpreter, None
+    if list(inspect.signature(original).parameters) != params:
+        return None
+    return interpreter, original
+
+
+def _install(interpreter, name: str, replacement, original) -> None:
+    setattr(replacement, _PATCHED_FLAG, True)
+    replacement.__wrapped__ = original
+    setattr(interpreter, name, replacement)
+
+
 def speed_up_patching() -> bool:
     """Cache the interpreter's builtin walk (see the module docstring). Returns whether it is
     in place: False without TRITON_INTERPRET, without triton, or with an interpreter whose
     patching differs from the one this was written against."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    found = _interpreter_function("_patch_builtin", ["pkg", "builder", "scope"])
+    if found is None:
         return False
-    try:
-        from triton.language import core
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_patch_builtin", None)
-    patch_attr = getattr(interpreter, "_patch_attr", None)
-    if original is None or patch_attr is None:
-        return False
-    if getattr(original, _PATCHED_FLAG, False):
+    interpreter, original = found
+    if original is None:
         return True
-    if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    if patch_attr is None:
         return False
+    from triton.language import core
 
     builtins_of: dict[object, list[tuple[str, object]]] = {}  # modules and classes: by identity
 
@@ -71,9 +92,7 @@ def speed_up_patching() -> bool:
             if getattr(pkg, name, None) is member:
                 patch_attr(pkg, name, member, builder, scope)
 
-    setattr(patch_builtin, _PATCHED_FLAG, True)
-    patch_builtin.__wrapped__ = original  # type: ignore[attr-defined]
-    interpreter._patch_builtin = patch_builtin
+    _install(interpreter, "_patch_builtin", patch_builtin, original)
     return True
 
 
@@ -82,24 +101,21 @@ def round_bf16_casts_to_nearest_even() -> bool:
     docstring). Returns whether it is in place: False without TRITON_INTERPRET, without
     triton, or with an interpreter whose conversion differs from the one this was written
     against."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    found = _interpreter_function(
+        "_convert_float", ["input", "input_dtype", "output_dtype", "rounding_mode"]
+    )
+    if found is None:
         return False
-    try:
-        import numpy as np
-        import torch
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_convert_float", None)
-    rounding = getattr(getattr(interpreter, "_ir", None), "ROUNDING_MODE", None)
-    if original is None or rounding is None:
-        return False
-    if getattr(original, _PATCHED_FLAG, False):
+    interpreter, original = found
+    if original is None:
         return True
-    wanted = ["input", "input_dtype", "output_dtype", "rounding_mode"]
-    if list(inspect.signature(original).parameters) != wanted:
+    rounding = getattr(getattr(interpreter, "_ir", None), "ROUNDING_MODE", None)
+    if rounding is None:
         return False
+    import numpy as np
+    import torch
+    import triton.language as tl
+
     toward_zero = rounding.RTZ
 
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
@@ -109,9 +125,7 @@ def round_bf16_casts_to_nearest_even() -> bool:
             return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return original(input, input_dtype, output_dtype, rounding_mode)
 
-    setattr(convert_float, _PATCHED_FLAG, True)
-    convert_float.__wrapped__ = original  # type: ignore[attr-defined]
-    interpreter._convert_float = convert_float
+    _install(interpreter, "_convert_float", convert_float, original)
     return True
 
 
@@ -120,4 +134,6 @@ def prepare_interpreter() -> None:
     every interpreted launch)."""
     global _prepared
     if not _prepared:
-        _prepared = speed_up_patching() & round_bf16_casts_to_nearest_even()
+        cached = speed_up_patching()
+        rounded = round_bf16_casts_to_nearest_even()
+        _prepared = cached and rounded
