@@ -577,16 +577,3 @@ def test_a_programs_instructions_leave_out_the_branch_arms_it_skips():
     # outside loops 100 - 10 - 30 skipped, the loop's 10 four times
     assert kernel_costs.issued_instructions(100, [10], (4.0,), skipped=30) == 100.0
     assert kernel_costs.issued_instructions(100, [10], (), skipped=30) == 0.0  # unmatched loops
-
-
-def test_the_meta_gemm_probe_is_no_launch_of_the_step_it_first_runs_in():
-    """functional._meta_gemm_takes_out_dtype runs an addmm on meta tensors once a process:
-    inside the accounting's recorder that was a 16-FLOP launch of whichever step came first
-    (the Transformer++ baseline's FLOPs were exact only after a GPN had been accounted)."""
-    from gpn_scale.accounting.kernel_record import AtenRecorder
-    from gpn_scale.ops.gpn_step import functional
-
-    functional._meta_gemm_takes_out_dtype.cache_clear()
-    with AtenRecorder(sequential=True) as recorder:
-        functional._meta_gemm_takes_out_dtype()
-    assert recorder.ops == []

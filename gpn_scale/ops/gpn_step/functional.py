@@ -3,11 +3,11 @@ PyTorch step reference: the norms, their backward, and matmuls in the autocast d
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from gpn_scale.ops import meta_kernels
 
 
 def rms(x: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
@@ -79,24 +79,11 @@ def matmul_copy_dtype(t: Tensor, mm_dtype: torch.dtype | None) -> torch.dtype | 
     return mm_dtype if mm_dtype is not None and mm_dtype != t.dtype and gpu_path(t) else None
 
 
-@functools.cache
-def _meta_gemm_takes_out_dtype() -> bool:
-    """Whether this torch's meta kernels take addmm's out_dtype: torch 2.11's decomposition
-    passes it on as `beta` (TypeError; the H200 image's torch, where the device check's
-    kernel prebuild runs the CUDA path on meta tensors). Where they do not, a meta result
-    of the right shape and dtype stands in: the Triton launches, not this GEMM, are what
-    the prebuild records. The probe runs below any dispatch mode: the accounting's recorder
-    (accounting/kernel_record.AtenRecorder) would count it as a launch of the step it first
-    ran in."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    x = torch.empty(2, 2, device="meta", dtype=torch.bfloat16)
-    with _disable_current_modes():
-        try:
-            torch.addmm(torch.empty(2, device="meta"), x, x, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            return False
-    return True
+def _meta_gemms_run(t: Tensor) -> None:
+    """On meta tensors (the launch accounting, the kernel prebuild), make sure this torch
+    runs the GEMMs with out_dtype there (ops/meta_kernels: torch 2.11's do not)."""
+    if t.device.type == "meta":
+        meta_kernels.ensure_meta_addmm_out_dtype()
 
 
 def linear_out(
@@ -113,13 +100,7 @@ def linear_out(
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(x2.shape[0], -1)
     if gpu_path(x) and weight.dtype != out_dtype:
-        if x.device.type == "meta" and not _meta_gemm_takes_out_dtype():
-            y = (
-                x2.new_empty((x2.shape[0], weight.shape[1]), dtype=out_dtype)
-                if out2 is None
-                else out2
-            )
-            return y.view(*x.shape[:-1], -1)
+        _meta_gemms_run(x)
         y = (
             torch.addmm(bias.to(out_dtype), x2, weight, out_dtype=out_dtype, out=out2)
             if bias is not None
@@ -139,9 +120,7 @@ def add_product_(acc: Tensor, a: Tensor, b: Tensor) -> None:
     to float32 and added it, ~2.5x acc's bytes per block (the 130M model's 32000 x 768
     embedding, 256 blocks a step at B = 128), and rounded each block's product to bf16
     before the sum. Elsewhere (CPU, equal dtypes) that form, unchanged."""
-    # (torch 2.11's meta addmm refuses out_dtype: a dry run there records the three passes)
-    meta_ok = acc.device.type != "meta" or _meta_gemm_takes_out_dtype()
-    if a.dtype != acc.dtype and gpu_path(acc) and meta_ok:
+    if a.dtype != acc.dtype and gpu_path(acc):
         accumulate_mm(acc, a, b, a.dtype)
         return
     acc += (a @ b).to(acc.dtype)
@@ -152,8 +131,7 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, mm_dtype: torch.dtype | Non
     matmul dtype (bf16 tensor cores, fp32 accumulation straight into acc: cuBLAS beta = 1);
     otherwise in acc's dtype (float32 or float64: the exactness tests stay in IEEE)."""
     if mm_dtype is not None and gpu_path(acc):
-        if acc.device.type == "meta" and not _meta_gemm_takes_out_dtype():
-            return  # nothing to add on meta tensors; see _meta_gemm_takes_out_dtype
+        _meta_gemms_run(acc)
         torch.addmm(acc, a.to(mm_dtype), b.to(mm_dtype), out_dtype=acc.dtype, out=acc)
         return
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
