@@ -7,8 +7,10 @@ condition is known, `@triton.jit` helpers inlined (the rules: round_trips.py's d
 from __future__ import annotations
 
 import ast
+import dis
 import functools
 import inspect
+import linecache
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,17 +60,65 @@ class _Return(Exception):
     pass
 
 
+class SourceChanged(RuntimeError):
+    """A kernel's file changed on disk after it was imported: its source there is no longer
+    the code that runs, so the walk would price another function's (or version's) program."""
+
+
+# Triton's own copy of a compiled @triton.jit function's source lines, read when it was
+# defined (the source it compiles), by Python function (`_python_fn` notes it).
+_DEFINED_SOURCE: dict[Any, tuple[str, ...]] = {}
+
+
 @functools.cache
 def _parsed(fn: Any) -> tuple[ast.FunctionDef, dict[str, Any]]:
-    source = textwrap.dedent(inspect.getsource(fn))
-    tree = ast.parse(source)
+    lines = _DEFINED_SOURCE.get(fn) or _file_source(fn)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
     node = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
     return node, fn.__globals__
 
 
+def _file_source(fn: Any) -> tuple[str, ...]:
+    """fn's source lines as its file has them now, checked against fn's code: inspect reads
+    the file at the line the code object recorded, so an edit to the file since the import
+    hands the walk another function, or fn's lines moved. Each name fn's code loads or
+    stores must stand in the file where the code says it does (an edit that moves none of
+    them, text added after the last, goes unseen)."""
+    lines, first = inspect.getsourcelines(fn)
+    code = fn.__code__
+    text = linecache.getlines(code.co_filename)
+    for ins in dis.get_instructions(code):
+        where = ins.positions
+        if not (
+            isinstance(ins.argval, str)
+            and (ins.opcode in dis.hasname or ins.opcode in dis.haslocal)
+            and where is not None
+            and where.lineno is not None
+            and where.lineno == where.end_lineno
+            and where.col_offset is not None
+            and where.end_col_offset is not None
+        ):
+            continue
+        line = text[where.lineno - 1].encode() if where.lineno <= len(text) else b""
+        found = line[where.col_offset : where.end_col_offset].decode(errors="replace")
+        if not found.endswith(ins.argval):  # `tl.exp` for the attribute exp
+            raise SourceChanged(
+                f"round trips: {code.co_filename} changed since {fn.__name__} was imported: "
+                f"its code has {ins.argval} at line {where.lineno}, the file now "
+                f"{found.strip()!r}; run again in a new process"
+            )
+    return tuple(lines)
+
+
 def _python_fn(kernel: Any) -> Any:
     """The Python function behind a @triton.jit object (or the function itself)."""
-    return getattr(kernel, "fn", kernel)
+    fn = getattr(kernel, "fn", kernel)
+    raw, code = getattr(kernel, "raw_src", None), getattr(fn, "__code__", None)
+    # (the copy starts where fn's code does: its first decorator's line)
+    first = getattr(kernel, "starting_line_number", None)
+    if raw and code is not None and first == code.co_firstlineno:
+        _DEFINED_SOURCE.setdefault(fn, tuple(raw))
+    return fn
 
 
 def _is_jit(obj: Any) -> bool:

@@ -4,6 +4,7 @@ count by hand, and on the CUDA backend's own kernels at the shipped sizes."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
@@ -189,6 +190,71 @@ def test_loop_executions_line_up_with_the_loops_the_compiler_keeps():
     assert round_trips.loop_order(_constexpr_loop, {"N": 3840, "BLOCK": 4096}) == ()
     assert len(round_trips.loop_order(_constexpr_loop, {"N": 3840, "BLOCK": 1024})) == 1
     assert len(round_trips.loop_order(_constexpr_loop, {"BLOCK": 1024})) == 1  # N unknown
+
+
+KERNELS_FILE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def first_kernel(X):
+    tl.store(X, 1.0)
+
+
+@triton.jit
+def second_kernel(X, FIRST: tl.constexpr, LAST: tl.constexpr):
+    for s in tl.static_range(FIRST, LAST):
+        tl.store(
+            X + s,
+            tl.load(X + 8 + s) * 2.0,
+        )
+"""
+
+
+def _import_file(path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # a function added above: at second_kernel's line the file now has another function
+        lambda src: src.replace(
+            "@triton.jit", "@triton.jit\ndef added(X):\n    pass\n\n\n@triton.jit", 1
+        ),
+        # a line added inside second_kernel: same name, its statements moved down
+        lambda src: src.replace("    for s in", "    X = X + 1\n    for s in"),
+    ],
+    ids=["function added above", "function edited"],
+)
+def test_a_kernel_file_edited_after_its_import(tmp_path, edit):
+    """inspect reads a function's source from its file as it is now: edited since the import
+    (and before the walk first parsed it), the walk priced another function's program (a
+    device-check smoke once failed on a `static_range(FIRST, LAST)` of a kernel it was never
+    given). A compiled kernel is walked over Triton's own copy of its source, the one it
+    compiles; a function without one is refused."""
+    from triton.runtime.jit import JITFunction
+
+    from gpn_scale.accounting import round_trips_walk
+
+    path = tmp_path / "kernels_under_edit.py"
+    path.write_text(KERNELS_FILE)
+    name = f"kernels_under_edit_{abs(hash(str(tmp_path)))}"
+    plain = _import_file(path, name + "_plain").second_kernel
+    plain = getattr(plain, "fn", plain)  # the Python function: no copy of its source
+    second = _import_file(path, name + "_compiled").second_kernel
+    compiled = JITFunction(getattr(second, "fn", second))  # what triton.jit makes on a GPU
+    path.write_text(edit(KERNELS_FILE))
+    meta = {"FIRST": 0, "LAST": 2}
+    assert round_trips.analyse(compiled, (None,), meta).trips == 2
+    with pytest.raises(round_trips_walk.SourceChanged, match="kernels_under_edit.py changed"):
+        round_trips.analyse(plain, (None,), meta)
+    fresh = _import_file(path, name + "_edited")
+    assert round_trips.analyse(fresh.second_kernel, (None,), meta).trips == 2  # imported anew
 
 
 def test_makespan_places_programs_on_the_first_free_slot():
