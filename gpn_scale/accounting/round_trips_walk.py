@@ -84,7 +84,7 @@ def _file_source(fn: Any) -> tuple[str, ...]:
     hands the walk another function, or fn's lines moved. Each name fn's code loads or
     stores must stand in the file where the code says it does (an edit that moves none of
     them, text added after the last, goes unseen)."""
-    lines, first = inspect.getsourcelines(fn)
+    lines, _ = inspect.getsourcelines(fn)
     code = fn.__code__
     text = linecache.getlines(code.co_filename)
     for ins in dis.get_instructions(code):
