@@ -113,11 +113,13 @@ def _file_source(fn: Any) -> tuple[str, ...]:
 def _python_fn(kernel: Any) -> Any:
     """The Python function behind a @triton.jit object (or the function itself)."""
     fn = getattr(kernel, "fn", kernel)
+    if fn in _DEFINED_SOURCE:  # (called for every launch the accounting prices)
+        return fn
     raw, code = getattr(kernel, "raw_src", None), getattr(fn, "__code__", None)
     # (the copy starts where fn's code does: its first decorator's line)
     first = getattr(kernel, "starting_line_number", None)
     if raw and code is not None and first == code.co_firstlineno:
-        _DEFINED_SOURCE.setdefault(fn, tuple(raw))
+        _DEFINED_SOURCE[fn] = tuple(raw)
     return fn
 
 

@@ -44,7 +44,7 @@ def ensure_meta_addmm_out_dtype() -> None:
     """Make addmm with out_dtype run on meta tensors: nothing where torch's own kernel does,
     else register `addmm_dtype` and `addmm_dtype_out` as its Meta kernels (once a process)."""
     global _LIBRARY
-    if _LIBRARY is not None or meta_addmm_takes_out_dtype():
+    if meta_addmm_takes_out_dtype():  # (True once these are registered, too)
         return
     library = torch.library.Library("aten", "IMPL")
     library.impl("addmm.dtype", addmm_dtype, "Meta", allow_override=True)
