@@ -41,7 +41,12 @@ import torch
 from gpn_scale.data import streaming_compat
 from gpn_scale.data.errors import DataError
 from gpn_scale.data.metadata import DatasetMetadata, check_compatible, read_metadata
-from gpn_scale.data.shm import clean_stale_streaming_shm, record_owner, registration_lock
+from gpn_scale.data.shm import (
+    clean_stale_streaming_shm,
+    record_owner,
+    registration_lock,
+    untrack_streaming_segments,
+)
 from gpn_scale.data.storage import Location, join
 
 STATE_VERSION = 1
@@ -228,6 +233,7 @@ def _token_dataset_class() -> type:
         _gpn_cache: str = ""
 
         def __iter__(self) -> Iterator[dict[str, Any]]:
+            untrack_streaming_segments()  # a DataLoader worker of another start method
             self._background_error = None
             try:
                 yield from super().__iter__()
@@ -428,6 +434,7 @@ def build_loader(
     _check_split(cfg.remote, meta, split)
 
     _ensure_world_env(rank, world_size)
+    untrack_streaming_segments()  # before streaming makes a segment (shm.py says why)
     local_leader = int(os.environ["LOCAL_RANK"]) == 0
     cache_dir = _prepare_cache(cfg, split, world_size, local_leader)
 

@@ -19,7 +19,8 @@ and either their segments are older than `MIN_AGE_S` or their `_locals` segment 
 one of *our* cache directories. Stale segments, their filelocks and records are removed.
 
 It also serialises streaming's prefix registration among the jobs of one machine
-(`registration_lock`).
+(`registration_lock`), and keeps streaming's segments out of Python's resource tracker
+(`untrack_streaming_segments`): the cleaner is then the only one that removes a dead job's.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import json
 import os
 import re
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -41,6 +43,56 @@ _MAPPED = re.compile(r"/dev/shm/(\d{6})_([a-z_]+)")
 # Segments of other jobs younger than this are left alone: a job may be between creating
 # and mapping them, and a just-killed job's owner may want to look at them.
 MIN_AGE_S = 30.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Python's resource tracker.
+#
+# Python (3.11, 3.12) registers every shared-memory segment a process creates with that
+# process's resource tracker, a helper process that unlinks, by name, whatever is still
+# registered when the process dies. After a SIGKILL that happens a moment later, or much later
+# when a child (a DataLoader worker) still holds the tracker's pipe. Meanwhile the cleaner
+# below may have removed the dead job's segments and a new loader registered the same prefix
+# number: the tracker then unlinks the new loader's live segments. The next loader takes that
+# number again, and the two share every segment streaming opens by name: one reads the
+# other's resume state (seen in the suite as a held-out loss of other windows; reproduced
+# with the tracker paused across the kill). So streaming's segments are not tracked: a dead
+# job's stay until the cleaner, which knows their owner and holds the machine's lock, removes
+# them (as after a kill of the whole process group, which takes the tracker with it).
+_STREAMING_NAME = re.compile(r"^/?\d{6}_[a-z_]+$")
+_UNTRACK_LOCK = threading.Lock()
+_UNTRACKED: set[str] = set()  # streaming segments this process made and did not register
+
+
+def untrack_streaming_segments() -> None:
+    """Keep the streaming segments (`NNNNNN_*`) this process makes from now on out of its
+    resource tracker (see above); every other registration goes through, and so does the
+    unregistration of a segment registered before. Once per process, before the first
+    segment is made (a forked DataLoader worker inherits it). Python 3.13's
+    `SharedMemory(track=False)` says the same per segment; streaming does not pass it."""
+    from multiprocessing import resource_tracker
+
+    with _UNTRACK_LOCK:
+        if getattr(resource_tracker.register, "_gpn_untracked", False):
+            return
+        register, unregister = resource_tracker.register, resource_tracker.unregister
+
+        # (typeshed's name is `Sized`: the tracker takes any name its cleanup function does)
+        def register_unless_streaming(name: Sized, rtype: str) -> None:
+            if rtype == "shared_memory" and isinstance(name, str) and _STREAMING_NAME.match(name):
+                _UNTRACKED.add(name)
+                return
+            register(name, rtype)
+
+        def unregister_if_registered(name: Sized, rtype: str) -> None:
+            if rtype == "shared_memory" and name in _UNTRACKED:
+                _UNTRACKED.discard(name)
+                return
+            unregister(name, rtype)
+
+        register_unless_streaming._gpn_untracked = True  # type: ignore[attr-defined]
+        resource_tracker.register = register_unless_streaming
+        resource_tracker.unregister = unregister_if_registered
 
 
 # Owner records, one per prefix registered by our loaders (beside the segments; the name

@@ -3,6 +3,7 @@ cache directory (with its own per-run TMPDIR) must still start."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -468,3 +469,86 @@ def test_the_ranks_of_a_node_register_their_local_leaders_prefix(tmp_path):
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     got = [out.split("PREFIX", 1)[1].split() for out, _ in outs]
     assert got == [["5", "True"], ["5", "True"], ["7", "True"]]
+
+
+TRACKER_SPY = r"""
+import sys, uuid
+from multiprocessing import resource_tracker, shared_memory
+sent = []
+resource_tracker._resource_tracker._send = lambda cmd, name, rtype: sent.append((cmd, name))
+from gpn_scale.data import DataConfig, build_loader
+loader = build_loader(DataConfig(remote=sys.argv[1], local_cache=sys.argv[2]), "train", 4, 0, 1)
+state = loader.state_dict()
+first = sum(1 for _ in loader)
+loader.load_state_dict(state)  # the resume segment, then an epoch that reads it
+second = sum(1 for _ in loader)
+loader.close()
+other = shared_memory.SharedMemory(f"gpn-test-{uuid.uuid4().hex[:8]}", create=True, size=8)
+other.close(); other.unlink()
+print("BATCHES", first, second)
+print("SENT", sent)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+def test_streaming_segments_never_reach_the_resource_tracker(tmp_path):
+    """Python's resource tracker unlinks a dead process's segments by name, a moment after a
+    SIGKILL: by then the prefix may be another live loader's, which then shares its resume
+    state with the next (shm.py). A loader's segments are not registered with it; other
+    shared memory still is, and is unregistered when unlinked."""
+    root = str(tmp_path / "ds")
+    build_counter_dataset(root, n_windows=32, val_windows=8)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACKER_SPY, root, str(tmp_path / "cache")],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.split("BATCHES", 1)[1].split()[:2]
+    assert first == second != "0", proc.stdout
+    sent = eval(proc.stdout.split("SENT", 1)[1])  # noqa: S307 - our own child's repr
+    assert [cmd for cmd, name in sent if "gpn-test-" in name] == ["REGISTER", "UNREGISTER"]
+    assert [(cmd, name) for cmd, name in sent if re.search(r"/\d{6}_", name)] == []
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+def test_a_loader_killed_alone_leaves_its_segments_to_the_cleaner(tmp_path):
+    """SIGKILL the loader's process alone (its DataLoader workers and any resource tracker
+    live on a moment, as after `kill -9` of a trainer): nothing unlinks its segments behind
+    the cleaner's back. Before, its tracker did ('There appear to be N leaked
+    shared_memory objects'), by name, after the cleaner could have handed the prefix to a
+    new loader."""
+    root, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    build_counter_dataset(root, n_windows=72, val_windows=8)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD.replace("local_cache=", "num_workers=2, local_cache="),
+            root,
+            cache,
+        ],
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+            ),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        os.kill(child.pid, signal.SIGKILL)
+        # stderr ends when every process holding it has exited: the workers and a tracker
+        _, err = child.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    assert "leaked shared_memory" not in err, err[-3000:]
+    clean_stale_streaming_shm(our_locals=[os.path.join(cache, "train")])  # its owner is dead
