@@ -90,6 +90,12 @@ def _gemm_plan_on_sm80(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]] | 
     return plan.meta(), plan.grid(M, N)
 
 
+def _other_row_block(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]]:
+    """The memory forward walking M0 in the row block it does not ship with on this Triton
+    (16 rows, or 8 where its item queue takes 8: cuda_forward.row_block), same grid."""
+    return {"BLOCK_R": 16 if r.launch.meta["BLOCK_R"] < 16 else 8}, r.launch.grid
+
+
 # A what-if: a change of a launch's meta-parameters, or a function of the launch giving one
 # and the grid it needs (None: not for this launch).
 WhatIf = dict[str, int] | Callable[[Recorded], tuple[dict[str, int], tuple[int, ...]] | None]
@@ -108,7 +114,7 @@ WHAT_IFS: dict[str, tuple[tuple[str, WhatIf], ...]] = {
         ("3 stages", {"STAGES": 3}),
         ("5 stages", {"STAGES": 5}),
         ("loops not pipelined", {"STAGES": 1}),
-        ("8 rows of M0 a block", {"BLOCK_R": 8}),
+        ("the other row block (16 or 8 rows of M0)", _other_row_block),
         ("16 history rows a block", {"BLOCK_J": 16}),
     ),
     "linear_kernel": (("128-wide panels (the sm_80 plan)", _gemm_plan_on_sm80),),

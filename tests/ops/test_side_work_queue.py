@@ -100,6 +100,22 @@ def test_a_dry_run_reserves_the_share_of_its_sms():
     assert all(r.meta["EMULATED_SMS"] == 0 for r in memory)
 
 
+@pytest.mark.parametrize(
+    ("version", "queued_rows"), [((3, 6), 8), ((3, 7), 8), ((3, 8), 16), ((4, 0), 16)]
+)
+def test_the_forward_queue_walks_fewer_rows_a_block_before_triton_3_8(
+    version, queued_rows, monkeypatch
+):
+    """Triton 3.6 spills the memory forward's item queue at 16 rows of M0 a block (cuda_shared
+    says why); there it takes 8, and the plain grid keeps 16 under every version."""
+    monkeypatch.setattr(geometry, "triton_version", lambda: version)
+    for share, rows in ((0.25, queued_rows), (0.0, 16)):
+        case = gpu_compile.Case("testing_tiny", 3, overrides=(("side_work_sm_share", share),))
+        records = gpu_compile.record_launches(case, sm_count=132, arch=90)
+        forward = [r for r in records if r.kernel is tk.memory_forward_kernel]
+        assert forward and {r.meta["BLOCK_R"] for r in forward} == {rows}, (share, version)
+
+
 @pytest.mark.parametrize("bad", [1.0, -0.1, "half", True])
 def test_the_share_is_checked(bad):
     assert EngineOptions().side_work_sm_share == 0.25

@@ -16,6 +16,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     MEMORY_FORWARD_HISTORY_BLOCK,
     MEMORY_FORWARD_MAXNREG,
     MEMORY_FORWARD_QUEUE_MAXNREG_SM80,
+    MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8,
     MEMORY_FORWARD_ROW_BLOCK,
     MEMORY_FORWARD_STAGES,
     MEMORY_FORWARD_STAGES_BF16_READS,
@@ -356,7 +357,7 @@ def _memory_forward(
         **layer_meta(plan, i),
         BLOCK_DV=geometry.p2(max(dv, 1)),
         BLOCK_DK=blocks["BLOCK_DK"],
-        BLOCK_R=4 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_ROW_BLOCK, dv),
+        BLOCK_R=4 if geometry.interpreting(y) else _rows(row_block(bool(fm.reserve)), dv),
         BLOCK_J=2 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
         STAGES=MEMORY_FORWARD_STAGES_BF16_READS
@@ -369,6 +370,14 @@ def _memory_forward(
         **fm.reserve,
         **geometry.dependent_launch(y),
     )
+
+
+def row_block(queued: bool) -> int:
+    """The M0 rows a memory forward program walks a block (at d_value 256): the item queue's
+    under a Triton before 3.8 take fewer (cuda_shared says why)."""
+    if queued and geometry.triton_version() < (3, 8):
+        return MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8
+    return MEMORY_FORWARD_ROW_BLOCK
 
 
 def _rows(at_256: int, dv: int) -> int:

@@ -46,6 +46,13 @@ MEMORY_BACKWARD_WARPS = 4
 MEMORY_BACKWARD_MAXNREG = 128
 MEMORY_BACKWARD_STAGES = 6
 MEMORY_FORWARD_ROW_BLOCK = 16
+# ... in its item queue (side_work_sm_share) with a Triton before 3.8 (3.6: the GPU image's).
+# Its M0 loop reads the q and k rows of a block again each iteration; 3.8 copies each row
+# once (cp.async) and shares it, 3.6 copies every row a thread holds (8 of 16), and LLVM
+# keeps those copies' shared-memory addresses in registers across the item loop: 164 B a
+# thread of spills at 16 rows, none at 8. Accounting, 130M, B = 128, H200, under 3.6: 1.196
+# -> 1.159 s a step; under 3.8 8 rows would cost 1.104 -> 1.128 s, so 3.8 keeps 16.
+MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8 = 8
 MEMORY_FORWARD_HISTORY_BLOCK = 8
 MEMORY_FORWARD_WARPS = 4
 MEMORY_FORWARD_STAGES = 4

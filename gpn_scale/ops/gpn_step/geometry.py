@@ -78,6 +78,16 @@ def arch(t: Tensor) -> int:
     return DRY_RUN_ARCH
 
 
+@functools.cache
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the Triton that compiles the launches: kernel settings whose compiled
+    code differs by version (spills) are chosen by it."""
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def dependent_launch(t: Tensor) -> dict[str, bool]:
     """The launch settings that make a time-step kernel on `t`'s device a programmatic
     dependent launch (PDL: it starts while the kernel before it finishes, and waits for it
