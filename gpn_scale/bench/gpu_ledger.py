@@ -92,8 +92,19 @@ def _gemm_plan_on_sm80(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]] | 
 
 def _other_row_block(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]]:
     """The memory forward walking M0 in the row block it does not ship with on this Triton
-    (16 rows, or 8 where its item queue takes 8: cuda_forward.row_block), same grid."""
-    return {"BLOCK_R": 16 if r.launch.meta["BLOCK_R"] < 16 else 8}, r.launch.grid
+    (the plain one, or the one its item queue takes before Triton 3.8:
+    cuda_forward.row_block), at the launch's d_value, same grid."""
+    from gpn_scale.ops.gpn_step import cuda_forward, cuda_shared
+
+    dv = r.launch.meta["BLOCK_DV"]
+    plain, queued = (
+        cuda_forward.rows_a_block(at_256, dv)
+        for at_256 in (
+            cuda_shared.MEMORY_FORWARD_ROW_BLOCK,
+            cuda_shared.MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8,
+        )
+    )
+    return {"BLOCK_R": queued if r.launch.meta["BLOCK_R"] == plain else plain}, r.launch.grid
 
 
 # A what-if: a change of a launch's meta-parameters, or a function of the launch giving one

@@ -357,8 +357,8 @@ def _memory_forward(
         **layer_meta(plan, i),
         BLOCK_DV=geometry.p2(max(dv, 1)),
         BLOCK_DK=blocks["BLOCK_DK"],
-        BLOCK_R=4 if geometry.interpreting(y) else _rows(row_block(bool(fm.reserve)), dv),
-        BLOCK_J=2 if geometry.interpreting(y) else _rows(MEMORY_FORWARD_HISTORY_BLOCK, dv),
+        BLOCK_R=4 if geometry.interpreting(y) else rows_a_block(row_block(bool(fm.reserve)), dv),
+        BLOCK_J=2 if geometry.interpreting(y) else rows_a_block(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
         STAGES=MEMORY_FORWARD_STAGES_BF16_READS
         if M0 is not None and M0.dtype == torch.bfloat16
@@ -380,7 +380,7 @@ def row_block(queued: bool) -> int:
     return MEMORY_FORWARD_ROW_BLOCK
 
 
-def _rows(at_256: int, dv: int) -> int:
+def rows_a_block(at_256: int, dv: int) -> int:
     """The memory forward's rows a block (given for d_value 256): fewer for wider values, so
     that its (rows, d_value) accumulators keep their registers (d_value 512 with 16 rows
     spilled ~300 B a thread)."""
