@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -107,25 +108,8 @@ def _loader_rates(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m gpn_scale.bench.data", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
-    parser.add_argument(
-        "--workers", type=int, default=2, help="tokeniser processes and loader workers to also try"
-    )
-    parser.add_argument("--warm-epochs", type=int, default=3)
-    parser.add_argument("--bpe-vocab", type=int, default=8192)
-    parser.add_argument("--max-bytes", type=int, default=3_000_000, help="corpus size")
-    parser.add_argument("--json", action="store_true", help="print JSON only")
-    args = parser.parse_args(argv)
-
-    workdir = tempfile.mkdtemp(prefix="gpn-bench-data-")
-    os.environ["TMPDIR"] = workdir  # streaming's filelocks: private to this run
-    tempfile.tempdir = workdir
-
+def _measure(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+    """Tokenisation and loader rates, everything written under `workdir`."""
     from data_tools.build import BuildOptions, build_dataset
     from data_tools.default_corpus import default_corpus_documents
     from data_tools.tokenizer import resolve_tokenizer
@@ -156,6 +140,32 @@ def main(argv: list[str] | None = None) -> int:
     best_warm = max(r["warm_tokens_per_s"] for r in result["loader"])
     result["target_tokens_per_s"] = TARGET_TOKENS_PER_S
     result["meets_target"] = best_warm >= TARGET_TOKENS_PER_S
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpn_scale.bench.data", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="tokeniser processes and loader workers to also try"
+    )
+    parser.add_argument("--warm-epochs", type=int, default=3)
+    parser.add_argument("--bpe-vocab", type=int, default=8192)
+    parser.add_argument("--max-bytes", type=int, default=3_000_000, help="corpus size")
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    args = parser.parse_args(argv)
+
+    workdir = tempfile.mkdtemp(prefix="gpn-bench-data-")
+    os.environ["TMPDIR"] = workdir  # streaming's filelocks: private to this run
+    tempfile.tempdir = workdir
+    try:
+        result = _measure(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # the corpus, tokenizers and shards: ~8 MB
+    best_warm = max(r["warm_tokens_per_s"] for r in result["loader"])
 
     if args.json:
         print(json.dumps(result, indent=2))

@@ -94,9 +94,13 @@ class LocalSlurm:
         cpus: int | None = None,
         timeout_s: float = 300,
     ):
-        if state_dir is None or len(str(state_dir)) > MAX_STATE_DIR_LEN:
+        # A state directory made here is this object's to remove (stop() does, once the
+        # cluster came up; after a failed start it stays, since the error points at its logs).
+        self.owns_state_dir = state_dir is None or len(str(state_dir)) > MAX_STATE_DIR_LEN
+        if self.owns_state_dir:
             state_dir = tempfile.mkdtemp(prefix="gpn-slurm-", dir="/tmp")
         self.state_dir = Path(state_dir)
+        self.start_failed = False
         self.port_base = port_base or free_port_base()
         self.with_dbd = with_dbd
         self.cpus = cpus
@@ -142,12 +146,14 @@ class LocalSlurm:
                 timeout=self.timeout_s,
             )
         except subprocess.TimeoutExpired as err:
+            self.start_failed = True
             raise SlurmStartError(
                 f"slurm/local/start.sh took over {self.timeout_s:.0f}s; logs in "
                 f"{self.state_dir / 'log'}"
             ) from err
         self.started = True  # partially started daemons must still be stopped
         if proc.returncode != 0:
+            self.start_failed = True
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
             raise SlurmStartError(
                 f"slurm/local/start.sh failed (exit {proc.returncode}); "
@@ -155,9 +161,14 @@ class LocalSlurm:
             )
         return self
 
+    def _purge_on_stop(self, purge: bool) -> bool:
+        return purge or (self.owns_state_dir and not self.start_failed)
+
     def stop(self, purge: bool = False) -> str:
+        """Stop the daemons; `purge` also removes the state directory (always done for one
+        this object made, unless its start failed)."""
         env = self._script_env()
-        env["SLURM_LOCAL_PURGE"] = "1" if purge else "0"
+        env["SLURM_LOCAL_PURGE"] = "1" if self._purge_on_stop(purge) else "0"
         proc = subprocess.run(
             ["bash", str(SCRIPTS / "stop.sh")], env=env, text=True, capture_output=True, timeout=120
         )
@@ -270,8 +281,10 @@ class TwoNodeSlurm(LocalSlurm):
                 timeout=self.timeout_s,
             )
         except subprocess.TimeoutExpired as err:
+            self.start_failed = True
             raise SlurmStartError(f"two_nodes.sh start took over {self.timeout_s:.0f}s") from err
         if proc.returncode != 0:
+            self.start_failed = True
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
             raise SlurmStartError(f"slurm/local/two_nodes.sh failed: {tail}")
         return self
@@ -285,6 +298,8 @@ class TwoNodeSlurm(LocalSlurm):
             timeout=120,
         )
         self.started = False
+        if self._purge_on_stop(purge):
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return proc.stdout + proc.stderr
 
     def run(

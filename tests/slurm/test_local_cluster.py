@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 
 import pytest
@@ -108,3 +110,31 @@ def test_start_is_idempotent_and_stop_stops_every_daemon(tmp_path_factory):
             not os.path.exists(f"/proc/{pid}/comm")
             or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
         )
+
+
+def test_stop_removes_a_state_dir_made_here_and_keeps_a_given_one():
+    """The suite runs many clusters; one whose state directory LocalSlurm made in /tmp must
+    not outlive it (they piled up over runs), while a directory the caller gave, or the logs of
+    a cluster that failed to start, stay for whoever reads them."""
+    made = LocalSlurm(with_dbd=False, cpus=1)
+    assert made.owns_state_dir and made.state_dir.is_dir()
+    made.stop()
+    assert not made.state_dir.exists()
+
+    given_dir = tempfile.mkdtemp(prefix="gpn-test-slurm-", dir="/tmp")  # short enough to keep
+    try:
+        given = LocalSlurm(given_dir, with_dbd=False, cpus=1)
+        assert not given.owns_state_dir
+        given.stop()
+        assert given.state_dir.is_dir()
+    finally:
+        shutil.rmtree(given_dir, ignore_errors=True)
+
+    failed = LocalSlurm(with_dbd=False, cpus=1)
+    failed.start_failed = True  # as start() marks it when start.sh fails or times out
+    try:
+        failed.stop()
+        assert failed.state_dir.is_dir()
+    finally:
+        failed.stop(purge=True)
+    assert not failed.state_dir.exists()
