@@ -97,7 +97,7 @@ class LocalSlurm:
         # A state directory made here is this object's to remove (stop() does, once the
         # cluster came up; after a failed start it stays, since the error points at its logs).
         self.owns_state_dir = state_dir is None or len(str(state_dir)) > MAX_STATE_DIR_LEN
-        if self.owns_state_dir:
+        if state_dir is None or self.owns_state_dir:
             state_dir = tempfile.mkdtemp(prefix="gpn-slurm-", dir="/tmp")
         self.state_dir = Path(state_dir)
         self.start_failed = False
