@@ -96,10 +96,11 @@ class LocalSlurm:
     ):
         # A state directory made here is this object's to remove (stop() does, once the
         # cluster came up; after a failed start it stays, since the error points at its logs).
-        self.owns_state_dir = state_dir is None or len(str(state_dir)) > MAX_STATE_DIR_LEN
-        if state_dir is None or self.owns_state_dir:
-            state_dir = tempfile.mkdtemp(prefix="gpn-slurm-", dir="/tmp")
-        self.state_dir = Path(state_dir)
+        if state_dir is not None and len(str(state_dir)) <= MAX_STATE_DIR_LEN:
+            self.state_dir, self.owns_state_dir = Path(state_dir), False
+        else:
+            self.state_dir = Path(tempfile.mkdtemp(prefix="gpn-slurm-", dir="/tmp"))
+            self.owns_state_dir = True
         self.start_failed = False
         self.port_base = port_base or free_port_base()
         self.with_dbd = with_dbd
