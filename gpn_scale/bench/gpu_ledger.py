@@ -93,18 +93,16 @@ def _gemm_plan_on_sm80(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]] | 
 def _other_row_block(r: Recorded) -> tuple[dict[str, int], tuple[int, ...]]:
     """The memory forward walking M0 in the row block it does not ship with on this Triton
     (the plain one, or the one its item queue takes before Triton 3.8:
-    cuda_forward.row_block), at the launch's d_value, same grid."""
+    cuda_forward.row_block), at the launch's d_value, with that block's stages, same grid."""
     from gpn_scale.ops.gpn_step import cuda_forward, cuda_shared
 
-    dv = r.launch.meta["BLOCK_DV"]
-    plain, queued = (
-        cuda_forward.rows_a_block(at_256, dv)
-        for at_256 in (
-            cuda_shared.MEMORY_FORWARD_ROW_BLOCK,
-            cuda_shared.MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8,
-        )
-    )
-    return {"BLOCK_R": queued if r.launch.meta["BLOCK_R"] == plain else plain}, r.launch.grid
+    dv, meta = r.launch.meta["BLOCK_DV"], r.launch.meta
+    bf16_reads = meta["STAGES"] == cuda_shared.MEMORY_FORWARD_STAGES_BF16_READS
+    plain = cuda_shared.MEMORY_FORWARD_ROW_BLOCK
+    queued = cuda_shared.MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8
+    other = queued if meta["BLOCK_R"] == cuda_forward.rows_a_block(plain, dv) else plain
+    rows = cuda_forward.rows_a_block(other, dv)
+    return {"BLOCK_R": rows, "STAGES": cuda_forward.stages(other, bf16_reads)}, r.launch.grid
 
 
 # A what-if: a change of a launch's meta-parameters, or a function of the launch giving one

@@ -101,19 +101,40 @@ def test_a_dry_run_reserves_the_share_of_its_sms():
 
 
 @pytest.mark.parametrize(
-    ("version", "queued_rows"), [((3, 6), 8), ((3, 7), 8), ((3, 8), 16), ((4, 0), 16)]
+    ("version", "queued"),
+    [((3, 6), (8, 5)), ((3, 7), (8, 5)), ((3, 8), (16, 4)), ((4, 0), (16, 4))],
 )
-def test_the_forward_queue_walks_fewer_rows_a_block_before_triton_3_8(
-    version, queued_rows, monkeypatch
-):
+def test_the_forward_queue_walks_fewer_rows_a_block_before_triton_3_8(version, queued, monkeypatch):
     """Triton 3.6 spills the memory forward's item queue at 16 rows of M0 a block (cuda_shared
-    says why); there it takes 8, and the plain grid keeps 16 under every version."""
+    says why); there it takes 8, five stages deep, and the plain grid keeps 16 rows and four
+    stages under every version. M0 read in bf16 takes 3 stages at either block."""
     monkeypatch.setattr(geometry, "triton_version", lambda: version)
-    for share, rows in ((0.25, queued_rows), (0.0, 16)):
-        case = gpu_compile.Case("testing_tiny", 3, overrides=(("side_work_sm_share", share),))
-        records = gpu_compile.record_launches(case, sm_count=132, arch=90)
-        forward = [r for r in records if r.kernel is tk.memory_forward_kernel]
-        assert forward and {r.meta["BLOCK_R"] for r in forward} == {rows}, (share, version)
+    for share, (rows, stages) in ((0.25, queued), (0.0, (16, 4))):
+        for bf16_reads in (False, True):
+            overrides = (("side_work_sm_share", share), ("bf16_memory_reads", bf16_reads))
+            case = gpu_compile.Case("testing_tiny", 3, dtype="bf16", overrides=overrides)
+            records = gpu_compile.record_launches(case, sm_count=132, arch=90)
+            forward = [r for r in records if r.kernel is tk.memory_forward_kernel]
+            assert forward and {r.meta["BLOCK_R"] for r in forward} == {rows}, (share, version)
+            want = 3 if bf16_reads else stages
+            assert {r.meta["STAGES"] for r in forward} == {want}, (share, version, bf16_reads)
+
+
+@pytest.mark.parametrize(
+    ("version", "apart"), [((3, 6), True), ((3, 7), True), ((3, 8), False), ((4, 0), False)]
+)
+def test_the_backward_queue_calls_its_item_apart_before_triton_3_8(version, apart, monkeypatch):
+    """Triton 3.6 spills the memory backward's item queue with the item inlined (its index
+    lanes held across the loop; triton_kernels.queued_item says why): there the queue calls
+    the same program apart (noinline); 3.8 inlines it. The plain grid inlines it always."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a compiled JIT function: its noinline flag
+    program = tk._memory_backward_program
+    item = tk.queued_item(program, version)
+    assert (item is not program) == apart
+    assert item.fn is program.fn  # the same code, only called apart
+    assert getattr(item, "noinline", False) == apart
+    # the kernel's queue calls the choice for the Triton installed
+    assert (tk._memory_backward_item is not program) == (tk.triton_version() < (3, 8))
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, "half", True])

@@ -17,6 +17,7 @@ from gpn_scale.ops.gpn_step.cuda_shared import (
     MEMORY_FORWARD_MAXNREG,
     MEMORY_FORWARD_QUEUE_MAXNREG_SM80,
     MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8,
+    MEMORY_FORWARD_QUEUE_STAGES_BEFORE_3_8,
     MEMORY_FORWARD_ROW_BLOCK,
     MEMORY_FORWARD_STAGES,
     MEMORY_FORWARD_STAGES_BF16_READS,
@@ -360,9 +361,7 @@ def _memory_forward(
         BLOCK_R=4 if geometry.interpreting(y) else rows_a_block(row_block(bool(fm.reserve)), dv),
         BLOCK_J=2 if geometry.interpreting(y) else rows_a_block(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
-        STAGES=MEMORY_FORWARD_STAGES_BF16_READS
-        if M0 is not None and M0.dtype == torch.bfloat16
-        else MEMORY_FORWARD_STAGES,
+        STAGES=stages(row_block(bool(fm.reserve)), M0 is not None and M0.dtype == torch.bfloat16),
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_QUEUE_MAXNREG_SM80
         if fm.reserve and geometry.arch(y) < 90
@@ -378,6 +377,17 @@ def row_block(queued: bool) -> int:
     if queued and geometry.triton_version() < (3, 8):
         return MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8
     return MEMORY_FORWARD_ROW_BLOCK
+
+
+def stages(at_256: int, bf16_reads: bool) -> int:
+    """The memory forward's pipeline stages for `row_block`'s rows of M0 (given for d_value
+    256): 3 reading M0 in bf16, a fifth for the item queue's smaller blocks before Triton
+    3.8, else 4 (cuda_shared says why)."""
+    if bf16_reads:
+        return MEMORY_FORWARD_STAGES_BF16_READS
+    if at_256 == MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8:
+        return MEMORY_FORWARD_QUEUE_STAGES_BEFORE_3_8
+    return MEMORY_FORWARD_STAGES
 
 
 def rows_a_block(at_256: int, dv: int) -> int:

@@ -53,6 +53,11 @@ MEMORY_FORWARD_ROW_BLOCK = 16
 # thread of spills at 16 rows, none at 8. Accounting, 130M, B = 128, H200, under 3.6: 1.196
 # -> 1.159 s a step; under 3.8 8 rows would cost 1.104 -> 1.128 s, so 3.8 keeps 16.
 MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8 = 8
+# ... and its stages there: a block of 8 rows is half the bytes of an iteration, so a fifth
+# stage keeps more of M0 in flight (32 rows ahead, against 24 at 4) in 49 KB of shared
+# memory, still 4 programs per SM on sm_90. Accounting under 3.6, as above: 1.152 -> 1.141 s
+# a step (the memory forward 0.3154 -> 0.3046 s); 6 stages hold it to 3 programs (1.188 s).
+MEMORY_FORWARD_QUEUE_STAGES_BEFORE_3_8 = 5
 MEMORY_FORWARD_HISTORY_BLOCK = 8
 MEMORY_FORWARD_WARPS = 4
 MEMORY_FORWARD_STAGES = 4

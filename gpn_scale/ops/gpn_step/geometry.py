@@ -78,14 +78,9 @@ def arch(t: Tensor) -> int:
     return DRY_RUN_ARCH
 
 
-@functools.cache
 def triton_version() -> tuple[int, int]:
-    """(major, minor) of the Triton that compiles the launches: kernel settings whose compiled
-    code differs by version (spills) are chosen by it."""
-    import triton
-
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
+    """(major, minor) of the Triton that compiles the launches (`triton_kernels` owns it)."""
+    return tk.triton_version()
 
 
 def dependent_launch(t: Tensor) -> dict[str, bool]:
