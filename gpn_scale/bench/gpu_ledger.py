@@ -121,6 +121,7 @@ WHAT_IFS: dict[str, tuple[tuple[str, WhatIf], ...]] = {
     ),
     "memory_forward_kernel": (
         ("3 stages", {"STAGES": 3}),
+        ("4 stages", {"STAGES": 4}),  # shipped at 16 rows; at 8 (before 3.8) the one left
         ("5 stages", {"STAGES": 5}),
         ("loops not pipelined", {"STAGES": 1}),
         ("the other row block (16 or 8 rows of M0)", _other_row_block),
