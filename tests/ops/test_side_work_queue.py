@@ -108,7 +108,7 @@ def test_the_forward_queue_walks_fewer_rows_a_block_before_triton_3_8(version, q
     """Triton 3.6 spills the memory forward's item queue at 16 rows of M0 a block (cuda_shared
     says why); there it takes 8, five stages deep, and the plain grid keeps 16 rows and four
     stages under every version. M0 read in bf16 takes 3 stages at either block."""
-    monkeypatch.setattr(geometry, "triton_version", lambda: version)
+    monkeypatch.setattr(tk, "triton_version", lambda: version)
     for share, (rows, stages) in ((0.25, queued), (0.0, (16, 4))):
         for bf16_reads in (False, True):
             overrides = (("side_work_sm_share", share), ("bf16_memory_reads", bf16_reads))

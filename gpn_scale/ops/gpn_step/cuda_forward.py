@@ -339,6 +339,7 @@ def _memory_forward(
         flops = B * H * (4 * dk * dv + 4 * (tau + 1) * (dk + dv))
     else:
         nbytes, flops = _nbytes(y, hidden), 0
+    at_256 = row_block(bool(fm.reserve))
     _launch(
         tk.memory_forward_kernel,
         grid,
@@ -358,10 +359,10 @@ def _memory_forward(
         **layer_meta(plan, i),
         BLOCK_DV=geometry.p2(max(dv, 1)),
         BLOCK_DK=blocks["BLOCK_DK"],
-        BLOCK_R=4 if geometry.interpreting(y) else rows_a_block(row_block(bool(fm.reserve)), dv),
+        BLOCK_R=4 if geometry.interpreting(y) else rows_a_block(at_256, dv),
         BLOCK_J=2 if geometry.interpreting(y) else rows_a_block(MEMORY_FORWARD_HISTORY_BLOCK, dv),
         BLOCK_F=blocks["BLOCK_F"],
-        STAGES=stages(row_block(bool(fm.reserve)), M0 is not None and M0.dtype == torch.bfloat16),
+        STAGES=stages(at_256, M0 is not None and M0.dtype == torch.bfloat16),
         num_warps=MEMORY_FORWARD_WARPS,
         maxnreg=MEMORY_FORWARD_QUEUE_MAXNREG_SM80
         if fm.reserve and geometry.arch(y) < 90
@@ -374,7 +375,7 @@ def _memory_forward(
 def row_block(queued: bool) -> int:
     """The M0 rows a memory forward program walks a block (at d_value 256): the item queue's
     under a Triton before 3.8 take fewer (cuda_shared says why)."""
-    if queued and geometry.triton_version() < (3, 8):
+    if queued and tk.triton_version() < (3, 8):
         return MEMORY_FORWARD_QUEUE_ROW_BLOCK_BEFORE_3_8
     return MEMORY_FORWARD_ROW_BLOCK
 

@@ -78,11 +78,6 @@ def arch(t: Tensor) -> int:
     return DRY_RUN_ARCH
 
 
-def triton_version() -> tuple[int, int]:
-    """(major, minor) of the Triton that compiles the launches (`triton_kernels` owns it)."""
-    return tk.triton_version()
-
-
 def dependent_launch(t: Tensor) -> dict[str, bool]:
     """The launch settings that make a time-step kernel on `t`'s device a programmatic
     dependent launch (PDL: it starts while the kernel before it finishes, and waits for it
